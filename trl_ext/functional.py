@@ -1,0 +1,686 @@
+"""The course math of trl_ext as pure torch functions: no trainer state, no I/O.
+
+Every formula the trainers use lives here, written so it can be checked line by line against
+Stanford CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement
+"Safety Alignment, Instruction Tuning and RLHF"). Section names in the docstrings refer to that handout.
+
+Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
+Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a
+numerator or a denominator, even when it holds NaN or inf.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "tokenize_prompt_and_output",
+    "compute_entropy",
+    "get_response_log_probs",
+    "masked_mean",
+    "masked_normalize",
+    "compute_group_advantages",
+    "compute_group_normalized_rewards",
+    "compute_naive_policy_gradient_loss",
+    "compute_grpo_clip_loss",
+    "compute_policy_gradient_loss",
+    "compute_grpo_loss",
+    "grpo_microbatch_train_step",
+    "sft_microbatch_train_step",
+    "compute_kl",
+    "compute_gae",
+]
+
+PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+LENGTH_NORMALIZATIONS = ("masked_mean", "masked_normalize")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}; expected equal shapes")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, choices))}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenization, log-probs, entropy  (handout section 4.2, "SFT helper methods")
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: Sequence[str], output_strs: Sequence[str], tokenizer: Any
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs separately, concatenate, pad, and build the response mask.
+
+    Each prompt and output is tokenized on its own (``add_special_tokens=False``: render any BOS or chat markup
+    into the prompt string yourself), so a token never straddles the prompt/output boundary. The concatenations
+    are right-padded with ``tokenizer.pad_token_id`` to the longest length ``L``.
+
+    Args:
+        prompt_strs: B prompt strings.
+        output_strs: B output (response) strings, aligned with ``prompt_strs``.
+        tokenizer: a Hugging Face tokenizer with a pad token.
+
+    Returns:
+        dict with three (B, L-1) tensors:
+        ``input_ids`` (long): the concatenation without its last token;
+        ``labels`` (long): the concatenation without its first token (the next-token targets);
+        ``response_mask`` (bool): True where the label is an output token, False on prompt and padding.
+
+    Raises:
+        ValueError: when the two lists differ in length, are empty, or the tokenizer has no pad token.
+
+    Source: CS336 A5 handout, section 4.2 (``tokenize_prompt_and_output``).
+    """
+    if len(prompt_strs) != len(output_strs):
+        raise ValueError(
+            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}; expected one output per prompt"
+        )
+    if len(prompt_strs) == 0:
+        raise ValueError("prompt_strs is empty; expected at least one prompt")
+    if tokenizer.pad_token_id is None:
+        raise ValueError("tokenizer has no pad_token_id; set tokenizer.pad_token before tokenizing")
+    prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
+    lengths = [len(p) + len(o) for p, o in zip(prompt_ids, output_ids)]
+    max_len = max(lengths)
+    batch = len(prompt_ids)
+    full = torch.full((batch, max_len), tokenizer.pad_token_id, dtype=torch.long)
+    is_output = torch.zeros((batch, max_len), dtype=torch.bool)
+    for i, (p, o) in enumerate(zip(prompt_ids, output_ids)):
+        full[i, : len(p) + len(o)] = torch.tensor(p + o, dtype=torch.long)
+        is_output[i, len(p) : len(p) + len(o)] = True
+    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": is_output[:, 1:]}
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution, in nats, over the last dimension.
+
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, written as -sum_v p_v log p_v with terms where p_v = 0 dropped,
+    so logits of -inf (masked vocabulary entries) contribute exactly 0 instead of 0 * inf = NaN. Computed in
+    float32 and returned in the input dtype, so fp16/bf16 logits give finite results.
+
+    Args:
+        logits: (..., V), typically (B, T, V).
+
+    Returns:
+        (...), typically (B, T): entropy per position.
+
+    Source: CS336 A5 handout, section 4.2 (``compute_entropy``).
+    """
+    logits32 = logits.float()
+    log_p = torch.log_softmax(logits32, dim=-1)
+    p = log_p.exp()
+    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
+    return (-plogp.sum(dim=-1)).to(logits.dtype)
+
+
+def get_response_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    attention_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-token conditional log-probabilities log p(labels_t | input_ids_{<=t}) under a causal LM.
+
+    Args:
+        model: a causal LM whose forward returns ``.logits`` of shape (B, T, V).
+        input_ids: (B, T) long.
+        labels: (B, T) long, the next-token targets (see ``tokenize_prompt_and_output``).
+        return_token_entropy: also return the entropy of each next-token distribution.
+        attention_mask: optional (B, T); passed to the model when given.
+
+    Returns:
+        dict with ``log_probs`` (B, T) float32 and, when asked, ``token_entropy`` (B, T) float32.
+        No masking is applied: mask with the response mask afterwards.
+
+    Raises:
+        ValueError: when ``input_ids`` and ``labels`` differ in shape.
+
+    Source: CS336 A5 handout, section 4.2 (``get_response_log_probs``).
+    """
+    _check_same_shape("input_ids", input_ids, "labels", labels)
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    logits = model(input_ids=input_ids, **kwargs).logits.float()
+    log_probs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    out = {"log_probs": log_probs}
+    if return_token_entropy:
+        out["token_entropy"] = compute_entropy(logits)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Masked reductions  (handout sections 4.2 "masked_normalize" and 7.2 "masked_mean")
+# --------------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``tensor`` over the elements where ``mask`` is 1.
+
+    Masked-out elements never enter the numerator or the denominator (they may hold NaN or inf). A slice in which
+    every element is masked out has no elements to average and returns NaN (0/0), exactly like ``torch.mean`` of
+    an empty tensor.
+
+    Args:
+        tensor: any shape.
+        mask: same shape as ``tensor``; 1/True keeps an element.
+        dim: dimension to average over; None averages over all elements (returns a 0-d tensor).
+
+    Returns:
+        the masked mean, with ``dim`` reduced (or a scalar when ``dim`` is None).
+
+    Raises:
+        ValueError: when ``tensor`` and ``mask`` differ in shape.
+
+    Source: CS336 A5 handout, section 7.2 (``masked_mean``).
+    """
+    _check_same_shape("tensor", tensor, "mask", mask)
+    keep = mask.bool()
+    total = torch.where(keep, tensor, torch.zeros_like(tensor))
+    if dim is None:
+        return total.sum() / keep.sum()
+    return total.sum(dim=dim) / keep.sum(dim=dim)
+
+
+def masked_normalize(
+    tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None, normalize_constant: float = 1.0
+) -> torch.Tensor:
+    """Sum of ``tensor`` over the elements where ``mask`` is 1, divided by a constant.
+
+    With ``normalize_constant`` = the maximum response length this is the length normalization of Dr. GRPO
+    (Liu et al. 2025, "Understanding R1-Zero-Like Training"): every token gets the same weight whatever the
+    length of its response. A fully masked slice sums to 0 and returns 0.
+
+    Args:
+        tensor: any shape.
+        mask: same shape as ``tensor``; 1/True keeps an element.
+        dim: dimension to sum over; None sums over all elements.
+        normalize_constant: the divisor (default 1.0); must be nonzero.
+
+    Raises:
+        ValueError: when shapes differ or ``normalize_constant`` is 0.
+
+    Source: CS336 A5 handout, section 4.2 (``masked_normalize``).
+    """
+    _check_same_shape("tensor", tensor, "mask", mask)
+    if normalize_constant == 0:
+        raise ValueError("normalize_constant=0; expected a nonzero divisor")
+    total = torch.where(mask.bool(), tensor, torch.zeros_like(tensor))
+    summed = total.sum() if dim is None else total.sum(dim=dim)
+    return summed / normalize_constant
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Group-normalized advantages  (handout section 7.2, equation 28)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def compute_group_advantages(
+    raw_rewards: torch.Tensor,
+    group_size: int,
+    advantage_eps: float = 1e-6,
+    normalize_by_std: bool = True,
+) -> torch.Tensor:
+    """Group-normalized advantages from rewards already computed.
+
+    Rollouts come in consecutive groups of ``group_size`` answers to the same prompt. For rollout i in group g:
+
+        A_i = (r_i - mean_g(r)) / (std_g(r) + advantage_eps)   when normalize_by_std   (GRPO, Shao et al. 2024)
+        A_i =  r_i - mean_g(r)                                  otherwise               (Dr. GRPO, Liu et al. 2025)
+
+    std is the unbiased (Bessel-corrected, n-1) standard deviation, as ``torch.std`` computes it. Rewards that are
+    NaN (a reward function that returned None or NaN) are excluded from their group's mean and std, and their own
+    advantage is 0. A group of equal rewards gives advantages of exactly 0: the mean is taken of values centred on
+    the group's first valid reward, so equal rewards cancel exactly and the variance is computed from centred
+    values. Computed in float64, returned in float32.
+
+    Args:
+        raw_rewards: (N,) rewards, NaN where unscorable.
+        group_size: rollouts per prompt; N must be a multiple of it; >= 2 when ``normalize_by_std``.
+        advantage_eps: added to the std to avoid dividing by zero (default 1e-6, as in the handout).
+        normalize_by_std: divide by the group std (default True).
+
+    Returns:
+        (N,) float32 advantages.
+
+    Raises:
+        ValueError: on a non-1-D input, a length not divisible by ``group_size``, ``group_size`` < 1, or
+        ``group_size`` < 2 with ``normalize_by_std`` (a std needs two samples).
+
+    Source: CS336 A5 handout, section 7.2 (``compute_group_normalized_rewards``).
+    """
+    if raw_rewards.dim() != 1:
+        raise ValueError(f"raw_rewards has shape {tuple(raw_rewards.shape)}; expected a 1-D tensor of N rewards")
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size}; expected a positive integer")
+    if normalize_by_std and group_size < 2:
+        raise ValueError(
+            f"group_size={group_size} with normalize_by_std=True; expected group_size >= 2 (the std of one sample is undefined)"
+        )
+    if raw_rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{raw_rewards.numel()} rollouts is not divisible by group_size={group_size}; "
+            "expected consecutive groups of group_size rollouts per prompt"
+        )
+    grouped = raw_rewards.detach().to(torch.float64).reshape(-1, group_size)
+    valid = ~torch.isnan(grouped)
+    n_valid = valid.sum(dim=1, keepdim=True)
+    # Shift each group by its first valid reward: equal rewards then centre to exactly 0.
+    first_valid = torch.gather(grouped, 1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
+    first_valid = torch.where(n_valid > 0, first_valid, torch.zeros_like(first_valid))
+    shifted = torch.where(valid, grouped - first_valid, torch.zeros_like(grouped))
+    mean_shift = shifted.sum(dim=1, keepdim=True) / n_valid.clamp(min=1)
+    centred = torch.where(valid, shifted - mean_shift, torch.zeros_like(grouped))
+    advantages = centred
+    if normalize_by_std:
+        variance = (centred**2).sum(dim=1, keepdim=True) / (n_valid - 1).clamp(min=1)
+        advantages = centred / (variance.sqrt() + advantage_eps)
+    return advantages.reshape(-1).to(torch.float32)
+
+
+def compute_group_normalized_rewards(
+    reward_fn: Callable[[str, str], dict[str, float]],
+    rollout_responses: Sequence[str],
+    repeated_ground_truths: Sequence[str],
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Score every rollout with ``reward_fn`` and normalize the rewards within each group.
+
+    Args:
+        reward_fn: ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``;
+            ``reward`` is required, the other two are optional. A ``reward`` of None or NaN marks the rollout as
+            unscorable: it is excluded from its group's statistics, gets advantage 0, and a warning counts them.
+        rollout_responses: N responses, in consecutive groups of ``group_size`` per prompt.
+        repeated_ground_truths: N ground truths, each repeated ``group_size`` times.
+        group_size: rollouts per prompt.
+        advantage_eps: added to the group std before dividing.
+        normalize_by_std: divide by the group std (see ``compute_group_advantages``).
+
+    Returns:
+        ``(advantages (N,), raw_rewards (N,), metadata)``: float32 tensors (raw rewards keep NaN for unscorable
+        rollouts); metadata holds ``reward_mean``, ``reward_std`` (unbiased), ``reward_max``, ``reward_min`` over
+        scorable rollouts, ``format_reward_mean`` and ``answer_reward_mean`` (over rollouts that reported them),
+        and ``num_excluded``.
+
+    Raises:
+        ValueError: when the two lists differ in length, N is not divisible by ``group_size``, ``group_size`` < 2
+        with ``normalize_by_std``, or ``reward_fn`` returns something other than a dict with a ``reward`` key.
+
+    Source: CS336 A5 handout, section 7.2 (``compute_group_normalized_rewards``), equation 28.
+    """
+    if len(rollout_responses) != len(repeated_ground_truths):
+        raise ValueError(
+            f"rollout_responses has {len(rollout_responses)} items but repeated_ground_truths has "
+            f"{len(repeated_ground_truths)}; expected one ground truth per response"
+        )
+    rewards: list[float] = []
+    parts: dict[str, list[float]] = {"format_reward": [], "answer_reward": []}
+    for i, (response, truth) in enumerate(zip(rollout_responses, repeated_ground_truths)):
+        scores = reward_fn(response, truth)
+        if not isinstance(scores, dict) or "reward" not in scores:
+            raise ValueError(
+                f"reward_fn returned {scores!r} for rollout {i}; expected a dict with a 'reward' key "
+                "(and optionally 'format_reward', 'answer_reward')"
+            )
+        reward = scores["reward"]
+        rewards.append(math.nan if reward is None else float(reward))
+        for key, values in parts.items():
+            if scores.get(key) is not None:
+                values.append(float(scores[key]))
+    raw_rewards = torch.tensor(rewards, dtype=torch.float32)
+    advantages = compute_group_advantages(raw_rewards, group_size, advantage_eps, normalize_by_std)
+    valid = raw_rewards[~torch.isnan(raw_rewards)]
+    num_excluded = len(rewards) - valid.numel()
+    if num_excluded:
+        warnings.warn(
+            f"{num_excluded} of {len(rewards)} rewards were None or NaN; they were excluded from their group's "
+            "mean and std and given advantage 0",
+            stacklevel=2,
+        )
+    nan = float("nan")
+    metadata = {
+        "reward_mean": valid.mean().item() if valid.numel() else nan,
+        "reward_std": valid.std().item() if valid.numel() > 1 else nan,
+        "reward_max": valid.max().item() if valid.numel() else nan,
+        "reward_min": valid.min().item() if valid.numel() else nan,
+        "format_reward_mean": sum(parts["format_reward"]) / len(parts["format_reward"]) if parts["format_reward"] else nan,
+        "answer_reward_mean": sum(parts["answer_reward"]) / len(parts["answer_reward"]) if parts["answer_reward"] else nan,
+        "num_excluded": num_excluded,
+    }
+    return advantages, raw_rewards, metadata
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Policy-gradient losses  (handout sections 7.2-7.3)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _per_example(name: str, values: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
+    """Accept (B,) or (B, 1) per-example values and return (B, 1) to broadcast over T."""
+    if values.dim() == 1:
+        values = values.unsqueeze(-1)
+    if values.dim() != 2 or values.shape[1] != 1 or values.shape[0] != policy_log_probs.shape[0]:
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}; expected ({policy_log_probs.shape[0]}, 1) "
+            f"to match policy_log_probs of shape {tuple(policy_log_probs.shape)}"
+        )
+    return values.to(policy_log_probs.dtype)
+
+
+def compute_naive_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """Per-token REINFORCE loss  -A * log pi(o_t | q, o_<t).
+
+    Args:
+        raw_rewards_or_advantages: (B, 1) (or (B,)) reward or advantage per rollout, a constant (no gradient).
+        policy_log_probs: (B, T) log-probs of the sampled tokens under the policy.
+
+    Returns:
+        (B, T) per-token loss (not yet masked or averaged).
+
+    Raises:
+        ValueError: when the batch dimensions do not match.
+
+    Source: CS336 A5 handout, section 7.2 (``compute_naive_policy_gradient_loss``), equation 27.
+    """
+    advantages = _per_example("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
+    return -advantages.detach() * policy_log_probs
+
+
+def compute_grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GRPO-Clip loss  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
+
+    ratio = exp(log pi_theta - log pi_theta_old). The old log-probs are detached: no gradient ever flows through
+    them, even when ``old_log_probs`` is the very tensor passed as ``policy_log_probs`` (the on-policy case, where
+    ratio = 1 and d loss / d log pi = -A).
+
+    Args:
+        advantages: (B, 1) (or (B,)) advantage per rollout.
+        policy_log_probs: (B, T) log-probs under the policy being trained.
+        old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+        cliprange: epsilon, the clip half-width (e.g. 0.2); must be >= 0.
+
+    Returns:
+        ``(loss (B, T), metadata)`` with ``metadata["clipped"]`` a (B, T) bool tensor, True where the clipped term
+        was strictly the smaller one (so the token got no gradient), and ``metadata["ratio"]`` (B, T) detached.
+
+    Raises:
+        ValueError: on shape mismatches or a negative ``cliprange``.
+
+    Source: CS336 A5 handout, section 7.2 (``compute_grpo_clip_loss``), equation 29; PPO (Schulman et al. 2017).
+    """
+    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    if cliprange is None or cliprange < 0:
+        raise ValueError(f"cliprange={cliprange!r}; expected a float >= 0")
+    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"],
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dispatch to the per-token policy-gradient loss named by ``loss_type``.
+
+    - ``"no_baseline"``: ``-raw_rewards * log pi`` (needs ``raw_rewards``);
+    - ``"reinforce_with_baseline"``: ``-advantages * log pi`` (needs ``advantages``);
+    - ``"grpo_clip"``: ``compute_grpo_clip_loss`` (needs ``advantages``, ``old_log_probs``, ``cliprange``).
+
+    Returns:
+        ``(loss (B, T), metadata)``; metadata is empty except for ``grpo_clip``.
+
+    Raises:
+        ValueError: for an unknown ``loss_type`` or a missing argument that the loss type needs (named).
+
+    Source: CS336 A5 handout, section 7.2 (``compute_policy_gradient_loss``).
+    """
+    _check_choice("loss_type", loss_type, PG_LOSS_TYPES)
+    required = {
+        "no_baseline": {"raw_rewards": raw_rewards},
+        "reinforce_with_baseline": {"advantages": advantages},
+        "grpo_clip": {"advantages": advantages, "old_log_probs": old_log_probs, "cliprange": cliprange},
+    }[loss_type]
+    missing = [name for name, value in required.items() if value is None]
+    if missing:
+        raise ValueError(f"loss_type={loss_type!r} needs {', '.join(missing)}; got None")
+    if loss_type == "no_baseline":
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+
+
+def compute_grpo_loss(
+    per_token_loss: torch.Tensor,
+    response_mask: torch.Tensor,
+    length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
+    normalize_constant: float | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch.
+
+    Per example, ``masked_mean`` over the response tokens (each response weighs the same, its tokens share that
+    weight; the handout's default) or ``masked_normalize`` by ``normalize_constant`` (Dr. GRPO: a sum over
+    response tokens divided by a constant such as the maximum completion length, so every token weighs the same);
+    then the mean over the batch.
+
+    Args:
+        per_token_loss: (B, T).
+        response_mask: (B, T), 1 on response tokens.
+        length_normalization: ``"masked_mean"`` (default) or ``"masked_normalize"``.
+        normalize_constant: the divisor for ``"masked_normalize"`` (required there, ignored otherwise).
+
+    Returns:
+        0-d tensor.
+
+    Raises:
+        ValueError: on a shape mismatch, an unknown ``length_normalization``, a missing ``normalize_constant``,
+        or (for ``masked_mean``) a row with no response token, whose mean would be NaN; the row is named.
+
+    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
+    discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``.
+    """
+    _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
+    _check_choice("length_normalization", length_normalization, LENGTH_NORMALIZATIONS)
+    if length_normalization == "masked_mean":
+        empty = (response_mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"response_mask rows {empty} have no response token; masked_mean over them is undefined "
+                "(expected at least one 1 per row)"
+            )
+        per_example = masked_mean(per_token_loss, response_mask, dim=-1)
+    else:
+        if normalize_constant is None:
+            raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
+        per_example = masked_normalize(per_token_loss, response_mask, dim=-1, normalize_constant=normalize_constant)
+    return per_example.mean()
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"],
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
+    normalize_constant: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward-and-backward of one GRPO microbatch.
+
+    per-token loss (``compute_policy_gradient_loss``) -> per-example length normalization and batch mean
+    (``compute_grpo_loss``) -> divided by ``gradient_accumulation_steps`` -> ``backward()``. Calling it repeatedly
+    without zeroing gradients accumulates them as PyTorch does.
+
+    Args:
+        policy_log_probs: (B, T), requires grad.
+        response_mask: (B, T).
+        gradient_accumulation_steps: microbatches per optimizer step (>= 1).
+        loss_type, raw_rewards, advantages, old_log_probs, cliprange: see ``compute_policy_gradient_loss``.
+        length_normalization, normalize_constant: see ``compute_grpo_loss``.
+
+    Returns:
+        ``(loss, metadata)``: the 0-d loss that was back-propagated (already divided by the accumulation steps,
+        detached) and the loss function's metadata.
+
+    Raises:
+        ValueError: as ``compute_policy_gradient_loss`` and ``compute_grpo_loss``, and for
+        ``gradient_accumulation_steps`` < 1.
+
+    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``).
+    """
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
+    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    per_token_loss, metadata = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+    )
+    loss = compute_grpo_loss(per_token_loss, response_mask, length_normalization, normalize_constant)
+    loss = loss / gradient_accumulation_steps
+    loss.backward()
+    return loss.detach(), metadata
+
+
+def sft_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    normalize_constant: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward-and-backward of one SFT microbatch: negative log-likelihood of the response tokens.
+
+    Per example, the sum of -log p over response tokens divided by ``normalize_constant``
+    (``masked_normalize``); then the mean over the batch; divided by ``gradient_accumulation_steps``;
+    ``backward()``.
+
+    Args:
+        policy_log_probs: (B, T), requires grad.
+        response_mask: (B, T), 1 on response tokens.
+        gradient_accumulation_steps: microbatches per optimizer step (>= 1).
+        normalize_constant: divisor of each example's summed NLL (default 1.0).
+
+    Returns:
+        ``(loss, metadata)``: the back-propagated 0-d loss (detached) and ``{"nll_per_example": (B,)}``.
+
+    Raises:
+        ValueError: on a shape mismatch, ``gradient_accumulation_steps`` < 1, or ``normalize_constant`` = 0.
+
+    Source: CS336 A5 handout, section 4.2 (``sft_microbatch_train_step``).
+    """
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
+    per_example = masked_normalize(-policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
+    loss = per_example.mean() / gradient_accumulation_steps
+    loss.backward()
+    return loss.detach(), {"nll_per_example": per_example.detach()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KL estimators and GAE
+# --------------------------------------------------------------------------------------------------------------
+
+
+def compute_kl(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+
+    With d = log pi_ref - log pi at the sampled token:
+
+    - ``k1`` = -d = log pi - log pi_ref (unbiased, high variance, can be negative);
+    - ``k2`` = d^2 / 2 (biased, low variance, never negative);
+    - ``k3`` = exp(d) - d - 1 (unbiased, low variance, never negative; the default). Computed as
+      ``expm1(d) - d``, which stays >= 0 in floating point. This is the lecture's "log(Q/P) - 1" estimator
+      written correctly; it is the one GRPO (Shao et al. 2024) and TRL use.
+
+    Gradients flow into both arguments; detach ``ref_log_probs`` yourself if the reference is not trained.
+
+    Args:
+        log_probs: (B, T) log-probs under pi.
+        ref_log_probs: (B, T) log-probs under the reference policy.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        (B, T) per-token estimates (mask and average them yourself).
+
+    Raises:
+        ValueError: on a shape mismatch or an unknown estimator.
+
+    Source: J. Schulman, "Approximating KL Divergence" (2020).
+    """
+    _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
+    _check_choice("estimator", estimator, KL_ESTIMATORS)
+    d = ref_log_probs - log_probs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d.pow(2) / 2
+    return torch.expm1(d) - d
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float = 0.99, lam: float = 0.95
+) -> torch.Tensor:
+    """Generalized advantage estimation.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}, with A_T = 0, i.e.
+    A_t = sum_{l >= 0} (gamma * lam)^l * delta_{t+l}. ``values[..., T]`` is the bootstrap value of the state after
+    the last reward (0 for a terminal state).
+
+    Args:
+        rewards: (..., T) rewards.
+        values: (..., T + 1) value estimates, same leading dimensions.
+        gamma: discount factor in [0, 1] (default 0.99).
+        lam: GAE lambda in [0, 1] (default 0.95); lam = 1 gives Monte-Carlo returns minus V, lam = 0 the TD error.
+
+    Returns:
+        (..., T) advantages, float like ``rewards``, no gradient.
+
+    Raises:
+        ValueError: when ``values`` is not one step longer than ``rewards`` or the leading shapes differ.
+
+    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation".
+    """
+    if values.shape[:-1] != rewards.shape[:-1] or values.shape[-1] != rewards.shape[-1] + 1:
+        raise ValueError(
+            f"values has shape {tuple(values.shape)} and rewards {tuple(rewards.shape)}; "
+            "expected values to be (..., T + 1) for rewards (..., T)"
+        )
+    rewards = rewards.detach()
+    values = values.detach().to(rewards.dtype)
+    deltas = rewards + gamma * values[..., 1:] - values[..., :-1]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        running = deltas[..., t] + gamma * lam * running
+        advantages[..., t] = running
+    return advantages
