@@ -1,0 +1,46 @@
+"""Shared fixtures: the embedded tokenizer, a tiny random model that uses it, and the embedded checkpoint (slow).
+
+Tests run offline: nothing may reach the Hugging Face Hub.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
+
+from trl_ext.models import ensure_embedded_model, load_tokenizer, tiny_model_for_tests  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    """The embedded SmolLM2-135M-Instruct tokenizer (vocab 49152; bos <|im_start|>=1, eos = pad <|im_end|>=2,
+    unk <|endoftext|>=0; padding side right).
+
+    Shared by the whole session (the first run builds a tokenizer-only cache from the GGUF in about 5 s, later
+    runs load it in under 1 s): do not modify it; `copy.deepcopy` it first (about 0.1 s).
+    """
+    return load_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+    """A fresh 2-layer, width-64 random Llama (seed 0, about 3.2 M parameters) with the embedded tokenizer's vocab."""
+    return tiny_model_for_tests(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """Local float32 checkpoint of the embedded model, converted from the GGUF on first use (about 30 s).
+
+    Uses the shared cache (`$TRL_EXT_CACHE` or `~/.cache/trl_ext`) so the conversion happens once per machine.
+    Only for tests marked `@pytest.mark.slow`.
+    """
+    return ensure_embedded_model()

