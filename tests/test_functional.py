@@ -409,3 +409,21 @@ def test_gae_by_hand():
     assert batch[1].tolist() == pytest.approx([2.81091504875, 1.9307975, 0.995], abs=1e-6)
     with pytest.raises(ValueError, match="expected values to be"):
         F.compute_gae(torch.ones(3), torch.ones(3))
+
+
+def test_compute_grpo_loss_empty_rows_count_as_zero_when_allowed():
+    # TRL's convention for rows masked out entirely (mask_truncated_completions): they add 0 but count in the mean
+    loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
+    mask = torch.tensor([[1, 1], [0, 0]])
+    assert F.compute_grpo_loss(loss, mask, allow_empty_rows=True).item() == pytest.approx(1.0)  # (2 + 0) / 2
+
+
+def test_adaptive_kl_coefficient_by_hand():
+    # measured 0.12 vs target 0.1: error 0.2 (at the clip) -> beta * (1 + 0.2 * 100 / 1000) = 0.05 * 1.02
+    assert F.adaptive_kl_coefficient(0.05, 0.12, 0.1, 1000, n_steps=100) == pytest.approx(0.051)
+    # measured 0.09: error -0.1 -> 0.05 * (1 - 0.1 * 10 / 1000) = 0.04995
+    assert F.adaptive_kl_coefficient(0.05, 0.09, 0.1, 1000, n_steps=10) == pytest.approx(0.04995)
+    # far above target: the error is clipped at +0.2
+    assert F.adaptive_kl_coefficient(1.0, 100.0, 0.1, 10, n_steps=1) == pytest.approx(1.02)
+    with pytest.raises(ValueError, match="kl_target=0"):
+        F.adaptive_kl_coefficient(0.05, 0.1, 0, 1000)

@@ -34,6 +34,7 @@ __all__ = [
     "grpo_microbatch_train_step",
     "sft_microbatch_train_step",
     "compute_kl",
+    "adaptive_kl_coefficient",
     "compute_gae",
 ]
 
@@ -482,6 +483,7 @@ def compute_grpo_loss(
     response_mask: torch.Tensor,
     length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
     normalize_constant: float | None = None,
+    allow_empty_rows: bool = False,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch.
 
@@ -495,13 +497,16 @@ def compute_grpo_loss(
         response_mask: (B, T), 1 on response tokens.
         length_normalization: ``"masked_mean"`` (default) or ``"masked_normalize"``.
         normalize_constant: the divisor for ``"masked_normalize"`` (required there, ignored otherwise).
+        allow_empty_rows: with ``masked_mean``, let a row with no response token contribute 0 (it still counts in
+            the batch mean, as in TRL, where such rows come from ``mask_truncated_completions``) instead of raising.
 
     Returns:
         0-d tensor.
 
     Raises:
         ValueError: on a shape mismatch, an unknown ``length_normalization``, a missing ``normalize_constant``,
-        or (for ``masked_mean``) a row with no response token, whose mean would be NaN; the row is named.
+        or (for ``masked_mean``, unless ``allow_empty_rows``) a row with no response token, whose mean would be
+        NaN; the row is named.
 
     Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
     discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``.
@@ -509,13 +514,13 @@ def compute_grpo_loss(
     _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
     _check_choice("length_normalization", length_normalization, LENGTH_NORMALIZATIONS)
     if length_normalization == "masked_mean":
-        empty = (response_mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
-        if empty:
+        empty = response_mask.sum(dim=-1) == 0
+        if empty.any() and not allow_empty_rows:
             raise ValueError(
-                f"response_mask rows {empty} have no response token; masked_mean over them is undefined "
-                "(expected at least one 1 per row)"
+                f"response_mask rows {empty.nonzero().flatten().tolist()} have no response token; masked_mean over "
+                "them is undefined (expected at least one 1 per row)"
             )
-        per_example = masked_mean(per_token_loss, response_mask, dim=-1)
+        per_example = masked_mean(per_token_loss, response_mask, dim=-1).masked_fill(empty, 0.0)
     else:
         if normalize_constant is None:
             raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
@@ -645,6 +650,38 @@ def compute_kl(
     if estimator == "k2":
         return d.pow(2) / 2
     return torch.expm1(d) - d
+
+
+def adaptive_kl_coefficient(
+    beta: float, measured_kl: float, kl_target: float, kl_horizon: float, n_steps: int = 1
+) -> float:
+    """One update of the adaptive KL coefficient (a proportional controller on the measured KL).
+
+        error = clip(measured_kl / kl_target - 1, -0.2, 0.2);   beta <- beta * (1 + error * n_steps / kl_horizon)
+
+    beta grows when the policy drifts further from the reference than the target and shrinks when it stays
+    closer; the clipped error bounds each change to a factor of 1 +- 0.2 * n_steps / kl_horizon.
+
+    Args:
+        beta: current KL coefficient (> 0; a multiplicative controller cannot leave 0).
+        measured_kl: KL(pi || pi_ref) measured since the last update (e.g. the masked mean of ``compute_kl``).
+        kl_target: the KL the controller aims for (> 0).
+        kl_horizon: how many samples the controller takes to correct an error (> 0; 10000 in Ziegler et al.).
+        n_steps: samples seen since the last update (default 1).
+
+    Returns:
+        the new beta (float).
+
+    Raises:
+        ValueError: when ``beta``, ``kl_target`` or ``kl_horizon`` is not positive.
+
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", section 2.2.
+    """
+    for name, value in (("beta", beta), ("kl_target", kl_target), ("kl_horizon", kl_horizon)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r}; expected a positive number")
+    error = min(max(measured_kl / kl_target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / kl_horizon)
 
 
 def compute_gae(

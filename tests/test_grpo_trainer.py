@@ -1,0 +1,205 @@
+"""trl_ext.GRPOTrainer against upstream trl.GRPOTrainer and against trl_ext.functional."""
+
+import copy
+import math
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+
+import trl_ext
+from trl_ext import functional as F
+
+
+def length_mod5_reward(completions, **kwargs):
+    """Deterministic toy reward that varies across random completions: character length modulo 5."""
+    return [float(len(text) % 5) for text in completions]
+
+
+def toy_dataset(n=4):
+    return Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(n)]})
+
+
+COMMON = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    report_to="none",
+    bf16=False,
+    use_cpu=True,
+    seed=0,
+    temperature=1.5,
+    save_strategy="no",
+    disable_tqdm=True,
+)
+
+
+@pytest.fixture
+def tiny_model_dir(tiny_model, tokenizer, tmp_path):
+    """The tiny model saved to disk: TRL loads its reference model (beta > 0) from the policy's path."""
+    path = tmp_path / "tiny"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_trainer(cls, config_cls, model, tokenizer, tmp_path, **overrides):
+    args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, **overrides})
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    return cls(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok)
+
+
+def generation_batch(trainer):
+    """One rollout batch (4 prompts x 4 completions = 16 would be too many; batch of 4 = 1 prompt x 4)."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    torch.manual_seed(123)
+    return trainer._generate_and_score_completions([{"prompt": "Count to 5:"}] * 4)
+
+
+def perturb_for_clipping(inputs):
+    """Make old/ref log-probs differ from the current ones by up to +-0.6 so that some ratios leave [0.8, 1.2]."""
+    g = torch.Generator().manual_seed(7)
+    shape = inputs["completion_ids"].shape
+    with torch.no_grad():
+        base = inputs.get("old_per_token_logps", torch.full(shape, -3.0))
+        inputs["old_per_token_logps"] = base + (torch.rand(shape, generator=g) - 0.5) * 1.2
+        inputs["ref_per_token_logps"] = base + (torch.rand(shape, generator=g) - 0.5) * 1.2
+    return inputs
+
+
+def loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "ours, upstream",
+    [
+        # GRPO: std-normalized advantages (TRL's eps 1e-4), per-response mean, k3 KL weighted by the ratio
+        (
+            dict(normalize_by_std=True, length_normalization="masked_mean", use_bias_correction_kl=True),
+            dict(scale_rewards="group", loss_type="grpo", use_bias_correction_kl=True),
+        ),
+        # Dr. GRPO: mean baseline only, sum over tokens / max_completion_length, plain k3 KL (the course's)
+        (
+            dict(normalize_by_std=False, length_normalization="masked_normalize"),
+            dict(scale_rewards="none", loss_type="dr_grpo", use_bias_correction_kl=False),
+        ),
+    ],
+)
+def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, tokenizer, tiny_model_dir, tmp_path):
+    model_a = model_b = tiny_model_dir
+    shared = dict(beta=0.04, epsilon=0.2, num_iterations=2)
+    ext = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared)
+    ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
+
+    batch_ext, batch_ref = generation_batch(ext), generation_batch(ref)
+    assert torch.equal(batch_ext["completion_ids"], batch_ref["completion_ids"])  # same seed, same samples
+    rewards = torch.tensor(length_mod5_reward(ext.processing_class.batch_decode(batch_ext["completion_ids"], skip_special_tokens=True)))
+    assert rewards.std() > 0, "the toy batch should have distinct rewards, or the advantages test nothing"
+    torch.testing.assert_close(batch_ext["advantages"], batch_ref["advantages"], atol=1e-5, rtol=1e-5)
+
+    inputs = perturb_for_clipping(batch_ref)
+    loss_ext, grads_ext = loss_and_grads(ext, dict(inputs))
+    loss_ref, grads_ref = loss_and_grads(ref, dict(inputs))
+    torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
+    assert grads_ext.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads_ext[name], grads_ref[name], atol=1e-6, rtol=1e-4)
+    for key in ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        assert ext._metrics["train"][key][-1] == pytest.approx(ref._metrics["train"][key][-1], abs=1e-6), key
+    assert ext._metrics["train"]["clip_ratio/region_mean"][-1] > 0, "perturbation should clip some tokens"
+
+
+def independent_log_probs(model, inputs, temperature):
+    """log p of each completion token from a plain forward pass (no TRL code), at the sampling temperature as TRL."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return log_probs[:, -inputs["completion_ids"].size(1) :]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(pg_loss_type="grpo_clip", length_normalization="masked_mean", kl_estimator="k3"),
+        dict(pg_loss_type="reinforce_with_baseline", length_normalization="masked_normalize", kl_estimator="k2"),
+        dict(pg_loss_type="no_baseline", length_normalization="masked_mean", kl_estimator="k1"),
+        dict(pg_loss_type="grpo_clip", normalize_by_std=False, kl_estimator="k3"),
+    ],
+)
+def test_course_options_change_the_loss_as_functional_says(options, tokenizer, tiny_model_dir, tmp_path):
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=2, **options
+    )
+    batch = generation_batch(trainer)
+    completions = trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+    raw = torch.tensor(length_mod5_reward(completions))
+    if options["pg_loss_type"] == "no_baseline":
+        expected_adv = raw
+    else:
+        expected_adv = F.compute_group_advantages(raw, 4, 1e-6, options.get("normalize_by_std", True))
+    torch.testing.assert_close(batch["advantages"], expected_adv)
+
+    inputs = perturb_for_clipping(batch)
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    logp = independent_log_probs(trainer.model, inputs, COMMON["temperature"])
+    per_token, _ = F.compute_policy_gradient_loss(
+        logp, options["pg_loss_type"], raw_rewards=raw[:, None], advantages=expected_adv[:, None],
+        old_log_probs=inputs["old_per_token_logps"], cliprange=0.2,
+    )
+    per_token = per_token + 0.1 * F.compute_kl(logp, inputs["ref_per_token_logps"], options["kl_estimator"])
+    expected = F.compute_grpo_loss(
+        per_token, inputs["completion_mask"], options.get("length_normalization", "masked_mean"), normalize_constant=8
+    )
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_two_training_steps_change_parameters_and_log_metrics(tokenizer, tiny_model, tiny_model_dir, tmp_path):
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.05, kl_target=0.01, kl_horizon=10)
+    result = trainer.train()
+    assert result.global_step == 2
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(changed) == len(before), f"unchanged: {set(before) - set(changed)}"
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for key in ("loss", "grad_norm", "reward", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length", "beta"):
+        assert key in logs[0] and math.isfinite(logs[0][key]), key
+    # the adaptive controller moved beta by the clipped proportional rule from 0.05
+    kl0 = logs[0]["kl"]
+    expected_beta = F.adaptive_kl_coefficient(0.05, kl0, 0.01, 10, n_steps=4)
+    assert logs[0]["beta"] == pytest.approx(expected_beta, rel=1e-4)
+
+
+def test_config_rejects_conflicts_and_unsupported_options(tmp_path):
+    base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
+    with pytest.raises(ValueError, match="loss_type='dapo' conflicts with length_normalization='masked_mean'"):
+        trl_ext.GRPOConfig(loss_type="dapo", **base)
+    with pytest.raises(ValueError, match="scale_rewards='batch' conflicts with normalize_by_std=True"):
+        trl_ext.GRPOConfig(scale_rewards="batch", **base)
+    with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported"):
+        trl_ext.GRPOConfig(pg_loss_type="ppo", **base)
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence' is not supported"):
+        trl_ext.GRPOConfig(importance_sampling_level="sequence", **base)
+    with pytest.raises(ValueError, match="epsilon_high=0.28 differs from epsilon=0.2"):
+        trl_ext.GRPOConfig(epsilon_high=0.28, **base)
+    with pytest.raises(ValueError, match="kl_target=0.1 needs beta > 0"):
+        trl_ext.GRPOConfig(kl_target=0.1, **base)
+    config = trl_ext.GRPOConfig(length_normalization="masked_normalize", normalize_by_std=False, **base)
+    assert (config.loss_type, config.scale_rewards) == ("dr_grpo", "none")
+
+
+def test_trainer_requires_our_config(tokenizer, tiny_model, tmp_path):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
+    with pytest.raises(TypeError, match="trl_ext.GRPOConfig"):
+        trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
