@@ -1,0 +1,201 @@
+"""Loaders for math question datasets (GSM8K, MATH and saved arithmetic problems) in TRL's prompt format.
+
+Every loader returns a ``datasets.Dataset`` with a ``prompt`` column (see :mod:`trl_ext.data.prompts`) and an
+``answer`` column holding the normalized final answer string, which is exactly the ground truth the reward
+functions of :mod:`trl_ext.rewards` read (TRL passes dataset columns to reward functions as keyword arguments).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, load_dataset
+
+from trl_ext.data.prompts import format_prompt
+from trl_ext.rewards.math_answers import extract_boxed, parse_gsm8k_ground_truth, to_decimal
+
+KINDS = ("gsm8k", "math", "arithmetic")
+"""Dataset kinds understood by :func:`load_math_dataset`."""
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""Local file suffix -> ``datasets`` builder name."""
+
+HUB_DEFAULT_CONFIGS = {"openai/gsm8k": "main", "gsm8k": "main"}
+"""Config used for a hub id when ``config_name`` is not given (GSM8K has no default config)."""
+
+
+class _BadRow(ValueError):
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+def _load_raw(name_or_path: str | Path, split: str, config_name: str | None) -> tuple[Dataset, str]:
+    """Load a local .jsonl/.json/.parquet file (the whole file) or a hub dataset split; return it and its name."""
+    path = Path(name_or_path)
+    suffix = path.suffix.lower()
+    if suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+        return load_dataset(LOCAL_FORMATS[suffix], data_files=str(path), split="train"), str(path)
+    if path.exists():
+        raise ValueError(
+            f"unsupported local dataset {str(path)!r}: expected a file ending in {sorted(LOCAL_FORMATS)} "
+            "or a hub dataset id"
+        )
+    name = str(name_or_path)
+    config = config_name if config_name is not None else HUB_DEFAULT_CONFIGS.get(name)
+    dataset = load_dataset(name, config, split=split)
+    return dataset, f"{name}" + (f" (config {config!r})" if config else "") + f" split {split!r}"
+
+
+def infer_kind(column_names: list[str]) -> str | None:
+    """``"math"`` when there is a ``problem`` column, ``"gsm8k"`` for ``question`` + ``answer``, else ``None``."""
+    columns = set(column_names)
+    if "problem" in columns:
+        return "math"
+    if {"question", "answer"} <= columns:
+        return "gsm8k"
+    return None
+
+
+def _text(row: dict[str, Any], field: str) -> str:
+    value = row[field]
+    if value is None:
+        raise _BadRow(field, "is missing (null)")
+    text = str(value).strip()
+    if not text:
+        raise _BadRow(field, "is empty")
+    return text
+
+
+def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
+    text = _text(row, answer_field)
+    if kind == "gsm8k":
+        try:
+            return parse_gsm8k_ground_truth(text)
+        except ValueError as err:
+            raise _BadRow(answer_field, f"{err} (for bare-number answers pass kind='arithmetic')") from None
+    if kind == "arithmetic":
+        number = to_decimal(text)
+        if number is None or number != number.to_integral_value():
+            raise _BadRow(answer_field, f"expected an integer, got {text!r}")
+        return str(int(number))
+    if answer_field == "solution":  # math without an answer column: the last \boxed{} of the solution
+        boxed = extract_boxed(text)
+        if not boxed:
+            raise _BadRow(answer_field, f"has no complete \\boxed{{...}} answer: ...{text[-80:]!r}")
+        return boxed
+    return text
+
+
+def load_math_dataset(
+    name_or_path: str | Path,
+    split: str = "train",
+    *,
+    kind: str | None = None,
+    template: str = "chat",
+    tokenizer: Any | None = None,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+    config_name: str | None = None,
+    skip_bad_rows: bool = False,
+    max_rows: int | None = None,
+) -> Dataset:
+    """Load GSM8K, MATH or arithmetic questions and format them for TRL.
+
+    Input rows, by ``kind``:
+      * ``"gsm8k"``: ``question`` and ``answer`` (worked solution ending in ``"#### N"``). The ground truth is N
+        (``parse_gsm8k_ground_truth``); the original answer text is kept as ``solution`` (unless that column
+        already exists).
+      * ``"math"``: ``problem`` and either ``answer`` (used when the column exists, e.g. MATH-500) or ``solution``
+        (ground truth = content of its last ``\\boxed{...}``).
+      * ``"arithmetic"``: ``question`` and an integer ``answer`` (e.g. a saved :func:`make_arithmetic_dataset`).
+
+    Output: every input column, plus ``prompt`` (``format_prompt(question, template, ...)``) and ``answer`` (the
+    normalized ground-truth string, e.g. ``"72"``, overwriting the input ``answer``): the ``answer`` column is what
+    ``trl_ext.rewards`` reward functions grade against.
+
+    Args:
+        name_or_path: a local ``.jsonl``/``.json``/``.parquet`` file (read whole: the file is the split, ``split``
+            is not used) or a hub dataset id, loaded with ``datasets.load_dataset(id, config_name, split=split)``.
+        split: hub split name (default ``"train"``).
+        kind: ``"gsm8k"``, ``"math"``, ``"arithmetic"``, or ``None`` (default) to infer from the columns:
+            ``problem`` -> math, ``question`` + ``answer`` -> gsm8k.
+        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
+            (default template ``"chat"``: a conversation TRL renders with the model's chat template).
+        config_name: hub config; default from :data:`HUB_DEFAULT_CONFIGS` (``"main"`` for GSM8K), else none.
+        skip_bad_rows: when False (default), the first bad row raises; when True, bad rows are dropped with one
+            ``UserWarning`` giving their count and the first one.
+        max_rows: read only the first ``max_rows`` rows of the source (default: all); fewer come back when
+            bad rows among them are skipped.
+
+    Returns:
+        A ``datasets.Dataset``.
+
+    Raises:
+        FileNotFoundError: a local path with a supported suffix does not exist.
+        ValueError: unsupported local path, unknown ``kind``, a required column is absent, ``max_rows`` < 1, no
+            usable rows, or (without ``skip_bad_rows``) a bad row: a missing/empty question or answer, or an
+            answer that cannot be parsed. The message names the file, the 0-based row number and the field.
+    """
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be None or one of {KINDS}, got {kind!r}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
+    raw, source = _load_raw(name_or_path, split, config_name)
+    if max_rows is not None and max_rows < len(raw):
+        raw = raw.select(range(max_rows))
+
+    columns = raw.column_names
+    if kind is None:
+        kind = infer_kind(columns)
+        if kind is None:
+            raise ValueError(
+                f"{source}: cannot infer the dataset kind from columns {columns}: expected 'problem' (+ 'answer' or "
+                "'solution') for math, or 'question' + 'answer' for gsm8k; or pass kind="
+            )
+    question_field = "problem" if kind == "math" else "question"
+    if kind == "math":
+        answer_field = "answer" if "answer" in columns else "solution"
+    else:
+        answer_field = "answer"
+    for field in (question_field, answer_field):
+        if field not in columns:
+            wanted = "'answer' or 'solution'" if kind == "math" and field == answer_field else repr(field)
+            raise ValueError(f"{source}: {kind} data needs a column {wanted}; found columns {columns}")
+
+    keep: list[int] = []
+    answers: list[str] = []
+    bad: list[tuple[int, str, str]] = []
+    for i, row in enumerate(raw):
+        try:
+            _text(row, question_field)
+            answers.append(_ground_truth(row, kind, answer_field))
+            keep.append(i)
+        except _BadRow as err:
+            if not skip_bad_rows:
+                raise ValueError(f"{source}: row {i} (0-based), field {err.field!r}: {err}") from None
+            bad.append((i, err.field, str(err)))
+    if bad:
+        i, field, problem = bad[0]
+        warnings.warn(
+            f"{source}: skipped {len(bad)} bad row(s) of {len(raw)}; first: row {i} (0-based), field {field!r}: "
+            f"{problem}",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not keep:
+        raise ValueError(f"{source}: no usable rows (read {len(raw)})")
+
+    data = raw.select(keep).to_dict()
+    if kind == "gsm8k" and "solution" not in data:
+        data["solution"] = data["answer"]
+    data["answer"] = answers
+    data["prompt"] = [
+        format_prompt(q, template, tokenizer, system_prompt=system_prompt, instruction=instruction)
+        for q in data[question_field]
+    ]
+    return Dataset.from_dict(data)

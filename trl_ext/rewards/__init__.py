@@ -1,0 +1,53 @@
+"""Verifiable reward functions for math answers, in both the TRL and the course (CS336) shapes.
+
+TRL shape (``trl.GRPOTrainer(reward_funcs=...)``): ``r1_zero_reward``, ``gsm8k_reward``, ``math_reward``,
+``arithmetic_reward`` -- ``(prompts, completions, **columns) -> list[float]``, ground truth from the ``answer`` column.
+
+Course shape (``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``):
+``r1_zero_reward_fn``, ``gsm8k_reward_fn`` (also grades the arithmetic problems), ``math_reward_fn``.
+
+Adapters: ``as_trl_reward`` (course -> TRL) and ``as_course_reward_fn`` (TRL -> course).
+"""
+
+from trl_ext.rewards.adapters import REWARD_KEYS, as_course_reward_fn, as_trl_reward, completion_text
+from trl_ext.rewards.math_answers import (
+    MATH_VERIFY_TIMEOUT_S,
+    arithmetic_reward,
+    extract_answer_tag,
+    extract_boxed,
+    extract_last_number,
+    extract_math_answer,
+    grade_math_answer,
+    gsm8k_reward,
+    gsm8k_reward_fn,
+    math_reward,
+    math_reward_fn,
+    numbers_equal,
+    parse_gsm8k_ground_truth,
+    r1_zero_reward,
+    r1_zero_reward_fn,
+    to_decimal,
+)
+
+__all__ = [
+    "MATH_VERIFY_TIMEOUT_S",
+    "REWARD_KEYS",
+    "arithmetic_reward",
+    "as_course_reward_fn",
+    "as_trl_reward",
+    "completion_text",
+    "extract_answer_tag",
+    "extract_boxed",
+    "extract_last_number",
+    "extract_math_answer",
+    "grade_math_answer",
+    "gsm8k_reward",
+    "gsm8k_reward_fn",
+    "math_reward",
+    "math_reward_fn",
+    "numbers_equal",
+    "parse_gsm8k_ground_truth",
+    "r1_zero_reward",
+    "r1_zero_reward_fn",
+    "to_decimal",
+]

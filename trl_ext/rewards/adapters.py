@@ -1,0 +1,186 @@
+"""Adapters between the two reward-function shapes used in this project.
+
+* Course style (CS336 assignment 5): ``reward_fn(response: str, ground_truth: str) -> dict`` with the keys
+  ``"reward"``, ``"format_reward"`` and ``"answer_reward"`` (floats), one response at a time.
+* TRL style (``trl.GRPOTrainer``): ``reward_func(prompts, completions, **columns) -> list[float | None]``, one
+  batch at a time. TRL 1.16 calls it as ``reward_func(prompts=..., completions=..., completion_ids=...,
+  **reward_kwargs)`` where ``reward_kwargs`` holds every other dataset column (one list entry per completion)
+  plus ``trainer_state``, ``log_extra`` and ``log_metric``. Completions are strings for plain-text prompts and
+  lists of messages (``[{"role": "assistant", "content": ...}]``) for conversational prompts.
+
+Every reward in :mod:`trl_ext.rewards` is written once, course style, and turned into a TRL reward function with
+:func:`as_trl_reward`; :func:`as_course_reward_fn` goes the other way for TRL rewards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+REWARD_KEYS = ("reward", "format_reward", "answer_reward")
+
+CourseRewardFn = Callable[[str, str], dict[str, float]]
+TrlRewardFunc = Callable[..., list[float | None]]
+
+
+def completion_text(completion: str | Sequence[dict[str, Any]], row: int | None = None) -> str:
+    """Return the text of one TRL completion.
+
+    Args:
+        completion: a string (plain-text prompts) or a list of chat messages (conversational prompts), e.g.
+            ``[{"role": "assistant", "content": "..."}]``. For a list, the content of the LAST message is used
+            (the final assistant turn after any tool calls); a content given as a list of parts
+            (``[{"type": "text", "text": ...}, ...]``) has its text parts joined.
+        row: the row index, only used in error messages.
+
+    Returns:
+        The completion text.
+
+    Raises:
+        ValueError: the completion is neither a string nor a non-empty list of messages with a ``"content"`` key.
+    """
+    where = f"completion {row}" if row is not None else "completion"
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and len(completion) > 0 and isinstance(completion[-1], dict):
+        content = completion[-1].get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        raise ValueError(f"{where}: last message has no string 'content' (got {type(content).__name__})")
+    raise ValueError(
+        f"{where}: expected a string or a non-empty list of chat messages, got {type(completion).__name__}"
+    )
+
+
+def as_trl_reward(
+    reward_fn: CourseRewardFn,
+    *,
+    key: str = "reward",
+    answer_column: str = "answer",
+    name: str | None = None,
+) -> TrlRewardFunc:
+    """Turn a course-style ``reward_fn(response, ground_truth) -> dict`` into a TRL reward function.
+
+    The returned function has the signature ``(prompts, completions, **columns) -> list[float]`` and reads the
+    ground truth of row ``i`` from ``columns[answer_column][i]``. It returns ``reward_fn(...)[key]`` per
+    completion (never ``None``). When TRL passes ``log_metric`` (TRL >= 1.x), the batch means of
+    ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
+    ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean``.
+
+    Args:
+        reward_fn: course-style reward function.
+        key: which entry of the dict to return: ``"reward"`` (default), ``"format_reward"`` or ``"answer_reward"``.
+            A format-only TRL reward is ``as_trl_reward(fn, key="format_reward", name="...")``; give it a reward
+            weight of 0 in ``GRPOConfig.reward_weights`` to log it without changing the training signal.
+        answer_column: dataset column holding the ground-truth string (default ``"answer"``, the column written
+            by every loader in :mod:`trl_ext.data`).
+        name: ``__name__`` of the returned function (TRL logs ``rewards/<__name__>/mean``); defaults to
+            ``reward_fn.__name__`` with a trailing ``"_fn"`` removed.
+
+    Returns:
+        The TRL reward function.
+
+    Raises:
+        ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``answer_column`` is not
+            among the columns, its length differs from ``completions``, or a row's ground truth is ``None`` or
+            empty (the message names the row index and the column).
+    """
+    if key not in REWARD_KEYS:
+        raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
+    if name is None:
+        name = reward_fn.__name__.removesuffix("_fn")
+
+    def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
+        if completions is None:
+            raise ValueError(f"{name}: missing argument 'completions'")
+        if answer_column not in columns:
+            available = sorted(k for k in columns if k not in ("trainer_state", "log_extra", "log_metric"))
+            raise ValueError(
+                f"{name}: no ground-truth column {answer_column!r} among the dataset columns {available}; "
+                f"add it to the dataset or pass answer_column= to as_trl_reward"
+            )
+        truths = columns[answer_column]
+        if len(truths) != len(completions):
+            raise ValueError(
+                f"{name}: column {answer_column!r} has {len(truths)} entries "
+                f"but there are {len(completions)} completions"
+            )
+        results = []
+        for i, (completion, truth) in enumerate(zip(completions, truths, strict=True)):
+            if truth is None or (isinstance(truth, str) and not truth.strip()):
+                raise ValueError(f"{name}: row {i} (0-based): field {answer_column!r} is missing or empty")
+            results.append(reward_fn(completion_text(completion, row=i), str(truth)))
+        log_metric = columns.get("log_metric")
+        if log_metric is not None and results:
+            for k in ("format_reward", "answer_reward"):
+                log_metric(f"rewards/{name}/{k}", sum(r[k] for r in results) / len(results))
+        return [float(r[key]) for r in results]
+
+    trl_reward.__name__ = name
+    trl_reward.__qualname__ = name
+    trl_reward.__doc__ = (
+        f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; "
+        f"returns ``{reward_fn.__name__}(completion, columns[{answer_column!r}][i])[{key!r}]`` per completion.\n\n"
+        f"{reward_fn.__doc__ or ''}"
+    )
+    return trl_reward
+
+
+def as_course_reward_fn(
+    reward_func: TrlRewardFunc,
+    *,
+    format_reward_func: TrlRewardFunc | None = None,
+    answer_column: str = "answer",
+    conversational: bool = False,
+    name: str | None = None,
+) -> CourseRewardFn:
+    """Turn a TRL reward function into a course-style ``reward_fn(response, ground_truth) -> dict``.
+
+    The TRL function is called on a batch of one: ``reward_func(prompts=[""], completions=[response],
+    completion_ids=None, **{answer_column: [ground_truth]})`` (with ``prompts=[[]]`` and the response wrapped as
+    ``[{"role": "assistant", "content": response}]`` when ``conversational``).
+
+    A TRL reward returns a single number, so the dict holds it as both ``"reward"`` and ``"answer_reward"``;
+    ``"format_reward"`` comes from ``format_reward_func`` (same call) when given and is ``nan`` otherwise, so a
+    format rate that was never measured cannot be mistaken for one.
+
+    Args:
+        reward_func: TRL-style reward function.
+        format_reward_func: optional TRL-style function giving the format reward.
+        answer_column: keyword under which the ground truth is passed (e.g. ``"solution"`` for
+            ``trl.rewards.accuracy_reward``).
+        conversational: pass the response as a one-message list instead of a string.
+        name: ``__name__`` of the returned function; defaults to ``reward_func.__name__ + "_fn"``.
+
+    Returns:
+        The course-style reward function.
+
+    Raises:
+        ValueError: at call time, the TRL function returns ``None`` (it skipped the row) or not exactly one value.
+    """
+    if name is None:
+        name = getattr(reward_func, "__name__", "reward") + "_fn"
+
+    def call(func: TrlRewardFunc, response: str, ground_truth: str) -> float:
+        completion: str | list[dict[str, str]] = response
+        prompt: str | list = ""
+        if conversational:
+            completion, prompt = [{"role": "assistant", "content": response}], []
+        out = func(prompts=[prompt], completions=[completion], completion_ids=None, **{answer_column: [ground_truth]})
+        if len(out) != 1 or out[0] is None:
+            raise ValueError(
+                f"{name}: {getattr(func, '__name__', func)} returned {out!r} for one completion; expected one float"
+            )
+        return float(out[0])
+
+    def reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+        reward = call(reward_func, response, ground_truth)
+        fmt = call(format_reward_func, response, ground_truth) if format_reward_func is not None else math.nan
+        return {"reward": reward, "format_reward": fmt, "answer_reward": reward}
+
+    reward_fn.__name__ = name
+    reward_fn.__qualname__ = name
+    return reward_fn

@@ -1,0 +1,291 @@
+"""Verifiable rewards for math answers: R1-Zero format + answer, GSM8K / arithmetic last number, MATH boxed answers.
+
+Each reward is written once in the course shape ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
+"answer_reward"}`` (CS336 assignment 5) and exported in the TRL shape ``reward_func(prompts, completions,
+**columns) -> list[float]`` through :func:`trl_ext.rewards.adapters.as_trl_reward`, reading the ground truth from
+the ``answer`` column written by the loaders in :mod:`trl_ext.data`.
+
+Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``).
+math-verify bounds each parse / comparison with ``signal.alarm``, which raises ``ValueError`` outside the main
+thread; :func:`grade_math_answer` therefore passes ``parsing_timeout=None`` and ``timeout_seconds=None`` (no time
+limit) when it runs outside the main thread, and the default 5 s limits in the main thread (the same choice as
+``trl.rewards.accuracy_reward``).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+
+from math_verify import parse, verify
+
+from trl_ext.rewards.adapters import as_trl_reward
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Time limit (seconds) for each math-verify parse and comparison in the main thread."""
+
+# A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of
+# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part.
+# A trailing "." ("42.") is not part of the number.
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+_ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
+
+
+# ----------------------------------------------------------------------------------------------- number answers
+def extract_last_number(text: str) -> str | None:
+    """Return the last number written in ``text``, normalized, or ``None`` when there is none.
+
+    Thousands commas are removed ("1,234" -> "1234"), a sentence-final dot is not part of the number
+    ("42." -> "42"), a leading minus is kept ("-7") unless it follows a word character or closing bracket
+    ("5-3" -> "3"), the Unicode minus "\u2212" counts as "-", and decimals are kept as written ("3.50").
+
+    Args:
+        text: free text, e.g. a model response.
+
+    Returns:
+        The number as a string, e.g. ``extract_last_number("The answer is 1,234.") == "1234"``, or ``None``.
+    """
+    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    if not matches:
+        return None
+    return matches[-1].replace(",", "")
+
+
+def to_decimal(text: str) -> Decimal | None:
+    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42."); ``None`` if it is not one.
+
+    Surrounding whitespace and a trailing dot are ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
+    """
+    s = text.strip().replace("\u2212", "-").removesuffix(".")
+    if not _PLAIN_NUMBER_RE.fullmatch(s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:  # pragma: no cover - the regex only lets valid decimals through
+        return None
+
+
+def parse_gsm8k_ground_truth(answer_field: str) -> str:
+    """Return the final answer of a GSM8K ``answer`` field, the number after the last ``"####"``.
+
+    Args:
+        answer_field: e.g. ``"Natalia sold 48/2 = 24 clips ...\\n#### 72"``.
+
+    Returns:
+        The normalized number as a string (commas and a trailing dot removed), e.g. ``"72"``.
+
+    Raises:
+        ValueError: there is no ``"####"`` marker, or what follows it is not a number.
+    """
+    if "####" not in answer_field:
+        raise ValueError(
+            f"expected a GSM8K answer ending in '#### <number>', found no '####' in {answer_field[-80:]!r}"
+        )
+    final = answer_field.rsplit("####", 1)[1].strip()
+    if to_decimal(final) is None:
+        raise ValueError(f"expected a number after '####', got {final!r}")
+    return final.replace("\u2212", "-").removesuffix(".").replace(",", "")
+
+
+def numbers_equal(a: str, b: str) -> bool:
+    """True when two number strings have the same value (``"3.50"`` == ``"3.5"``, ``"1,234"`` == ``"1234"``).
+
+    Raises:
+        ValueError: either string is not a plain number (see :func:`to_decimal`).
+    """
+    da, db = to_decimal(a), to_decimal(b)
+    if da is None or db is None:
+        raise ValueError(f"expected two numbers, got {a!r} and {b!r}")
+    return da == db
+
+
+def gsm8k_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """Last-number reward for GSM8K and for the generated arithmetic problems (course-style ``reward_fn``).
+
+    Rule: the predicted answer is :func:`extract_last_number` of the whole response.
+    ``format_reward`` = 1.0 when a number was found, else 0.0; ``answer_reward`` = 1.0 when it equals the ground
+    truth numerically (``"3.50"`` == ``"3.5"``), else 0.0; ``reward`` = ``answer_reward``.
+
+    Args:
+        response: the model's completion text.
+        ground_truth: the final answer as a number string (``"72"``, the ``answer`` column of the loaders); a raw
+            GSM8K answer field ending in ``"#### 72"`` is accepted too.
+
+    Returns:
+        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
+
+    Raises:
+        ValueError: the ground truth is not a number.
+    """
+    truth = parse_gsm8k_ground_truth(ground_truth) if "####" in ground_truth else ground_truth
+    if to_decimal(truth) is None:
+        raise ValueError(f"ground_truth must be a number (e.g. '72'), got {ground_truth!r}")
+    predicted = extract_last_number(response)
+    if predicted is None:
+        return dict(_ZERO)
+    correct = float(numbers_equal(predicted, truth))
+    return {"reward": correct, "format_reward": 1.0, "answer_reward": correct}
+
+
+# ------------------------------------------------------------------------------------------------- MATH answers
+def extract_boxed(text: str) -> str | None:
+    """Return the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
+
+    ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``; the brace-less form ``"\\boxed 5"`` -> ``"5"``.
+    Returns ``None`` when there is no box or the last one is never closed (e.g. a truncated generation).
+    """
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    if i < len(text) and text[i] == " ":  # "\boxed 5"
+        content = re.match(r"\s*([^\s$]+)", text[i:])
+        return content.group(1) if content else None
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j].strip()
+    return None
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """Return the stripped text between the last ``<answer>`` and the next ``</answer>``; ``None`` if absent/empty."""
+    start = text.rfind("<answer>")
+    if start < 0:
+        return None
+    end = text.find("</answer>", start)
+    if end < 0:
+        return None
+    return text[start + len("<answer>") : end].strip() or None
+
+
+def extract_math_answer(text: str) -> str | None:
+    """Return the final answer of a MATH-style response, or ``None`` when none is marked.
+
+    Order: the last ``<answer>...</answer>`` block (and the last ``\\boxed{}`` inside it, if any); otherwise the
+    last ``\\boxed{...}`` of the whole text.
+    """
+    tagged = extract_answer_tag(text)
+    if tagged is not None:
+        return extract_boxed(tagged) if ("\\boxed" in tagged or "\\fbox" in tagged) else tagged
+    return extract_boxed(text)
+
+
+def _math_verify_timeout() -> int | None:
+    """math-verify's signal-based timeout only works in the main thread; elsewhere run without a time limit."""
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(expr: str, timeout: int | None) -> list:
+    # Wrapped in $...$ so LaTeX answers ("\frac{1}{2}") are picked up by math-verify's LaTeX extractor; plain
+    # text that does not parse that way is retried as-is (math-verify's expression extractor).
+    return parse(f"${expr}$", parsing_timeout=timeout) or parse(expr, parsing_timeout=timeout)
+
+
+def grade_math_answer(answer: str, ground_truth: str) -> bool:
+    """True when ``answer`` is mathematically equivalent to ``ground_truth``.
+
+    Checks in order: equal strings after stripping; equal values when both are plain numbers (``"3.50"`` vs
+    ``"3.5"``); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
+    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``). Parse or comparison failures and
+    timeouts count as not equivalent. Safe to call from any thread (see the module docstring).
+
+    Args:
+        answer: the extracted model answer (no surrounding prose), LaTeX or plain text.
+        ground_truth: the reference answer, LaTeX or plain text.
+    """
+    answer, ground_truth = answer.strip(), ground_truth.strip()
+    if not answer or not ground_truth:
+        return False
+    if answer == ground_truth:
+        return True
+    a, g = to_decimal(answer), to_decimal(ground_truth)
+    if a is not None and g is not None:
+        return a == g
+    timeout = _math_verify_timeout()
+    gold = _parse(ground_truth, timeout)
+    predicted = _parse(answer, timeout)
+    if not gold or not predicted:
+        return False
+    return bool(verify(gold, predicted, timeout_seconds=timeout))
+
+
+def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """MATH-style reward: marked final answer graded with math-verify (course-style ``reward_fn``).
+
+    Rule: the predicted answer is :func:`extract_math_answer` of the response (``<answer>`` tags, else the last
+    ``\\boxed{}``). ``format_reward`` = 1.0 when such an answer was found, else 0.0; ``answer_reward`` = 1.0 when
+    :func:`grade_math_answer` accepts it, else 0.0 (also when nothing was found); ``reward`` = ``answer_reward``.
+
+    Args:
+        response: the model's completion text.
+        ground_truth: the reference answer (e.g. ``"\\frac{1}{2}"``; the ``answer`` column of the loaders).
+
+    Returns:
+        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
+    """
+    predicted = extract_math_answer(response)
+    if predicted is None:
+        return dict(_ZERO)
+    correct = float(grade_math_answer(predicted, ground_truth))
+    return {"reward": correct, "format_reward": 1.0, "answer_reward": correct}
+
+
+# -------------------------------------------------------------------------------------------------- R1-Zero
+def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """R1-Zero format + answer reward (semantics of CS336 assignment 5 ``r1_zero_reward_fn``).
+
+    The prompt (``trl_ext.data`` template ``"r1_zero"``) ends with ``"<think>"``, so the response starts inside the
+    reasoning and must look like ``"... reasoning ... </think> <answer> ANSWER </answer>"``.
+
+    Rule:
+      * well formed = the response contains ``"</think> <answer>"`` (exactly one space, as in the course) and a
+        ``"</answer>"`` after its last ``"<answer>"``. Otherwise all three values are 0.0 (the answer is not
+        graded).
+      * ANSWER = the text between the last ``"<answer>"`` and the next ``"</answer>"``; if it contains a
+        ``\\boxed{}``, the box content (an unclosed box grades as wrong).
+      * ``format_reward`` = 1.0 when well formed; ``answer_reward`` = 1.0 when well formed and
+        :func:`grade_math_answer` (string / numeric / math-verify equivalence) accepts ANSWER;
+        ``reward`` = ``answer_reward``: 1.0 only when the format AND the answer are right (no partial credit for
+        format, as in the course, so that format alone cannot be reward-hacked).
+
+    One deliberate difference from the course code: text after ``"</answer>"`` is ignored, whereas the course
+    grades everything after the last ``"<answer>"`` with ``"</answer>"`` deleted. The course stops generation at
+    ``"</answer>"``; TRL generation runs on to EOS, so trailing text would otherwise turn right answers wrong.
+
+    Args:
+        response: the model's completion (text after the prompt's ``"<think>"``).
+        ground_truth: the reference answer (the ``answer`` column of the loaders).
+
+    Returns:
+        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
+    """
+    if "</think> <answer>" not in response:
+        return dict(_ZERO)
+    start = response.rfind("<answer>")
+    end = response.find("</answer>", start)
+    if end < 0:
+        return dict(_ZERO)
+    answer: str | None = response[start + len("<answer>") : end]
+    if "\\boxed" in answer or "\\fbox" in answer:
+        answer = extract_boxed(answer)
+    correct = float(answer is not None and grade_math_answer(answer, ground_truth))
+    return {"reward": correct, "format_reward": 1.0, "answer_reward": correct}
+
+
+# ------------------------------------------------------------------------------------------- TRL reward funcs
+r1_zero_reward = as_trl_reward(r1_zero_reward_fn, name="r1_zero_reward")
+gsm8k_reward = as_trl_reward(gsm8k_reward_fn, name="gsm8k_reward")
+math_reward = as_trl_reward(math_reward_fn, name="math_reward")
+# The generated arithmetic problems are graded exactly like GSM8K (last number in the response, numeric equality);
+# this is the same function under its own name so TRL logs it as rewards/arithmetic_reward/mean.
+arithmetic_reward = as_trl_reward(gsm8k_reward_fn, name="arithmetic_reward")
