@@ -25,6 +25,17 @@ def test_zero_argument_run_uses_the_cpu_config():
     assert training_args.save_strategy == "steps"  # a crash mid-run leaves a loadable checkpoint
 
 
+@pytest.mark.parametrize("name", ["grpo_math_math.yaml", "grpo_math_gsm8k.yaml"])
+def test_gpu_configs_parse(name):
+    parser = trl.TrlParser((grpo_math.MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig))
+    path = grpo_math.DEFAULT_CONFIG.parent / name
+    # bf16 needs a GPU to validate; everything else is checked as written
+    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(path), "--bf16", "false", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and training_args.use_vllm
+    assert script_args.template == "r1_zero" and training_args.pg_loss_type == "reinforce_with_baseline"
+    assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 256
+
+
 @pytest.mark.slow
 def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     model_dir = tmp_path / "tiny"
