@@ -1,0 +1,125 @@
+"""Every file in accelerate_configs/ goes through accelerate's own loading and launch preparation.
+
+For each config: ``load_config_from_file`` (accelerate's config classes) parses it; then the path ``accelerate launch
+--config_file X`` takes is replayed without starting processes -- the launch argument parser, the config-file merge
+and validation (``_validate_launch_command``), and the launcher's environment preparation -- and the environment the
+training processes would receive is checked. FSDP and DeepSpeed configs are also turned into accelerate's plugin
+objects from that environment, as the training processes do. Nothing here needs a GPU or the deepspeed package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin, patch_environment
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "accelerate_configs"
+
+# name -> (distributed type, processes, mixed precision)
+EXPECTED = {
+    "single_gpu_lora.yaml": (DistributedType.NO, 1, "bf16"),
+    "single_gpu_qlora.yaml": (DistributedType.NO, 1, "bf16"),
+    "multi_gpu_ddp.yaml": (DistributedType.MULTI_GPU, 8, "bf16"),
+    "multi_gpu_fsdp2.yaml": (DistributedType.FSDP, 8, "bf16"),
+    "multi_gpu_full.yaml": (DistributedType.FSDP, 8, "bf16"),
+    "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 8, "bf16"),
+    "cpu_2proc.yaml": (DistributedType.MULTI_GPU, 2, "no"),
+}
+# alias -> the file it must be (one config, two names; see the comments in the target files)
+ALIASES = {"single_gpu_qlora.yaml": "single_gpu_lora.yaml", "multi_gpu_full.yaml": "multi_gpu_fsdp2.yaml"}
+
+
+def launch_env(path: Path) -> tuple[object, dict[str, str]]:
+    """Replay `accelerate launch --config_file path train.py`: return (merged launch args, training environment)."""
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py", "--flag", "1"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        # as accelerate.commands.launch.launch_command does before calling the DeepSpeed launcher
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif args.multi_gpu or args.use_fsdp:
+        env = prepare_multi_gpu_env(args)  # the torchrun launcher
+    else:
+        cmd, env = prepare_simple_launcher_cmd_env(args)
+        assert cmd[-3:] == ["train.py", "--flag", "1"]
+    return args, {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+def test_every_config_file_is_covered():
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_config_loads_and_launch_environment(name):
+    path = CONFIG_DIR / name
+    distributed_type, num_processes, mixed_precision = EXPECTED[name]
+    config = load_config_from_file(str(path))
+    assert isinstance(config, ClusterConfig)
+    assert config.compute_environment.value == "LOCAL_MACHINE"
+    assert config.distributed_type == distributed_type
+    assert config.num_processes == num_processes
+    assert config.mixed_precision == mixed_precision
+    assert config.num_machines == 1
+
+    args, env = launch_env(path)
+    assert args.num_processes == num_processes
+    assert env["ACCELERATE_MIXED_PRECISION"] == mixed_precision
+    if distributed_type == DistributedType.NO:
+        assert not (args.multi_gpu or args.use_fsdp or args.use_deepspeed)
+        assert env["ACCELERATE_USE_CPU"] == "False"
+    else:  # torchrun or the DeepSpeed launcher starts one process per GPU
+        assert args.nproc_per_node == str(num_processes)
+
+
+def test_cpu_2proc_starts_two_torchrun_processes_on_a_free_port():
+    args, env = launch_env(CONFIG_DIR / "cpu_2proc.yaml")
+    assert args.multi_gpu and not args.cpu  # the torchrun launcher, not the single-process simple launcher
+    assert args.use_cpu is True
+    assert args.nproc_per_node == "2"
+    assert args.main_process_port > 0  # 0 in the file: accelerate picked a free port
+    assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
+
+
+@pytest.mark.parametrize("name", ["multi_gpu_fsdp2.yaml", "multi_gpu_full.yaml"])
+def test_fsdp2_full_finetuning_plugin(name):
+    _, env = launch_env(CONFIG_DIR / name)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    assert env["FSDP_VERSION"] == "2"
+    with patch_environment(**env):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.state_dict_type.name == "FULL_STATE_DICT"  # save_model writes a from_pretrained checkpoint
+    assert plugin.reshard_after_forward is True
+    assert plugin.cpu_ram_efficient_loading is True
+    assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
+    assert plugin.activation_checkpointing is False  # the recipe's gradient_checkpointing does it instead
+
+
+def test_deepspeed_zero3_plugin_takes_accumulation_from_the_recipe():
+    _, env = launch_env(CONFIG_DIR / "deepspeed_zero3.yaml")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "true"
+    assert env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] == "true"
+    assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in env
+    with patch_environment(**env):
+        plugin = DeepSpeedPlugin()
+    assert plugin.zero_stage == 3
+    assert plugin.gradient_accumulation_steps == "auto"  # filled from --gradient_accumulation_steps by transformers
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "none"
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_aliases_are_relative_symlinks_to_one_file(alias):
+    path = CONFIG_DIR / alias
+    assert path.is_symlink()
+    assert os.readlink(path) == ALIASES[alias]  # relative, so it survives a clone anywhere
+    assert path.resolve() == (CONFIG_DIR / ALIASES[alias]).resolve()

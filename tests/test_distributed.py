@@ -1,0 +1,275 @@
+"""Two real processes: ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml`` runs recipes/grpo_math.py.
+
+The test starts accelerate's launcher (torchrun underneath, gloo on CPU) on this very file; its ``__main__`` block
+records what each rank sees and then runs the recipe unchanged (``runpy``), on a tiny random model saved to a
+temporary directory, for 2 GRPO steps. Recording hooks, test-only:
+
+- the recipe's training reward (``trl_ext.rewards.arithmetic_reward``, which is always 0 on a random model) is
+  replaced by a deterministic reward that varies, ``len(completion) % 5``, and logs the prompts, completions and
+  rewards of each call -- TRL calls it on each rank with that rank's slice of the batch;
+- ``GRPOTrainer._generate_and_score_completions`` is wrapped to write, per rank, one JSON line per completion:
+  (call, rank, local index, prompt, completion, reward, advantage this rank trains on);
+- ``GRPOTrainer.train`` is wrapped to write, per rank, the distributed state and a digest of the final weights.
+
+The test then checks, from files only: both ranks took part (records from each, gloo MULTI_CPU with 2 processes,
+identical final weights on both ranks -- DDP averaged their gradients -- that differ from the initial ones); the
+advantages were grouped per prompt across ranks (the union of the ranks' records, in rank order, holds the groups
+as consecutive blocks of ``num_generations`` with one prompt each, one group straddles the two ranks, and the
+recorded advantages equal ``compute_group_advantages`` of the union's rewards and a hand formula); and the model the
+main process saved loads with ``from_pretrained`` and has the trained weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "grpo_math.py"
+CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+RECORD_DIR_ENV = "TRL_EXT_TEST_RECORD_DIR"
+
+# Batch geometry: 2 ranks x 6 completions = 12 per step = 3 prompts x 4 completions, so the middle group is split
+# 2 + 2 between the ranks. A rank-local grouping would not even divide (6 is not a multiple of 4).
+NUM_PROCESSES = 2
+PER_DEVICE_BATCH = 6
+NUM_GENERATIONS = 4
+MAX_STEPS = 2
+ADVANTAGE_EPS = 1e-6  # recipes/configs/grpo_math_cpu.yaml (normalize_by_std: true)
+
+
+def completion_text(completion) -> str:
+    """Text of a TRL completion: a string, or (conversational prompts) a list of messages ending with the answer."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def length_mod5_reward(completions) -> list[float]:
+    """Deterministic reward that varies across random completions: character length modulo 5."""
+    return [float(len(completion_text(c)) % 5) for c in completions]
+
+
+def param_digest(model) -> str:
+    """SHA-256 over the parameters (name, then float32 bytes), in name order; tied weights count once."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launched side: runs in each of the two processes started by `accelerate launch ... tests/test_distributed.py`
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None:
+    import trl_ext
+    import trl_ext.rewards
+
+    reward_calls: list[dict] = []
+
+    def recording_reward(prompts, completions, **kwargs):
+        rewards = length_mod5_reward(completions)
+        reward_calls.append({"prompts": prompts, "completions": [completion_text(c) for c in completions], "rewards": rewards})
+        return rewards
+
+    recording_reward.__name__ = "length_mod5_reward"
+    trl_ext.rewards.arithmetic_reward = recording_reward  # read by the recipe's REWARDS table when it runs
+
+    trainer_cls = trl_ext.GRPOTrainer
+    generate_and_score = trainer_cls._generate_and_score_completions
+    train = trainer_cls.train
+    call_count = {"n": 0}
+
+    def recording_generate_and_score(self, inputs):
+        output = generate_and_score(self, inputs)
+        (call,) = reward_calls  # exactly one reward call per generation batch on this rank
+        reward_calls.clear()
+        rank = self.accelerator.process_index
+        advantages = output["advantages"].tolist()
+        if len(advantages) != len(call["rewards"]):
+            raise AssertionError(f"rank {rank}: {len(advantages)} advantages for {len(call['rewards'])} rewards")
+        with open(record_dir / f"rank{rank}.jsonl", "a") as f:
+            for i, (prompt, completion, reward, advantage) in enumerate(
+                zip(call["prompts"], call["completions"], call["rewards"], advantages)
+            ):
+                row = dict(call=call_count["n"], rank=rank, index=i, prompt=prompt, completion=completion, reward=reward, advantage=advantage)
+                f.write(json.dumps(row) + "\n")
+        call_count["n"] += 1
+        return output
+
+    def recording_train(self, *args, **kwargs):
+        result = train(self, *args, **kwargs)
+        state = self.accelerator.state
+        final = {
+            "process_index": state.process_index,
+            "num_processes": state.num_processes,
+            "distributed_type": str(state.distributed_type),
+            "backend": state.backend,
+            "device": str(state.device),
+            "global_step": self.state.global_step,
+            "param_digest": param_digest(self.accelerator.unwrap_model(self.model)),
+        }
+        (record_dir / f"rank{state.process_index}_final.json").write_text(json.dumps(final))
+        return result
+
+    trainer_cls._generate_and_score_completions = recording_generate_and_score
+    trainer_cls.train = recording_train
+    sys.argv = [str(RECIPE), *recipe_argv]
+    runpy.run_path(str(RECIPE), run_name="__main__")
+
+
+if __name__ == "__main__":
+    _run_recipe_with_recording(Path(os.environ[RECORD_DIR_ENV]), sys.argv[1:])
+    sys.exit(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Test side
+# ----------------------------------------------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from trl_ext.functional import compute_group_advantages  # noqa: E402
+from trl_ext.models import tiny_model_for_tests  # noqa: E402
+
+
+def hand_group_advantages(rewards: list[float], eps: float) -> list[float]:
+    """(r - mean) / (unbiased std + eps) within one group; 0 for a group of equal rewards (CS336 A5, section 7.2)."""
+    mean = statistics.fmean(rewards)
+    std = statistics.stdev(rewards)
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, tokenizer):
+    """Launch the recipe on 2 CPU processes once; return (work dir, initial weight digest, completed process)."""
+    work = tmp_path_factory.mktemp("two_proc")
+    model_dir, out_dir, record_dir = work / "tiny", work / "out", work / "records"
+    record_dir.mkdir()
+    model = tiny_model_for_tests(tokenizer, seed=0)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    recipe_args = [
+        "--model_name_or_path", str(model_dir),
+        "--output_dir", str(out_dir),
+        "--max_steps", str(MAX_STEPS),
+        "--per_device_train_batch_size", str(PER_DEVICE_BATCH),
+        "--num_generations", str(NUM_GENERATIONS),
+        "--max_completion_length", "8",
+        "--num_train_problems", "24",
+        "--num_eval", "4",
+        "--eval_batch_size", "4",
+        "--learning_rate", "1e-3",
+        "--warmup_steps", "0",
+        "--logging_steps", "1",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--seed", "0",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        RECORD_DIR_ENV: str(record_dir),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, *recipe_args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"accelerate launch exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+    return work, param_digest(model), proc
+
+
+def read_records(record_dir: Path) -> dict[int, list[dict]]:
+    records = {}
+    for rank in range(NUM_PROCESSES):
+        path = record_dir / f"rank{rank}.jsonl"
+        assert path.is_file(), f"rank {rank} recorded no generation batch"
+        records[rank] = [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+@pytest.mark.slow
+def test_both_ranks_trained_together(two_process_run):
+    work, initial_digest, _ = two_process_run
+    finals = [json.loads((work / "records" / f"rank{r}_final.json").read_text()) for r in range(NUM_PROCESSES)]
+    for rank, final in enumerate(finals):
+        assert final["process_index"] == rank
+        assert final["num_processes"] == NUM_PROCESSES
+        assert final["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert final["backend"] == "gloo"
+        assert final["device"].startswith("cpu")
+        assert final["global_step"] == MAX_STEPS
+    # DDP all-reduces the gradients, so both ranks end with bit-identical weights, and training moved them.
+    assert finals[0]["param_digest"] == finals[1]["param_digest"]
+    assert finals[0]["param_digest"] != initial_digest
+
+    records = read_records(work / "records")
+    for rank, rows in records.items():
+        assert len(rows) == MAX_STEPS * PER_DEVICE_BATCH, f"rank {rank}: {len(rows)} rows"
+        assert sorted({row["call"] for row in rows}) == list(range(MAX_STEPS))
+    # Each rank scored its own completions: the two ranks saw different (prompt, completion) pairs.
+    seen = [{(json.dumps(r["prompt"]), r["completion"]) for r in records[rank]} for rank in range(NUM_PROCESSES)]
+    assert seen[0] != seen[1]
+
+
+@pytest.mark.slow
+def test_advantages_grouped_per_prompt_across_ranks(two_process_run):
+    work, _, _ = two_process_run
+    records = read_records(work / "records")
+    straddling_groups_with_spread = 0
+    any_nonzero = False
+    for call in range(MAX_STEPS):
+        # The global batch is the ranks' slices in rank order (the sampler hands rank r the r-th contiguous chunk).
+        union = [row for rank in range(NUM_PROCESSES) for row in records[rank] if row["call"] == call]
+        assert len(union) == NUM_PROCESSES * PER_DEVICE_BATCH
+        rewards = [row["reward"] for row in union]
+        recorded = [row["advantage"] for row in union]
+
+        for start in range(0, len(union), NUM_GENERATIONS):
+            group = union[start : start + NUM_GENERATIONS]
+            assert len({json.dumps(row["prompt"]) for row in group}) == 1, f"call {call}: group at {start} mixes prompts"
+            expected = hand_group_advantages([row["reward"] for row in group], ADVANTAGE_EPS)
+            assert [row["advantage"] for row in group] == pytest.approx(expected, abs=1e-5)
+            ranks = {row["rank"] for row in group}
+            if ranks == {0, 1} and len({row["reward"] for row in group}) > 1:
+                straddling_groups_with_spread += 1
+                # A rank that normalized only its own half of this group would have trained on other advantages.
+                half = [row["reward"] for row in group if row["rank"] == 0]
+                if len(set(half)) > 1:
+                    assert [row["advantage"] for row in group if row["rank"] == 0] != pytest.approx(
+                        hand_group_advantages(half, ADVANTAGE_EPS), abs=1e-3
+                    )
+        # The middle group is split 2 + 2 between the ranks.
+        assert [row["rank"] for row in union[4:8]] == [0, 0, 1, 1]
+        expected_all = compute_group_advantages(torch.tensor(rewards), NUM_GENERATIONS, advantage_eps=ADVANTAGE_EPS)
+        assert recorded == pytest.approx(expected_all.tolist(), abs=1e-5)
+        any_nonzero = any_nonzero or any(abs(a) > 1e-3 for a in recorded)
+    assert any_nonzero, "every reward group was constant; the check above could not tell groupings apart"
+    assert straddling_groups_with_spread >= 1, "no group split across ranks had unequal rewards"
+
+
+@pytest.mark.slow
+def test_saved_model_loads_with_trained_weights(two_process_run):
+    work, initial_digest, proc = two_process_run
+    out = work / "out"
+    final = json.loads((work / "records" / "rank0_final.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert param_digest(model) == final["param_digest"] != initial_digest
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.pad_token_id == model.config.pad_token_id
+    # Only the main process evaluates and writes the report.
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train_steps"] == MAX_STEPS
+    assert metrics["n_eval"] == 4
+    assert (out / "eval_before.jsonl").is_file() and (out / "eval_after.jsonl").is_file()
