@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import trl
-from accelerate import PartialState
+from accelerate import DistributedType, PartialState
 from rich.console import Console
 from rich.table import Table
 
@@ -23,7 +23,7 @@ import trl_ext
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
-from trl_ext.models import load_model_and_tokenizer
+from trl_ext.models import load_model, load_model_and_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -96,6 +96,10 @@ def main(script_args, training_args, model_args):
     max_new_tokens = training_args.max_completion_length
     evaluate = lambda m, desc: evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc)  # noqa: E731
 
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        pass  # bitsandbytes placed the weights already
+    elif state.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        model.to(state.device)  # evaluate on the GPU when there is one; sharded engines place the model themselves
     before = evaluate(model, "eval before") if state.is_main_process else None
     trainer = trl_ext.GRPOTrainer(
         model=model, reward_funcs=train_reward, args=training_args, train_dataset=train,
@@ -107,7 +111,12 @@ def main(script_args, training_args, model_args):
     trainer.save_model(training_args.output_dir)
     if not state.is_main_process:
         return
-    after = evaluate(trainer.accelerator.unwrap_model(trainer.model), "eval after")
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        # parameters are sharded across ranks that have returned: evaluate the full checkpoint just saved instead
+        trained = load_model(training_args.output_dir, dtype=model_args.dtype).to(state.device)
+    else:
+        trained = trainer.accelerator.unwrap_model(trainer.model)
+    after = evaluate(trained, "eval after")
 
     out = Path(training_args.output_dir)
     for name, result in (("before", before), ("after", after)):

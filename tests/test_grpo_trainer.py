@@ -1,6 +1,7 @@
 """trl_ext.GRPOTrainer against upstream trl.GRPOTrainer and against trl_ext.functional."""
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -195,6 +196,9 @@ def test_config_rejects_conflicts_and_unsupported_options(tmp_path):
         trl_ext.GRPOConfig(epsilon_high=0.28, **base)
     with pytest.raises(ValueError, match="kl_target=0.1 needs beta > 0"):
         trl_ext.GRPOConfig(kl_target=0.1, **base)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="use_vllm=True needs the 'vllm' package: install the GPU extra"):
+            trl_ext.GRPOConfig(use_vllm=True, **base)
     config = trl_ext.GRPOConfig(length_normalization="masked_normalize", normalize_by_std=False, **base)
     assert (config.loss_type, config.scale_rewards) == ("dr_grpo", "none")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trl
+import yaml
 
 import trl_ext
 
@@ -29,9 +30,11 @@ def test_zero_argument_run_uses_the_cpu_config():
 def test_gpu_configs_parse(name):
     parser = trl.TrlParser((grpo_math.MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig))
     path = grpo_math.DEFAULT_CONFIG.parent / name
-    # bf16 needs a GPU to validate; everything else is checked as written
-    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(path), "--bf16", "false", "--use_cpu", "true"])
-    assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and training_args.use_vllm
+    # bf16 and vLLM need a GPU to validate; everything else is checked as written
+    assert yaml.safe_load(path.read_text())["use_vllm"] is True
+    overrides = ["--bf16", "false", "--use_cpu", "true", "--use_vllm", "false"]
+    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(path), *overrides])
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B"
     assert script_args.template == "r1_zero" and training_args.pg_loss_type == "reinforce_with_baseline"
     assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 256
 

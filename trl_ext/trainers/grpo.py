@@ -16,6 +16,7 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +141,9 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(
                 f"epsilon_high={self.epsilon_high} differs from epsilon={self.epsilon}; GRPO-Clip clips symmetrically"
             )
+        for flag, module in (("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")):
+            if getattr(self, flag) and importlib.util.find_spec(module) is None:
+                raise ImportError(f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`")
         if self.kl_target is not None and not (self.beta > 0 and self.kl_target > 0 and self.kl_horizon > 0):
             raise ValueError(
                 f"kl_target={self.kl_target} needs beta > 0 (the starting coefficient), kl_target > 0 and "
