@@ -721,3 +721,270 @@ def compute_gae(
         running = deltas[..., t] + gamma * lam * running
         advantages[..., t] = running
     return advantages
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Preference and safety losses (course supplement)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _pair_vectors(**named: torch.Tensor) -> int:
+    """Check that per-pair tensors are all (B,) or all (B, 1) with one B; return B. Never lets (B,) meet (B, 1)."""
+    shapes = {name: tuple(t.shape) for name, t in named.items()}
+    first_name, first = next(iter(shapes.items()))
+    if len(first) not in (1, 2) or (len(first) == 2 and first[1] != 1):
+        raise ValueError(f"{first_name} has shape {first}; expected (B,) or (B, 1), one value per pair")
+    for name, shape in shapes.items():
+        if shape != first:
+            raise ValueError(
+                f"{name} has shape {shape} but {first_name} has shape {first}; expected identical (B,) or (B, 1) "
+                "shapes (mixing (B,) with (B, 1) would broadcast to a B x B matrix)"
+            )
+    return first[0]
+
+
+def bradley_terry_loss(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bradley-Terry pairwise loss of a reward model, averaged over pairs.
+
+        loss = mean_i  -log sigmoid(r_chosen_i - r_rejected_i - margin_i)
+
+    P(chosen > rejected) = sigmoid(r_chosen - r_rejected) is the Bradley-Terry model; the loss is its negative
+    log-likelihood. A per-pair ``margin`` (Llama 2, Touvron et al. 2023, section 3.2.2) asks the chosen reward to
+    exceed the rejected one by at least that much; ``margin = None`` means 0. Computed with ``logsigmoid``, so it is
+    finite for any finite reward difference.
+
+    Args:
+        chosen_rewards: (B,) or (B, 1) scalar reward of each chosen response.
+        rejected_rewards: same shape, reward of each rejected response.
+        margin: optional, same shape as the rewards (or (B,) for (B, 1) rewards), one margin per pair.
+
+    Returns:
+        0-d tensor, the mean loss over the B pairs.
+
+    Raises:
+        ValueError: when the shapes are not one value per pair or do not match (a (B,) tensor never meets a (B, 1)
+        tensor, which would broadcast to a B x B matrix), or B = 0.
+
+    Source: Bradley & Terry (1952); Ouyang et al. 2022 (InstructGPT), equation 1; CS336 A5 supplement (reward
+    modelling from preference pairs).
+    """
+    batch = _pair_vectors(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+    if batch == 0:
+        raise ValueError("chosen_rewards is empty; expected at least one preference pair")
+    diff = chosen_rewards - rejected_rewards
+    if margin is not None:
+        margin = margin.to(device=diff.device, dtype=diff.dtype)
+        if margin.shape != diff.shape and margin.dim() == 1 and margin.shape[0] == batch:
+            margin = margin.reshape(diff.shape)  # (B,) margins for (B, 1) rewards
+        _pair_vectors(chosen_rewards=chosen_rewards, margin=margin)
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """DPO loss, with optional conservative label smoothing (cDPO), averaged over pairs.
+
+    With h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x)) (summed response log-probs):
+
+        loss = (1 - eps) * (-log sigmoid(beta * h)) + eps * (-log sigmoid(-beta * h))
+
+    eps = 0 is DPO (Rafailov et al. 2023, equation 7). eps > 0 is cDPO (Mitchell 2023), the loss under the belief
+    that each label is flipped with probability eps; it no longer drives h to infinity (its minimum is at
+    beta * h = log((1 - eps) / eps)). For beta = 0.1, h = 2: 0.5981 (eps = 0) and 0.6181 (eps = 0.1).
+    The implicit reward of a response is beta * (log pi - log pi_ref); beta * h is the reward margin.
+
+    Args:
+        policy_chosen_logps: (B,) summed log-probs of the chosen responses under the policy (with gradient).
+        policy_rejected_logps: (B,) same for the rejected responses.
+        ref_chosen_logps: (B,) summed log-probs of the chosen responses under the reference (no gradient needed;
+            detached here).
+        ref_rejected_logps: (B,) same for the rejected responses.
+        beta: inverse temperature of the implicit reward (> 0), e.g. 0.1.
+        label_smoothing: eps in [0, 0.5] (default 0.0).
+
+    Returns:
+        0-d tensor, the mean loss over the B pairs.
+
+    Raises:
+        ValueError: on mismatched or non-per-pair shapes, beta <= 0, or eps outside [0, 0.5].
+
+    Source: Rafailov et al. 2023 (DPO), equation 7; E. Mitchell (2023), "A note on DPO with noisy preferences"
+    (cDPO); CS336 A5 supplement (``compute_per_instance_dpo_loss``).
+    """
+    _pair_vectors(
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+    )
+    if not beta > 0:
+        raise ValueError(f"beta={beta!r}; expected a positive float")
+    if not 0.0 <= label_smoothing <= 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing!r}; expected a float in [0, 0.5]")
+    h = (policy_chosen_logps - ref_chosen_logps.detach()) - (policy_rejected_logps - ref_rejected_logps.detach())
+    losses = -F.logsigmoid(beta * h)
+    if label_smoothing > 0:
+        losses = (1 - label_smoothing) * losses + label_smoothing * -F.logsigmoid(-beta * h)
+    return losses.mean()
+
+
+def per_instance_dpo_loss(
+    lm: torch.nn.Module,
+    lm_ref: torch.nn.Module,
+    tokenizer: Any,
+    beta: float,
+    prompt: str,
+    response_chosen: str,
+    response_rejected: str,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """DPO loss of one preference pair, straight from two causal LMs (the course supplement's helper).
+
+    Both responses are rendered after the same ``prompt`` string (apply any template or chat markup to it first),
+    with the tokenizer's EOS appended (unless the response already ends with it); prompt and response are tokenized
+    separately (``tokenize_prompt_and_output``), so the prompt tokens are identical in both sequences. The summed
+    log-probs over the response tokens only (EOS included) under ``lm`` and ``lm_ref`` go into ``dpo_loss``. The
+    reference runs under ``torch.no_grad``; gradients flow into ``lm``.
+
+    Args:
+        lm: the policy, a causal LM whose forward returns ``.logits``.
+        lm_ref: the frozen reference LM (may sit on another device).
+        tokenizer: tokenizer of both models, with ``eos_token`` and ``pad_token_id``.
+        beta: DPO beta (> 0).
+        prompt: the rendered prompt.
+        response_chosen: the preferred response (without EOS).
+        response_rejected: the dispreferred response.
+        label_smoothing: cDPO eps (default 0.0), see ``dpo_loss``.
+
+    Returns:
+        0-d tensor (on ``lm``'s device).
+
+    Raises:
+        ValueError: when a response is empty, the two responses are identical (h would be 0 whatever the models),
+        the tokenizer has no EOS token, or as ``dpo_loss``.
+
+    Source: CS336 A5 supplement (``compute_per_instance_dpo_loss``); Rafailov et al. 2023.
+    """
+    for name, response in (("response_chosen", response_chosen), ("response_rejected", response_rejected)):
+        if not response:
+            raise ValueError(f"{name} is empty; expected a non-empty response string")
+    if response_chosen == response_rejected:
+        raise ValueError(
+            "response_chosen and response_rejected are identical; a preference pair needs two different responses"
+        )
+    eos = tokenizer.eos_token
+    if eos is None:
+        raise ValueError("tokenizer has no eos_token; the responses must end with EOS")
+    outputs = [r if r.endswith(eos) else r + eos for r in (response_chosen, response_rejected)]
+    batch = tokenize_prompt_and_output([prompt, prompt], outputs, tokenizer)
+
+    def summed_response_logps(model: torch.nn.Module) -> torch.Tensor:
+        device = next(model.parameters()).device
+        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]
+        return masked_normalize(log_probs, batch["response_mask"].to(device), dim=-1)
+
+    policy = summed_response_logps(lm)
+    with torch.no_grad():
+        ref = summed_response_logps(lm_ref).to(policy.device)
+    return dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], beta, label_smoothing)
+
+
+def _neg_log1mexp(log_p: torch.Tensor, min_one_minus_p: float) -> torch.Tensor:
+    """-log(max(1 - p, min_one_minus_p)) from log p, without forming 1 - p when p is near 1 or near 0."""
+    x = log_p.float().clamp(max=math.log1p(-min_one_minus_p))
+    # log(1 - e^x): log(-expm1(x)) is accurate for x near 0, log1p(-exp(x)) for very negative x (Maechler 2012).
+    log1mexp = torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    return -log1mexp
+
+
+def unlikelihood_loss(log_probs: torch.Tensor, mask: torch.Tensor, min_one_minus_p: float = 1e-5) -> torch.Tensor:
+    """Token-level unlikelihood term of each sequence: mean over its masked tokens of -log(1 - p(token | prefix)).
+
+    Minimizing it pushes down the probability of tokens the model must not produce (here: the tokens of an unsafe
+    response after its prompt). Computed from log p as -log1mexp(log p) (log(-expm1(x)) near p = 1, log1p(-exp(x))
+    elsewhere), with 1 - p clamped to at least ``min_one_minus_p``: the term is at most -log(min_one_minus_p)
+    (11.51 for the default 1e-5) and stays finite, with a finite gradient, as p -> 1 (the gradient is 0 where the
+    clamp is active, as in Welleck et al.'s implementation). A sequence with no masked token contributes 0.
+
+    Args:
+        log_probs: (B, T) log p of each target token (<= 0).
+        mask: (B, T), 1 on the tokens to penalize.
+        min_one_minus_p: floor on 1 - p, in (0, 1) (default 1e-5).
+
+    Returns:
+        (B,) float32 per-sequence penalty.
+
+    Raises:
+        ValueError: on a shape mismatch or ``min_one_minus_p`` outside (0, 1).
+
+    Source: Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", equation 4 (token-level
+    unlikelihood); CS336 A5 supplement (safety penalty).
+    """
+    _check_same_shape("log_probs", log_probs, "mask", mask)
+    if not 0.0 < min_one_minus_p < 1.0:
+        raise ValueError(f"min_one_minus_p={min_one_minus_p!r}; expected a float in (0, 1)")
+    keep = mask.bool()
+    per_token = torch.where(keep, _neg_log1mexp(torch.where(keep, log_probs, -1.0), min_one_minus_p), 0.0)
+    counts = keep.sum(dim=-1)
+    return per_token.sum(dim=-1) / counts.clamp(min=1)
+
+
+def banned_token_unlikelihood_loss(
+    logits: torch.Tensor,
+    banned_token_ids: Sequence[int] | torch.Tensor,
+    mask: torch.Tensor,
+    min_one_minus_p: float = 1e-5,
+) -> torch.Tensor:
+    """Unlikelihood of a banned token set: per sequence, mean over masked positions of -log(1 - sum_b p(b)).
+
+    p(b) is the next-token probability of banned token b (e.g. the first token of each banned string); the mass
+    sum_b p(b) = exp(logsumexp(z_banned) - logsumexp(z)) is formed in log space and passed through the same stable,
+    clamped -log(1 - .) as ``unlikelihood_loss``. Positions where the mask is 0 contribute nothing; a sequence with
+    no masked position contributes 0.
+
+    Args:
+        logits: (B, T, V) next-token logits.
+        banned_token_ids: the banned token ids (at least one, each in [0, V)).
+        mask: (B, T), 1 at the positions to penalize (e.g. positions that predict a response token).
+        min_one_minus_p: floor on 1 - mass, in (0, 1) (default 1e-5).
+
+    Returns:
+        (B,) float32 per-sequence penalty.
+
+    Raises:
+        ValueError: when ``banned_token_ids`` is empty or out of range, or ``mask`` is not ``logits.shape[:2]``.
+
+    Source: Welleck et al. 2019 (unlikelihood over a set of negative candidates, equation 4).
+    """
+    ids = torch.as_tensor(banned_token_ids, dtype=torch.long, device=logits.device).flatten().unique()
+    if ids.numel() == 0:
+        raise ValueError("banned_token_ids is empty; expected at least one token id")
+    vocab = logits.shape[-1]
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"banned_token_ids {ids.tolist()} fall outside the vocabulary [0, {vocab})")
+    if logits.dim() != 3 or tuple(mask.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} and logits {tuple(logits.shape)}; expected (B, T) and (B, T, V)"
+        )
+    logits32 = logits.float()
+    log_mass = torch.logsumexp(logits32[..., ids], dim=-1) - torch.logsumexp(logits32, dim=-1)
+    return unlikelihood_loss(log_mass, mask, min_one_minus_p)
+
+
+__all__ += [
+    "bradley_terry_loss",
+    "dpo_loss",
+    "per_instance_dpo_loss",
+    "unlikelihood_loss",
+    "banned_token_unlikelihood_loss",
+]

@@ -1,0 +1,185 @@
+"""Preference-pair data for reward models and DPO: JSON-lines loader and row validation.
+
+File format, one JSON object per line (blank lines are ignored)::
+
+    {"prompt": "What is the capital of France?", "chosen": "The capital of France is Paris.",
+     "rejected": "The capital of France is Lyon.", "margin": 1.0}
+
+* ``prompt`` (required): a non-empty string, or a conversation ``[{"role": ..., "content": ...}, ...]``.
+* ``chosen``, ``rejected`` (required): the preferred and the dispreferred response, non-empty and different from
+  each other; strings, or (when the prompt is a conversation) assistant turns ``[{"role": "assistant", ...}]``.
+* ``margin`` (optional number): how much the chosen reward should exceed the rejected one (Bradley-Terry with
+  margin); rows without one get 0.0 when any row of the file has one.
+
+These are TRL's preference columns, so the resulting dataset goes to ``trl.RewardTrainer`` / ``trl.DPOTrainer`` and
+to ``trl_ext.RewardTrainer`` / ``trl_ext.DPOTrainer`` unchanged. All rows of a file must share one shape (all plain
+text or all conversational). A bad row raises ``ValueError`` naming the file, the row (0-based among non-blank
+lines) and the field; ``skip_invalid=True`` drops bad rows with one warning that counts them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+from datasets import Dataset, IterableDataset
+
+from trl_ext.data.instructions import collect_valid_rows
+
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+"""Required fields of a preference row."""
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _is_empty(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value.strip()
+    if _is_messages(value):
+        return not value or not any(isinstance(m["content"], str) and m["content"].strip() for m in value)
+    return True
+
+
+def validate_preference_row(
+    row: dict[str, Any], require_prompt: bool = True
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Check one preference row; return ``(row, None)`` or ``(None, error message naming the field)``.
+
+    Checks: the required fields are present (``prompt`` only when ``require_prompt``; TRL also accepts rows whose
+    chosen/rejected conversations carry the prompt), each is a non-empty string or message list, chosen differs from
+    rejected, and ``margin`` (if present and not None) is a finite number.
+    """
+    required = PREFERENCE_FIELDS if require_prompt else PREFERENCE_FIELDS[1:]
+    for name in required:
+        if name not in row or row[name] is None:
+            return None, f"missing required field {name!r}"
+    for name in PREFERENCE_FIELDS:
+        if name not in row:
+            continue
+        value = row[name]
+        if not isinstance(value, str) and not _is_messages(value):
+            return (
+                None,
+                f"field {name!r} is {type(value).__name__}; expected a string or a list of "
+                "{'role', 'content'} messages",
+            )
+        if _is_empty(value):
+            return None, f"field {name!r} is empty; expected a non-empty {'response' if name != 'prompt' else 'prompt'}"
+    if row["chosen"] == row["rejected"]:
+        return None, "fields 'chosen' and 'rejected' are identical; a preference pair needs two different responses"
+    margin = row.get("margin")
+    if margin is not None and (
+        isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin)
+    ):
+        return None, f"field 'margin' is {margin!r}; expected a finite number"
+    return row, None
+
+
+def load_preference_rows(path: str | os.PathLike, skip_invalid: bool = False) -> list[dict[str, Any]]:
+    """Read and validate a preference JSON-lines file (format in the module docstring).
+
+    Returns:
+        the valid rows; when any row has a ``margin``, every row gets one (0.0 where absent), as a float.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: invalid JSON, a missing/empty/mistyped field, chosen identical to rejected, a non-numeric margin,
+        rows that mix plain-text and conversational prompts (each naming file, row and field), or no valid row.
+    """
+    rows = collect_valid_rows(path, validate_preference_row, skip_invalid, "preference")
+    conversational = [_is_messages(row["prompt"]) for row in rows]
+    if any(conversational) and not all(conversational):
+        odd = conversational.index(not conversational[0])
+        shape = {True: "conversational", False: "plain-text"}
+        raise ValueError(
+            f"{path}: valid row {odd} has a {shape[conversational[odd]]} prompt but valid row 0 has a "
+            f"{shape[conversational[0]]} one; expected one shape for all rows"
+        )
+    if any(row.get("margin") is not None for row in rows):
+        rows = [{**row, "margin": float(row.get("margin") or 0.0)} for row in rows]
+    else:
+        rows = [{k: v for k, v in row.items() if k != "margin"} for row in rows]
+    return rows
+
+
+def to_conversational(row: dict[str, Any]) -> dict[str, Any]:
+    """Wrap a plain-text row as a conversation: the prompt as a user turn, each response as an assistant turn."""
+    if _is_messages(row["prompt"]):
+        return row
+    return {
+        **row,
+        "prompt": [{"role": "user", "content": row["prompt"]}],
+        "chosen": [{"role": "assistant", "content": row["chosen"]}],
+        "rejected": [{"role": "assistant", "content": row["rejected"]}],
+    }
+
+
+def load_preference_dataset(
+    path: str | os.PathLike, conversational: bool = False, skip_invalid: bool = False
+) -> Dataset:
+    """Load a preference file as a ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (and ``margin``).
+
+    Args:
+        path: the ``.jsonl`` file.
+        conversational: wrap plain-text rows as conversations (:func:`to_conversational`) so TRL renders them with
+            the chat template (default False: keep the file's shape).
+        skip_invalid: drop bad rows with one counting warning instead of raising.
+
+    Raises:
+        as :func:`load_preference_rows`.
+    """
+    rows = load_preference_rows(path, skip_invalid)
+    if conversational:
+        rows = [to_conversational(row) for row in rows]
+    keys = [k for k in ("prompt", "chosen", "rejected", "margin") if k in rows[0]]
+    return Dataset.from_dict({k: [row[k] for row in rows] for k in keys})
+
+
+def check_preference_dataset(dataset: Any, skip_invalid: bool = False, name: str = "train") -> Any:
+    """Validate the rows of an untokenized preference dataset before a trainer tokenizes it.
+
+    Applied by ``trl_ext.RewardTrainer`` and ``trl_ext.DPOTrainer`` to every map-style dataset that has ``chosen``
+    and ``rejected`` columns; tokenized datasets (``chosen_ids``) and streaming datasets pass through unchanged.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (anything else is returned as is).
+        skip_invalid: drop bad rows with one warning that counts them, instead of raising on the first.
+        name: the dataset's name in messages (e.g. ``"train"``, ``"eval"``).
+
+    Returns:
+        the dataset, without the bad rows when ``skip_invalid``.
+
+    Raises:
+        ValueError: a bad row (missing or empty field, chosen identical to rejected, bad margin), naming the
+        dataset, the row index and the field; or no valid row left.
+    """
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
+        return dataset
+    columns = set(dataset.column_names)
+    if not {"chosen", "rejected"} <= columns or "chosen_ids" in columns:
+        return dataset
+    keep_columns = [c for c in ("prompt", "chosen", "rejected", "margin") if c in columns]
+    require_prompt = "prompt" in columns
+    bad: list[int] = []
+    for index, row in enumerate(dataset.select_columns(keep_columns)):
+        _, error = validate_preference_row(row, require_prompt=require_prompt)
+        if error is None:
+            continue
+        if not skip_invalid:
+            raise ValueError(f"{name} dataset row {index}: {error} (set skip_invalid_pairs=True to drop such rows)")
+        bad.append(index)
+    if not bad:
+        return dataset
+    if len(bad) == len(dataset):
+        raise ValueError(f"{name} dataset: all {len(bad)} rows are invalid")
+    warnings.warn(
+        f"{name} dataset: skipped {len(bad)} invalid preference row(s) "
+        f"(rows {bad[:10]}{'...' if len(bad) > 10 else ''})",
+        stacklevel=2,
+    )
+    bad_set = set(bad)
+    return dataset.select([i for i in range(len(dataset)) if i not in bad_set])

@@ -1,0 +1,162 @@
+"""DPO with the course's per-instance loss: `trl.DPOTrainer` whose sigmoid loss comes from `trl_ext.functional`.
+
+With h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x)), log-probs summed over the
+response tokens (EOS included, prompt excluded):
+
+    loss = mean over pairs of (1 - eps) * (-log sigmoid(beta * h)) + eps * (-log sigmoid(-beta * h))
+
+eps = `label_smoothing` = 0 is DPO (Rafailov et al. 2023), and then the loss equals upstream's `loss_type="sigmoid"`;
+eps > 0 is conservative DPO (cDPO, Mitchell 2023), which upstream's sigmoid loss no longer implements. This loss is
+used for `loss_type=["sigmoid"]` with the default f-divergence (`reverse_kl`), no `ld_alpha`, no WPO weighting and no
+MoE aux loss; every other configuration is computed by upstream unchanged. Metrics keep TRL's names:
+`rewards/chosen`, `rewards/rejected` (implicit rewards beta * (log pi - log pi_ref)), `rewards/accuracies` (fraction
+of pairs with chosen reward > rejected reward), `rewards/margins` (mean beta * h), `logps/chosen`, `logps/rejected`,
+`entropy`, `num_tokens`. Rows are validated before tokenization as in `trl_ext.RewardTrainer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trl
+
+from trl_ext import functional as F
+from trl_ext.data.preferences import check_preference_dataset
+
+_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+
+@dataclass
+class DPOConfig(trl.DPOConfig):
+    r"""`trl.DPOConfig` with cDPO label smoothing for the sigmoid loss, and row validation.
+
+    Args:
+        label_smoothing (`float`, defaults to `0.0`):
+            Upstream field; with `loss_type=["sigmoid"]` it is the cDPO eps in [0, 0.5] (probability that a
+            preference label is flipped). Other loss types use it as upstream does.
+        skip_invalid_pairs (`bool`, defaults to `False`):
+            Drop invalid preference rows with one counting warning instead of raising on the first.
+    """
+
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "With loss_type=['sigmoid'] (default): the cDPO eps in [0, 0.5], the assumed probability that a "
+            "preference label is flipped; loss = (1-eps)(-log sigmoid(beta h)) + eps(-log sigmoid(-beta h)); 0 "
+            "(default) is plain DPO. For 'robust', 'exo_pair', 'aot' and 'aot_unpaired' it keeps its upstream "
+            "meaning."
+        },
+    )
+    skip_invalid_pairs: bool = field(
+        default=False,
+        metadata={
+            "help": "What to do with a preference row that has a missing or empty prompt/chosen/rejected or chosen "
+            "identical to rejected: False (default) raises a ValueError naming the row; True drops such rows and "
+            "warns once with their count."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type == ["sigmoid"] and not 0.0 <= self.label_smoothing <= 0.5:
+            raise ValueError(
+                f"label_smoothing={self.label_smoothing!r} with loss_type=['sigmoid']; "
+                "expected the cDPO eps in [0, 0.5]"
+            )
+
+
+class DPOTrainer(trl.DPOTrainer):
+    """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
+
+    Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...).
+
+    Raises:
+        ValueError: `label_smoothing` > 0 with "sigmoid" combined with other loss types or upstream extensions
+        (cDPO is defined for the sigmoid loss alone); an invalid preference row (see
+        `DPOConfig.skip_invalid_pairs`); and whatever `trl.DPOTrainer` raises.
+    """
+
+    _tag_names = ["trl", "dpo", "trl_ext"]
+
+    def __init__(
+        self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos_args: Any, **kwargs: Any
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = DPOConfig(f"{name.split('/')[-1]}-DPO")
+        elif not isinstance(args, DPOConfig):
+            args = DPOConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+        super().__init__(model, ref_model, args, *pos_args, **kwargs)
+        self.uses_course_loss = (
+            self.loss_types == ["sigmoid"]
+            and self.loss_weights == [1.0]
+            and self.f_divergence_type == "reverse_kl"
+            and self.ld_alpha is None
+            and not self.use_weighting
+            and not self.aux_loss_enabled
+        )
+        if args.label_smoothing > 0 and "sigmoid" in self.loss_types and not self.uses_course_loss:
+            raise ValueError(
+                f"label_smoothing={args.label_smoothing} (cDPO) is implemented for loss_type=['sigmoid'] alone with "
+                "f_divergence_type='reverse_kl', no ld_alpha, use_weighting=False and no MoE aux loss; got "
+                f"loss_type={self.loss_types}, f_divergence_type={self.f_divergence_type!r}, ld_alpha={self.ld_alpha}, "
+                f"use_weighting={self.use_weighting}."
+            )
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        dataset = check_preference_dataset(dataset, skip_invalid=args.skip_invalid_pairs, name=dataset_name)
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        # Mirrors trl 1.16.0 `DPOTrainer._compute_loss` for its default configuration (see `uses_course_loss`): the
+        # same fused-head forward and reference log-probs (upstream's `compute_ref_log_probs`), the loss from
+        # `trl_ext.functional.dpo_loss`, and upstream's reward/logp/entropy/num_tokens metrics.
+        if not self.uses_course_loss:
+            return super()._compute_loss(model, inputs, return_outputs)
+        mode = "train" if self.model.training else "eval"
+        model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        completion_mask = inputs["completion_mask"]
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
+        shift_completion_mask = completion_mask[..., 1:]
+        seq_len = shift_completion_mask.size(1)  # prompt-learning PEFT prepends virtual tokens: keep the real ones
+        chosen_logps, rejected_logps = outputs.log_probs[:, -seq_len:].sum(dim=1).chunk(2, dim=0)
+
+        if self.precompute_ref_logps:
+            ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        else:
+            ref_model = self.ref_model if self.ref_model is not None else self.model  # PEFT: adapters disabled there
+            ref_chosen_logps, ref_rejected_logps = self.compute_ref_log_probs(ref_model, inputs)
+
+        loss = F.dpo_loss(
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, self.beta, self.label_smoothing
+        )
+
+        gather = self.accelerator.gather_for_metrics
+        with torch.no_grad():
+            entropy_sum = gather((outputs.entropy[:, -seq_len:] * shift_completion_mask).sum()).sum()
+            total_tokens = gather(shift_completion_mask.sum()).sum()
+            self._metrics[mode]["entropy"].append((entropy_sum / total_tokens).item() if total_tokens > 0 else 0.0)
+            if mode == "train":
+                self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // self._tp_size
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            chosen_rewards = self.beta * (chosen_logps - ref_chosen_logps)
+            rejected_rewards = self.beta * (rejected_logps - ref_rejected_logps)
+            all_chosen, all_rejected = (
+                self.accelerator.gather(chosen_rewards),
+                self.accelerator.gather(rejected_rewards),
+            )
+            self._metrics[mode]["rewards/chosen"].append(all_chosen.mean().item())
+            self._metrics[mode]["rewards/rejected"].append(all_rejected.mean().item())
+            self._metrics[mode]["rewards/accuracies"].append((all_chosen > all_rejected).float().mean().item())
+            self._metrics[mode]["rewards/margins"].append((all_chosen - all_rejected).mean().item())
+            self._metrics[mode]["logps/chosen"].append(self.accelerator.gather(chosen_logps).mean().item())
+            self._metrics[mode]["logps/rejected"].append(self.accelerator.gather(rejected_logps).mean().item())
+
+        if return_outputs:  # deprecated upstream: the fused head builds no logits, so they take an extra forward
+            with torch.no_grad():
+                outputs = model(**model_kwargs)
+        return (loss, outputs) if return_outputs else loss
