@@ -13,18 +13,15 @@ implicit reward is 0: accuracy 0, margin 0, loss log 2. Writes `metrics.json` in
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig
 
 from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_model_and_tokenizer
+from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 
 HERE = Path(__file__).parent
@@ -97,18 +94,15 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         "script_args": asdict(script_args),
     }
     output_dir = Path(training_args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
-    table = Table(
-        title=f"DPO (beta {training_args.beta}, label smoothing {training_args.label_smoothing}), "
-        f"{len(test)} held-out pairs"
+    console = write_report(
+        output_dir,
+        report,
+        f"DPO (beta {training_args.beta}, label smoothing {training_args.label_smoothing}), "
+        f"{len(test)} held-out pairs",
+        before,
+        after,
+        ("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
     )
-    for column in ("held-out", "before", "after"):
-        table.add_column(column)
-    for key in ("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"):
-        table.add_row(key, f"{before[key]:.4f}", f"{after[key]:.4f}")
-    console = Console()
-    console.print(table)
     console.print(
         f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote {output_dir / 'metrics.json'}"
@@ -117,10 +111,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
 
 
 def parse_args(argv: list[str] | None = None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(HERE / "configs" / "dpo.yaml"), *argv]
-    return TrlParser((ScriptArguments, DPOConfig, ModelConfig)).parse_args_and_config(argv)
+    return parse_recipe_args((ScriptArguments, DPOConfig, ModelConfig), HERE / "configs" / "dpo.yaml", argv)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ metrics.json, eval_before.jsonl, eval_after.jsonl and the trained model (or adap
 """
 
 import json
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 import trl_ext
+from trl_ext.recipe_utils import parse_recipe_args
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
@@ -152,7 +152,4 @@ def main(script_args, training_args, model_args):
 
 
 if __name__ == "__main__":
-    if "--config" not in sys.argv:
-        sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    parser = trl.TrlParser((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG))

@@ -13,18 +13,15 @@ accuracy (fraction of pairs with r_chosen > r_rejected), mean reward margin and 
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_tokenizer, resolve_model_name_or_path
+from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
 
 HERE = Path(__file__).parent
@@ -104,14 +101,14 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         "script_args": asdict(script_args),
     }
     output_dir = Path(training_args.output_dir)
-    (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
-    table = Table(title=f"Bradley-Terry reward model, {len(test)} held-out pairs")
-    for column in ("held-out", "before", "after"):
-        table.add_column(column)
-    for key in ("pairwise_accuracy", "reward_margin", "bt_loss"):
-        table.add_row(key, f"{before[key]:.4f}", f"{after[key]:.4f}")
-    console = Console()
-    console.print(table)
+    console = write_report(
+        output_dir,
+        report,
+        f"Bradley-Terry reward model, {len(test)} held-out pairs",
+        before,
+        after,
+        ("pairwise_accuracy", "reward_margin", "bt_loss"),
+    )
     console.print(
         f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote the model and metrics.json to {output_dir}"
@@ -120,10 +117,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
 
 
 def parse_args(argv: list[str] | None = None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(HERE / "configs" / "reward_model.yaml"), *argv]
-    return TrlParser((ScriptArguments, RewardConfig, ModelConfig)).parse_args_and_config(argv)
+    return parse_recipe_args((ScriptArguments, RewardConfig, ModelConfig), HERE / "configs" / "reward_model.yaml", argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from rich.console import Console  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import trl_ext  # noqa: E402
+from trl_ext.recipe_utils import parse_recipe_args  # noqa: E402
 from trl_ext.data.preferences import load_preference_rows  # noqa: E402
 from trl_ext.eval import generate_completions  # noqa: E402
 from trl_ext.models import load_tokenizer, resolve_model_name_or_path  # noqa: E402
@@ -125,6 +126,4 @@ def main(script_args, training_args, model_args):
 
 
 if __name__ == "__main__":
-    if "--config" not in sys.argv:
-        sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    main(*trl.TrlParser((RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig)).parse_args_and_config())
+    main(*parse_recipe_args((RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG))

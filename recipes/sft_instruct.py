@@ -12,20 +12,21 @@ catch over-refusal). Writes `metrics.json` into `output_dir`.
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig
 
-from trl_ext.data.instructions import load_instruction_dataset, load_instruction_rows, render_prompt_text
+from trl_ext.data.instructions import (
+    load_instruction_dataset,
+    load_instruction_rows,
+    render_prompt_text,
+)
 from trl_ext.models import load_model_and_tokenizer
+from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
 
 HERE = Path(__file__).parent
@@ -116,17 +117,14 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         "script_args": asdict(script_args),
     }
     output_dir = Path(training_args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
-    table = Table(
-        title=f"SFT with safety penalty (weight {training_args.safety_penalty_weight}), {len(test)} held-out rows"
+    console = write_report(
+        output_dir,
+        report,
+        f"SFT with safety penalty (weight {training_args.safety_penalty_weight}), {len(test)} held-out rows",
+        before,
+        after,
+        ("heldout_ce_loss", "safety_penalty", "refusal_rate_safety", "refusal_rate_benign"),
     )
-    for column in ("held-out", "before", "after"):
-        table.add_column(column)
-    for key in ("heldout_ce_loss", "safety_penalty", "refusal_rate_safety", "refusal_rate_benign"):
-        table.add_row(key, f"{before[key]:.4f}", f"{after[key]:.4f}")
-    console = Console()
-    console.print(table)
     console.print(
         f"{train_output.global_step} steps on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
     )
@@ -137,10 +135,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
 
 
 def parse_args(argv: list[str] | None = None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(HERE / "configs" / "sft_instruct.yaml"), *argv]
-    return TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(argv)
+    return parse_recipe_args((ScriptArguments, SFTConfig, ModelConfig), HERE / "configs" / "sft_instruct.yaml", argv)
 
 
 if __name__ == "__main__":
