@@ -1,20 +1,99 @@
-"""Greedy evaluation of a causal LM on a math dataset, graded by a course-style reward function.
+"""Greedy evaluation of a causal LM on question/answer datasets, graded by a course-style reward function.
 
-``evaluate_math`` generates one greedy completion per prompt with Hugging Face ``generate`` (batched, left-padded,
-with a progress bar) and scores it with ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
-"answer_reward"}`` (see ``trl_ext.rewards``). Accuracy is the mean ``answer_reward``.
+``evaluate_math`` generates one greedy completion per prompt and scores it with ``reward_fn(response, ground_truth)
+-> {"reward", "format_reward", "answer_reward"}`` (see ``trl_ext.rewards``). Two generation backends:
+
+* Hugging Face ``generate`` (batched, left-padded, with a progress bar) when ``model`` is a ``torch.nn.Module``;
+* vLLM when ``model`` is a ``vllm.LLM`` (see :func:`load_eval_model`, which picks vLLM when it is installed and a
+  CUDA GPU is present, as the course's ``evaluate_vllm``).
+
+Accuracy is the mean ``answer_reward``. The result also holds the course's three-way breakdown of format and answer
+rewards, the responses that failed to parse (``format_reward == 0``), throughput, and every record, which
+:func:`write_jsonl` saves one JSON object per line.
+
+The course supplement's parsers are here too: :func:`parse_gsm8k_response` and :func:`parse_mmlu_response`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
+import os
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from trl_ext.rewards.math_answers import extract_last_number
 
+BACKENDS = ("auto", "hf", "vllm")
+"""Generation backends accepted by :func:`resolve_backend` / :func:`load_eval_model`."""
+
+MMLU_LETTERS = ("A", "B", "C", "D")
+
+
+# ------------------------------------------------------------------------------------------------------- parsers
+def parse_gsm8k_response(model_output: str) -> str | None:
+    """The last number in ``model_output`` as a string, or ``None`` when it holds no number (course supplement).
+
+    Uses :func:`trl_ext.rewards.extract_last_number`: thousands commas removed (``"1,234"`` -> ``"1234"``), a
+    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``).
+    """
+    return extract_last_number(model_output)
+
+
+# "answer is B", "Answer: (C)", "correct option is D." -- the letter must be a capital A-D standing alone.
+_MMLU_ANSWER_RE = re.compile(r"(?i:answer|option|choice)\s*(?:is|:)?\s*[:\-]?\s*\(?([A-D])\)?(?![A-Za-z0-9])")
+_MMLU_LONE_LETTER_RE = re.compile(r"^\s*\(?([A-D])\)?[.:)]?\s*$")
+
+
+def parse_mmlu_response(mmlu_example: Mapping[str, Any], model_output: str) -> str | None:
+    """The option letter ``"A"``-``"D"`` that ``model_output`` picks for ``mmlu_example``, or ``None`` (course supplement).
+
+    Rules, first match wins:
+
+    1. an explicit answer statement: ``"answer"``/``"option"``/``"choice"`` (any case), optionally ``"is"`` or
+       ``":"``, then a capital letter A-D standing alone, optionally in parentheses (``"The correct answer is B"``,
+       ``"Answer: (C)"``); the last such statement counts;
+    2. the whole output is one letter (``"B"``, ``"(B)"``, ``"B."``);
+    3. exactly one option's text appears in the output (case-insensitive), e.g. the model copied the option.
+
+    Args:
+        mmlu_example: an MMLU example with ``options``, a sequence of 4 option strings (other keys, such as
+            ``subject``, ``question`` and ``answer``, are not used).
+        model_output: the model's response text.
+
+    Returns:
+        ``"A"``, ``"B"``, ``"C"``, ``"D"`` or ``None`` when the output names no single option.
+
+    Raises:
+        ValueError: ``mmlu_example`` has no ``options`` field holding 4 strings.
+    """
+    options = mmlu_example.get("options") if isinstance(mmlu_example, Mapping) else None
+    if (
+        not isinstance(options, Sequence)
+        or isinstance(options, str)
+        or len(options) != 4
+        or not all(isinstance(o, str) for o in options)
+    ):
+        raise ValueError(f"mmlu_example['options'] must be a sequence of 4 strings, got {options!r}")
+    stated = _MMLU_ANSWER_RE.findall(model_output)
+    if stated:
+        return stated[-1]
+    lone = _MMLU_LONE_LETTER_RE.match(model_output)
+    if lone:
+        return lone.group(1)
+    text = model_output.lower()
+    found = [letter for letter, option in zip(MMLU_LETTERS, options) if option.strip() and option.strip().lower() in text]
+    return found[0] if len(found) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------- generation
 def render_prompts(tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]]) -> list[str]:
     """Strings stay as they are; conversations are rendered with the chat template and the generation prompt."""
     return [
@@ -33,7 +112,7 @@ def generate_completions(
     desc: str = "generating",
     disable_progress: bool = False,
 ) -> list[str]:
-    """Greedy completions for ``prompts`` (plain strings or chat conversations), in order.
+    """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
 
     Args:
         model: causal LM (put in eval mode for the call, then restored).
@@ -41,6 +120,8 @@ def generate_completions(
         prompts: N prompts.
         max_new_tokens: generation budget per completion (>= 1).
         batch_size: prompts per ``generate`` call (>= 1).
+        desc: progress-bar label.
+        disable_progress: hide the progress bar.
 
     Returns:
         N decoded completions without special tokens.
@@ -70,8 +151,170 @@ def generate_completions(
     return outputs
 
 
+def vllm_available() -> bool:
+    """True when the ``vllm`` package is installed and a CUDA GPU is visible."""
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Map ``"auto"`` to ``"vllm"`` when :func:`vllm_available`, else ``"hf"``; check an explicit choice.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+        ImportError: ``"vllm"`` requested but the package is not installed.
+        RuntimeError: ``"vllm"`` requested but no CUDA GPU is visible.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError("backend='vllm' needs the `vllm` package (install the GPU extra: `uv sync --extra gpu`)")
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='vllm' needs a CUDA GPU (torch.cuda.is_available() is False); use backend='hf'")
+    return backend
+
+
+def load_eval_model(
+    model_args: Any, backend: str = "auto", *, gpu_memory_utilization: float = 0.85, seed: int = 0
+) -> tuple[Any, Any, str]:
+    """Load a model for :func:`evaluate_math` from a ``trl.ModelConfig``: ``(model, tokenizer, backend)``.
+
+    With backend ``"hf"`` the model comes from :func:`trl_ext.models.load_model_and_tokenizer` (a LoRA config in
+    ``model_args`` is ignored: evaluate a merged model or a full checkpoint); with ``"vllm"`` it is a ``vllm.LLM``
+    over the same checkpoint (the embedded model resolves to its local directory). ``"auto"``: see
+    :func:`resolve_backend`. The model moves to the GPU when one is present.
+
+    Raises:
+        see :func:`resolve_backend`.
+    """
+    from trl_ext.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name_or_path
+
+    backend = resolve_backend(backend)
+    if backend == "vllm":
+        from vllm import LLM
+
+        tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
+        dtype = model_args.dtype if model_args.dtype not in (None, "auto") else "auto"
+        llm = LLM(
+            model=resolve_model_name_or_path(model_args.model_name_or_path),
+            revision=None if model_args.model_name_or_path is None else model_args.model_revision,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enable_prefix_caching=True,
+        )
+        return llm, tokenizer, backend
+    model, tokenizer, _ = load_model_and_tokenizer(model_args)
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    return model, tokenizer, backend
+
+
+def generate_completions_vllm(
+    llm: Any, tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], max_new_tokens: int
+) -> list[str]:
+    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``.
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = llm.generate(render_prompts(tokenizer, prompts), params)
+    return [out.outputs[0].text for out in outputs]
+
+
+def _is_vllm_engine(model: Any) -> bool:
+    return type(model).__module__.split(".")[0] == "vllm"
+
+
+# ----------------------------------------------------------------------------------------------------- scoring
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def score_responses(
+    prompts: Sequence[Any],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    reward_fn: Callable[[str, str], dict[str, float]],
+    num_examples: int = 3,
+) -> dict[str, Any]:
+    """Grade responses and aggregate the scores (no generation, no timing).
+
+    Args:
+        prompts, responses, answers: N each (prompts are only copied into the records).
+        reward_fn: course-style ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``.
+            A ``format_reward`` of NaN (format not measured, e.g. :func:`trl_ext.rewards.as_course_reward_fn`
+            without a format function) makes ``format_rate`` NaN and leaves the format counts ``None``.
+        num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
+
+    Returns:
+        dict with ``accuracy`` (mean answer_reward), ``format_rate`` (mean format_reward), ``reward`` (mean reward),
+        ``n``; ``breakdown``: counts of ``format1_answer1``, ``format1_answer0``, ``format0_answer0`` and
+        ``format0_answer1`` (a score counts as 1 when >= 0.5), the course's categories; ``num_unparsed`` (responses
+        with format_reward < 0.5) and ``unparsed_examples`` (the first ``num_examples`` of them); ``examples``
+        (the first ``num_examples`` records) and ``records`` (every prompt, response, answer and score).
+
+    Raises:
+        ValueError: the three sequences differ in length or are empty; ``reward_fn`` returns a dict without the
+            three keys (the message names the row).
+    """
+    if not (len(prompts) == len(responses) == len(answers)):
+        raise ValueError(
+            f"got {len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; expected equal counts"
+        )
+    if len(responses) == 0:
+        raise ValueError("nothing to score: expected at least one response")
+    records = []
+    for i, (prompt, response, answer) in enumerate(zip(prompts, responses, answers)):
+        scores = reward_fn(response, answer)
+        missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in scores]
+        if missing:
+            raise ValueError(f"reward_fn returned {scores!r} for row {i}; missing keys {missing}")
+        records.append(
+            {"prompt": prompt, "response": response, "answer": answer, **{k: float(v) for k, v in scores.items()}}
+        )
+    format_measured = not any(math.isnan(r["format_reward"]) for r in records)
+    breakdown: dict[str, int | None] = {}
+    for fmt in (1, 0):
+        for ans in (1, 0):
+            key = f"format{fmt}_answer{ans}"
+            breakdown[key] = (
+                sum((r["format_reward"] >= 0.5) == fmt and (r["answer_reward"] >= 0.5) == ans for r in records)
+                if format_measured
+                else None
+            )
+    unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
+    return {
+        "accuracy": _mean([r["answer_reward"] for r in records]),
+        "format_rate": _mean([r["format_reward"] for r in records]),
+        "reward": _mean([r["reward"] for r in records]),
+        "n": len(records),
+        "breakdown": breakdown,
+        "num_unparsed": len(unparsed) if format_measured else None,
+        "unparsed_examples": unparsed[:num_examples],
+        "examples": records[:num_examples],
+        "records": records,
+    }
+
+
+def write_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Write one JSON object per line (UTF-8, non-ASCII kept); create parent directories; return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return path
+
+
 def evaluate_math(
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     dataset: Any,
     reward_fn: Callable[[str, str], dict[str, float]],
@@ -79,38 +322,55 @@ def evaluate_math(
     batch_size: int = 32,
     desc: str = "evaluating",
     num_examples: int = 3,
+    *,
+    jsonl_path: str | os.PathLike | None = None,
+    disable_progress: bool = False,
 ) -> dict[str, Any]:
     """Greedy accuracy of ``model`` on ``dataset`` (columns ``prompt`` and ``answer``).
 
+    Args:
+        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (all
+            prompts in one call), e.g. from :func:`load_eval_model`.
+        tokenizer: the model's tokenizer (renders chat prompts, counts generated tokens).
+        dataset: a ``datasets.Dataset`` (or anything with ``column_names`` and ``__getitem__(column)``).
+        reward_fn: course-style reward function (see :func:`score_responses`).
+        max_new_tokens: generation budget per response.
+        batch_size: prompts per HF ``generate`` call.
+        desc: progress-bar label.
+        num_examples: records kept in ``examples`` / ``unparsed_examples``.
+        jsonl_path: when given, every record is written there (:func:`write_jsonl`).
+        disable_progress: hide the HF progress bar.
+
     Returns:
-        dict with ``accuracy`` (mean answer_reward), ``format_rate`` (mean format_reward), ``reward`` (mean
-        reward), ``n``, ``seconds``, ``examples_per_second``, ``examples`` (the first ``num_examples`` records)
-        and ``records`` (every prompt, response, answer and score).
+        :func:`score_responses`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall
+        time), ``examples_per_second``, ``generated_tokens`` (responses re-tokenized, special tokens excluded) and
+        ``tokens_per_second``.
 
     Raises:
-        ValueError: when the dataset lacks a ``prompt`` or ``answer`` column or is empty.
+        ValueError: the dataset lacks a ``prompt`` or ``answer`` column or is empty.
     """
     for column in ("prompt", "answer"):
         if column not in dataset.column_names:
             raise ValueError(f"dataset has columns {dataset.column_names}; expected a '{column}' column")
     if len(dataset) == 0:
         raise ValueError("dataset is empty; expected at least one row to evaluate")
+    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    backend = "vllm" if _is_vllm_engine(model) else "hf"
     start = time.perf_counter()
-    responses = generate_completions(model, tokenizer, dataset["prompt"], max_new_tokens, batch_size, desc)
+    if backend == "vllm":
+        responses = generate_completions_vllm(model, tokenizer, prompts, max_new_tokens)
+    else:
+        responses = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress)
     seconds = time.perf_counter() - start
-    records = []
-    for prompt, response, answer in zip(dataset["prompt"], responses, dataset["answer"]):
-        scores = reward_fn(response, answer)
-        records.append({"prompt": prompt, "response": response, "answer": answer, **scores})
-    n = len(records)
-    mean = lambda key: sum(float(r[key]) for r in records) / n  # noqa: E731
-    return {
-        "accuracy": mean("answer_reward"),
-        "format_rate": mean("format_reward"),
-        "reward": mean("reward"),
-        "n": n,
-        "seconds": seconds,
-        "examples_per_second": n / seconds,
-        "examples": records[:num_examples],
-        "records": records,
-    }
+    result = score_responses(prompts, responses, answers, reward_fn, num_examples)
+    tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
+    result.update(
+        backend=backend,
+        seconds=seconds,
+        examples_per_second=result["n"] / seconds,
+        generated_tokens=tokens,
+        tokens_per_second=tokens / seconds,
+    )
+    if jsonl_path is not None:
+        write_jsonl(result["records"], jsonl_path)
+    return result

@@ -51,3 +51,24 @@ __all__ = [
     "r1_zero_reward_fn",
     "to_decimal",
 ]
+
+# Sorting toy task of the lecture (shaped vs all-or-nothing reward).
+from trl_ext.rewards.sorting import (  # noqa: E402
+    parse_number_list,
+    sort_exact_match,
+    sort_exact_reward,
+    sort_exact_reward_fn,
+    sort_inclusion_ordering_reward,
+    sort_shaped_reward,
+    sort_shaped_reward_fn,
+)
+
+__all__ += [
+    "parse_number_list",
+    "sort_exact_match",
+    "sort_exact_reward",
+    "sort_exact_reward_fn",
+    "sort_inclusion_ordering_reward",
+    "sort_shaped_reward",
+    "sort_shaped_reward_fn",
+]

@@ -1,0 +1,206 @@
+"""trl_ext.compare: arm parsing and configs, summaries with hand-worked values, peak memory, reports, end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import trl
+from datasets import Dataset
+
+import trl_ext
+from trl_ext.compare import (
+    ARM_PRESETS,
+    Arm,
+    PeakMemory,
+    arm_config,
+    comparison_table,
+    metric_curve,
+    parse_arms,
+    run_comparison,
+    summarize_arm,
+    write_comparison,
+)
+from trl_ext.eval import evaluate_math
+from trl_ext.rewards import gsm8k_reward_fn
+
+BASE = dict(
+    use_cpu=True,
+    bf16=False,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    learning_rate=1e-2,
+    max_steps=2,
+    seed=0,
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------- arms
+def test_parse_arms_presets_mappings_and_json():
+    arms = parse_arms(
+        [
+            "trl",
+            {"name": "lr_high", "preset": "course", "learning_rate": 5e-5},
+            '{"name": "plain", "normalize_by_std": false}',
+        ]
+    )
+    assert [a.name for a in arms] == ["trl", "lr_high", "plain"]
+    assert arms[0].trainer == "trl" and arms[0].settings == {k: v for k, v in ARM_PRESETS["trl"].items() if k != "trainer"}
+    assert arms[1].trainer == "trl_ext" and arms[1].settings["learning_rate"] == 5e-5
+    assert arms[1].settings["normalize_by_std"] is True  # from the preset
+    assert arms[2] == Arm("plain", "trl_ext", {"normalize_by_std": False})
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["nope"], "unknown preset 'nope'"),
+        ([{"preset": "course"}], "mapping with a 'name'"),
+        (["trl", "trl"], r"repeated: \['trl'\]"),
+        ([{"name": "u", "trainer": "trl", "loss_type": "grpo"}], r"missing \['scale_rewards', 'beta', 'epsilon'\]"),
+        ([{"name": "o", "preset": "course", "loss_type": "dr_grpo"}], "derived from length_normalization"),
+        ([{"name": "o", "normalise_by_std": False}], r"\['normalise_by_std'\] are not fields"),
+        ([{"name": "u", "trainer": "trl", "normalize_by_std": False}], "are not fields of trl"),
+        ([{"name": "a b"}], "without spaces"),
+        (['{"name": "x",'], "invalid JSON"),
+        ([], "at least one arm"),
+    ],
+)
+def test_parse_arms_rejects(specs, message):
+    with pytest.raises(ValueError, match=message):
+        parse_arms(specs)
+
+
+def test_arm_config_carries_shared_settings(tmp_path):
+    base = trl.GRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, steps_per_generation=2, **BASE)
+    upstream, course, dr = (arm_config(base, a) for a in parse_arms(["trl", "course", "dr_grpo"]))
+    assert type(upstream) is trl.GRPOConfig and type(course) is trl_ext.GRPOConfig
+    for config, name in ((upstream, "trl"), (course, "course"), (dr, "dr_grpo")):
+        assert config.output_dir == str(tmp_path / name) and config.run_name == name
+        assert config.learning_rate == 1e-2 and config.max_steps == 2 and config.seed == 0
+        assert config.steps_per_generation == 2 and config.generation_batch_size == 8
+        assert config.activation_checkpointing is False
+    assert (upstream.loss_type, upstream.scale_rewards, upstream.beta, upstream.epsilon) == ("grpo", "group", 0.0, 0.2)
+    assert (course.loss_type, course.scale_rewards) == ("grpo", "group")
+    assert (dr.loss_type, dr.scale_rewards, dr.normalize_by_std) == ("dr_grpo", "none", False)
+
+
+def test_arm_config_rejects_shared_loss_type(tmp_path):
+    base = trl.GRPOConfig(output_dir=str(tmp_path), loss_type="grpo", **BASE)
+    with pytest.raises(ValueError, match="shared config sets loss_type='grpo'; set it per arm"):
+        arm_config(base, parse_arms(["course"])[0])
+
+
+# ------------------------------------------------------------------------------------------------------ summaries
+def test_metric_curve_skips_missing_and_nan():
+    history = [{"step": 1, "reward": 0.5}, {"step": 2}, {"step": 3, "reward": float("nan")}, {"step": 4, "reward": 1}]
+    assert metric_curve(history, "reward") == [(1, 0.5), (4, 1.0)]
+
+
+def test_summarize_arm_hand_worked():
+    history = [{"step": s, "reward": r, "entropy": 2.0 - s / 10} for s, r in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)]
+    history.append({"step": 6, "train_runtime": 10.0})
+    evals = [{"step": 20, "accuracy": 0.4}, {"step": 0, "accuracy": 0.1}, {"step": 10, "accuracy": 0.5}, {"step": 15, "accuracy": 0.5}]
+    arm = Arm("a", "trl_ext", {"normalize_by_std": False})
+    s = summarize_arm(
+        arm, history, [3.0, 1.0, 2.0, 10.0], evals, generated_tokens=300, generation_seconds=1.5,
+        peak_memory_bytes=2**30, memory_kind="rss_peak", train_seconds=16.0,
+    )
+    assert s["final_accuracy"] == 0.4  # last evaluated step (20), not the last in the list order
+    assert (s["best_accuracy"], s["best_step"]) == (0.5, 10)  # the first of the tied best
+    assert s["accuracy_curve"] == [[0, 0.1], [10, 0.5], [15, 0.5], [20, 0.4]]
+    assert s["median_step_seconds"] == 2.5  # median of 1, 2, 3, 10
+    assert s["final_reward"] == pytest.approx(0.4)  # mean of the last 5 rewards 0.2..0.6
+    assert s["gen_tokens_per_second"] == 200.0
+    assert s["steps"] == 4 and s["settings"] == {"normalize_by_std": False}
+    assert s["curves"]["entropy"][0] == [1, pytest.approx(1.9)]
+    assert "completions/mean_length" not in s["curves"]  # never logged
+    empty = summarize_arm(arm, [], [], [])
+    assert empty["final_accuracy"] is None and empty["median_step_seconds"] is None and empty["gen_tokens_per_second"] is None
+
+
+def test_comparison_table_rows():
+    arm = Arm("course", "trl_ext", {"beta": 0.0})
+    s = summarize_arm(arm, [{"step": 1, "reward": 0.25}], [2.0], [{"step": 0, "accuracy": 0.1}, {"step": 5, "accuracy": 0.375}],
+                      generated_tokens=50, generation_seconds=2.0, peak_memory_bytes=3 * 2**29)
+    table = comparison_table([s])
+    assert table.splitlines()[2] == "| course | trl_ext | 37.5% | 37.5% (5) | 0.250 | 2.00 | 1.50 | 25.0 | beta=0.0 |"
+
+
+def test_peak_memory_sees_a_temporary_allocation():
+    meter = PeakMemory(device="cpu").start()
+    block = np.ones(25_000_000)  # 200 MB, touched
+    del block
+    with_block = meter.stop()
+    meter.start()
+    without = meter.stop()
+    assert meter.kind in ("rss_peak", "rss_sampled")
+    assert with_block - without > 180e6
+
+
+def test_write_comparison_files(tmp_path):
+    arms = parse_arms(["trl", "course"])
+    results = [
+        summarize_arm(a, [{"step": s, "reward": s / 10, "entropy": 1.0, "completions/mean_length": 5.0} for s in (1, 2, 3)],
+                      [1.0, 1.0, 1.0], [{"step": 0, "accuracy": 0.1}, {"step": 3, "accuracy": 0.2 + i / 10}])
+        for i, a in enumerate(arms)
+    ]
+    paths = write_comparison(results, tmp_path, {"model": "tiny", "steps per arm": 3}, title="t", command="uv run x")
+    data = json.loads(paths["json"].read_text())
+    assert data["setup"] == {"model": "tiny", "steps per arm": 3}
+    assert [a["final_accuracy"] for a in data["arms"]] == [0.2, pytest.approx(0.3)]
+    md = paths["md"].read_text()
+    assert "    uv run x" in md and "| trl | trl | 20.0% |" in md and "![comparison](comparison.png)" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def length_mod5_reward(completions, **kwargs):
+    """Toy reward that varies between random completions: text length modulo 5."""
+    return [float(len(c) % 5) for c in completions]
+
+
+@pytest.mark.slow  # about 20 s on 2 busy cores
+def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny_model.save_pretrained(model_dir)
+    tok = copy.deepcopy(tokenizer)
+
+    def load_model():
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir), copy.deepcopy(tok), None
+
+    train = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(8)]})
+    test = Dataset.from_dict({"prompt": ["What is 1 + 1?", "What is 2 + 3?"], "answer": ["2", "5"]})
+    eval_fn = partial(evaluate_math, tokenizer=tok, dataset=test, reward_fn=gsm8k_reward_fn, max_new_tokens=4,
+                      disable_progress=True)
+    base = trl.GRPOConfig(output_dir=str(tmp_path / "out"), logging_steps=1, temperature=1.5, gradient_checkpointing=False,
+                          log_completions=True, **{**BASE, "report_to": "tensorboard"})
+    results = run_comparison(parse_arms(["trl", "course"]), base, load_model, train, length_mod5_reward, eval_fn, [0, 2],
+                             curve_keys=("reward", "heldout/accuracy"), log=lambda m: None)
+    assert [r["name"] for r in results] == ["trl", "course"]
+    for r in results:
+        assert r["steps"] == 2 and r["median_step_seconds"] > 0
+        assert [s for s, _ in r["accuracy_curve"]] == [0, 2]
+        assert r["generated_tokens"] > 0 and r["gen_tokens_per_second"] > 0
+        assert r["peak_memory_bytes"] > 0
+        assert [s for s, _ in r["curves"]["reward"]] == [1, 2]
+        assert r["curves"]["heldout/accuracy"] == [r["accuracy_curve"][1]]  # logged with TRL's metrics at step 2
+        arm_dir = tmp_path / "out" / r["name"]
+        assert list(arm_dir.rglob("events.out.tfevents.*")), "tensorboard logs expected"
+        tables = sorted(arm_dir.glob("completions/completions_*.parquet"))  # TRL's completions table, one per log
+        assert [t.name for t in tables] == ["completions_00001.parquet", "completions_00002.parquet"]
+        assert len(pd.read_parquet(tables[0])) == 4  # 4 completions per step
+    # same seed, same initial model, same prompts: the first rollout batch (and its reward) is identical
+    assert results[0]["curves"]["reward"][0] == results[1]["curves"]["reward"][0]
+    assert results[0]["accuracy_curve"][0] == results[1]["accuracy_curve"][0]  # the shared step-0 evaluation
