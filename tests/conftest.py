@@ -44,3 +44,17 @@ def embedded_model_dir() -> Path:
     Only for tests marked `@pytest.mark.slow`.
     """
     return ensure_embedded_model()
+
+
+def load_recipe(name):
+    """Import recipes/<name>.py as a module (recipes/ is not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import load_recipe
 import torch
 import trl
 from datasets import Dataset
@@ -168,20 +169,6 @@ def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path)
 
 
 # ----- the recipe -----
-
-
-def load_recipe(name):
-    """Import recipes/<name>.py as a module (recipes/ is not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tmp_path):

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from conftest import load_recipe
 import torch
 import trl
 from datasets import Dataset
@@ -329,20 +330,6 @@ def test_pack_instruction_dataset_respects_documents(tokenizer, tiny_model):
 
 
 # ----- the recipe -----
-
-
-def load_recipe(name):
-    """Import recipes/<name>.py as a module (recipes/ is not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_recipe_defaults_come_from_its_config():
