@@ -26,16 +26,14 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+import trl
 
-import torch  # noqa: E402
-import trl  # noqa: E402
-
-import trl_ext  # noqa: E402
-from trl_ext.compare import PeakMemory, release_memory  # noqa: E402
-from trl_ext.data import make_arithmetic_dataset  # noqa: E402
-from trl_ext.models import load_model, load_tokenizer  # noqa: E402
-from trl_ext.rewards import arithmetic_reward  # noqa: E402
+import trl_ext
+from trl_ext.compare import PeakMemory, release_memory
+from trl_ext.data import make_arithmetic_dataset
+from trl_ext.models import load_model, load_tokenizer
+from trl_ext.rewards import arithmetic_reward
 
 
 def parse_args():

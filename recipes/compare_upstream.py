@@ -19,7 +19,11 @@ from pathlib import Path
 
 import trl
 from accelerate import PartialState
-from grpo_math import REWARDS, MathScriptArguments, load_data  # the math recipe's data options and loaders
+from grpo_math import (  # the math recipe's data options and loaders
+    REWARDS,
+    MathScriptArguments,
+    load_data,
+)
 
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math

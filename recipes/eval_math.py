@@ -10,7 +10,6 @@ answer and score) into --output_dir and prints a summary with examples of respon
 """
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def main(args: EvalArguments, model_args: trl.ModelConfig) -> dict:
 
     console = Console()
     table = Table(title=f"{metrics['model']} on {metrics['dataset']} ({result['n']} problems, greedy, {backend})")
-    for column in ("accuracy", "format rate", "format ok + right", "format ok + wrong", "unparsed", "examples/s", "tokens/s"):
+    for column in ("accuracy", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "ex/s", "tok/s"):
         table.add_column(column)
     b = result["breakdown"]
     table.add_row(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -169,7 +168,6 @@ def length_mod5_reward(completions, **kwargs):
     return [float(len(c) % 5) for c in completions]
 
 
-@pytest.mark.slow  # about 20 s on 2 busy cores
 def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
     model_dir = tmp_path / "tiny"
     tiny_model.save_pretrained(model_dir)

@@ -524,8 +524,8 @@ def comparison_table(results: Sequence[Mapping[str, Any]]) -> str:
     """A Markdown table with one row per arm: accuracy (final, best@step), final train reward, median s/step, peak
     memory (GiB), generated tokens/s and the arm's settings."""
     lines = [
-        "| arm | trainer | held-out acc. (final) | best (step) | train reward (last 5) | s/step (median) "
-        "| peak mem (GiB) | gen. tok/s | settings |",
+        "| arm | trainer | held-out acc. (final) | best (step) | train reward (last 5) | s/step (median) | peak mem (GiB) "
+        + "| gen. tok/s | settings |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -584,21 +584,24 @@ def plot_comparison(
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(results):
         color = colors[i % len(colors)]
+        # Later arms are drawn thinner and on top, so arms whose curves coincide stay visible as nested lines and
+        # markers; upstream arms are dashed and drawn over everything, so an arm with the same math shows through
+        # the gaps of the upstream curve.
         upstream = r["trainer"] == "trl"
-        # upstream dashed and on top, so that it stays visible where an arm with the same math coincides with it
-        style, z = ("--", 3) if upstream else ("-", 2)
+        style = "--" if upstream else "-"
+        z, width, marker = (100 if upstream else 2) + i, max(1.2, 3.2 - 0.6 * i), max(3.0, 9.0 - 2.0 * i)
         label = f"{r['name']} ({r['trainer']})"
         acc = r["accuracy_curve"]
         if acc:
             axes[0].plot([s for s, _ in acc], [a for _, a in acc], style, marker="o", color=color, label=label, zorder=z,
-                         markersize=4 if upstream else 6)
+                         linewidth=width, markersize=marker)
         for ax, (key, _) in zip(axes[1:], panels):
             curve = r["curves"].get(key, [])
             if not curve:
                 continue
             steps, values = [s for s, _ in curve], [v for _, v in curve]
             ax.plot(steps, values, style, color=color, alpha=0.25, linewidth=1, zorder=z)
-            ax.plot(steps, _running_mean(values, smooth), style, color=color, linewidth=2, label=label, zorder=z)
+            ax.plot(steps, _running_mean(values, smooth), style, color=color, linewidth=width, label=label, zorder=z)
     axes[0].set_title(accuracy_title)
     axes[0].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     for ax, (_, panel_title) in zip(axes[1:], panels):

@@ -189,7 +189,11 @@ def load_eval_model(
     Raises:
         see :func:`resolve_backend`.
     """
-    from trl_ext.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name_or_path
+    from trl_ext.models import (
+        load_model_and_tokenizer,
+        load_tokenizer,
+        resolve_model_name_or_path,
+    )
 
     backend = resolve_backend(backend)
     if backend == "vllm":

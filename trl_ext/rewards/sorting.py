@@ -23,6 +23,7 @@ same numbers as the prompt, so the shaped reward needs no other column.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -71,7 +72,7 @@ def sort_inclusion_ordering_reward(prompt: Sequence[int], response: Sequence[int
     if len(response) != len(prompt):
         raise ValueError(f"response has {len(response)} numbers, prompt {len(prompt)}; expected the same count")
     inclusion = sum(1 for x in prompt if x in response)
-    ordering = sum(1 for x, y in zip(response, response[1:]) if x <= y)
+    ordering = sum(1 for x, y in itertools.pairwise(response) if x <= y)
     return float(inclusion + ordering)
 
 
