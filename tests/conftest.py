@@ -58,3 +58,17 @@ def load_recipe(name):
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
+
+
+# Training arguments every tiny-model trainer test shares: one CPU step, no saving, no reporting.
+CPU_TEST_ARGS = dict(
+    max_steps=1,
+    report_to="none",
+    bf16=False,
+    use_cpu=True,
+    save_strategy="no",
+    disable_tqdm=True,
+    logging_steps=1,
+    activation_checkpointing=False,
+    seed=0,
+)
