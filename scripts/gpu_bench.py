@@ -25,8 +25,8 @@ Measured per run, each run after the previous one's memory was freed:
 - generated tokens/s: completion tokens of the timed steps / the time spent in ``trainer._generate``;
 - the estimate of scripts/memory_estimate.py for the same model, method, G, completion and prompt length.
 
-Time budget (``--budget-s``, default 210 s on CUDA): runs go in priority order (LoRA 256 for both trainers, then
-LoRA 1024 for both, then QLoRA), and a run whose predicted time (the last run of the same completion length, or 4x
+Time budget (``--budget-s``, default 210 s on CUDA): runs go in priority order (LoRA 256 for both trainers, LoRA
+1024 for trl_ext, QLoRA 256, then LoRA 1024 for upstream and QLoRA 1024), and a run whose predicted time (the last run of the same completion length, or 4x
 a run of a quarter of the length) would pass the budget is skipped and listed as such. Planned, not measured (no
 GPU has run this yet): on an H200 a 1.5B model generates 8 sequences at roughly 15-30 ms per token with
 transformers, so a step of 256 tokens takes about 5-8 s and one of 1024 about 20-30 s; 2 steps per run.
@@ -288,13 +288,14 @@ def add_estimate(record: dict, spec, memory_estimate) -> None:
 
 
 def plan(args, bnb_ok: bool) -> list[tuple[str, str, int]]:
-    """(trainer, method, completion length) in priority order."""
-    runs = []
-    for length in args.completion_lengths:
-        runs += [("trl_ext", "lora", length), ("trl", "lora", length)]
-    if "qlora" in args.methods:
-        runs += [("trl_ext", "qlora", length) for length in args.completion_lengths]
-    return [r for r in runs if r[1] in args.methods and (r[1] != "qlora" or bnb_ok)]
+    """(trainer, method, completion length) in priority order: both trainers at the shortest length (the step-time
+    ratio), trl_ext at each longer length (memory against the estimate), QLoRA at the shortest, then the rest."""
+    lengths = sorted(args.completion_lengths)
+    first = [("trl_ext", "lora", lengths[0]), ("trl", "lora", lengths[0])]
+    first += [("trl_ext", "lora", length) for length in lengths[1:]]
+    first += [("trl_ext", "qlora", lengths[0])]
+    rest = [("trl", "lora", length) for length in lengths[1:]] + [("trl_ext", "qlora", length) for length in lengths[1:]]
+    return [r for r in first + rest if r[1] in args.methods and (r[1] != "qlora" or bnb_ok)]
 
 
 def predicted_s(done: list[dict], length: int) -> float:
