@@ -139,8 +139,11 @@ def independent_log_probs(model, inputs, temperature):
     ],
 )
 def test_course_options_change_the_loss_as_functional_says(options, tokenizer, tiny_model_dir, tmp_path):
+    # num_iterations=2 (old log-probs that differ from the current ones) only where the loss is off-policy-correct
+    iterations = 1 if options["pg_loss_type"] in ("no_baseline", "reinforce_with_baseline") else 2
     trainer = make_trainer(
-        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=2, **options
+        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=iterations,
+        **options,
     )
     batch = generation_batch(trainer)
     completions = trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
@@ -203,7 +206,47 @@ def test_config_rejects_conflicts_and_unsupported_options(tmp_path):
     assert (config.loss_type, config.scale_rewards) == ("dr_grpo", "none")
 
 
-def test_trainer_requires_our_config(tokenizer, tiny_model, tmp_path):
-    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
-    with pytest.raises(TypeError, match="trl_ext.GRPOConfig"):
-        trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
+def upstream_fields_equal(converted, upstream, skip=()):
+    import dataclasses
+
+    for f in dataclasses.fields(upstream):
+        if f.init and f.name not in skip:
+            assert getattr(converted, f.name) == getattr(upstream, f.name), f.name
+
+
+@pytest.mark.parametrize(
+    "loss_type, scale_rewards, length_normalization, normalize_by_std",
+    [("grpo", "group", "masked_mean", True), ("dr_grpo", "none", "masked_normalize", False), ("grpo", False, "masked_mean", False)],
+)
+def test_trainer_accepts_the_upstream_config(loss_type, scale_rewards, length_normalization, normalize_by_std, tokenizer, tiny_model_dir, tmp_path):
+    args = trl.GRPOConfig(
+        **{**COMMON, "output_dir": str(tmp_path), "loss_type": loss_type, "scale_rewards": scale_rewards, "beta": 0.04,
+           "epsilon": 0.3, "num_iterations": 2, "hub_token": "hf_secret"}
+    )
+    trainer = trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
+    assert isinstance(trainer.args, trl_ext.GRPOConfig)
+    assert (trainer.args.length_normalization, trainer.args.normalize_by_std) == (length_normalization, normalize_by_std)
+    assert (trainer.beta, trainer.args.epsilon, trainer.args.hub_token) == (0.04, 0.3, "hf_secret")
+    assert trainer.args.use_bias_correction_kl is True  # upstream's default value is kept with its upstream meaning
+    upstream_fields_equal(trainer.args, args)
+    # the course fields say what upstream's asked for: the loss is the same function of the same batch
+    same = trl_ext.GRPOConfig(**{**COMMON, "output_dir": str(tmp_path), "beta": 0.04, "epsilon": 0.3, "num_iterations": 2,
+                                 "length_normalization": length_normalization, "normalize_by_std": normalize_by_std,
+                                 "use_bias_correction_kl": True})
+    assert (same.loss_type, same.scale_rewards) == (trainer.args.loss_type, trainer.args.scale_rewards)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(), "loss_type='dapo' .* is not implemented by the course loss"),  # upstream's default
+        (dict(loss_type="bnpo"), "loss_type='bnpo' .* is not implemented"),
+        (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' .* is not implemented"),
+        (dict(loss_type="grpo", importance_sampling_level="sequence"), "importance_sampling_level='sequence' is not supported"),
+        (dict(loss_type="grpo", epsilon_high=0.28), "epsilon_high=0.28 differs from epsilon=0.2"),
+    ],
+)
+def test_upstream_config_asking_for_other_math_raises(override, message, tmp_path):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, **override)
+    with pytest.raises(ValueError, match=message):
+        trl_ext.GRPOConfig.from_upstream(args)
