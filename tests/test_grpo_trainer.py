@@ -115,9 +115,19 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, tokenize
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:
         torch.testing.assert_close(grads_ext[name], grads_ref[name], atol=1e-6, rtol=1e-4)
-    for key in ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+    keys = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/low_min", "clip_ratio/high_max")
+    for key in keys:
         assert ext._metrics["train"][key][-1] == pytest.approx(ref._metrics["train"][key][-1], abs=1e-6), key
     assert ext._metrics["train"]["clip_ratio/region_mean"][-1] > 0, "perturbation should clip some tokens"
+    # upstream's definitions by hand: per-sequence clipped fractions, then the min (low) / max (high) over sequences
+    logp = independent_log_probs(ext.model, inputs, COMMON["temperature"])
+    ratio, adv, mask = torch.exp(logp - inputs["old_per_token_logps"]), batch_ext["advantages"][:, None], inputs["completion_mask"]
+    low = (((ratio < 0.8) & (adv < 0)).float() * mask).sum(-1) / mask.sum(-1)
+    high = (((ratio > 1.2) & (adv > 0)).float() * mask).sum(-1) / mask.sum(-1)
+    assert ext._metrics["train"]["clip_ratio/low_min"][-1] == pytest.approx(low.min().item(), abs=1e-6)
+    assert ext._metrics["train"]["clip_ratio/high_max"][-1] == pytest.approx(high.max().item(), abs=1e-6)
+    assert high.max() > 0
 
 
 def independent_log_probs(model, inputs, temperature):
@@ -250,3 +260,38 @@ def test_upstream_config_asking_for_other_math_raises(override, message, tmp_pat
     args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, **override)
     with pytest.raises(ValueError, match=message):
         trl_ext.GRPOConfig.from_upstream(args)
+
+
+def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tiny_model_dir, tmp_path):
+    # 4 optimizer steps, num_iterations=2: rollout 1 is trained on in steps 1-2, rollout 2 in steps 3-4
+    beta0, target, horizon = 0.1, 1e-3, 8
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, max_steps=4,
+                           beta=beta0, kl_target=target, kl_horizon=horizon, num_iterations=2)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    kl = [entry["kl"] for entry in logs]
+    assert kl[0] == 0.0  # step 1: the policy is still the reference
+    # Ziegler et al.: after each rollout, beta *= 1 + clip(KL / target - 1, +-0.2) * new samples / horizon, with the
+    # KL of the rollout measured when its samples are first trained on (steps 1 and 3) and 4 new samples per rollout
+    def update(beta, measured):
+        return beta * (1 + min(max(measured / target - 1, -0.2), 0.2) * 4 / horizon)
+
+    beta1 = update(beta0, kl[0])
+    beta2 = update(beta1, kl[2])
+    assert [entry["beta"] for entry in logs] == pytest.approx([beta0, beta1, beta1, beta2], rel=1e-9)
+    # counting each rollout once per optimizer step (twice) would have given another value
+    per_step = beta0
+    for measured in kl:
+        per_step = update(per_step, measured)
+    assert abs(per_step - beta2) > 1e-3
+
+
+@pytest.mark.parametrize("pg_loss_type", ["no_baseline", "reinforce_with_baseline"])
+@pytest.mark.parametrize("reuse", [dict(num_iterations=2), dict(steps_per_generation=2)])
+def test_on_policy_losses_refuse_stale_samples(pg_loss_type, reuse, tmp_path):
+    base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, per_device_train_batch_size=4, num_generations=4)
+    with pytest.raises(ValueError, match=f"pg_loss_type='{pg_loss_type}' is an on-policy loss.*num_iterations"):
+        trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, **reuse, **base)
+    # re-used samples are fine for the clipped loss, fresh samples for the on-policy ones
+    assert trl_ext.GRPOConfig(pg_loss_type="grpo_clip", **reuse, **base).pg_loss_type == "grpo_clip"
+    assert trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, steps_per_generation=2, gradient_accumulation_steps=2, **base)
