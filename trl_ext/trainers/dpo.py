@@ -27,7 +27,7 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
-from .upstream import CheckpointStateMixin, check_upstream, config_from_upstream
+from .upstream import TrainerMixin, check_upstream, config_from_upstream
 
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
@@ -95,7 +95,7 @@ class DPOConfig(trl.DPOConfig):
             )
 
 
-class DPOTrainer(CheckpointStateMixin, trl.DPOTrainer):
+class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
     Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a

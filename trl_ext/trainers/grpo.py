@@ -25,7 +25,7 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
-from .upstream import CheckpointStateMixin, check_upstream, config_from_upstream
+from .upstream import TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
@@ -221,7 +221,7 @@ class GRPOConfig(trl.GRPOConfig):
         )
 
 
-class GRPOTrainer(CheckpointStateMixin, trl.GRPOTrainer):
+class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -248,7 +248,7 @@ class GRPOTrainer(CheckpointStateMixin, trl.GRPOTrainer):
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
 
-    # -- state saved with each checkpoint (trl_ext.trainers.upstream.CheckpointStateMixin) --------------------
+    # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,7 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
-from .upstream import CheckpointStateMixin, check_upstream, config_from_upstream
+from .upstream import TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
@@ -53,7 +53,7 @@ class RewardConfig(trl.RewardConfig):
     )
 
 
-class RewardTrainer(CheckpointStateMixin, trl.RewardTrainer):
+class RewardTrainer(TrainerMixin, trl.RewardTrainer):
     """`trl.RewardTrainer` whose loss is `trl_ext.functional.bradley_terry_loss` on one scalar reward per sequence.
 
     Takes everything `trl.RewardTrainer` takes; `args` may also be a `trl.RewardConfig` (fields copied by value).

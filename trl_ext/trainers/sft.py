@@ -37,7 +37,7 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional as F
 
-from .upstream import CheckpointStateMixin, check_upstream, config_from_upstream
+from .upstream import TrainerMixin, check_upstream, config_from_upstream
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
@@ -168,7 +168,7 @@ class DataCollatorWithUnsafeCompletions:
         return batch
 
 
-class SFTTrainer(CheckpointStateMixin, trl.SFTTrainer):
+class SFTTrainer(TrainerMixin, trl.SFTTrainer):
     """`trl.SFTTrainer` with loss = TRL's completion-only CE + `safety_penalty_weight` x safety penalty.
 
     Takes everything `trl.SFTTrainer` takes. Datasets may carry an `unsafe_completion` column (see

@@ -5,10 +5,10 @@
   leave our override uncalled and upstream's math running with no error.
 - ``config_from_upstream``: builds a trl_ext config from an upstream one (``trl.SFTConfig`` -> ``trl_ext.SFTConfig``
   ...) field by field, with the same values.
-- ``CheckpointStateMixin``: trainer state that changes during training (the adaptive KL ``beta``, counters, the
-  rollout buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its
-  adaptive entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``,
-  ``_load_optimizer_and_scheduler`` reads it back).
+- ``TrainerMixin``: trainer state that changes during training (the adaptive KL ``beta``, counters, the rollout
+  buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its adaptive
+  entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``, ``_load_optimizer_and_scheduler``
+  reads it back); and ``train()`` after ``evaluate()`` still trains under DDP.
 """
 
 from __future__ import annotations
@@ -88,19 +88,43 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
     return config_cls(**values)
 
 
-class CheckpointStateMixin:
-    """Saves ``_checkpoint_state()`` with each checkpoint and gives it back to ``_restore_checkpoint_state`` on resume.
+class TrainerMixin:
+    """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
+
+    Checkpoints: saves ``_checkpoint_state()`` with each checkpoint and gives it back to
+    ``_restore_checkpoint_state`` on resume.
 
     The state shared by all processes goes to ``trl_ext_state.json`` (written by the main process); a trainer whose
     processes hold different state (GRPO's buffered rollout) returns it from ``_checkpoint_rank_state()``, saved by
     each process as ``trl_ext_rank_state_{process_index}.pt`` (like transformers' per-process ``rng_state_{i}.pth``).
     Mirrors ``trl.GRPOTrainer._save_checkpoint`` / ``_load_optimizer_and_scheduler`` (TRL 1.16), which do this for
-    the adaptive entropy controller. Mix in before the TRL trainer class.
+    the adaptive entropy controller.
+
+    Several processes: ``train()`` after ``evaluate()`` (a recipe's before-training evaluation) wraps the model in
+    DDP; see ``train``.
     """
 
     STATE_FILE = "trl_ext_state.json"
     RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
     has_rank_state = False  # True when _checkpoint_rank_state returns per-process state
+
+    def train(self, *args: Any, **kwargs: Any):
+        # transformers 5 / accelerate 1.x: Trainer.evaluate() before train() prepares the bare model in evaluation
+        # mode, which marks it `_is_accelerate_prepared`; train()'s `accelerator.prepare` then returns it without the
+        # DistributedDataParallel wrapper, and every process trains its own copy (no gradient all-reduce, different
+        # weights on each rank). Forget that evaluation-only preparation so that training wraps the model. FSDP and
+        # DeepSpeed are prepared fully by evaluate() and left alone.
+        model = self.model
+        if (
+            self.model_wrapped is model
+            and getattr(model, "_is_accelerate_prepared", False)
+            and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
+        ):
+            model._is_accelerate_prepared = False
+            if "_original_forward" in model.__dict__:  # undo the mixed-precision forward wrapper, re-added by prepare
+                model.forward = model.__dict__.pop("_original_forward")
+            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
+        return super().train(*args, **kwargs)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """JSON-serializable state of the whole run. Default: upstream's running token count (logged as
