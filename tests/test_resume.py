@@ -14,19 +14,17 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-import trl
 from conftest import CPU_TEST_ARGS
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 import trl_ext
-from trl_ext import functional as F
 
 TIMING_KEYS = ("runtime", "per_second", "step_time", "total_flos")
+pytestmark = pytest.mark.slow  # each test trains 2.5 tiny runs and writes checkpoints (about 20-50 s each on 2 cores)
 
 
 class StopAfterCheckpoint(TrainerCallback):
