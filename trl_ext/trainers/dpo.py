@@ -27,7 +27,7 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
-from .upstream import TrainerMixin, check_upstream, config_from_upstream
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
@@ -41,8 +41,7 @@ _SEAMS = {
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "_compute_loss": ("model", "inputs", "return_outputs"),
     "compute_ref_log_probs": ("model", "inputs"),
-    "_save_checkpoint": ("model", "trial"),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
+    **TRAINER_MIXIN_SEAMS,
 }
 
 

@@ -25,7 +25,7 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
-from .upstream import TrainerMixin, check_upstream, config_from_upstream
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
@@ -55,8 +55,7 @@ _SEAMS = {
                                            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"),
     "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
     "training_step": ("model", "inputs", "num_items_in_batch"),
-    "_save_checkpoint": ("model", "trial"),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
+    **TRAINER_MIXIN_SEAMS,
 }
 
 

@@ -20,7 +20,7 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
-from .upstream import TrainerMixin, check_upstream, config_from_upstream
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
@@ -29,8 +29,7 @@ _SEAMS = {
                  "preprocess_logits_for_metrics", "quantization_config", "peft_config"),
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
-    "_save_checkpoint": ("model", "trial"),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
+    **TRAINER_MIXIN_SEAMS,
 }
 
 

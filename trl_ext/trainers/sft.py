@@ -37,7 +37,7 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional as F
 
-from .upstream import TrainerMixin, check_upstream, config_from_upstream
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
@@ -53,8 +53,7 @@ _SEAMS = {
     "_prepare_dataset": ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
     "_set_signature_columns_if_needed": (),
-    "_save_checkpoint": ("model", "trial"),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
+    **TRAINER_MIXIN_SEAMS,
 }
 
 

@@ -88,6 +88,14 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
     return config_cls(**values)
 
 
+# Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
+TRAINER_MIXIN_SEAMS = {
+    "train": ("resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
+    "_save_checkpoint": ("model", "trial"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+}
+
+
 class TrainerMixin:
     """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
 
