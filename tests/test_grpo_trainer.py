@@ -48,11 +48,12 @@ def tiny_model_dir(tiny_model, tokenizer, tmp_path):
     return str(path)
 
 
-def make_trainer(cls, config_cls, model, tokenizer, tmp_path, **overrides):
+def make_trainer(cls, config_cls, model, tokenizer, tmp_path, dataset=None, **overrides):
     args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, **overrides})
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
-    return cls(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok)
+    dataset = toy_dataset() if dataset is None else dataset
+    return cls(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=dataset, processing_class=tok)
 
 
 def generation_batch(trainer):
@@ -295,3 +296,34 @@ def test_on_policy_losses_refuse_stale_samples(pg_loss_type, reuse, tmp_path):
     # re-used samples are fine for the clipped loss, fresh samples for the on-policy ones
     assert trl_ext.GRPOConfig(pg_loss_type="grpo_clip", **reuse, **base).pg_loss_type == "grpo_clip"
     assert trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, steps_per_generation=2, gradient_accumulation_steps=2, **base)
+
+
+def test_adaptive_beta_with_rollouts_that_end_inside_an_optimizer_step(tokenizer, tiny_model_dir, tmp_path):
+    # steps_per_generation=3, gradient_accumulation_steps=2: rollout 1 is micro-batches 1-3 (it ends inside optimizer
+    # step 2), rollout 2 micro-batches 4-6 (end of step 3). beta stays fixed within a step and moves once per rollout.
+    beta0, target, horizon = 0.1, 1e-3, 24
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, toy_dataset(6),
+                           max_steps=3, beta=beta0, kl_target=target, kl_horizon=horizon, steps_per_generation=3,
+                           gradient_accumulation_steps=2)
+    assert trainer.args.generation_batch_size == 12
+    per_micro_batch = []  # (KL sum, token count) over all processes, as the trainer measured them
+    beta_in_loss = []  # the beta each micro-batch's loss used
+    record = trainer._update_adaptive_beta
+
+    def recording(kl_sum_count):
+        per_micro_batch.append(kl_sum_count.double().tolist())
+        beta_in_loss.append(trainer.beta)
+        record(kl_sum_count)
+
+    trainer._update_adaptive_beta = recording
+    trainer.train()
+    assert len(per_micro_batch) == 6
+    betas, beta = [], beta0
+    for rollout in (per_micro_batch[:3], per_micro_batch[3:]):
+        measured = sum(s for s, _ in rollout) / sum(c for _, c in rollout)
+        beta = beta * (1 + min(max(measured / target - 1, -0.2), 0.2) * 12 / horizon)
+        betas.append(beta)
+    logged = [entry["beta"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged == pytest.approx([beta0, betas[0], betas[1]], rel=1e-9)
+    # micro-batch 4 belongs to optimizer step 2, which began with beta0: the update waits for the step to end
+    assert beta_in_loss == pytest.approx([beta0] * 4 + [betas[0]] * 2, rel=1e-12)

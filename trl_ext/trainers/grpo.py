@@ -108,8 +108,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Target KL for the adaptive KL coefficient (Ziegler et al. 2019). None (default) keeps beta fixed. "
             "When set, beta (> 0 required, the starting value) is updated once per batch of new samples (once per "
-            "generation, however many optimizer steps num_iterations and steps_per_generation make of it) and logged "
-            "as 'beta' at every optimizer step. The measured KL is the per-token mean of the kl_estimator over the "
+            "generation, however many optimizer steps num_iterations and steps_per_generation make of it; applied from "
+            "the optimizer step after the one that finishes the batch) and logged as 'beta' at every optimizer step. The measured KL is the per-token mean of the kl_estimator over the "
             "completion tokens of that batch, taken the first time each sample is trained on: a target from a paper "
             "that sums the KL over the response must be divided by the response length."
         },
@@ -246,6 +246,7 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
+        self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
@@ -403,17 +404,22 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             self._kl_window += kl_sum_count.double()
 
     def training_step(self, model, inputs, num_items_in_batch):
-        # trl.GRPOTrainer.training_step (TRL 1.16) counts micro-batches in self._step; after the last micro-batch of
-        # a rollout, update beta once for its generation_batch_size new samples (Ziegler et al. 2019, section 2.2).
+        # trl.GRPOTrainer.training_step (TRL 1.16) counts micro-batches in self._step. After the last micro-batch of
+        # a rollout its KL is final; at the next optimizer step (the same one unless steps_per_generation is not a
+        # multiple of gradient_accumulation_steps; beta stays fixed within a step), beta is updated once per
+        # finished rollout, for its generation_batch_size new samples (Ziegler et al. 2019, section 2.2).
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.kl_target is not None:
             if self._step % (self.args.steps_per_generation * self.num_iterations) == 0:
-                measured = (self._kl_window[0] / self._kl_window[1].clamp(min=1.0)).item()
-                self.beta = F.adaptive_kl_coefficient(
-                    self.beta, measured, self.args.kl_target, self.args.kl_horizon, self.args.generation_batch_size
-                )
+                self._finished_rollout_kl.append(self._kl_window.clone())
                 self._kl_window.zero_()
-            if self._step % self.current_gradient_accumulation_steps == 0:
+            if self.accelerator.sync_gradients:
+                for total, count in self._finished_rollout_kl:
+                    self.beta = F.adaptive_kl_coefficient(
+                        self.beta, (total / count.clamp(min=1.0)).item(), self.args.kl_target, self.args.kl_horizon,
+                        self.args.generation_batch_size,
+                    )
+                self._finished_rollout_kl.clear()
                 self._metrics["train"]["beta"].append(self.beta)
         return loss
 
