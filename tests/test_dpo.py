@@ -75,6 +75,9 @@ def test_equals_upstream_sigmoid_loss_without_label_smoothing(tokenizer, tmp_pat
         "rewards/accuracies",
         "rewards/margins",
         "logps/chosen",
+        "logits/chosen",
+        "logits/rejected",
+        "mean_token_accuracy",
         "entropy",
         "num_tokens",
     ):
@@ -148,6 +151,58 @@ def test_other_loss_types_stay_upstream_and_reject_cdpo(tokenizer, tmp_path):
         make(DPOTrainer, DPOConfig, tokenizer, tmp_path, loss_type=["sigmoid", "sft"], label_smoothing=0.1)
     with pytest.raises(ValueError, match="label_smoothing"):
         DPOConfig(output_dir="x", label_smoothing=0.7, bf16=False, report_to="none")
+
+
+def test_logits_and_token_accuracy_metrics_by_hand(tokenizer, tmp_path):
+    ours = make(DPOTrainer, DPOConfig, tokenizer, tmp_path)
+    batch = first_batch(ours)
+    ours.compute_loss(ours.model, dict(batch))
+    with torch.no_grad():
+        logits = tiny_model_for_tests(tokenizer, seed=1)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    mask = batch["completion_mask"][:, 1:].bool()  # position t predicts token t + 1
+    mean_logit = logits[:, :-1].mean(-1)
+    top1 = logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:]
+    chosen, rejected = mask.chunk(2)
+    metrics = ours._metrics["train"]
+    assert metrics["logits/chosen"][0] == pytest.approx(mean_logit[:3][chosen].mean().item(), abs=1e-5)
+    assert metrics["logits/rejected"][0] == pytest.approx(mean_logit[3:][rejected].mean().item(), abs=1e-5)
+    assert metrics["mean_token_accuracy"][0] == pytest.approx(top1[:3][chosen].double().mean().item(), abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(loss_type=["ipo"], label_smoothing=0.1), r"label_smoothing=0.1 would be ignored by loss_type=\['ipo'\]"),
+        (dict(loss_type=["hinge", "sft"], label_smoothing=0.2), "would be ignored"),
+        (dict(loss_type=["robust"], label_smoothing=0.5), "'robust'; expected eps in \\[0, 0.5\\)"),
+        (dict(loss_type=["robust"], label_smoothing=0.7), "'robust'; expected eps in"),
+    ],
+)
+def test_label_smoothing_that_would_be_ignored_or_break_robust_raises(options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **options)
+    # the same upstream config handed to trl_ext.DPOTrainer is converted, then checked the same way
+    with pytest.raises(ValueError, match=message):
+        DPOTrainer(model=None, args=trl.DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **options))
+    # allowed: robust below 0.5, and the loss types that read it
+    for loss_type, eps in ((["robust"], 0.49), (["exo_pair"], 1e-3), (["aot"], 0.1), (["robust", "sft"], 0.1)):
+        assert DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", loss_type=loss_type, label_smoothing=eps).label_smoothing == eps
+
+
+def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
+    import dataclasses
+
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path), **{**COMMON, "beta": 0.3}, pad_token=tokenizer.eos_token, hub_token="hf_secret",
+        max_length=64, loss_type=["sigmoid"],
+    )
+    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
+                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
+    for field in dataclasses.fields(args):
+        if field.init:
+            assert getattr(trainer.args, field.name) == getattr(args, field.name), field.name
+    assert (trainer.args.pad_token, trainer.args.hub_token, trainer.beta) == (tokenizer.eos_token, "hf_secret", 0.3)
 
 
 def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path):

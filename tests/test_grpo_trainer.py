@@ -48,11 +48,12 @@ def tiny_model_dir(tiny_model, tokenizer, tmp_path):
     return str(path)
 
 
-def make_trainer(cls, config_cls, model, tokenizer, tmp_path, **overrides):
+def make_trainer(cls, config_cls, model, tokenizer, tmp_path, dataset=None, **overrides):
     args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, **overrides})
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
-    return cls(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok)
+    dataset = toy_dataset() if dataset is None else dataset
+    return cls(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=dataset, processing_class=tok)
 
 
 def generation_batch(trainer):
@@ -115,9 +116,19 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, tokenize
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:
         torch.testing.assert_close(grads_ext[name], grads_ref[name], atol=1e-6, rtol=1e-4)
-    for key in ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+    keys = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/low_min", "clip_ratio/high_max")
+    for key in keys:
         assert ext._metrics["train"][key][-1] == pytest.approx(ref._metrics["train"][key][-1], abs=1e-6), key
     assert ext._metrics["train"]["clip_ratio/region_mean"][-1] > 0, "perturbation should clip some tokens"
+    # upstream's definitions by hand: per-sequence clipped fractions, then the min (low) / max (high) over sequences
+    logp = independent_log_probs(ext.model, inputs, COMMON["temperature"])
+    ratio, adv, mask = torch.exp(logp - inputs["old_per_token_logps"]), batch_ext["advantages"][:, None], inputs["completion_mask"]
+    low = (((ratio < 0.8) & (adv < 0)).float() * mask).sum(-1) / mask.sum(-1)
+    high = (((ratio > 1.2) & (adv > 0)).float() * mask).sum(-1) / mask.sum(-1)
+    assert ext._metrics["train"]["clip_ratio/low_min"][-1] == pytest.approx(low.min().item(), abs=1e-6)
+    assert ext._metrics["train"]["clip_ratio/high_max"][-1] == pytest.approx(high.max().item(), abs=1e-6)
+    assert high.max() > 0
 
 
 def independent_log_probs(model, inputs, temperature):
@@ -139,8 +150,11 @@ def independent_log_probs(model, inputs, temperature):
     ],
 )
 def test_course_options_change_the_loss_as_functional_says(options, tokenizer, tiny_model_dir, tmp_path):
+    # num_iterations=2 (old log-probs that differ from the current ones) only where the loss is off-policy-correct
+    iterations = 1 if options["pg_loss_type"] in ("no_baseline", "reinforce_with_baseline") else 2
     trainer = make_trainer(
-        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=2, **options
+        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=iterations,
+        **options,
     )
     batch = generation_batch(trainer)
     completions = trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
@@ -203,7 +217,113 @@ def test_config_rejects_conflicts_and_unsupported_options(tmp_path):
     assert (config.loss_type, config.scale_rewards) == ("dr_grpo", "none")
 
 
-def test_trainer_requires_our_config(tokenizer, tiny_model, tmp_path):
-    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
-    with pytest.raises(TypeError, match="trl_ext.GRPOConfig"):
-        trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
+def upstream_fields_equal(converted, upstream, skip=()):
+    import dataclasses
+
+    for f in dataclasses.fields(upstream):
+        if f.init and f.name not in skip:
+            assert getattr(converted, f.name) == getattr(upstream, f.name), f.name
+
+
+@pytest.mark.parametrize(
+    "loss_type, scale_rewards, length_normalization, normalize_by_std",
+    [("grpo", "group", "masked_mean", True), ("dr_grpo", "none", "masked_normalize", False), ("grpo", False, "masked_mean", False)],
+)
+def test_trainer_accepts_the_upstream_config(loss_type, scale_rewards, length_normalization, normalize_by_std, tokenizer, tiny_model_dir, tmp_path):
+    args = trl.GRPOConfig(
+        **{**COMMON, "output_dir": str(tmp_path), "loss_type": loss_type, "scale_rewards": scale_rewards, "beta": 0.04,
+           "epsilon": 0.3, "num_iterations": 2, "hub_token": "hf_secret"}
+    )
+    trainer = trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
+    assert isinstance(trainer.args, trl_ext.GRPOConfig)
+    assert (trainer.args.length_normalization, trainer.args.normalize_by_std) == (length_normalization, normalize_by_std)
+    assert (trainer.beta, trainer.args.epsilon, trainer.args.hub_token) == (0.04, 0.3, "hf_secret")
+    assert trainer.args.use_bias_correction_kl is True  # upstream's default value is kept with its upstream meaning
+    upstream_fields_equal(trainer.args, args)
+    # the course fields say what upstream's asked for: the loss is the same function of the same batch
+    same = trl_ext.GRPOConfig(**{**COMMON, "output_dir": str(tmp_path), "beta": 0.04, "epsilon": 0.3, "num_iterations": 2,
+                                 "length_normalization": length_normalization, "normalize_by_std": normalize_by_std,
+                                 "use_bias_correction_kl": True})
+    assert (same.loss_type, same.scale_rewards) == (trainer.args.loss_type, trainer.args.scale_rewards)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(), "loss_type='dapo' .* is not implemented by the course loss"),  # upstream's default
+        (dict(loss_type="bnpo"), "loss_type='bnpo' .* is not implemented"),
+        (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' .* is not implemented"),
+        (dict(loss_type="grpo", importance_sampling_level="sequence"), "importance_sampling_level='sequence' is not supported"),
+        (dict(loss_type="grpo", epsilon_high=0.28), "epsilon_high=0.28 differs from epsilon=0.2"),
+    ],
+)
+def test_upstream_config_asking_for_other_math_raises(override, message, tmp_path):
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, **override)
+    with pytest.raises(ValueError, match=message):
+        trl_ext.GRPOConfig.from_upstream(args)
+
+
+def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tiny_model_dir, tmp_path):
+    # 4 optimizer steps, num_iterations=2: rollout 1 is trained on in steps 1-2, rollout 2 in steps 3-4
+    beta0, target, horizon = 0.1, 1e-3, 8
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, max_steps=4,
+                           beta=beta0, kl_target=target, kl_horizon=horizon, num_iterations=2)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    kl = [entry["kl"] for entry in logs]
+    assert kl[0] == 0.0  # step 1: the policy is still the reference
+    # Ziegler et al.: after each rollout, beta *= 1 + clip(KL / target - 1, +-0.2) * new samples / horizon, with the
+    # KL of the rollout measured when its samples are first trained on (steps 1 and 3) and 4 new samples per rollout
+    def update(beta, measured):
+        return beta * (1 + min(max(measured / target - 1, -0.2), 0.2) * 4 / horizon)
+
+    beta1 = update(beta0, kl[0])
+    beta2 = update(beta1, kl[2])
+    assert [entry["beta"] for entry in logs] == pytest.approx([beta0, beta1, beta1, beta2], rel=1e-9)
+    # counting each rollout once per optimizer step (twice) would have given another value
+    per_step = beta0
+    for measured in kl:
+        per_step = update(per_step, measured)
+    assert abs(per_step - beta2) > 1e-3
+
+
+@pytest.mark.parametrize("pg_loss_type", ["no_baseline", "reinforce_with_baseline"])
+@pytest.mark.parametrize("reuse", [dict(num_iterations=2), dict(steps_per_generation=2)])
+def test_on_policy_losses_refuse_stale_samples(pg_loss_type, reuse, tmp_path):
+    base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, per_device_train_batch_size=4, num_generations=4)
+    with pytest.raises(ValueError, match=f"pg_loss_type='{pg_loss_type}' is an on-policy loss.*num_iterations"):
+        trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, **reuse, **base)
+    # re-used samples are fine for the clipped loss, fresh samples for the on-policy ones
+    assert trl_ext.GRPOConfig(pg_loss_type="grpo_clip", **reuse, **base).pg_loss_type == "grpo_clip"
+    assert trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, steps_per_generation=2, gradient_accumulation_steps=2, **base)
+
+
+def test_adaptive_beta_with_rollouts_that_end_inside_an_optimizer_step(tokenizer, tiny_model_dir, tmp_path):
+    # steps_per_generation=3, gradient_accumulation_steps=2: rollout 1 is micro-batches 1-3 (it ends inside optimizer
+    # step 2), rollout 2 micro-batches 4-6 (end of step 3). beta stays fixed within a step and moves once per rollout.
+    beta0, target, horizon = 0.1, 1e-3, 24
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, toy_dataset(6),
+                           max_steps=3, beta=beta0, kl_target=target, kl_horizon=horizon, steps_per_generation=3,
+                           gradient_accumulation_steps=2)
+    assert trainer.args.generation_batch_size == 12
+    per_micro_batch = []  # (KL sum, token count) over all processes, as the trainer measured them
+    beta_in_loss = []  # the beta each micro-batch's loss used
+    record = trainer._update_adaptive_beta
+
+    def recording(kl_sum_count):
+        per_micro_batch.append(kl_sum_count.double().tolist())
+        beta_in_loss.append(trainer.beta)
+        record(kl_sum_count)
+
+    trainer._update_adaptive_beta = recording
+    trainer.train()
+    assert len(per_micro_batch) == 6
+    betas, beta = [], beta0
+    for rollout in (per_micro_batch[:3], per_micro_batch[3:]):
+        measured = sum(s for s, _ in rollout) / sum(c for _, c in rollout)
+        beta = beta * (1 + min(max(measured / target - 1, -0.2), 0.2) * 12 / horizon)
+        betas.append(beta)
+    logged = [entry["beta"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged == pytest.approx([beta0, betas[0], betas[1]], rel=1e-9)
+    # micro-batch 4 belongs to optimizer step 2, which began with beta0: the update waits for the step to end
+    assert beta_in_loss == pytest.approx([beta0] * 4 + [betas[0]] * 2, rel=1e-12)

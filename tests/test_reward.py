@@ -73,6 +73,22 @@ def test_equals_upstream_without_margin(tokenizer, tmp_path):
     assert ours._metrics["train"]["margin"] == pytest.approx([sum(chosen) / 3 - sum(rejected) / 3], abs=1e-6)
 
 
+def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
+    import dataclasses
+
+    args = trl.RewardConfig(
+        output_dir=str(tmp_path), **COMMON, pad_token=tokenizer.pad_token, eos_token=tokenizer.eos_token,
+        hub_token="hf_secret", max_length=64, center_rewards_coefficient=0.01,
+    )
+    trainer = RewardTrainer(model=reward_model(tokenizer), args=args, train_dataset=Dataset.from_dict(PAIRS),
+                            processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, RewardConfig)
+    for field in dataclasses.fields(args):
+        if field.init:
+            assert getattr(trainer.args, field.name) == getattr(args, field.name), field.name
+    assert (trainer.args.pad_token, trainer.args.hub_token) == (tokenizer.pad_token, "hf_secret")
+
+
 def test_margin_changes_the_loss_as_the_formula_says(tokenizer, tmp_path):
     model, dataset = reward_model(tokenizer), Dataset.from_dict({**PAIRS, "margin": MARGINS})
     ours = make(RewardTrainer, RewardConfig, model, tokenizer, tmp_path, dataset)

@@ -206,6 +206,84 @@ def test_banned_strings_penalty(tokenizer, tiny_model, tmp_path):
     assert loss == pytest.approx(metrics["ce_loss"][0] + 2.0 * metrics["safety_penalty"][0], abs=1e-6)
 
 
+# ----- several processes: the same forwards on every rank -----
+
+
+def count_forwards(model):
+    calls = []
+    model.register_forward_hook(lambda module, args, kwargs_or_output: calls.append(1))
+    return calls
+
+
+def test_every_batch_runs_the_unlikelihood_forward_whatever_its_rows(tokenizer, tiny_model, tmp_path):
+    # rows 0-1 have no unsafe response, rows 2-3 have one: with 2 rows per batch, as on two ranks of one step
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "unsafe_completion": UNSAFE})
+    ours = make(SFTTrainer, SFTConfig, tiny_model, tokenizer, tmp_path, dataset, per_device_train_batch_size=2,
+                safety_penalty_weight=0.5)
+    collate = ours.data_collator
+    rows = [ours.train_dataset[i] for i in range(4)]
+    safe, unsafe = collate(rows[:2]), collate(rows[2:])
+    # the batch with no unsafe row carries one placeholder row with nothing to penalize
+    assert safe["unsafe_input_ids"].tolist() == [[tokenizer.pad_token_id]] and safe["unsafe_labels"].tolist() == [[-100]]
+    assert safe["unsafe_num_rows"].item() == 2 and unsafe["unsafe_input_ids"].shape[0] == 2
+    ours.model.train()
+    ours.current_gradient_accumulation_steps = 1
+    calls = count_forwards(ours.model)
+    loss_safe = ours.compute_loss(ours.model, dict(safe))
+    assert len(calls) == 2  # CE forward + unlikelihood forward, as for the batch with unsafe rows:
+    ours.compute_loss(ours.model, dict(unsafe))
+    assert len(calls) == 4
+    metrics = ours._metrics["train"]
+    assert metrics["safety_penalty"][0] == 0.0 and metrics["safety_penalty"][1] > 0
+    assert loss_safe.item() == metrics["ce_loss"][0]  # the placeholder adds exactly 0
+    loss_safe.backward()  # and is part of the graph, so every parameter gets a gradient (zero or not) on every rank
+    # a dataset without the column runs no unlikelihood forward at all, on any rank
+    plain = make(SFTTrainer, SFTConfig, tiny_model, tokenizer, tmp_path, dataset.remove_columns("unsafe_completion"))
+    assert "unsafe_input_ids" not in plain.data_collator([plain.train_dataset[0]])
+
+
+# ----- upstream configs and formatting_func -----
+
+
+def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tiny_model, tmp_path):
+    import dataclasses
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "unsafe_completion": UNSAFE})
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), **COMMON, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
+        hub_token="hf_secret", max_length=64, learning_rate=3e-4,
+    )
+    trainer = SFTTrainer(model=copy.deepcopy(tiny_model), args=args, train_dataset=dataset,
+                         processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, SFTConfig)
+    for field in dataclasses.fields(args):
+        if field.init:
+            assert getattr(trainer.args, field.name) == getattr(args, field.name), field.name
+    assert (trainer.args.eos_token, trainer.args.hub_token) == (tokenizer.eos_token, "hf_secret")
+    assert trainer.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
+
+
+def test_formatting_func_trains_every_token_of_the_formatted_text(tokenizer, tiny_model, tmp_path):
+    dataset = Dataset.from_dict({"question": ["Add 2 and 3.", "Name a colour."], "answer": ["5", "Blue."]})
+
+    def formatting_func(example):
+        return f"Question: {example['question']}\nAnswer: {example['answer']}"
+
+    trainer = SFTTrainer(model=copy.deepcopy(tiny_model), args=SFTConfig(output_dir=str(tmp_path), **COMMON),
+                         train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), formatting_func=formatting_func)
+    assert trainer.args.completion_only_loss is None and trainer.completion_only_loss is False
+    row = trainer.train_dataset[0]
+    text_ids = tokenizer(formatting_func(dataset[0]))["input_ids"]
+    assert row["input_ids"] == text_ids + [tokenizer.eos_token_id] and row["labels"] == row["input_ids"]
+    batch = first_batch(trainer)
+    log_probs = token_log_probs(trainer.model, batch["input_ids"], batch["attention_mask"])
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    picked = log_probs[:, :-1].gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    expected = -(picked * keep).sum() / keep.sum()
+    assert trainer.compute_loss(trainer.model, dict(batch)).item() == pytest.approx(expected.item(), abs=1e-5)
+
+
 # ----- packing -----
 
 

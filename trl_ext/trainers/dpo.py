@@ -8,9 +8,11 @@ response tokens (EOS included, prompt excluded):
 eps = `label_smoothing` = 0 is DPO (Rafailov et al. 2023), and then the loss equals upstream's `loss_type="sigmoid"`;
 eps > 0 is conservative DPO (cDPO, Mitchell 2023), which upstream's sigmoid loss no longer implements. This loss is
 used for `loss_type=["sigmoid"]` with the default f-divergence (`reverse_kl`), no `ld_alpha`, no WPO weighting and no
-MoE aux loss; every other configuration is computed by upstream unchanged. Metrics keep TRL's names:
-`rewards/chosen`, `rewards/rejected` (implicit rewards beta * (log pi - log pi_ref)), `rewards/accuracies` (fraction
-of pairs with chosen reward > rejected reward), `rewards/margins` (mean beta * h), `logps/chosen`, `logps/rejected`,
+MoE aux loss; every other configuration is computed by upstream unchanged. Metrics keep TRL's names and definitions
+(TRL 1.16 `DPOTrainer._compute_loss`): `rewards/chosen`, `rewards/rejected` (implicit rewards beta * (log pi - log
+pi_ref)), `rewards/accuracies` (fraction of pairs with chosen reward > rejected reward), `rewards/margins` (mean beta *
+h), `logps/chosen`, `logps/rejected`, `logits/chosen`, `logits/rejected` (mean over completion tokens of the mean
+logit over the vocabulary), `mean_token_accuracy` (fraction of chosen completion tokens that are the model's top-1),
 `entropy`, `num_tokens`. Rows are validated before tokenization as in `trl_ext.RewardTrainer`.
 """
 
@@ -25,7 +27,22 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+
+# Upstream loss types that read label_smoothing (TRL 1.16 DPOTrainer._compute_loss); "sigmoid" reads it here (cDPO).
+_SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
+
+# Upstream methods trl_ext.DPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
+_SEAMS = {
+    "__init__": ("model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+                 "compute_metrics", "callbacks", "optimizers", "quantization_config", "peft_config"),
+    "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
+    "_compute_loss": ("model", "inputs", "return_outputs"),
+    "compute_ref_log_probs": ("model", "inputs"),
+    **TRAINER_MIXIN_SEAMS,
+}
 
 
 @dataclass
@@ -45,8 +62,8 @@ class DPOConfig(trl.DPOConfig):
         metadata={
             "help": "With loss_type=['sigmoid'] (default): the cDPO eps in [0, 0.5], the assumed probability that a "
             "preference label is flipped; loss = (1-eps)(-log sigmoid(beta h)) + eps(-log sigmoid(-beta h)); 0 "
-            "(default) is plain DPO. For 'robust', 'exo_pair', 'aot' and 'aot_unpaired' it keeps its upstream "
-            "meaning."
+            "(default) is plain DPO. For 'robust' (eps in [0, 0.5)), 'exo_pair', 'aot' and 'aot_unpaired' it keeps "
+            "its upstream meaning. A positive value with loss types that all ignore it raises."
         },
     )
     skip_invalid_pairs: bool = field(
@@ -65,17 +82,30 @@ class DPOConfig(trl.DPOConfig):
                 f"label_smoothing={self.label_smoothing!r} with loss_type=['sigmoid']; "
                 "expected the cDPO eps in [0, 0.5]"
             )
+        if self.label_smoothing != 0.0 and not set(self.loss_type) & set(_SMOOTHED_LOSS_TYPES):
+            raise ValueError(
+                f"label_smoothing={self.label_smoothing!r} would be ignored by loss_type={self.loss_type}; it is used "
+                f"by {list(_SMOOTHED_LOSS_TYPES)} only. Set label_smoothing=0 or pick one of those loss types."
+            )
+        if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(
+                f"label_smoothing={self.label_smoothing!r} with loss_type 'robust'; expected eps in [0, 0.5): the "
+                "robust loss divides by 1 - 2 * eps (infinite at 0.5, sign-flipped objective above)"
+            )
 
 
-class DPOTrainer(trl.DPOTrainer):
+class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
-    Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...).
+    Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
+    `trl.DPOConfig` (fields copied by value, then checked as a `trl_ext.DPOConfig`). Each checkpoint also holds the
+    running token count behind `num_tokens`.
 
     Raises:
         ValueError: `label_smoothing` > 0 with "sigmoid" combined with other loss types or upstream extensions
-        (cDPO is defined for the sigmoid loss alone); an invalid preference row (see
-        `DPOConfig.skip_invalid_pairs`); and whatever `trl.DPOTrainer` raises.
+        (cDPO is defined for the sigmoid loss alone), or with loss types that all ignore it; an invalid preference
+        row (see `DPOConfig.skip_invalid_pairs`); and whatever `trl.DPOTrainer` raises. RuntimeError: the installed
+        TRL is untested or lacks a seam this trainer overrides (`trl_ext.trainers.upstream`).
     """
 
     _tag_names = ["trl", "dpo", "trl_ext"]
@@ -83,11 +113,12 @@ class DPOTrainer(trl.DPOTrainer):
     def __init__(
         self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos_args: Any, **kwargs: Any
     ):
+        check_upstream(trl.DPOTrainer, _SEAMS)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = DPOConfig(f"{name.split('/')[-1]}-DPO")
         elif not isinstance(args, DPOConfig):
-            args = DPOConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+            args = config_from_upstream(DPOConfig, args)
         super().__init__(model, ref_model, args, *pos_args, **kwargs)
         self.uses_course_loss = (
             self.loss_types == ["sigmoid"]
@@ -155,6 +186,17 @@ class DPOTrainer(trl.DPOTrainer):
             self._metrics[mode]["rewards/margins"].append((all_chosen - all_rejected).mean().item())
             self._metrics[mode]["logps/chosen"].append(self.accelerator.gather(chosen_logps).mean().item())
             self._metrics[mode]["logps/rejected"].append(self.accelerator.gather(rejected_logps).mean().item())
+            # As upstream: token-weighted mean logit of the chosen/rejected completions, and top-1 accuracy of chosen
+            chosen_mask, rejected_mask = shift_completion_mask.bool().chunk(2, dim=0)
+            chosen_mean_logits, rejected_mean_logits = outputs.mean_logits[:, -seq_len:].chunk(2, dim=0)
+            chosen_is_top1, _ = outputs.is_top1[:, -seq_len:].chunk(2, dim=0)
+            for name, values, keep in (
+                ("logits/chosen", chosen_mean_logits, chosen_mask),
+                ("logits/rejected", rejected_mean_logits, rejected_mask),
+                ("mean_token_accuracy", chosen_is_top1.float(), chosen_mask),
+            ):
+                total, count = gather(values[keep].sum()).sum().item(), gather(keep.sum()).sum().item()
+                self._metrics[mode][name].append(total / count if count > 0 else 0.0)
 
         if return_outputs:  # deprecated upstream: the fused head builds no logits, so they take an extra forward
             with torch.no_grad():

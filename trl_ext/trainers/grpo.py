@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 import trl
+from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
@@ -34,6 +36,26 @@ _UNSUPPORTED = {
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not part of the course loss"),
     "delta": (None, "two-sided clipping is not part of GRPO-Clip"),
     "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed, then normalized per group"),
+}
+
+# Policy-gradient losses that assume the samples come from the current policy (they ignore the old log-probs).
+ON_POLICY_PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline")
+
+# Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
+_SEAMS = {
+    "__init__": ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+                 "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config", "tools",
+                 "rollout_func", "environment_factory"),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_generate_and_score_completions": ("inputs",),
+    "_compute_loss": ("model", "inputs"),
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                                           "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
+                                           "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                                           "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"),
+    "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    **TRAINER_MIXIN_SEAMS,
 }
 
 
@@ -76,22 +98,28 @@ class GRPOConfig(trl.GRPOConfig):
         default="k3",
         metadata={
             "help": "Per-token KL(pi || pi_ref) estimator used when beta > 0: 'k1', 'k2' or 'k3' (default; Schulman 2020, "
-            "the one TRL uses). With a PEFT model the reference is the base model with the adapter disabled."
+            "the one TRL uses). With a PEFT model and no ref_model, TRL's reference is the adapter as it was when "
+            "training started: the base model with the adapter disabled for a new adapter, a frozen copy (named "
+            "'ref') of the starting adapter when training continues a trained one."
         },
     )
     kl_target: float | None = field(
         default=None,
         metadata={
             "help": "Target KL for the adaptive KL coefficient (Ziegler et al. 2019). None (default) keeps beta fixed. "
-            "When set, beta (> 0 required, the starting value) is updated after every optimizer step and logged as "
-            "'beta'."
+            "When set, beta (> 0 required, the starting value) is updated once per batch of new samples (once per "
+            "generation, however many optimizer steps num_iterations and steps_per_generation make of it; applied from "
+            "the optimizer step after the one that finishes the batch) and logged as 'beta' at every optimizer step. The measured KL is the per-token mean of the kl_estimator over the "
+            "completion tokens of that batch, taken the first time each sample is trained on: a target from a paper "
+            "that sums the KL over the response must be divided by the response length."
         },
     )
     kl_horizon: float = field(
         default=10000.0,
         metadata={
-            "help": "Horizon of the adaptive KL controller in samples (default 10000, as in Ziegler et al.): each step "
-            "changes beta by at most a factor 1 +- 0.2 * samples_per_step / kl_horizon."
+            "help": "Horizon of the adaptive KL controller in samples (default 10000, as in Ziegler et al.): each "
+            "update changes beta by at most a factor 1 +- 0.2 * generation_batch_size / kl_horizon (samples "
+            "generated per update, all processes)."
         },
     )
     use_bias_correction_kl: bool = field(
@@ -150,25 +178,103 @@ class GRPOConfig(trl.GRPOConfig):
                 f"kl_horizon > 0; got beta={self.beta}, kl_horizon={self.kl_horizon}"
             )
         super().__post_init__()
+        reused = self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
+        if self.pg_loss_type in ON_POLICY_PG_LOSS_TYPES and reused:
+            raise ValueError(
+                f"pg_loss_type={self.pg_loss_type!r} is an on-policy loss (it ignores the old log-probs), but "
+                f"num_iterations={self.num_iterations} and steps_per_generation={self.steps_per_generation} (> "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}?) train on samples from an older "
+                "policy. Set num_iterations=1 and steps_per_generation=gradient_accumulation_steps, or use an "
+                "off-policy-corrected loss such as pg_loss_type='grpo_clip'."
+            )
+
+    @classmethod
+    def from_upstream(cls, args: trl.GRPOConfig) -> GRPOConfig:
+        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig``: every field copied by value,
+        ``loss_type`` mapped to ``length_normalization`` and ``scale_rewards`` to ``normalize_by_std`` (``beta``,
+        ``epsilon`` and ``use_bias_correction_kl`` are shared fields and keep upstream's values).
+
+        Raises:
+            ValueError: where upstream asks for math the course loss does not implement (``loss_type`` other than
+                'grpo'/'dr_grpo', ``scale_rewards='batch'``, and whatever ``__post_init__`` rejects).
+        """
+        lengths = {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}
+        scales = {"group": True, "none": False}
+        if args.loss_type not in lengths:
+            raise ValueError(
+                f"loss_type={args.loss_type!r} (trl.GRPOConfig; upstream's default is 'dapo') is not implemented by the "
+                "course loss; trl_ext.GRPOTrainer supports loss_type='grpo' (mean over each response's tokens, "
+                "length_normalization='masked_mean') and 'dr_grpo' (sum / max_completion_length, 'masked_normalize')"
+            )
+        if args.scale_rewards not in scales:
+            raise ValueError(
+                f"scale_rewards={args.scale_rewards!r} (trl.GRPOConfig) is not implemented by the course advantages; "
+                "trl_ext.GRPOTrainer supports 'group' (normalize_by_std=True) and 'none' (normalize_by_std=False)"
+            )
+        return config_from_upstream(
+            cls,
+            args,
+            length_normalization=lengths[args.loss_type],
+            normalize_by_std=scales[args.scale_rewards],
+            generation_batch_size=None,  # derived from steps_per_generation by upstream's __post_init__
+        )
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
-    Takes the same arguments as ``trl.GRPOTrainer`` with ``args`` a ``trl_ext.GRPOConfig``. Metrics keep TRL's names
-    (``reward``, ``entropy``, ``kl``, ``clip_ratio/*``, ``completions/*``) and add ``beta`` when it adapts.
+    Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
+    converted by ``GRPOConfig.from_upstream``. Metrics keep TRL's names (``reward``, ``entropy``, ``kl``,
+    ``clip_ratio/*``, ``completions/*``) and add ``beta`` when it adapts. Each checkpoint holds, besides TRL's
+    files, ``beta``, the adaptive controller's KL window, the micro-batch counter and this process's buffered
+    rollout, so that a resumed run continues the interrupted one exactly.
 
     Raises:
-        TypeError: when ``args`` is not a ``trl_ext.GRPOConfig``.
+        TypeError: ``args`` is neither config class. ValueError: see ``GRPOConfig.from_upstream``. RuntimeError: the
+        installed TRL is untested or lacks a seam this trainer overrides (``trl_ext.trainers.upstream``).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if not isinstance(config, GRPOConfig):
-            raise TypeError(f"args must be a trl_ext.GRPOConfig, got {type(config).__name__}")
-        super().__init__(*args, **kwargs)
+    has_rank_state = True
+
+    def __init__(self, model: Any, reward_funcs: Any, args: trl.GRPOConfig | None = None, *pos_args: Any, **kwargs: Any):
+        check_upstream(trl.GRPOTrainer, _SEAMS)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        elif not isinstance(args, GRPOConfig):
+            args = GRPOConfig.from_upstream(args)
+        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         self._gathered_rewards: torch.Tensor | None = None
-        self._kl_window = torch.zeros(2)  # [sum of per-token KL, token count] since the last optimizer step
+        self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
+        self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
+
+    # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            **super()._checkpoint_state(),
+            "beta": self.beta,
+            "kl_window": self._kl_window.tolist(),
+            "step": self._step,  # upstream's micro-batch counter: where in the rollout cycle the run stopped
+        }
+
+    def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super()._restore_checkpoint_state(state)
+        self.beta = state["beta"]
+        self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
+        self._step = state["step"]
+
+    def _checkpoint_rank_state(self) -> dict[str, Any]:
+        # Upstream regenerates on resume (its _buffered_inputs is None), so a run stopped inside a rollout cycle
+        # (num_iterations > 1 or steps_per_generation > gradient_accumulation_steps) would train on other samples.
+        return {"buffered_inputs": self._buffered_inputs}
+
+    def _restore_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
+        buffered = state["buffered_inputs"]
+        device = self.accelerator.device
+        self._buffered_inputs = None if buffered is None else [
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in buffered
+        ]
 
     # -- advantages -------------------------------------------------------------------------------------------
 
@@ -280,17 +386,42 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(clipped & ~positive))
             self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(clipped & positive))
             self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(clipped))
+            # As trl.GRPOTrainer._compute_loss (TRL 1.16): per-sequence clipped fractions, min/max over all processes
+            float_mask = mask.float()
+
+            def gathered_sequence_means(x):
+                return self.accelerator.gather((x.float() * float_mask).sum(-1) / float_mask.sum(-1))
+
+            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_sequence_means(clipped & ~positive)).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_sequence_means(clipped & positive)).item())
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
-        """Accumulate the KL of this micro-batch; at the optimizer step, update beta (Ziegler et al. 2019)."""
-        self._kl_window += kl_sum_count
-        if not self.accelerator.sync_gradients:
-            return
-        measured = (self._kl_window[0] / self._kl_window[1].clamp(min=1.0)).item()
-        samples = self.args.per_device_train_batch_size * self.accelerator.num_processes * self.current_gradient_accumulation_steps
-        self.beta = F.adaptive_kl_coefficient(self.beta, measured, self.args.kl_target, self.args.kl_horizon, samples)
-        self._kl_window.zero_()
-        self._metrics["train"]["beta"].append(self.beta)
+        """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time
+        its samples are trained on (upstream's ``_prepare_inputs`` generates when ``_step % generate_every == 0``
+        and re-uses the rollout for ``steps_per_generation * num_iterations`` micro-batches); ``training_step``
+        updates beta once the rollout is used up."""
+        if self._step % (self.args.steps_per_generation * self.num_iterations) < self.args.steps_per_generation:
+            self._kl_window += kl_sum_count.double()
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # trl.GRPOTrainer.training_step (TRL 1.16) counts micro-batches in self._step. After the last micro-batch of
+        # a rollout its KL is final; at the next optimizer step (the same one unless steps_per_generation is not a
+        # multiple of gradient_accumulation_steps; beta stays fixed within a step), beta is updated once per
+        # finished rollout, for its generation_batch_size new samples (Ziegler et al. 2019, section 2.2).
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.kl_target is not None:
+            if self._step % (self.args.steps_per_generation * self.num_iterations) == 0:
+                self._finished_rollout_kl.append(self._kl_window.clone())
+                self._kl_window.zero_()
+            if self.accelerator.sync_gradients:
+                for total, count in self._finished_rollout_kl:
+                    self.beta = F.adaptive_kl_coefficient(
+                        self.beta, (total / count.clamp(min=1.0)).item(), self.args.kl_target, self.args.kl_horizon,
+                        self.args.generation_batch_size,
+                    )
+                self._finished_rollout_kl.clear()
+                self._metrics["train"]["beta"].append(self.beta)
+        return loss
 
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.

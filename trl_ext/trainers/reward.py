@@ -20,6 +20,18 @@ import trl
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
 
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
+# Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
+_SEAMS = {
+    "__init__": ("model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+                 "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
+                 "preprocess_logits_for_metrics", "quantization_config", "peft_config"),
+    "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    **TRAINER_MIXIN_SEAMS,
+}
+
 
 @dataclass
 class RewardConfig(trl.RewardConfig):
@@ -40,24 +52,27 @@ class RewardConfig(trl.RewardConfig):
     )
 
 
-class RewardTrainer(trl.RewardTrainer):
+class RewardTrainer(TrainerMixin, trl.RewardTrainer):
     """`trl.RewardTrainer` whose loss is `trl_ext.functional.bradley_terry_loss` on one scalar reward per sequence.
 
-    Takes everything `trl.RewardTrainer` takes.
+    Takes everything `trl.RewardTrainer` takes; `args` may also be a `trl.RewardConfig` (fields copied by value).
+    Each checkpoint also holds the running token count behind `num_tokens`.
 
     Raises:
         ValueError: a model without `num_labels=1` (from upstream, at construction), rewards that are not one scalar
-        per sequence, an invalid preference row (see `RewardConfig.skip_invalid_pairs`).
+        per sequence, an invalid preference row (see `RewardConfig.skip_invalid_pairs`). RuntimeError: the installed
+        TRL is untested or lacks a seam this trainer overrides (`trl_ext.trainers.upstream`).
     """
 
     _tag_names = ["trl", "reward-trainer", "trl_ext"]
 
     def __init__(self, model: Any, args: trl.RewardConfig | None = None, *pos_args: Any, **kwargs: Any):
+        check_upstream(trl.RewardTrainer, _SEAMS)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = RewardConfig(f"{name.split('/')[-1]}-Reward")
         elif not isinstance(args, RewardConfig):
-            args = RewardConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+            args = config_from_upstream(RewardConfig, args)
         super().__init__(model, args, *pos_args, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

@@ -14,8 +14,14 @@
 
 Logged beside TRL's `loss` (the total), `entropy`, `mean_token_accuracy` and `num_tokens`: `ce_loss`,
 `safety_penalty`, and with banned strings `safety_penalty/unlikelihood` and `safety_penalty/banned_tokens` (all in
-the units of `loss`, so loss = ce_loss + safety_penalty_weight * safety_penalty; eval metrics get TRL's `eval_`
-prefix). The penalty is computed in training only when its weight is positive, and always in evaluation.
+the units of `loss`, means over the processes as `loss` is, so loss = ce_loss + safety_penalty_weight *
+safety_penalty; eval metrics get TRL's `eval_` prefix). The penalty is computed in training only when its weight is
+positive, and always in evaluation.
+
+Several processes: every rank runs the same forwards in the same order each step, whatever its data. When the
+dataset has an `unsafe_completion` column, each batch carries an unsafe sub-batch; a batch with no unsafe row gets one
+placeholder row with no penalized token, so its unlikelihood forward runs too and adds exactly 0 (under DDP,
+FSDP2 or ZeRO-3 a forward that only some ranks run leaves the collectives unmatched and the run hangs).
 """
 
 from __future__ import annotations
@@ -31,11 +37,24 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional as F
 
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
 
 _UNSAFE_ROW_KEYS = ("unsafe_input_ids", "unsafe_labels")
 _UNSAFE_BATCH_KEYS = ("unsafe_input_ids", "unsafe_attention_mask", "unsafe_labels", "unsafe_num_rows")
+
+# Upstream methods trl_ext.SFTTrainer overrides: name -> parameters after self (TRL 1.16.0).
+_SEAMS = {
+    "__init__": ("model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+                 "compute_loss_func", "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
+                 "preprocess_logits_for_metrics", "quantization_config", "peft_config", "formatting_func"),
+    "_prepare_dataset": ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "_set_signature_columns_if_needed": (),
+    **TRAINER_MIXIN_SEAMS,
+}
 
 
 @dataclass
@@ -47,18 +66,19 @@ class SFTConfig(trl.SFTConfig):
             Weight of the safety penalty added to the cross-entropy; 0 trains with TRL's loss alone.
         banned_strings (`list[str]` or `None`, defaults to `None`):
             Strings the model should never start; adds the probability mass on their first tokens to the penalty.
-        completion_only_loss (`bool` or `None`, defaults to `True`):
-            Upstream field, default changed from `None` to `True`: prompt tokens never count in the loss, also for
-            pre-tokenized datasets with a `completion_mask`.
+        completion_only_loss (`bool` or `None`, defaults to `None`):
+            Upstream field and default: None trains on the completion only where the data has a prompt/completion
+            split (a prompt-completion dataset, or, beyond upstream, a pre-tokenized one with a `completion_mask`).
     """
 
     completion_only_loss: bool | None = field(
-        default=True,
+        default=None,
         metadata={
-            "help": "Train only on completion tokens (default True here; TRL's default None decides by dataset type). "
-            "Prompt-completion datasets then never train on prompt tokens, and pre-tokenized datasets with a "
-            "`completion_mask` column are masked by it. Language-modeling datasets (a `text` column) have no "
-            "prompt and train on every token."
+            "help": "Train only on completion tokens. None (default, as upstream) decides by the data: prompt-"
+            "completion datasets and (unlike upstream, which then trains on every token) pre-tokenized datasets with "
+            "a `completion_mask` column train on the completion only; language-modeling data (a `text` column, or a "
+            "`formatting_func`) trains on every token. True requires a prompt/completion split (upstream raises with "
+            "a formatting_func); False trains on every token."
         },
     )
     safety_penalty_weight: float = field(
@@ -114,6 +134,9 @@ class DataCollatorWithUnsafeCompletions:
     one example has an unsafe sequence (`unsafe_input_ids`, `unsafe_labels`: prompt + unsafe response, labels -100 on
     the prompt), the batch also holds `unsafe_input_ids`, `unsafe_attention_mask`, `unsafe_labels` (U, T') for the U
     rows that have one, and `unsafe_num_rows` (the batch's row count B, the denominator of the penalty's mean).
+    When the examples come from a dataset with unsafe responses but none of them has one, the sub-batch is one
+    placeholder row (the pad token, label -100: no penalized token, penalty exactly 0), so that every batch of such
+    a dataset, on every process, runs the same unlikelihood forward.
     """
 
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
@@ -121,9 +144,11 @@ class DataCollatorWithUnsafeCompletions:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator([{k: v for k, v in ex.items() if k not in _UNSAFE_ROW_KEYS} for ex in examples])
+        if not any("unsafe_input_ids" in ex for ex in examples):
+            return batch
         unsafe = [ex for ex in examples if ex.get("unsafe_input_ids") is not None and len(ex["unsafe_input_ids"]) > 0]
         if not unsafe:
-            return batch
+            unsafe = [{"unsafe_input_ids": [self.pad_token_id], "unsafe_labels": [-100]}]
         length = max(len(ex["unsafe_input_ids"]) for ex in unsafe)
         ids = torch.full((len(unsafe), length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(unsafe), length), -100, dtype=torch.long)
@@ -142,7 +167,7 @@ class DataCollatorWithUnsafeCompletions:
         return batch
 
 
-class SFTTrainer(trl.SFTTrainer):
+class SFTTrainer(TrainerMixin, trl.SFTTrainer):
     """`trl.SFTTrainer` with loss = TRL's completion-only CE + `safety_penalty_weight` x safety penalty.
 
     Takes everything `trl.SFTTrainer` takes. Datasets may carry an `unsafe_completion` column (see
@@ -152,19 +177,24 @@ class SFTTrainer(trl.SFTTrainer):
     and labels never cross documents) is supported for the CE; it merges rows, so it cannot carry the per-row unsafe
     responses and is refused when they would be penalized.
 
+    `args` is a `trl_ext.SFTConfig`, or a `trl.SFTConfig` (every field copied with its value; the trl_ext fields
+    keep their defaults). Each checkpoint also holds the running token count behind `num_tokens`.
+
     Raises:
         ValueError: packing with an `unsafe_completion` column and a positive `safety_penalty_weight`; a banned
-        string that tokenizes to nothing; and whatever `trl.SFTTrainer` raises.
+        string that tokenizes to nothing; and whatever `trl.SFTTrainer` raises. RuntimeError: the installed TRL is
+        untested or lacks a seam this trainer overrides (`trl_ext.trainers.upstream`).
     """
 
     _tag_names = ["trl", "sft", "trl_ext"]
 
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, *pos_args: Any, **kwargs: Any):
+        check_upstream(trl.SFTTrainer, _SEAMS)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = SFTConfig(f"{name.split('/')[-1]}-SFT")
         elif not isinstance(args, SFTConfig):
-            args = SFTConfig(**{**args.to_dict(), "hub_token": args.hub_token})
+            args = config_from_upstream(SFTConfig, args)
         super().__init__(model, args, *pos_args, **kwargs)
         self.data_collator = DataCollatorWithUnsafeCompletions(self.data_collator, self._tokenizer.pad_token_id)
         self._banned_token_ids = (
@@ -175,6 +205,14 @@ class SFTTrainer(trl.SFTTrainer):
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         columns = dataset.column_names or []
+        if args.completion_only_loss is None and "completion_mask" in columns and not self.completion_only_loss:
+            # Upstream's None only looks for prompt/completion columns; a pre-tokenized completion_mask is the same
+            # split, so its prompt tokens stay untrained (upstream builds the labels from it in _prepare_dataset).
+            self.completion_only_loss = True
+            try:
+                return self._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+            finally:
+                self.completion_only_loss = False
         if UNSAFE_COMPLETION_COLUMN in columns:
             if packing and args.safety_penalty_weight > 0:
                 raise ValueError(
@@ -244,7 +282,9 @@ class SFTTrainer(trl.SFTTrainer):
         )
         ce, outputs = result if return_outputs else (result, None)
         steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-        self._metrics[mode]["ce_loss"].append(ce.detach().item() * steps)
+        # Means over the processes, as Trainer logs `loss` (a per-rank value would break loss = ce + w * penalty).
+        gather = self.accelerator.gather
+        self._metrics[mode]["ce_loss"].append(gather(ce.detach()).mean().item() * steps)
 
         weight = self.args.safety_penalty_weight
         loss = ce
@@ -254,10 +294,10 @@ class SFTTrainer(trl.SFTTrainer):
                 parts["banned_tokens"] = self._banned_token_penalty(model, inputs)
             penalty = sum(parts.values())
             loss = ce + weight * penalty / steps
-            self._metrics[mode]["safety_penalty"].append(penalty.detach().item())
+            self._metrics[mode]["safety_penalty"].append(gather(penalty.detach()).mean().item())
             if len(parts) > 1:
                 for name, value in parts.items():
-                    self._metrics[mode][f"safety_penalty/{name}"].append(value.detach().item())
+                    self._metrics[mode][f"safety_penalty/{name}"].append(gather(value.detach()).mean().item())
         return (loss, outputs) if return_outputs else loss
 
     def _unlikelihood_penalty(self, model, unsafe: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:

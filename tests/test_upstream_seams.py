@@ -1,0 +1,73 @@
+"""The trainers refuse a TRL whose seams or version differ from the ones trl_ext overrides (trl_ext.trainers.upstream)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import trl
+
+import trl_ext
+from trl_ext.trainers import upstream
+
+# (trl_ext trainer, upstream trainer, module holding its _SEAMS, how to construct it up to the check)
+TRAINERS = [
+    (trl_ext.GRPOTrainer, trl.GRPOTrainer, "trl_ext.trainers.grpo", lambda cls: cls(model=None, reward_funcs=None)),
+    (trl_ext.SFTTrainer, trl.SFTTrainer, "trl_ext.trainers.sft", lambda cls: cls(model=None)),
+    (trl_ext.DPOTrainer, trl.DPOTrainer, "trl_ext.trainers.dpo", lambda cls: cls(model=None)),
+    (trl_ext.RewardTrainer, trl.RewardTrainer, "trl_ext.trainers.reward", lambda cls: cls(model=None)),
+]
+
+
+@pytest.mark.parametrize("ours, theirs, module, build", TRAINERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_every_override_is_a_checked_seam(ours, theirs, module, build):
+    seams = importlib.import_module(module)._SEAMS
+    overridden = {
+        name
+        for cls in ours.__mro__[: ours.__mro__.index(theirs)]
+        for name, value in vars(cls).items()
+        if callable(value) and hasattr(theirs, name)
+    }
+    assert overridden <= set(seams), f"overridden but not checked: {overridden - set(seams)}"
+    upstream.check_upstream(theirs, seams)  # the installed TRL passes
+
+
+@pytest.mark.parametrize("ours, theirs, module, build", TRAINERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_missing_seam_fails_naming_it(ours, theirs, module, build, monkeypatch):
+    seams = importlib.import_module(module)._SEAMS
+    name = next(n for n in seams if n != "__init__" and n in vars(theirs))  # the first seam upstream defines itself
+    monkeypatch.delattr(theirs, name)
+    if hasattr(theirs, name):  # defined further up (transformers.Trainer): hide it there too
+        monkeypatch.setattr(theirs, name, None)
+    with pytest.raises(RuntimeError, match=rf"{theirs.__name__}\.{name} does not exist in trl"):
+        build(ours)
+
+
+def test_a_changed_signature_fails_naming_the_seam(monkeypatch):
+    # what a rename of one parameter upstream looks like
+    def _compute_loss(self, model, batch):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", _compute_loss)
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._compute_loss\(model, batch\) in trl .* differs from the \(model, inputs\)"):
+        trl_ext.GRPOTrainer(model=None, reward_funcs=None)
+    assert tuple(inspect.signature(_compute_loss).parameters)[1:] == ("model", "batch")
+
+
+def test_an_untested_trl_version_fails_unless_allowed(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.delenv(upstream.ALLOW_UNTESTED_TRL_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"tested with trl 1\.16\.0, but trl 1\.17\.0 is installed"):
+        trl_ext.SFTTrainer(model=None)
+    monkeypatch.setenv(upstream.ALLOW_UNTESTED_TRL_ENV, "1")
+    with pytest.warns(UserWarning, match="trl 1.17.0 is installed"):
+        upstream.check_upstream(trl.SFTTrainer, {"compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch")})
+    # the seams are still checked when the version is allowed
+    monkeypatch.delattr(trl.SFTTrainer, "_prepare_dataset")
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="_prepare_dataset does not exist"):
+        trl_ext.SFTTrainer(model=None)
+
+
+def test_installed_trl_is_the_pinned_one():
+    assert trl.__version__ in upstream.TESTED_TRL_VERSIONS
