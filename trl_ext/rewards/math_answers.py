@@ -5,25 +5,25 @@ Each reward is written once in the course shape ``reward_fn(response, ground_tru
 **columns) -> list[float]`` through :func:`trl_ext.rewards.adapters.as_trl_reward`, reading the ground truth from
 the ``answer`` column written by the loaders in :mod:`trl_ext.data`.
 
-Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``).
-math-verify bounds each parse / comparison with ``signal.alarm``, which raises ``ValueError`` outside the main
-thread; :func:`grade_math_answer` therefore passes ``parsing_timeout=None`` and ``timeout_seconds=None`` (no time
-limit) when it runs outside the main thread, and the default 5 s limits in the main thread (the same choice as
-``trl.rewards.accuracy_reward``).
+Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``), run
+in a worker process with a wall-clock limit (:mod:`trl_ext.rewards.verify_worker`): math-verify's own timeout uses
+``signal.alarm``, which works only in the main thread and cannot interrupt a huge integer power, so a degenerate
+answer such as ``\\boxed{9^{9^{9^{9}}}}`` would otherwise hang the whole process. Grading is therefore bounded by
+:data:`MATH_VERIFY_TIMEOUT_S` in every thread, and answers that plain string or number comparison settles never
+reach math-verify.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from decimal import Decimal, InvalidOperation
 
-from math_verify import parse, verify
-
 from trl_ext.rewards.adapters import as_trl_reward
+from trl_ext.rewards.verify_worker import verify_in_worker
 
-MATH_VERIFY_TIMEOUT_S = 5
-"""Time limit (seconds) for each math-verify parse and comparison in the main thread."""
+MATH_VERIFY_TIMEOUT_S = 1.0
+"""Wall-clock limit (seconds) for grading one answer with math-verify (parse + verify), in any thread. Read at each
+call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERIFY_TIMEOUT_S = 3.0``)."""
 
 # A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of
 # "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part.
@@ -180,24 +180,14 @@ def extract_math_answer(text: str) -> str | None:
     return extract_boxed(text)
 
 
-def _math_verify_timeout() -> int | None:
-    """math-verify's signal-based timeout only works in the main thread; elsewhere run without a time limit."""
-    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def _parse(expr: str, timeout: int | None) -> list:
-    # Wrapped in $...$ so LaTeX answers ("\frac{1}{2}") are picked up by math-verify's LaTeX extractor; plain
-    # text that does not parse that way is retried as-is (math-verify's expression extractor).
-    return parse(f"${expr}$", parsing_timeout=timeout) or parse(expr, parsing_timeout=timeout)
-
-
 def grade_math_answer(answer: str, ground_truth: str) -> bool:
     """True when ``answer`` is mathematically equivalent to ``ground_truth``.
 
     Checks in order: equal strings after stripping; equal values when both are plain numbers (``"3.50"`` vs
     ``"3.5"``); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
-    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``). Parse or comparison failures and
-    timeouts count as not equivalent. Safe to call from any thread (see the module docstring).
+    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``), in a worker process bounded by
+    :data:`MATH_VERIFY_TIMEOUT_S` seconds. Parse or comparison failures, expressions too large to evaluate (e.g.
+    ``9^{9^{9^{9}}}``, ``(10^{10^{10}})!``) and timeouts count as not equivalent. Safe to call from any thread.
 
     Args:
         answer: the extracted model answer (no surrounding prose), LaTeX or plain text.
@@ -211,12 +201,7 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
     a, g = to_decimal(answer), to_decimal(ground_truth)
     if a is not None and g is not None:
         return a == g
-    timeout = _math_verify_timeout()
-    gold = _parse(ground_truth, timeout)
-    predicted = _parse(answer, timeout)
-    if not gold or not predicted:
-        return False
-    return bool(verify(gold, predicted, timeout_seconds=timeout))
+    return verify_in_worker(ground_truth, answer, MATH_VERIFY_TIMEOUT_S)
 
 
 def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
