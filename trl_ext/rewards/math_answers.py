@@ -26,10 +26,38 @@ MATH_VERIFY_TIMEOUT_S = 1.0
 call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERIFY_TIMEOUT_S = 3.0``)."""
 
 # A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of
-# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part.
-# A trailing "." ("42.") is not part of the number.
-_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part; or a
+# decimal written without its leading zero (".25", not after a word character or a dot). A trailing "." ("42.")
+# is not part of the number.
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+
+# LaTeX thousands separators between a digit and a group of exactly three digits: "12{,}345", "12,\!345",
+# "12\,345" (thin space), "12\!345", "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"; and the
+# braced decimal point "0{.}25". They are rewritten to a plain "," (".") before numbers are read.
+_LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,!:; ]|~|\\thinspace\s*)(?=\d{3}(?!\d))")
+_LATEX_DECIMAL_RE = re.compile(r"(?<=\d)\{\.\}(?=\d)")
+
+
+def normalize_number_text(text: str) -> str:
+    """Rewrite the LaTeX ways of writing numbers into plain ones, leaving everything else as is.
+
+    ``"12{,}345"``, ``"12,\\!345"``, ``"12\\,345"`` (and the other LaTeX spaces between a digit and a group of three
+    digits) -> ``"12,345"``; ``"0{.}25"`` -> ``"0.25"``; the Unicode minus ``"\u2212"`` -> ``"-"``. A thin space that
+    does not separate thousands (``"2\\,5"``) is kept.
+    """
+    text = text.replace("\u2212", "-")
+    if "\\" not in text and "{" not in text and "~" not in text:
+        return text
+    return _LATEX_DECIMAL_RE.sub(".", _LATEX_THOUSANDS_RE.sub(",", text))
+
+
+def _plain_number(match: str) -> str:
+    """ "1,234" -> "1234", ".25" -> "0.25", "-.5" -> "-0.5"."""
+    number = match.replace(",", "")
+    if number.startswith("."):
+        return "0" + number
+    return "-0" + number[1:] if number.startswith("-.") else number
 
 _ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 
@@ -38,9 +66,11 @@ _ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 def extract_last_number(text: str) -> str | None:
     """Return the last number written in ``text``, normalized, or ``None`` when there is none.
 
-    Thousands commas are removed ("1,234" -> "1234"), a sentence-final dot is not part of the number
-    ("42." -> "42"), a leading minus is kept ("-7") unless it follows a word character or closing bracket
-    ("5-3" -> "3"), the Unicode minus "\u2212" counts as "-", and decimals are kept as written ("3.50").
+    Thousands commas are removed ("1,234" -> "1234"), also LaTeX ones ("12{,}345", "12,\\!345", "12\\,345" ->
+    "12345", see :func:`normalize_number_text`); a sentence-final dot is not part of the number ("42." -> "42"); a
+    leading minus is kept ("-7") unless it follows a word character or closing bracket ("5-3" -> "3"); the Unicode
+    minus "\u2212" counts as "-"; decimals are kept as written ("3.50"), a missing leading zero is added
+    (".25" -> "0.25").
 
     Args:
         text: free text, e.g. a model response.
@@ -48,18 +78,20 @@ def extract_last_number(text: str) -> str | None:
     Returns:
         The number as a string, e.g. ``extract_last_number("The answer is 1,234.") == "1234"``, or ``None``.
     """
-    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    matches = _NUMBER_RE.findall(normalize_number_text(text))
     if not matches:
         return None
-    return matches[-1].replace(",", "")
+    return _plain_number(matches[-1])
 
 
 def to_decimal(text: str) -> Decimal | None:
-    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42."); ``None`` if it is not one.
+    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42.", ".25"); ``None`` if it is not one.
 
-    Surrounding whitespace and a trailing dot are ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
+    LaTeX thousands separators and decimal points are read as plain ones (``"3{,}000"``, ``"3,\\!000"``,
+    ``"3\\,000"`` -> 3000; see :func:`normalize_number_text`). Surrounding whitespace and a trailing dot are
+    ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
     """
-    s = text.strip().replace("\u2212", "-").removesuffix(".")
+    s = normalize_number_text(text.strip()).removesuffix(".")
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
     try:
@@ -87,7 +119,7 @@ def parse_gsm8k_ground_truth(answer_field: str) -> str:
     final = answer_field.rsplit("####", 1)[1].strip()
     if to_decimal(final) is None:
         raise ValueError(f"expected a number after '####', got {final!r}")
-    return final.replace("\u2212", "-").removesuffix(".").replace(",", "")
+    return _plain_number(normalize_number_text(final).removesuffix("."))
 
 
 def numbers_equal(a: str, b: str) -> bool:
@@ -157,6 +189,83 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)")
+# What may stand between the boxes of one multi-part answer ("$\boxed{2}$ and $\boxed{4}$", "\boxed{1}, \boxed{3}"):
+# math delimiters, LaTeX spaces, \text{...} wrappers and a list connector. Anything else is prose.
+_GAP_MARKUP_RE = re.compile(r"\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text(?:rm)?\s*\{([^{}]*)\}|\s+")
+_GAP_CONNECTORS = {"", ",", ";", "&", "and", "or", ",and", ",or", ";and"}
+
+
+def _box_spans(text: str) -> list[tuple[int, int, str | None]]:
+    """Every outermost box as (start, end, content); content None for a box never closed (end = len(text))."""
+    spans: list[tuple[int, int, str | None]] = []
+    position = 0
+    for match in _BOX_RE.finditer(text):
+        if match.start() < position:  # inside the previous box (a nested box)
+            continue
+        i = match.end()
+        if i < len(text) and text[i] == " ":  # "\boxed 5"
+            content = re.match(r"\s*([^\s$]+)", text[i:])
+            end = i + content.end() if content else len(text)
+            spans.append((match.start(), end, content.group(1) if content else None))
+            position = end
+            continue
+        if i >= len(text) or text[i] != "{":
+            continue
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    inner = text[i + 1 : j].strip()
+                    # a box around a box ("\boxed{\boxed{3}}") means the inner answer
+                    spans.append((match.start(), j + 1, extract_boxed_answer(inner) if _BOX_RE.search(inner) else inner))
+                    position = j + 1
+                    break
+        else:
+            spans.append((match.start(), len(text), None))
+            position = len(text)
+    return spans
+
+
+def extract_boxed_parts(text: str) -> tuple[list[str], int]:
+    """Return the final group of ``\\boxed{}`` contents of ``text`` and the number of other boxes before it.
+
+    A group is a run of boxes separated only by math delimiters, LaTeX spaces and a list connector (``","``,
+    ``";"``, ``"and"``, ``"or"``, ``"&"``): ``"... are $\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``,
+    the parts of a multi-part answer. Boxes separated from the group by other text (a retracted guess, a boxed
+    intermediate result) are not part of the answer; they are counted in the second value, so a caller can tell
+    that the answer was chosen among several: ``"First $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$"`` ->
+    ``(["4"], 1)``. A box inside a box counts as its inner content.
+
+    Returns:
+        ``([], 0)`` when there is no box, or the last box is never closed (a truncated generation).
+    """
+    spans = _box_spans(text)
+    if not spans or spans[-1][2] is None:
+        return [], 0
+    first = len(spans) - 1
+    while first > 0 and spans[first - 1][2] is not None:
+        gap = _GAP_MARKUP_RE.sub(lambda m: m.group(1) or "", text[spans[first - 1][1] : spans[first][0]])
+        if gap.strip().lower() not in _GAP_CONNECTORS:
+            break
+        first -= 1
+    return [content for _, _, content in spans[first:]], first
+
+
+def extract_boxed_answer(text: str) -> str | None:
+    """The final answer marked with ``\\boxed{}`` in ``text``: the parts of its final group joined by ``", "``.
+
+    ``"$\\boxed{2}$ and $\\boxed{4}$"`` -> ``"2, 4"`` (graded as the set/tuple of both, so one part alone is wrong);
+    ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``. ``None`` when there is no box or the last one is never
+    closed. See :func:`extract_boxed_parts`.
+    """
+    parts, _ = extract_boxed_parts(text)
+    return ", ".join(parts) if parts else None
+
+
 def extract_answer_tag(text: str) -> str | None:
     """Return the stripped text between the last ``<answer>`` and the next ``</answer>``; ``None`` if absent/empty."""
     start = text.rfind("<answer>")
@@ -171,13 +280,14 @@ def extract_answer_tag(text: str) -> str | None:
 def extract_math_answer(text: str) -> str | None:
     """Return the final answer of a MATH-style response, or ``None`` when none is marked.
 
-    Order: the last ``<answer>...</answer>`` block (and the last ``\\boxed{}`` inside it, if any); otherwise the
-    last ``\\boxed{...}`` of the whole text.
+    Order: the last ``<answer>...</answer>`` block (and the boxed answer inside it, if any); otherwise the boxed
+    answer of the whole text. A boxed answer is the final group of boxes (:func:`extract_boxed_answer`): one box,
+    or several joined by a list connector (``"$\\boxed{2}$ and $\\boxed{4}$"`` -> ``"2, 4"``).
     """
     tagged = extract_answer_tag(text)
     if tagged is not None:
-        return extract_boxed(tagged) if ("\\boxed" in tagged or "\\fbox" in tagged) else tagged
-    return extract_boxed(text)
+        return extract_boxed_answer(tagged) if _BOX_RE.search(tagged) else tagged
+    return extract_boxed_answer(text)
 
 
 def grade_math_answer(answer: str, ground_truth: str) -> bool:
@@ -261,8 +371,8 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     if end < 0:
         return dict(_ZERO)
     answer: str | None = response[start + len("<answer>") : end]
-    if "\\boxed" in answer or "\\fbox" in answer:
-        answer = extract_boxed(answer)
+    if _BOX_RE.search(answer):
+        answer = extract_boxed_answer(answer)
     correct = float(answer is not None and grade_math_answer(answer, ground_truth))
     return {"reward": correct, "format_reward": 1.0, "answer_reward": correct}
 
