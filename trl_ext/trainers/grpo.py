@@ -17,6 +17,7 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,21 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # -- loss ---------------------------------------------------------------------------------------------------
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
+        # later than in generation, which derives them from the attention mask
+        # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
+        # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
+        # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
+        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not _accepts_position_ids(self.accelerator.unwrap_model(model)):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+
+        def forward_with_positions(**inputs):
+            inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
+            return model(**inputs)
+
+        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, *args, **kwargs)
+
     def _compute_loss(self, model, inputs):
         # Mirrors trl.GRPOTrainer._compute_loss (TRL 1.16) for the per-token log-probs, then applies the course loss.
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -247,7 +263,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             mask,
             self.args.length_normalization,
             normalize_constant=self.max_completion_length,
-            allow_empty_rows=True,
+            drop_empty_rows=True,  # rows masked by mask_truncated_completions leave the mean (upstream: count as 0)
         )
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -291,6 +307,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.beta = F.adaptive_kl_coefficient(self.beta, measured, self.args.kl_target, self.args.kl_horizon, samples)
         self._kl_window.zero_()
         self._metrics["train"]["beta"].append(self.beta)
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row, (B, T) -> (B, T); 0 on padding.
+
+    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1), so a
+    left-padded prompt gets the positions it has alone and in generation.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _accepts_position_ids(model: Any) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
