@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from trl_ext.data.prompts import prompt_token_ids
 from trl_ext.rewards.math_answers import extract_last_number
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -157,6 +158,10 @@ def generate_completions(
         desc: progress-bar label.
         disable_progress: hide the progress bar.
 
+    Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
+    training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
+    generation prompt), then the batch is left-padded.
+
     Returns:
         N decoded completions without special tokens.
 
@@ -165,15 +170,15 @@ def generate_completions(
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}; expected both >= 1")
-    texts = render_prompts(tokenizer, prompts)
+    token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
     was_training, padding_side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
     try:
-        for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=disable_progress):
-            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
+            batch = tokenizer.pad({"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt")
             batch = {k: v.to(device) for k, v in batch.items()}
             generated = model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
@@ -253,7 +258,8 @@ def load_eval_model(
 def generate_completions_vllm(
     llm: Any, tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], max_new_tokens: int
 ) -> list[str]:
-    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``.
+    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
+    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`).
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1.
@@ -263,7 +269,8 @@ def generate_completions_vllm(
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    outputs = llm.generate(render_prompts(tokenizer, prompts), params)
+    # token ids, not text: vLLM would add its own special tokens to text (see trl_ext.data.prompt_token_ids)
+    outputs = llm.generate([{"prompt_token_ids": prompt_token_ids(tokenizer, p)} for p in prompts], params)
     return [out.outputs[0].text for out in outputs]
 
 

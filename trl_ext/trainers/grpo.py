@@ -25,6 +25,7 @@ import torch
 import trl
 
 from .. import functional as F
+from ..data.prompts import strip_leading_bos
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
@@ -204,6 +205,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._logs["advantages"].pop()
         self._logs["advantages"].extend(advantages.tolist())
         return output
+
+    def _tokenize_prompts(self, prompts: list):
+        # trl 1.16 tokenizes plain-text prompts with special tokens, so a prompt already rendered with a chat template
+        # that writes BOS would start with two; strip its BOS text first (trl_ext.data.prompt_token_ids, which
+        # trl_ext.eval uses, does the same, so evaluation generates from the very ids training does).
+        if prompts and isinstance(prompts[0], str):
+            prompts = [strip_leading_bos(p, self.processing_class) for p in prompts]
+        return super()._tokenize_prompts(prompts)
 
     # -- loss ---------------------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from datasets import Dataset
 from trl.data_utils import is_conversational
 
 from trl_ext import functional as F
+from trl_ext.data.prompts import strip_leading_bos_columns
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
@@ -174,6 +175,9 @@ class SFTTrainer(trl.SFTTrainer):
     # ----- data: tokenize the unsafe responses next to their prompts, then let TRL prepare the rest -----
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        # One BOS: TRL tokenizes plain-text prompts/documents with special tokens; a string already rendered with a
+        # template that writes BOS would get a second one (trl_ext.data.strip_leading_bos).
+        dataset = strip_leading_bos_columns(dataset, processing_class, ("prompt", args.dataset_text_field))
         columns = dataset.column_names or []
         if UNSAFE_COMPLETION_COLUMN in columns:
             if packing and args.safety_penalty_weight > 0:
