@@ -37,6 +37,8 @@ from trl_ext.rewards import (
         ("costs $12,\\!345.", "12345"),  # comma + negative thin space
         ("costs 12\\,345 dollars", "12345"),  # thin space as the separator
         ("1{,}234{,}567 people", "1234567"),  # several groups
+        ("1\\,234\\,567", "1234567"),
+        ("12,\\,345 and 12{,}\\!345", "12345"),  # comma followed by a LaTeX space
         ("12\\;345 and 3\\:000", "3000"),  # other LaTeX spaces, last number
         ("12~345", "12345"),
         ("0{.}75 of it", "0.75"),  # braced decimal point
@@ -75,6 +77,7 @@ def test_latex_numbers_in_rewards():
     assert math_reward_fn("\\boxed{12{,}345}", "12345")["reward"] == 1.0
     assert math_reward_fn("\\boxed{3{,}000}", "3\\,000")["reward"] == 1.0  # both sides written the LaTeX way
     assert math_reward_fn("\\boxed{3{,}001}", "3000")["reward"] == 0.0
+    assert math_reward_fn("\\boxed{\\$3\\,000}", "3000")["reward"] == 1.0  # math-verify gets "3,000", not 3*000
     assert r1_zero_reward_fn(" </think> <answer>12,\\!345</answer>", "12345")["reward"] == 1.0
     assert parse_gsm8k_ground_truth("... so\n#### 1{,}000") == "1000"
     assert parse_gsm8k_ground_truth("#### .5") == "0.5"
@@ -120,6 +123,8 @@ def test_mmlu_letters(output, expected):
         ("The solutions are $\\boxed{2}$ and $\\boxed{4}$.", ["2", "4"], 0),
         ("$\\boxed{1}$, $\\boxed{2}$, and $\\boxed{3}$", ["1", "2", "3"], 0),
         ("\\boxed{x=1} \\text{ or } \\boxed{x=-1}", ["x=1", "x=-1"], 0),
+        ("$x = \\boxed{2}$ and $x = \\boxed{4}$", ["2", "4"], 0),  # the unknown named before each box
+        ("$x_1 = \\boxed{2}$, $x_2 = \\boxed{4}$", ["2", "4"], 0),
         ("$\\boxed{2}\\quad\\boxed{4}$", ["2", "4"], 0),
         ("First guess $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$.", ["4"], 1),  # retracted: other box
         ("So $x = \\boxed{5}$, and the area is $\\boxed{25}$.", ["25"], 1),  # boxed intermediate result

@@ -143,3 +143,12 @@ def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, token
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -3:]
     per_row = (-1.5 * logp).sum() / (3 if length_normalization == "masked_mean" else 4)
     torch.testing.assert_close(loss, per_row, atol=1e-5, rtol=1e-5)
+
+    # every row masked (all truncated): loss 0, finite gradients
+    trainer.model.zero_grad()
+    inputs["completion_mask"] = torch.zeros_like(completion_mask)
+    empty = trainer._compute_loss(trainer.model, dict(inputs))
+    empty.backward()
+    assert empty.item() == 0.0
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

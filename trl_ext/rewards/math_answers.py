@@ -32,10 +32,14 @@ call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERI
 _NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 
-# LaTeX thousands separators between a digit and a group of exactly three digits: "12{,}345", "12,\!345",
-# "12\,345" (thin space), "12\!345", "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"; and the
-# braced decimal point "0{.}25". They are rewritten to a plain "," (".") before numbers are read.
-_LATEX_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\[,!:; ]|~|\\thinspace\s*)(?=\d{3}(?!\d))")
+# LaTeX thousands separators between a digit and a group of exactly three digits: a comma, braced or not, followed
+# by LaTeX spaces ("12{,}345", "12,\!345", "12,\,345"), or LaTeX spaces alone ("12\,345" thin space, "12\!345",
+# "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"); and the braced decimal point "0{.}25". They are
+# rewritten to a plain "," (".") before numbers are read.
+_LATEX_SPACE = r"(?:\\[,!:; ]|\\thinspace\s*|~)"
+_LATEX_THOUSANDS_RE = re.compile(
+    rf"(?<=\d)(?:(?:\{{,\}}|,){_LATEX_SPACE}*|{_LATEX_SPACE}+)(?=\d{{3}}(?!\d))"
+)
 _LATEX_DECIMAL_RE = re.compile(r"(?<=\d)\{\.\}(?=\d)")
 
 
@@ -194,6 +198,7 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)")
 # math delimiters, LaTeX spaces, \text{...} wrappers and a list connector. Anything else is prose.
 _GAP_MARKUP_RE = re.compile(r"\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text(?:rm)?\s*\{([^{}]*)\}|\s+")
 _GAP_CONNECTORS = {"", ",", ";", "&", "and", "or", ",and", ",or", ";and"}
+_GAP_ASSIGNMENT_RE = re.compile(r"[a-z](?:_\{?\w+\}?)?=$")
 
 
 def _box_spans(text: str) -> list[tuple[int, int, str | None]]:
@@ -234,7 +239,8 @@ def extract_boxed_parts(text: str) -> tuple[list[str], int]:
     """Return the final group of ``\\boxed{}`` contents of ``text`` and the number of other boxes before it.
 
     A group is a run of boxes separated only by math delimiters, LaTeX spaces and a list connector (``","``,
-    ``";"``, ``"and"``, ``"or"``, ``"&"``): ``"... are $\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``,
+    ``";"``, ``"and"``, ``"or"``, ``"&"``), possibly followed by the unknown's name (``"x = \\boxed{2}`` or
+    ``x = \\boxed{4}"``): ``"... are $\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``,
     the parts of a multi-part answer. Boxes separated from the group by other text (a retracted guess, a boxed
     intermediate result) are not part of the answer; they are counted in the second value, so a caller can tell
     that the answer was chosen among several: ``"First $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$"`` ->
@@ -249,7 +255,8 @@ def extract_boxed_parts(text: str) -> tuple[list[str], int]:
     first = len(spans) - 1
     while first > 0 and spans[first - 1][2] is not None:
         gap = _GAP_MARKUP_RE.sub(lambda m: m.group(1) or "", text[spans[first - 1][1] : spans[first][0]])
-        if gap.strip().lower() not in _GAP_CONNECTORS:
+        gap = _GAP_ASSIGNMENT_RE.sub("", "".join(gap.split()).lower())  # "x=\boxed{2} and x=\boxed{4}": the name of the unknown
+        if gap not in _GAP_CONNECTORS:
             break
         first -= 1
     return [content for _, _, content in spans[first:]], first
@@ -311,7 +318,8 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
     a, g = to_decimal(answer), to_decimal(ground_truth)
     if a is not None and g is not None:
         return a == g
-    return verify_in_worker(ground_truth, answer, MATH_VERIFY_TIMEOUT_S)
+    # math-verify reads "3\,000" as 3*000: give it the plain numbers
+    return verify_in_worker(normalize_number_text(ground_truth), normalize_number_text(answer), MATH_VERIFY_TIMEOUT_S)
 
 
 def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
