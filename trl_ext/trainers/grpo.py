@@ -10,6 +10,12 @@ Two seams in TRL 1.16 are swapped, nothing else:
   and ``functional.compute_grpo_loss``; log-probs and entropies still come from upstream
   ``_get_per_token_logps_and_entropies``.
 
+Two small hooks keep the inputs right (issue 10): ``_tokenize_prompts`` drops the BOS text of a plain-text prompt
+already rendered with a BOS-writing template (one BOS, as ``trl_ext.eval`` sees it), and
+``_get_per_token_logps_and_entropies`` passes generation's position ids (left padding with absolute positions). A
+row with no trained token (``mask_truncated_completions``) leaves the batch mean; upstream's ``grpo`` loss counts it
+as 0.
+
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
 """
