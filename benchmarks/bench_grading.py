@@ -1,8 +1,9 @@
 """Grading throughput of ``trl_ext.rewards.math_reward_fn`` on ordinary MATH-style answers (issue 10, item 7).
 
 Builds a fixed list of (response, ground truth) pairs -- fractions, roots, decimals, integers, expressions,
-intervals, tuples, right and wrong -- grades them in the main thread and in a worker thread, and prints answers per
-second and the accuracy (which must not change between versions). Run: ``uv run python benchmarks/bench_grading.py``.
+intervals, tuples, right and wrong -- grades them in the main thread, then other pairs of the same shapes in another thread, then the first pairs
+again (texts seen before, as the repeated reference of a GRPO group), and prints answers per second and how many
+were graded right (which must not change between versions). Run: ``uv run python benchmarks/bench_grading.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import threading
 import time
 
 
-def ordinary_pairs(n: int) -> list[tuple[str, str]]:
-    """n (response, ground truth) pairs, about half of them right, cycling through common answer shapes."""
+def ordinary_pairs(n: int, first: int = 1) -> list[tuple[str, str]]:
+    """n (response, ground truth) pairs, 6 of every 8 right, cycling through common answer shapes with k >= first."""
     shapes = []
-    for k in range(1, 40):
+    for k in range(first, first + 39):
         shapes += [
             (rf"so the answer is $\boxed{{\frac{{{k}}}{{{k + 1}}}}}$.", rf"\frac{{{k}}}{{{k + 1}}}"),
             (rf"Thus $\boxed{{{k / (k + 1):.6f}}}$", rf"\frac{{{k}}}{{{k + 1}}}"),
@@ -35,23 +36,26 @@ def main() -> None:
     args = parser.parse_args()
     from trl_ext.rewards import math_reward_fn
 
-    pairs = ordinary_pairs(args.n)
+    pairs, other_pairs = ordinary_pairs(args.n), ordinary_pairs(args.n, first=100)
     math_reward_fn(r"\boxed{0.5}", r"\frac{1}{2}")  # warm up: start the grading worker (math-verify)
 
-    def run(out: dict) -> None:
+    def run(batch: list[tuple[str, str]], out: dict) -> None:
         start = time.perf_counter()
-        out["correct"] = sum(math_reward_fn(r, g)["reward"] for r, g in pairs)
+        out["correct"] = sum(math_reward_fn(r, g)["reward"] for r, g in batch)
         out["seconds"] = time.perf_counter() - start
 
-    main_thread: dict = {}
-    run(main_thread)
-    other: dict = {}
-    worker = threading.Thread(target=run, args=(other,))
+    results = {}
+    results["main thread"] = {}
+    run(pairs, results["main thread"])
+    results["other thread"] = {}
+    worker = threading.Thread(target=run, args=(other_pairs, results["other thread"]))
     worker.start()
     worker.join()
-    for name, res in (("main thread", main_thread), ("other thread", other)):
+    results["main thread, same texts again"] = {}
+    run(pairs, results["main thread, same texts again"])
+    for name, res in results.items():
         print(
-            f"{name}: {len(pairs)} answers in {res['seconds']:.2f} s = {len(pairs) / res['seconds']:.1f} answers/s, "
+            f"{name}: {args.n} answers in {res['seconds']:.2f} s = {args.n / res['seconds']:.1f} answers/s, "
             f"{res['correct']:.0f} graded right"
         )
 

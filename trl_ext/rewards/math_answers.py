@@ -22,7 +22,8 @@ from trl_ext.rewards.adapters import as_trl_reward
 from trl_ext.rewards.verify_worker import verify_in_worker
 
 MATH_VERIFY_TIMEOUT_S = 1.0
-"""Wall-clock limit (seconds) for grading one answer with math-verify (parse + verify), in any thread. Read at each
+"""Time limit (seconds) for grading one answer with math-verify (parse + verify), in any thread: CPU seconds of the
+grading worker (Linux), and at most twice that in wall time (see :mod:`trl_ext.rewards.verify_worker`). Read at each
 call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERIFY_TIMEOUT_S = 3.0``)."""
 
 # A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of

@@ -5,8 +5,11 @@ degenerate answer such as ``9^{9^{9^{9}}}`` or ``(10^{10^{10}})!`` makes sympy c
 that holds the interpreter lock: no signal and no other thread can interrupt it, and the whole process hangs. A
 child process can always be killed. So every math-verify ``parse`` + ``verify`` runs in a small worker process
 (this file run as a script: it imports only the standard library and ``math_verify``, never ``trl_ext``, torch or
-transformers), and the caller waits for the answer at most ``timeout`` seconds of wall time; past that the worker is
-killed, a fresh one is started in the background and the answer counts as not equivalent.
+transformers), and the caller waits until the worker has spent ``timeout`` seconds of CPU time on the answer
+(Linux; wall time elsewhere), at most ``WALL_FACTOR * timeout`` of wall time; past that the worker is killed and
+the answer counts as not equivalent. On an idle machine that is about ``timeout`` seconds; counting CPU time keeps
+a loaded machine from turning slow ordinary answers into wrong ones. Workers are forks of a "zygote" process that
+imported math-verify once and warmed its lazy parts up, so a replacement costs milliseconds.
 
 Two guards run inside the worker before ``verify``:
 
@@ -31,6 +34,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 
 MAX_DIGITS = 10_000
 """A number with more decimal digits than this (10^10000) is not an answer: such expressions are graded 0 unseen."""
@@ -41,11 +45,20 @@ MAX_SYMBOLIC_EXPONENT = 1_000
 WORKER_MEMORY_BYTES = 4 * 2**30
 """Address-space limit of each worker process (4 GiB)."""
 
+WALL_FACTOR = 2.0
+"""A worker starved of CPU by a loaded machine may take up to this many times the limit in wall time."""
+
 STARTUP_TIMEOUT_S = 120.0
 """How long to wait for a new worker to import math-verify (not counted in the grading timeout)."""
 
 
 # ------------------------------------------------------------------------------------------------ worker side
+_WARM_UP = [
+    ("\\frac{1}{2}", "0.5"), ("2\\sqrt{2}", "\\sqrt{8}"), ("[1, 3)", "[1,3)"), ("\\{1, 2\\}", "2, 1"), ("(1, -1)", "(1,-1)"),
+    ("(x+1)^2", "x^2 + 2x + 1"), ("x = 2", "2"), ("3\\pi", "3\\pi"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),
+    ("10\\%", "0.1"), ("\\text{(A)}", "A"), ("e^{i\\pi}", "-1"), ("\\log_2 8", "3"), ("x \\in (0, \\infty)", "(0,\\infty)"),
+]
+
 def _too_large(expr) -> bool:
     """True when evaluating ``expr`` (a sympy object) would build a number of more than MAX_DIGITS digits."""
     import sympy
@@ -115,7 +128,16 @@ def _grade(parse, verify, gold_text: str, pred_text: str) -> bool:
 
 def _serve(sock) -> None:  # pragma: no cover - runs in a worker process
     """Answer grading requests, one JSON line in, one JSON line out, until the caller closes the socket."""
-    from math_verify import parse, verify
+    import functools
+
+    from math_verify import parse as math_verify_parse
+    from math_verify import verify
+
+    # The same texts come back often (one reference per GRPO group, repeated completions); sympy results are
+    # immutable, so parses are cached.
+    @functools.lru_cache(maxsize=4096)
+    def parse(text: str, parsing_timeout=None) -> list:
+        return math_verify_parse(text, parsing_timeout=parsing_timeout)
 
     stream = sock.makefile("rw", buffering=1)
     for line in stream:
@@ -143,8 +165,14 @@ def _zygote_main(control_fd: int) -> None:  # pragma: no cover - runs in the chi
         pass
     for name in ("math_verify", "math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    import math_verify  # noqa: F401 - imported once here, inherited by every forked worker
-    import sympy  # noqa: F401
+    import math_verify
+
+    # Lazy initialization (grammars, sympy caches) happens here once, not in the first request of every worker.
+    for gold, pred in _WARM_UP:
+        try:
+            _grade(math_verify.parse, math_verify.verify, gold, pred)
+        except Exception:  # noqa: BLE001
+            pass
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forked workers are reaped automatically
     control = socket.socket(fileno=control_fd)
@@ -230,16 +258,39 @@ class _Worker:
         self.sock, self.pid = sock, pid
         self.stream = sock.makefile("rw", buffering=1)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the worker has used (Linux /proc); None where it cannot be read."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, ValueError, IndexError):
+            return None
+
     def request(self, gold: str, pred: str, timeout: float) -> bool | None:
-        """The worker's verdict, or None when it did not answer within ``timeout`` seconds (or died)."""
+        """The worker's verdict, or None when it spent ``timeout`` seconds on it (or died).
+
+        The budget is the worker's CPU time where it can be read (Linux), so that a machine loaded by other work
+        does not turn slow ordinary answers into wrong ones, with a wall-clock cap of ``WALL_FACTOR * timeout``;
+        elsewhere it is wall time. On an idle machine both are the same ~``timeout`` seconds.
+        """
         try:
             self.stream.write(json.dumps({"gold": gold, "pred": pred}) + "\n")
             self.stream.flush()
-            readable, _, _ = select.select([self.sock], [], [], timeout)
-            line = self.stream.readline() if readable else ""
+            start_wall, start_cpu = time.monotonic(), self.cpu_seconds()
+            while True:
+                wall = time.monotonic() - start_wall
+                cpu = self.cpu_seconds()
+                used = wall if start_cpu is None or cpu is None else cpu - start_cpu
+                if used >= timeout or wall >= WALL_FACTOR * timeout:
+                    return None
+                wait = min(max(timeout - used, 0.02), WALL_FACTOR * timeout - wall)
+                readable, _, _ = select.select([self.sock], [], [], wait)
+                if readable:
+                    line = self.stream.readline()
+                    return bool(json.loads(line)["ok"]) if line else None
         except OSError:
             return None
-        return bool(json.loads(line)["ok"]) if line else None
 
     def kill(self) -> None:
         import signal
@@ -272,7 +323,7 @@ def _new_worker() -> _Worker:
 
 
 def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
-    """True when math-verify shows ``pred`` equivalent to ``gold`` within ``timeout`` seconds of wall time.
+    """True when math-verify shows ``pred`` equivalent to ``gold`` within ``timeout`` seconds (see ``_Worker.request``).
 
     Runs ``math_verify.parse`` on both (LaTeX first, then plain expression) and ``math_verify.verify(gold, pred)`` in
     a pooled worker process (see the module docstring). Thread-safe; each concurrent caller uses its own worker.
@@ -281,8 +332,9 @@ def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
     Args:
         gold: reference answer text (LaTeX or plain).
         pred: predicted answer text.
-        timeout: wall-clock limit in seconds (> 0) for the worker's answer; on expiry the worker is killed (a fresh
-            fork replaces it) and the result is False.
+        timeout: limit in seconds (> 0): CPU time of the worker on Linux, wall time elsewhere, and never more than
+            ``WALL_FACTOR * timeout`` of wall time; on expiry the worker is killed (a fresh fork replaces it) and the
+            result is False.
 
     Returns:
         The verdict; False on a parse failure, an expression over the size bound, or a timeout.
