@@ -19,9 +19,9 @@ Two guards run inside the worker before ``verify``:
   outputs cost milliseconds, not a killed worker;
 * a memory limit (``RLIMIT_AS``, :data:`WORKER_MEMORY_BYTES`) and, on Linux, death with the parent process.
 
-Workers are pooled (one per thread grading at the same time) and reused; ``math_verify``'s own signal timeouts are
-off inside them (the caller's wall-clock limit replaces them) and its "Timeout is disabled" warning is silenced
-there, so nothing is printed per call. POSIX only (``select`` on pipes).
+Workers are pooled (one per thread grading at the same time) and reused, and cache their parses; ``math_verify``'s
+own signal timeouts are off inside them (the caller's limit replaces them) and its "Timeout is disabled" warning is
+silenced there, so nothing is printed per call. POSIX only (``fork``, Unix sockets passed with ``socket.send_fds``).
 """
 
 from __future__ import annotations
