@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from trl import ModelConfig
 
 from trl_ext.data.instructions import (
@@ -25,6 +24,7 @@ from trl_ext.data.instructions import (
     load_instruction_rows,
     render_prompt_text,
 )
+from trl_ext.eval import generate_completions
 from trl_ext.models import load_model_and_tokenizer
 from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
@@ -52,13 +52,9 @@ def is_refusal(text: str) -> bool:
     return bool(REFUSAL.search(text.lower().replace("\u2019", "'")))
 
 
-@torch.no_grad()
 def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    tokenizer.padding_side = "right"
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    # trl_ext.eval tokenizes each prompt as SFT training does (one BOS when the tokenizer uses one)
+    return generate_completions(model, tokenizer, prompts, max_new_tokens, disable_progress=True)
 
 
 def evaluate(trainer, tokenizer, test_rows, script_args) -> dict:

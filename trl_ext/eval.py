@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from trl_ext.data.prompts import prompt_token_ids
 from trl_ext.rewards.math_answers import extract_last_number
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -47,21 +48,49 @@ def parse_gsm8k_response(model_output: str) -> str | None:
     return extract_last_number(model_output)
 
 
-# "answer is B", "Answer: (C)", "correct option is D." -- the letter must be a capital A-D standing alone.
-_MMLU_ANSWER_RE = re.compile(r"(?i:answer|option|choice)\s*(?:is|:)?\s*[:\-]?\s*\(?([A-D])\)?(?![A-Za-z0-9])")
+# The letter of an answer statement: a capital A-D standing alone, optionally in brackets ("(C)", "[C]").
+_LETTER = r"[(\[{]?\s*([A-D])\s*[)\]}]?(?![A-Za-z0-9])"
+# An answer statement: "answer is B", "Answer: (C)", "final answer - D", "correct option is D", "the best choice: A".
+_MMLU_STATED_RE = re.compile(
+    r"(?i:\banswer|\b(?:correct|right|best|final)\s+(?:option|choice))\s*(?:(?i:is|would\s+be|will\s+be)\b)?\s*[:\-]?\s*"
+    + _LETTER
+)
+# A bare mention of an option: "option B", "choice (C)".
+_MMLU_MENTION_RE = re.compile(r"(?i:\boption|\bchoice)\s*(?:(?i:is)\b)?\s*[:\-]?\s*" + _LETTER)
 _MMLU_LONE_LETTER_RE = re.compile(r"^\s*\(?([A-D])\)?[.:)]?\s*$")
+# Markup around a letter: LaTeX text/math commands, LaTeX math delimiters, markdown emphasis and code.
+_LATEX_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|boxed|emph|fbox)\s*\{([^{}]*)\}")
+_LATEX_MATH_RE = re.compile(r"\\[()\[\]]|\$")
+_EMPHASIS_RE = re.compile(r"(?<![A-Za-z0-9])[*_`]+|[*_`]+(?![A-Za-z0-9])")
+
+
+def strip_markup(text: str) -> str:
+    """``text`` with LaTeX and markdown markup around words removed, for reading option letters.
+
+    ``\\text{D}``, ``\\textbf{D}``, ``\\boxed{D}`` (and ``\\mathrm``, ``\\mathbf``, ``\\emph``, ...) keep their content;
+    ``\\(``, ``\\)``, ``\\[``, ``\\]`` and ``$`` become spaces; markdown emphasis and code marks (``*D*``, ``**D**``,
+    ``_D_``, `` `D` ``) are dropped. Underscores and asterisks inside words (``snake_case``, ``2*3``) stay.
+    """
+    previous = None
+    while previous != text:  # nested commands: \boxed{\text{D}}
+        previous, text = text, _LATEX_WRAPPER_RE.sub(r"\1", text)
+    return _EMPHASIS_RE.sub("", _LATEX_MATH_RE.sub(" ", text))
 
 
 def parse_mmlu_response(mmlu_example: Mapping[str, Any], model_output: str) -> str | None:
     """The option letter ``"A"``-``"D"`` that ``model_output`` picks for ``mmlu_example``, or ``None`` (course supplement).
 
-    Rules, first match wins:
+    The output is read with its markup removed (:func:`strip_markup`: ``"Answer: *D*"``, ``"Answer: \\(D\\)"``,
+    ``"**Answer:** $\\text{D}$"`` all read as ``"Answer: D"``). Rules, first match wins:
 
-    1. an explicit answer statement: ``"answer"``/``"option"``/``"choice"`` (any case), optionally ``"is"`` or
-       ``":"``, then a capital letter A-D standing alone, optionally in parentheses (``"The correct answer is B"``,
-       ``"Answer: (C)"``); the last such statement counts;
+    1. an answer statement: ``"answer"`` (any case; ``"The answer is C"``, ``"Answer: (C)"``, ``"final answer -
+       D"``) or ``"correct/right/best/final option/choice"``, optionally followed by ``"is"``/``"would be"`` and
+       ``":"``, then a capital letter A-D standing alone, optionally in brackets. The LAST statement counts (a
+       revised answer wins), and a statement wins over any mere mention of another option:
+       ``"The answer is C. Option B is tempting but wrong."`` -> ``"C"``;
     2. the whole output is one letter (``"B"``, ``"(B)"``, ``"B."``);
-    3. exactly one option's text appears in the output (case-insensitive), e.g. the model copied the option.
+    3. bare mentions ``"option X"`` / ``"choice X"`` that all name the same letter;
+    4. exactly one option's text appears in the output (case-insensitive), e.g. the model copied the option.
 
     Args:
         mmlu_example: an MMLU example with ``options``, a sequence of 4 option strings (other keys, such as
@@ -82,14 +111,20 @@ def parse_mmlu_response(mmlu_example: Mapping[str, Any], model_output: str) -> s
         or not all(isinstance(o, str) for o in options)
     ):
         raise ValueError(f"mmlu_example['options'] must be a sequence of 4 strings, got {options!r}")
-    stated = _MMLU_ANSWER_RE.findall(model_output)
+    text = strip_markup(model_output)
+    stated = _MMLU_STATED_RE.findall(text)
     if stated:
         return stated[-1]
-    lone = _MMLU_LONE_LETTER_RE.match(model_output)
+    lone = _MMLU_LONE_LETTER_RE.match(text)
     if lone:
         return lone.group(1)
-    text = model_output.lower()
-    found = [letter for letter, option in zip(MMLU_LETTERS, options) if option.strip() and option.strip().lower() in text]
+    mentioned = set(_MMLU_MENTION_RE.findall(text))
+    if len(mentioned) == 1:
+        return mentioned.pop()
+    if mentioned:
+        return None
+    lowered = model_output.lower()
+    found = [letter for letter, option in zip(MMLU_LETTERS, options) if option.strip() and option.strip().lower() in lowered]
     return found[0] if len(found) == 1 else None
 
 
@@ -123,6 +158,10 @@ def generate_completions(
         desc: progress-bar label.
         disable_progress: hide the progress bar.
 
+    Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
+    training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
+    generation prompt), then the batch is left-padded.
+
     Returns:
         N decoded completions without special tokens.
 
@@ -131,15 +170,15 @@ def generate_completions(
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}; expected both >= 1")
-    texts = render_prompts(tokenizer, prompts)
+    token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
     was_training, padding_side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
     try:
-        for start in tqdm(range(0, len(texts), batch_size), desc=desc, disable=disable_progress):
-            batch = tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
+            batch = tokenizer.pad({"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt")
             batch = {k: v.to(device) for k, v in batch.items()}
             generated = model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
@@ -219,7 +258,8 @@ def load_eval_model(
 def generate_completions_vllm(
     llm: Any, tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], max_new_tokens: int
 ) -> list[str]:
-    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``.
+    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
+    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`).
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1.
@@ -229,7 +269,8 @@ def generate_completions_vllm(
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    outputs = llm.generate(render_prompts(tokenizer, prompts), params)
+    # token ids, not text: vLLM would add its own special tokens to text (see trl_ext.data.prompt_token_ids)
+    outputs = llm.generate([{"prompt_token_ids": prompt_token_ids(tokenizer, p)} for p in prompts], params)
     return [out.outputs[0].text for out in outputs]
 
 

@@ -484,6 +484,7 @@ def compute_grpo_loss(
     length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
     normalize_constant: float | None = None,
     allow_empty_rows: bool = False,
+    drop_empty_rows: bool = False,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch.
 
@@ -499,6 +500,10 @@ def compute_grpo_loss(
         normalize_constant: the divisor for ``"masked_normalize"`` (required there, ignored otherwise).
         allow_empty_rows: with ``masked_mean``, let a row with no response token contribute 0 (it still counts in
             the batch mean, as in TRL, where such rows come from ``mask_truncated_completions``) instead of raising.
+        drop_empty_rows: a row with no response token leaves the batch mean: the loss is the mean, over the rows with
+            at least one response token, of their ``masked_mean`` (or sum / ``normalize_constant``); 0 with zero
+            (finite) gradients when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches this way, so that
+            rows masked by ``mask_truncated_completions`` do not dilute the loss. Overrides ``allow_empty_rows``.
 
     Returns:
         0-d tensor.
@@ -513,6 +518,13 @@ def compute_grpo_loss(
     """
     _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
     _check_choice("length_normalization", length_normalization, LENGTH_NORMALIZATIONS)
+    if drop_empty_rows:
+        if length_normalization == "masked_normalize" and normalize_constant is None:
+            raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
+        tokens = response_mask.sum(dim=-1)
+        divisor = tokens.clamp(min=1) if length_normalization == "masked_mean" else normalize_constant
+        per_example = masked_normalize(per_token_loss, response_mask, dim=-1) / divisor
+        return per_example.sum() / (tokens > 0).sum().clamp(min=1)
     if length_normalization == "masked_mean":
         empty = response_mask.sum(dim=-1) == 0
         if empty.any() and not allow_empty_rows:

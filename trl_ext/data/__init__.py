@@ -16,9 +16,12 @@ from trl_ext.data.prompts import (
     ANSWER_WITH_NUMBER,
     R1_ZERO_TEMPLATE,
     TEMPLATES,
+    adds_bos_token,
     chat_messages,
     format_prompt,
+    prompt_token_ids,
     render_chat_prompt,
+    strip_leading_bos,
 )
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "PHRASINGS",
     "R1_ZERO_TEMPLATE",
     "TEMPLATES",
+    "adds_bos_token",
     "canonical_problem",
     "chat_messages",
     "format_prompt",
@@ -37,5 +41,7 @@ __all__ = [
     "is_test_problem",
     "load_math_dataset",
     "make_arithmetic_dataset",
+    "prompt_token_ids",
     "render_chat_prompt",
+    "strip_leading_bos",
 ]

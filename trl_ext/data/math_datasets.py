@@ -14,7 +14,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 
 from trl_ext.data.prompts import format_prompt
-from trl_ext.rewards.math_answers import extract_boxed, parse_gsm8k_ground_truth, to_decimal
+from trl_ext.rewards.math_answers import extract_boxed_parts, parse_gsm8k_ground_truth, to_decimal
 
 KINDS = ("gsm8k", "math", "arithmetic")
 """Dataset kinds understood by :func:`load_math_dataset`."""
@@ -83,11 +83,11 @@ def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
         if number is None or number != number.to_integral_value():
             raise _BadRow(answer_field, f"expected an integer, got {text!r}")
         return str(int(number))
-    if answer_field == "solution":  # math without an answer column: the last \boxed{} of the solution
-        boxed = extract_boxed(text)
-        if not boxed:
+    if answer_field == "solution":  # math without an answer column: the final group of \boxed{} of the solution
+        parts, _ = extract_boxed_parts(text)
+        if not parts or not all(parts):
             raise _BadRow(answer_field, f"has no complete \\boxed{{...}} answer: ...{text[-80:]!r}")
-        return boxed
+        return ", ".join(parts)
     return text
 
 
@@ -111,7 +111,9 @@ def load_math_dataset(
         (``parse_gsm8k_ground_truth``); the original answer text is kept as ``solution`` (unless that column
         already exists).
       * ``"math"``: ``problem`` and either ``answer`` (used when the column exists, e.g. MATH-500) or ``solution``
-        (ground truth = content of its last ``\\boxed{...}``).
+        (ground truth = its final ``\\boxed{...}``; several boxes joined by "and" / "," are one multi-part answer,
+        ``"2, 4"``, see ``trl_ext.rewards.extract_boxed_parts``; rows whose final box follows other boxes separated by
+        text are counted and warned about once).
       * ``"arithmetic"``: ``question`` and an integer ``answer`` (e.g. a saved :func:`make_arithmetic_dataset`).
 
     Output: every input column, plus ``prompt`` (``format_prompt(question, template, ...)``) and ``answer`` (the
@@ -170,11 +172,14 @@ def load_math_dataset(
     keep: list[int] = []
     answers: list[str] = []
     bad: list[tuple[int, str, str]] = []
+    several_boxes: list[int] = []  # rows whose answer box was chosen among boxes separated by text
     for i, row in enumerate(raw):
         try:
             _text(row, question_field)
             answers.append(_ground_truth(row, kind, answer_field))
             keep.append(i)
+            if answer_field == "solution" and kind == "math" and extract_boxed_parts(row[answer_field])[1] > 0:
+                several_boxes.append(i)
         except _BadRow as err:
             if not skip_bad_rows:
                 raise ValueError(f"{source}: row {i} (0-based), field {err.field!r}: {err}") from None
@@ -189,6 +194,14 @@ def load_math_dataset(
         )
     if not keep:
         raise ValueError(f"{source}: no usable rows (read {len(raw)})")
+    if several_boxes:
+        warnings.warn(
+            f"{source}: {len(several_boxes)} row(s) of {len(raw)} have other \\boxed{{}} before the final answer, "
+            "separated from it by text (a retracted guess or a boxed intermediate result?); their last box (group) "
+            f"was taken as the answer. First: row {several_boxes[0]} (0-based): ...{raw[several_boxes[0]][answer_field][-120:]!r}",
+            UserWarning,
+            stacklevel=2,
+        )
 
     data = raw.select(keep).to_dict()
     if kind == "gsm8k" and "solution" not in data:

@@ -116,3 +116,93 @@ def format_prompt(
         return chat_messages(question, system_prompt, instruction)
     text = _user_text(question, instruction)
     return R1_ZERO_TEMPLATE.format(question=text) if template == "r1_zero" else text
+
+
+# ---------------------------------------------------------------------------------------------- one BOS token
+def adds_bos_token(tokenizer: Any) -> bool:
+    """True when ``tokenizer(text)`` (special tokens on, as TRL tokenizes plain-text prompts) starts with its BOS token.
+
+    Llama-3, Gemma and Mistral tokenizers do (``add_bos_token=True``); Qwen and the embedded SmolLM2 tokenizer do not.
+    """
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor holds its tokenizer
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def strip_leading_bos(text: str, tokenizer: Any, *, adds_bos: bool | None = None) -> str:
+    """Drop the BOS token text that ``text`` starts with when the tokenizer adds BOS itself, so it gets exactly one.
+
+    A prompt already rendered with a chat template that writes ``{{ bos_token }}`` (for example by
+    :func:`render_chat_prompt` or ``format_prompt(..., template="chat", tokenizer=...)``) starts with the BOS text;
+    tokenizing it with special tokens, as TRL does for plain-text prompts, would give two BOS tokens. When the
+    tokenizer adds none, a repeated leading BOS text is collapsed to one. Any other text is returned unchanged.
+
+    Args:
+        text: a plain-text prompt (or document).
+        tokenizer: the tokenizer (or multimodal processor) that will tokenize it.
+        adds_bos: :func:`adds_bos_token` of ``tokenizer`` when already known (saves a tokenizer call).
+    """
+    bos = getattr(getattr(tokenizer, "tokenizer", tokenizer), "bos_token", None)
+    if not bos or not isinstance(text, str) or not text.startswith(bos):
+        return text
+    return _strip_bos_text(text, bos, adds_bos_token(tokenizer) if adds_bos is None else adds_bos)
+
+
+def _strip_bos_text(text: str, bos: str, adds_bos: bool) -> str:
+    rest = text
+    while rest.startswith(bos):
+        rest = rest[len(bos) :]
+    return rest if adds_bos else bos + rest
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | list[dict[str, str]], **chat_template_kwargs: Any) -> list[int]:
+    """The token ids trl_ext trains on for one prompt: the input of generation in GRPO and in :mod:`trl_ext.eval`.
+
+    * a string: ``tokenizer(strip_leading_bos(prompt))["input_ids"]`` -- special tokens added as TRL adds them to
+      plain-text prompts, so exactly one BOS when the tokenizer uses one (none when it does not), also for strings
+      already rendered with a chat template that writes BOS;
+    * a conversation: ``tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)`` as in
+      ``trl.GRPOTrainer._tokenize_prompts``; the template alone decides the special tokens (no second BOS is added).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        prompt: a plain string or a list of ``{"role", "content"}`` messages.
+        **chat_template_kwargs: passed to ``apply_chat_template`` for conversations (e.g. ``chat_template=``,
+            ``tools=``, ``enable_thinking=``).
+
+    Raises:
+        ValueError: ``prompt`` is neither a string nor a list of messages.
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer(strip_leading_bos(prompt, tokenizer))["input_ids"])
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs)
+        return list(out["input_ids"])
+    raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+def strip_leading_bos_columns(dataset: Any, tokenizer: Any, columns: tuple[str, ...]) -> Any:
+    """Apply :func:`strip_leading_bos` to the string values of ``columns`` of a ``datasets`` dataset (others kept).
+
+    Used by the trl_ext trainers before TRL tokenizes a plain-text dataset, so that rendered prompts get exactly one
+    BOS. A dataset without those columns, or whose tokenizer has no BOS token, is returned as is.
+    """
+    bos = getattr(getattr(tokenizer, "tokenizer", tokenizer), "bos_token", None)
+    present = [c for c in columns if c in (dataset.column_names or [])]
+    if present:
+        first = next(iter(dataset), {})
+        present = [c for c in present if isinstance(first.get(c), str)]  # conversations are left to the template
+    if not bos or not present:
+        return dataset
+    adds_bos = adds_bos_token(tokenizer)
+    return dataset.map(_strip_bos_example, fn_kwargs={"bos": bos, "adds_bos": adds_bos, "columns": present})
+
+
+def _strip_bos_example(example: dict[str, Any], bos: str, adds_bos: bool, columns: list[str]) -> dict[str, Any]:
+    return {
+        c: _strip_bos_text(example[c], bos, adds_bos) if isinstance(example[c], str) and example[c].startswith(bos) else example[c]
+        for c in columns
+    }

@@ -5,31 +5,64 @@ Each reward is written once in the course shape ``reward_fn(response, ground_tru
 **columns) -> list[float]`` through :func:`trl_ext.rewards.adapters.as_trl_reward`, reading the ground truth from
 the ``answer`` column written by the loaders in :mod:`trl_ext.data`.
 
-Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``).
-math-verify bounds each parse / comparison with ``signal.alarm``, which raises ``ValueError`` outside the main
-thread; :func:`grade_math_answer` therefore passes ``parsing_timeout=None`` and ``timeout_seconds=None`` (no time
-limit) when it runs outside the main thread, and the default 5 s limits in the main thread (the same choice as
-``trl.rewards.accuracy_reward``).
+Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``), run
+in a worker process with a wall-clock limit (:mod:`trl_ext.rewards.verify_worker`): math-verify's own timeout uses
+``signal.alarm``, which works only in the main thread and cannot interrupt a huge integer power, so a degenerate
+answer such as ``\\boxed{9^{9^{9^{9}}}}`` would otherwise hang the whole process. Grading is therefore bounded by
+:data:`MATH_VERIFY_TIMEOUT_S` in every thread, and answers that plain string or number comparison settles never
+reach math-verify.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from decimal import Decimal, InvalidOperation
 
-from math_verify import parse, verify
-
 from trl_ext.rewards.adapters import as_trl_reward
+from trl_ext.rewards.verify_worker import verify_in_worker
 
-MATH_VERIFY_TIMEOUT_S = 5
-"""Time limit (seconds) for each math-verify parse and comparison in the main thread."""
+MATH_VERIFY_TIMEOUT_S = 1.0
+"""Time limit (seconds) for grading one answer with math-verify (parse + verify), in any thread: CPU seconds of the
+grading worker (Linux), and at most twice that in wall time (see :mod:`trl_ext.rewards.verify_worker`). Read at each
+call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERIFY_TIMEOUT_S = 3.0``)."""
 
 # A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of
-# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part.
-# A trailing "." ("42.") is not part of the number.
-_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part; or a
+# decimal written without its leading zero (".25", not after a word character or a dot). A trailing "." ("42.")
+# is not part of the number.
+_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+
+# LaTeX thousands separators between a digit and a group of exactly three digits: a comma, braced or not, followed
+# by LaTeX spaces ("12{,}345", "12,\!345", "12,\,345"), or LaTeX spaces alone ("12\,345" thin space, "12\!345",
+# "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"); and the braced decimal point "0{.}25". They are
+# rewritten to a plain "," (".") before numbers are read.
+_LATEX_SPACE = r"(?:\\[,!:; ]|\\thinspace\s*|~)"
+_LATEX_THOUSANDS_RE = re.compile(
+    rf"(?<=\d)(?:(?:\{{,\}}|,){_LATEX_SPACE}*|{_LATEX_SPACE}+)(?=\d{{3}}(?!\d))"
+)
+_LATEX_DECIMAL_RE = re.compile(r"(?<=\d)\{\.\}(?=\d)")
+
+
+def normalize_number_text(text: str) -> str:
+    """Rewrite the LaTeX ways of writing numbers into plain ones, leaving everything else as is.
+
+    ``"12{,}345"``, ``"12,\\!345"``, ``"12\\,345"`` (and the other LaTeX spaces between a digit and a group of three
+    digits) -> ``"12,345"``; ``"0{.}25"`` -> ``"0.25"``; the Unicode minus ``"\u2212"`` -> ``"-"``. A thin space that
+    does not separate thousands (``"2\\,5"``) is kept.
+    """
+    text = text.replace("\u2212", "-")
+    if "\\" not in text and "{" not in text and "~" not in text:
+        return text
+    return _LATEX_DECIMAL_RE.sub(".", _LATEX_THOUSANDS_RE.sub(",", text))
+
+
+def _plain_number(match: str) -> str:
+    """ "1,234" -> "1234", ".25" -> "0.25", "-.5" -> "-0.5"."""
+    number = match.replace(",", "")
+    if number.startswith("."):
+        return "0" + number
+    return "-0" + number[1:] if number.startswith("-.") else number
 
 _ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 
@@ -38,9 +71,11 @@ _ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 def extract_last_number(text: str) -> str | None:
     """Return the last number written in ``text``, normalized, or ``None`` when there is none.
 
-    Thousands commas are removed ("1,234" -> "1234"), a sentence-final dot is not part of the number
-    ("42." -> "42"), a leading minus is kept ("-7") unless it follows a word character or closing bracket
-    ("5-3" -> "3"), the Unicode minus "\u2212" counts as "-", and decimals are kept as written ("3.50").
+    Thousands commas are removed ("1,234" -> "1234"), also LaTeX ones ("12{,}345", "12,\\!345", "12\\,345" ->
+    "12345", see :func:`normalize_number_text`); a sentence-final dot is not part of the number ("42." -> "42"); a
+    leading minus is kept ("-7") unless it follows a word character or closing bracket ("5-3" -> "3"); the Unicode
+    minus "\u2212" counts as "-"; decimals are kept as written ("3.50"), a missing leading zero is added
+    (".25" -> "0.25").
 
     Args:
         text: free text, e.g. a model response.
@@ -48,18 +83,20 @@ def extract_last_number(text: str) -> str | None:
     Returns:
         The number as a string, e.g. ``extract_last_number("The answer is 1,234.") == "1234"``, or ``None``.
     """
-    matches = _NUMBER_RE.findall(text.replace("\u2212", "-"))
+    matches = _NUMBER_RE.findall(normalize_number_text(text))
     if not matches:
         return None
-    return matches[-1].replace(",", "")
+    return _plain_number(matches[-1])
 
 
 def to_decimal(text: str) -> Decimal | None:
-    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42."); ``None`` if it is not one.
+    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42.", ".25"); ``None`` if it is not one.
 
-    Surrounding whitespace and a trailing dot are ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
+    LaTeX thousands separators and decimal points are read as plain ones (``"3{,}000"``, ``"3,\\!000"``,
+    ``"3\\,000"`` -> 3000; see :func:`normalize_number_text`). Surrounding whitespace and a trailing dot are
+    ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
     """
-    s = text.strip().replace("\u2212", "-").removesuffix(".")
+    s = normalize_number_text(text.strip()).removesuffix(".")
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
     try:
@@ -87,7 +124,7 @@ def parse_gsm8k_ground_truth(answer_field: str) -> str:
     final = answer_field.rsplit("####", 1)[1].strip()
     if to_decimal(final) is None:
         raise ValueError(f"expected a number after '####', got {final!r}")
-    return final.replace("\u2212", "-").removesuffix(".").replace(",", "")
+    return _plain_number(normalize_number_text(final).removesuffix("."))
 
 
 def numbers_equal(a: str, b: str) -> bool:
@@ -157,6 +194,86 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)")
+# What may stand between the boxes of one multi-part answer ("$\boxed{2}$ and $\boxed{4}$", "\boxed{1}, \boxed{3}"):
+# math delimiters, LaTeX spaces, \text{...} wrappers and a list connector. Anything else is prose.
+_GAP_MARKUP_RE = re.compile(r"\$|\\[()\[\]]|\\q?quad\b|\\[,;:! ]|\\text(?:rm)?\s*\{([^{}]*)\}|\s+")
+_GAP_CONNECTORS = {"", ",", ";", "&", "and", "or", ",and", ",or", ";and"}
+_GAP_ASSIGNMENT_RE = re.compile(r"[a-z](?:_\{?\w+\}?)?=$")
+
+
+def _box_spans(text: str) -> list[tuple[int, int, str | None]]:
+    """Every outermost box as (start, end, content); content None for a box never closed (end = len(text))."""
+    spans: list[tuple[int, int, str | None]] = []
+    position = 0
+    for match in _BOX_RE.finditer(text):
+        if match.start() < position:  # inside the previous box (a nested box)
+            continue
+        i = match.end()
+        if i < len(text) and text[i] == " ":  # "\boxed 5"
+            content = re.match(r"\s*([^\s$]+)", text[i:])
+            end = i + content.end() if content else len(text)
+            spans.append((match.start(), end, content.group(1) if content else None))
+            position = end
+            continue
+        if i >= len(text) or text[i] != "{":
+            continue
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    inner = text[i + 1 : j].strip()
+                    # a box around a box ("\boxed{\boxed{3}}") means the inner answer
+                    spans.append((match.start(), j + 1, extract_boxed_answer(inner) if _BOX_RE.search(inner) else inner))
+                    position = j + 1
+                    break
+        else:
+            spans.append((match.start(), len(text), None))
+            position = len(text)
+    return spans
+
+
+def extract_boxed_parts(text: str) -> tuple[list[str], int]:
+    """Return the final group of ``\\boxed{}`` contents of ``text`` and the number of other boxes before it.
+
+    A group is a run of boxes separated only by math delimiters, LaTeX spaces and a list connector (``","``,
+    ``";"``, ``"and"``, ``"or"``, ``"&"``), possibly followed by the unknown's name (``"x = \\boxed{2}`` or
+    ``x = \\boxed{4}"``): ``"... are $\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``,
+    the parts of a multi-part answer. Boxes separated from the group by other text (a retracted guess, a boxed
+    intermediate result) are not part of the answer; they are counted in the second value, so a caller can tell
+    that the answer was chosen among several: ``"First $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$"`` ->
+    ``(["4"], 1)``. A box inside a box counts as its inner content.
+
+    Returns:
+        ``([], 0)`` when there is no box, or the last box is never closed (a truncated generation).
+    """
+    spans = _box_spans(text)
+    if not spans or spans[-1][2] is None:
+        return [], 0
+    first = len(spans) - 1
+    while first > 0 and spans[first - 1][2] is not None:
+        gap = _GAP_MARKUP_RE.sub(lambda m: m.group(1) or "", text[spans[first - 1][1] : spans[first][0]])
+        gap = _GAP_ASSIGNMENT_RE.sub("", "".join(gap.split()).lower())  # "x=\boxed{2} and x=\boxed{4}": the name of the unknown
+        if gap not in _GAP_CONNECTORS:
+            break
+        first -= 1
+    return [content for _, _, content in spans[first:]], first
+
+
+def extract_boxed_answer(text: str) -> str | None:
+    """The final answer marked with ``\\boxed{}`` in ``text``: the parts of its final group joined by ``", "``.
+
+    ``"$\\boxed{2}$ and $\\boxed{4}$"`` -> ``"2, 4"`` (graded as the set/tuple of both, so one part alone is wrong);
+    ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``. ``None`` when there is no box or the last one is never
+    closed. See :func:`extract_boxed_parts`.
+    """
+    parts, _ = extract_boxed_parts(text)
+    return ", ".join(parts) if parts else None
+
+
 def extract_answer_tag(text: str) -> str | None:
     """Return the stripped text between the last ``<answer>`` and the next ``</answer>``; ``None`` if absent/empty."""
     start = text.rfind("<answer>")
@@ -171,24 +288,14 @@ def extract_answer_tag(text: str) -> str | None:
 def extract_math_answer(text: str) -> str | None:
     """Return the final answer of a MATH-style response, or ``None`` when none is marked.
 
-    Order: the last ``<answer>...</answer>`` block (and the last ``\\boxed{}`` inside it, if any); otherwise the
-    last ``\\boxed{...}`` of the whole text.
+    Order: the last ``<answer>...</answer>`` block (and the boxed answer inside it, if any); otherwise the boxed
+    answer of the whole text. A boxed answer is the final group of boxes (:func:`extract_boxed_answer`): one box,
+    or several joined by a list connector (``"$\\boxed{2}$ and $\\boxed{4}$"`` -> ``"2, 4"``).
     """
     tagged = extract_answer_tag(text)
     if tagged is not None:
-        return extract_boxed(tagged) if ("\\boxed" in tagged or "\\fbox" in tagged) else tagged
-    return extract_boxed(text)
-
-
-def _math_verify_timeout() -> int | None:
-    """math-verify's signal-based timeout only works in the main thread; elsewhere run without a time limit."""
-    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def _parse(expr: str, timeout: int | None) -> list:
-    # Wrapped in $...$ so LaTeX answers ("\frac{1}{2}") are picked up by math-verify's LaTeX extractor; plain
-    # text that does not parse that way is retried as-is (math-verify's expression extractor).
-    return parse(f"${expr}$", parsing_timeout=timeout) or parse(expr, parsing_timeout=timeout)
+        return extract_boxed_answer(tagged) if _BOX_RE.search(tagged) else tagged
+    return extract_boxed_answer(text)
 
 
 def grade_math_answer(answer: str, ground_truth: str) -> bool:
@@ -196,8 +303,9 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
 
     Checks in order: equal strings after stripping; equal values when both are plain numbers (``"3.50"`` vs
     ``"3.5"``); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
-    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``). Parse or comparison failures and
-    timeouts count as not equivalent. Safe to call from any thread (see the module docstring).
+    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``), in a worker process bounded by
+    :data:`MATH_VERIFY_TIMEOUT_S` seconds. Parse or comparison failures, expressions too large to evaluate (e.g.
+    ``9^{9^{9^{9}}}``, ``(10^{10^{10}})!``) and timeouts count as not equivalent. Safe to call from any thread.
 
     Args:
         answer: the extracted model answer (no surrounding prose), LaTeX or plain text.
@@ -211,12 +319,8 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
     a, g = to_decimal(answer), to_decimal(ground_truth)
     if a is not None and g is not None:
         return a == g
-    timeout = _math_verify_timeout()
-    gold = _parse(ground_truth, timeout)
-    predicted = _parse(answer, timeout)
-    if not gold or not predicted:
-        return False
-    return bool(verify(gold, predicted, timeout_seconds=timeout))
+    # math-verify reads "3\,000" as 3*000: give it the plain numbers
+    return verify_in_worker(normalize_number_text(ground_truth), normalize_number_text(answer), MATH_VERIFY_TIMEOUT_S)
 
 
 def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
@@ -276,8 +380,8 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     if end < 0:
         return dict(_ZERO)
     answer: str | None = response[start + len("<answer>") : end]
-    if "\\boxed" in answer or "\\fbox" in answer:
-        answer = extract_boxed(answer)
+    if _BOX_RE.search(answer):
+        answer = extract_boxed_answer(answer)
     correct = float(answer is not None and grade_math_answer(answer, ground_truth))
     return {"reward": correct, "format_reward": 1.0, "answer_reward": correct}
 

@@ -26,6 +26,7 @@ import trl
 
 from trl_ext import functional as F
 from trl_ext.data.preferences import check_preference_dataset
+from trl_ext.data.prompts import strip_leading_bos_columns
 
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
@@ -138,6 +139,9 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         dataset = check_preference_dataset(dataset, skip_invalid=args.skip_invalid_pairs, name=dataset_name)
+        # One BOS: TRL tokenizes plain-text prompts with special tokens; a prompt rendered with a template that writes
+        # BOS would get a second one (trl_ext.data.strip_leading_bos).
+        dataset = strip_leading_bos_columns(dataset, processing_class, ("prompt", "chosen", "rejected"))
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def _compute_loss(self, model, inputs, return_outputs):

@@ -10,6 +10,12 @@ Two seams in TRL 1.16 are swapped, nothing else:
   and ``functional.compute_grpo_loss``; log-probs and entropies still come from upstream
   ``_get_per_token_logps_and_entropies``.
 
+Two small hooks keep the inputs right (issue 10): ``_tokenize_prompts`` drops the BOS text of a plain-text prompt
+already rendered with a BOS-writing template (one BOS, as ``trl_ext.eval`` sees it), and
+``_get_per_token_logps_and_entropies`` passes generation's position ids (left padding with absolute positions). A
+row with no trained token (``mask_truncated_completions``) leaves the batch mean; upstream's ``grpo`` loss counts it
+as 0.
+
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
 """
@@ -17,6 +23,7 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +32,7 @@ import trl
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
+from ..data.prompts import strip_leading_bos
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -49,6 +57,7 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
+    "_tokenize_prompts": ("prompts",),
     "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                                            "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
                                            "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -310,7 +319,30 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         self._logs["advantages"].extend(advantages.tolist())
         return output
 
+    def _tokenize_prompts(self, prompts: list):
+        # trl 1.16 tokenizes plain-text prompts with special tokens, so a prompt already rendered with a chat template
+        # that writes BOS would start with two; strip its BOS text first (trl_ext.data.prompt_token_ids, which
+        # trl_ext.eval uses, does the same, so evaluation generates from the very ids training does).
+        if prompts and isinstance(prompts[0], str):
+            prompts = [strip_leading_bos(p, self.processing_class) for p in prompts]
+        return super()._tokenize_prompts(prompts)
+
     # -- loss ---------------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+        # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
+        # later than in generation, which derives them from the attention mask
+        # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
+        # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
+        # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
+        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not _accepts_position_ids(self.accelerator.unwrap_model(model)):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+
+        def forward_with_positions(**inputs):
+            inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
+            return model(**inputs)
+
+        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, *args, **kwargs)
 
     def _compute_loss(self, model, inputs):
         # Mirrors trl.GRPOTrainer._compute_loss (TRL 1.16) for the per-token log-probs, then applies the course loss.
@@ -353,7 +385,7 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             mask,
             self.args.length_normalization,
             normalize_constant=self.max_completion_length,
-            allow_empty_rows=True,
+            drop_empty_rows=True,  # rows masked by mask_truncated_completions leave the mean (upstream: count as 0)
         )
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -422,6 +454,20 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self._finished_rollout_kl.clear()
                 self._metrics["train"]["beta"].append(self.beta)
         return loss
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row, (B, T) -> (B, T); 0 on padding.
+
+    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1), so a
+    left-padded prompt gets the positions it has alone and in generation.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _accepts_position_ids(model: Any) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.

@@ -36,6 +36,7 @@ from datasets import Dataset
 from trl.data_utils import is_conversational
 
 from trl_ext import functional as F
+from trl_ext.data.prompts import strip_leading_bos_columns
 
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
@@ -204,6 +205,9 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
     # ----- data: tokenize the unsafe responses next to their prompts, then let TRL prepare the rest -----
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        # One BOS: TRL tokenizes plain-text prompts/documents with special tokens; a string already rendered with a
+        # template that writes BOS would get a second one (trl_ext.data.strip_leading_bos).
+        dataset = strip_leading_bos_columns(dataset, processing_class, ("prompt", args.dataset_text_field))
         columns = dataset.column_names or []
         if args.completion_only_loss is None and "completion_mask" in columns and not self.completion_only_loss:
             # Upstream's None only looks for prompt/completion columns; a pre-tokenized completion_mask is the same

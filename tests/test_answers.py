@@ -1,0 +1,211 @@
+"""How answers are read (issue 10): LaTeX numbers, MMLU letters, several boxes, and grading bounded in time.
+
+Every expected value is worked out by hand from the rules in the docstrings of trl_ext.rewards and trl_ext.eval.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from decimal import Decimal
+
+import pytest
+
+from trl_ext.data import load_math_dataset
+from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
+from trl_ext.rewards import (
+    extract_boxed_answer,
+    extract_boxed_parts,
+    extract_last_number,
+    grade_math_answer,
+    gsm8k_reward_fn,
+    math_reward_fn,
+    normalize_number_text,
+    parse_gsm8k_ground_truth,
+    r1_zero_reward_fn,
+    to_decimal,
+    verify_worker,
+)
+
+
+# ---------------------------------------------------------------------------------- 1. numbers the LaTeX way
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("costs $12{,}345.", "12345"),  # MATH's braced comma
+        ("costs $12,\\!345.", "12345"),  # comma + negative thin space
+        ("costs 12\\,345 dollars", "12345"),  # thin space as the separator
+        ("1{,}234{,}567 people", "1234567"),  # several groups
+        ("1\\,234\\,567", "1234567"),
+        ("12,\\,345 and 12{,}\\!345", "12345"),  # comma followed by a LaTeX space
+        ("12\\;345 and 3\\:000", "3000"),  # other LaTeX spaces, last number
+        ("12~345", "12345"),
+        ("0{.}75 of it", "0.75"),  # braced decimal point
+        ("the rate is .25", "0.25"),  # no leading zero
+        ("it fell by -.5 degrees", "-0.5"),
+        ("$-1{,}000$", "-1000"),
+        # unchanged: plain commas, sentence-final dot, operators, decimals as written, the CS336 examples
+        ("The answer is 1,234.", "1234"),
+        ("5-3", "3"),
+        ("costs 3.50 dollars", "3.50"),
+        ("2\\,5", "5"),  # a thin space before fewer than 3 digits is not a thousands separator
+        ("12{,}34", "34"),  # neither is a braced comma before 2 digits
+        ("no numbers", None),
+    ],
+)
+def test_latex_numbers_are_read_as_numbers(text, expected):
+    assert extract_last_number(text) == expected
+    assert parse_gsm8k_response(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("3{,}000", Decimal(3000)), ("3,\\!000", Decimal(3000)), ("3\\,000", Decimal(3000)), (".25", Decimal("0.25")),
+     ("-.5", Decimal("-0.5")), ("1,234", Decimal(1234)), ("3\\,00", None), ("$5", None)],
+)
+def test_to_decimal_reads_latex_numbers(text, expected):
+    assert to_decimal(text) == expected
+
+
+def test_latex_numbers_in_rewards():
+    assert gsm8k_reward_fn("\\boxed{3,\\!000}", "3000")["reward"] == 1.0
+    assert gsm8k_reward_fn("so the total is 12{,}345.", "12345")["reward"] == 1.0
+    assert gsm8k_reward_fn("half: .5", "0.5")["reward"] == 1.0
+    assert gsm8k_reward_fn("that is .25", "25")["reward"] == 0.0  # .25 is a quarter, not 25
+    assert math_reward_fn("\\boxed{3\\,000}", "3000")["reward"] == 1.0
+    assert math_reward_fn("\\boxed{12{,}345}", "12345")["reward"] == 1.0
+    assert math_reward_fn("\\boxed{3{,}000}", "3\\,000")["reward"] == 1.0  # both sides written the LaTeX way
+    assert math_reward_fn("\\boxed{3{,}001}", "3000")["reward"] == 0.0
+    assert math_reward_fn("\\boxed{\\$3\\,000}", "3000")["reward"] == 1.0  # math-verify gets "3,000", not 3*000
+    assert r1_zero_reward_fn(" </think> <answer>12,\\!345</answer>", "12345")["reward"] == 1.0
+    assert parse_gsm8k_ground_truth("... so\n#### 1{,}000") == "1000"
+    assert parse_gsm8k_ground_truth("#### .5") == "0.5"
+    assert normalize_number_text("x\\,y and 2\\,5") == "x\\,y and 2\\,5"  # nothing to rewrite
+
+
+# ------------------------------------------------------------------------------------------ 2. MMLU letters
+MMLU = {"options": ["Paris", "London", "Rome", "Berlin"]}
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        ("The answer is C. Option B is tempting but wrong.", "C"),  # a statement beats a later mention
+        ("Option B is tempting, but the correct option is D.", "D"),
+        ("The best choice is A; choice C is close.", "A"),
+        ("I first thought the answer is A, but the answer is D", "D"),  # the last statement: a revision
+        ("Answer: *D*", "D"),  # markdown emphasis
+        ("**Answer:** **B**", "B"),
+        ("Answer: _C_", "C"),
+        ("Answer: `A`", "A"),
+        ("Answer: \\(D\\)", "D"),  # LaTeX inline math
+        ("Final answer: $D$", "D"),
+        ("Answer: \\[ \\mathbf{C} \\]", "C"),
+        ("The answer is $\\boxed{\\text{A}}$", "A"),
+        ("The answer is [B].", "B"),
+        ("I pick option C.", "C"),  # only a mention, of one letter
+        ("Option A or option B?", None),  # mentions of two letters, no statement
+        ("Either Paris or London.", None),
+        ("I do not know.", None),
+        ("The answer is E", None),
+        ("The answer is Berlin", "D"),  # no letter, one option's text
+    ],
+)
+def test_mmlu_letters(output, expected):
+    assert parse_mmlu_response(MMLU, output) == expected
+
+
+# ------------------------------------------------------------------------------------- 3. several boxes
+@pytest.mark.parametrize(
+    "text, parts, others",
+    [
+        ("The solutions are $\\boxed{2}$ and $\\boxed{4}$.", ["2", "4"], 0),
+        ("$\\boxed{1}$, $\\boxed{2}$, and $\\boxed{3}$", ["1", "2", "3"], 0),
+        ("\\boxed{x=1} \\text{ or } \\boxed{x=-1}", ["x=1", "x=-1"], 0),
+        ("$x = \\boxed{2}$ and $x = \\boxed{4}$", ["2", "4"], 0),  # the unknown named before each box
+        ("$x_1 = \\boxed{2}$, $x_2 = \\boxed{4}$", ["2", "4"], 0),
+        ("$\\boxed{2}\\quad\\boxed{4}$", ["2", "4"], 0),
+        ("First guess $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$.", ["4"], 1),  # retracted: other box
+        ("So $x = \\boxed{5}$, and the area is $\\boxed{25}$.", ["25"], 1),  # boxed intermediate result
+        ("\\boxed{\\boxed{3}}", ["3"], 0),  # a box around a box
+        ("\\boxed{\\frac{1}{2}}", ["\\frac{1}{2}"], 0),
+        ("\\boxed{2} and \\boxed{4", [], 0),  # truncated: the last box never closes
+        ("no box", [], 0),
+    ],
+)
+def test_extract_boxed_parts(text, parts, others):
+    assert extract_boxed_parts(text) == (parts, others)
+    assert extract_boxed_answer(text) == (", ".join(parts) if parts else None)
+
+
+def test_several_boxes_are_graded_as_one_answer():
+    truth = extract_boxed_answer("The solutions are $\\boxed{2}$ and $\\boxed{4}$.")
+    assert truth == "2, 4"
+    right = ["\\boxed{2, 4}", "\\boxed{4, 2}", "$\\boxed{2}$ and $\\boxed{4}$", "\\boxed{\\{2, 4\\}}"]
+    wrong = ["\\boxed{4}", "\\boxed{2}", "\\boxed{2, 5}", "\\boxed{2, 4, 6}"]
+    assert [math_reward_fn(r, truth)["reward"] for r in right] == [1.0] * len(right)
+    assert [math_reward_fn(r, truth)["reward"] for r in wrong] == [0.0] * len(wrong)
+
+
+def test_math_loader_joins_boxes_and_warns_once_about_ambiguous_rows(tmp_path):
+    rows = [
+        {"problem": "Roots of x^2-6x+8?", "solution": "They are $\\boxed{2}$ and $\\boxed{4}$."},
+        {"problem": "p", "solution": "Guess $\\boxed{3}$ fails; the answer is $\\boxed{4}$."},
+        {"problem": "q", "solution": "Side $\\boxed{5}$, so the area is $\\boxed{25}$."},
+        {"problem": "r", "solution": "Just $\\boxed{7}$."},
+    ]
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=r"2 row\(s\) of 4 have other \\boxed\{\} before the final answer.*row 1") as record:
+        ds = load_math_dataset(path, template="question_only")
+    assert len([w for w in record if "boxed" in str(w.message)]) == 1  # once, with the count
+    assert ds["answer"] == ["2, 4", "4", "25", "7"]
+
+
+# ------------------------------------------------------------------------------------ 7. bounded grading
+DEGENERATE = [
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{(10^{10^{10}})!}",
+    "\\boxed{10^{10^{10}}}",
+    "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+    "\\boxed{\\binom{10^{10}}{10^{5}}}",
+    "\\boxed{(x+1)^{100000}}",
+    "\\boxed{\\Gamma(10^{12})}",
+    "\\boxed{\\prod_{k=1}^{10^{7}} k}",  # passes the size bound; stopped by the wall-clock limit
+]
+
+
+def _grade_all(responses, out):
+    for response in responses:
+        start = time.perf_counter()
+        out.append((math_reward_fn(response, "3")["reward"], time.perf_counter() - start))
+
+
+def test_degenerate_answers_are_graded_zero_quickly_in_any_thread(capfd):
+    assert math_reward_fn("\\boxed{0.5}", "\\frac{1}{2}")["reward"] == 1.0  # worker started (not timed)
+    before = verify_worker.timeouts()
+    main: list = []
+    _grade_all(DEGENERATE, main)
+    other: list = []
+    thread = threading.Thread(target=_grade_all, args=(DEGENERATE, other), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "grading hung outside the main thread"
+    for results in (main, other):
+        assert [reward for reward, _ in results] == [0.0] * len(DEGENERATE)
+        slowest = max(seconds for _, seconds in results)
+        assert slowest < 2.5, f"a degenerate answer took {slowest:.2f} s (limit about 1 s)"
+    assert verify_worker.timeouts() - before >= 2  # the product hit the wall-clock limit in both threads
+    # ordinary answers keep their grades after workers were killed, and nothing was printed per call
+    assert math_reward_fn("\\boxed{2^{2^{2^{2}}}}", "65536")["reward"] == 1.0  # a small tower is a number
+    assert math_reward_fn("\\boxed{\\sqrt{8}}", "2\\sqrt{2}")["reward"] == 1.0
+    assert math_reward_fn("\\boxed{10^{100}}", "1" + "0" * 100)["reward"] == 1.0
+    assert grade_math_answer("9^{9^{9^{9}}}", "9^{9^{9^{9}}}")  # the same string needs no evaluation
+    captured = capfd.readouterr()
+    assert "Timeout is disabled" not in captured.out + captured.err
+
+
+def test_verify_worker_rejects_a_bad_timeout():
+    with pytest.raises(ValueError, match="timeout=0; expected seconds > 0"):
+        verify_worker.verify_in_worker("1", "1", 0)

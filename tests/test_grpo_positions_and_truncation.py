@@ -1,0 +1,154 @@
+"""trl_ext.GRPOTrainer: position ids of left-padded rows (issue 10 item 5) and rows masked as truncated (item 6)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import trl_ext
+from trl_ext import functional as F
+from trl_ext.models import tiny_model_for_tests
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
+    """A 2-layer random GPT-2 (learned absolute position embeddings, like the CS336 fixtures) on the embedded vocab."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def make_trainer(model, tokenizer, tmp_path, **overrides):
+    args = trl_ext.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+        temperature=1.0, report_to="none", bf16=False, use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        **overrides,
+    )
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    dataset = Dataset.from_dict({"prompt": ["a", "b"]})
+    return trl_ext.GRPOTrainer(model=model, reward_funcs=constant_reward, args=args, train_dataset=dataset, processing_class=tok)
+
+
+def left_padded(rows, pad_id):
+    """Left-pad token lists to one (B, T) batch with its attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def model_kind(request):
+    return request.param
+
+
+def build_model(kind, tokenizer):
+    return tiny_gpt2(tokenizer) if kind == "gpt2" else tiny_model_for_tests(tokenizer)
+
+
+def test_left_padded_log_probs_equal_unpadded_ones(model_kind, tokenizer, tmp_path):
+    trainer = make_trainer(build_model(model_kind, tokenizer), tokenizer, tmp_path)
+    prompts = [[101, 102, 103, 104, 105, 106, 107, 108, 109], [201, 202]]  # the second row gets 7 pads
+    completions = [[301, 302, 303, 304], [401, 402, 403, 404]]
+    ids, mask = left_padded([p + c for p, c in zip(prompts, completions)], tokenizer.pad_token_id)
+    with torch.no_grad():
+        padded, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
+        alone = [
+            trainer._get_per_token_logps_and_entropies(trainer.model, torch.tensor([p + c]), torch.ones(1, len(p + c), dtype=torch.long), 4)[0]
+            for p, c in zip(prompts, completions)
+        ]
+        upstream, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, 4)
+    torch.testing.assert_close(padded, torch.cat(alone), atol=1e-5, rtol=0)
+    if model_kind == "gpt2":  # the fault this guards against: upstream shifts the padded row's absolute positions
+        assert (upstream[1] - alone[1][0]).abs().max() > 1e-3
+        torch.testing.assert_close(upstream[0], alone[0][0], atol=1e-5, rtol=0)  # the unpadded row is unaffected
+
+
+def test_generation_and_log_prob_pass_use_the_same_positions(model_kind, tokenizer, tmp_path):
+    trainer = make_trainer(build_model(model_kind, tokenizer), tokenizer, tmp_path)
+    prompt_ids, prompt_mask = left_padded([[101, 102, 103, 104, 105, 106], [201]], tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = trainer.model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+        )
+        completion = out.sequences[:, prompt_ids.size(1) :]
+        sampled = torch.stack(
+            [torch.log_softmax(step.float(), -1).gather(-1, completion[:, t : t + 1]).squeeze(-1) for t, step in enumerate(out.logits)],
+            dim=1,
+        )
+        ids = torch.cat([prompt_ids, completion], dim=1)
+        mask = torch.cat([prompt_mask, torch.ones_like(completion)], dim=1)
+        scored, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
+    torch.testing.assert_close(scored, sampled, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ truncated rows
+def test_rows_without_trained_tokens_leave_the_batch_mean():
+    loss = torch.ones(2, 5, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])  # A: 3 tokens; B: truncated and masked
+    assert F.compute_grpo_loss(loss, mask, drop_empty_rows=True).item() == pytest.approx(1.0)
+    assert F.compute_grpo_loss(loss, mask, allow_empty_rows=True).item() == pytest.approx(0.5)  # upstream's dilution
+    # masked_normalize: mean over the remaining rows of sum / max_completion_length = 3 / 5
+    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 5, drop_empty_rows=True).item() == pytest.approx(0.6)
+    three = torch.tensor([[2.0, 2.0, 0.0], [1.0, 3.0, 5.0], [7.0, 7.0, 7.0]])
+    three_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    # rows: mean 2 and mean 3 -> 2.5; sums 4 and 9 over 3 -> (4/3 + 3) / 2
+    assert F.compute_grpo_loss(three, three_mask, drop_empty_rows=True).item() == pytest.approx(2.5)
+    assert F.compute_grpo_loss(three, three_mask, "masked_normalize", 3, drop_empty_rows=True).item() == pytest.approx(
+        (4 / 3 + 3) / 2
+    )
+    # every row masked: 0 with finite (zero) gradients, for both normalizations
+    for normalization, constant in (("masked_mean", None), ("masked_normalize", 5)):
+        x = torch.full((2, 5), 3.0, requires_grad=True)
+        total = F.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, drop_empty_rows=True)
+        total.backward()
+        assert total.item() == 0.0
+        assert torch.equal(x.grad, torch.zeros(2, 5))
+    # masked_mean itself keeps the course semantics: NaN on an empty slice
+    assert torch.isnan(F.masked_mean(torch.ones(2, 5), mask, dim=-1)[1])
+
+
+@pytest.mark.parametrize("length_normalization", ["masked_mean", "masked_normalize"])
+def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, tokenizer, tmp_path):
+    trainer = make_trainer(
+        tiny_model_for_tests(tokenizer), tokenizer, tmp_path, pg_loss_type="reinforce_with_baseline",
+        length_normalization=length_normalization, mask_truncated_completions=True, beta=0.0,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    prompt_ids, prompt_mask = left_padded([[101, 102, 103], [201, 202, 203]], tokenizer.pad_token_id)
+    completion_ids = torch.tensor([[301, 302, tokenizer.eos_token_id, tokenizer.pad_token_id], [401, 402, 403, 404]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])  # row B was truncated: masked entirely
+    inputs = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+        advantages=torch.tensor([1.5, -2.0]), old_per_token_logps=None,
+    )
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    # independent: a plain forward of row A alone (no TRL code), -A * log p over its 3 tokens
+    ids = torch.cat([prompt_ids[:1], completion_ids[:1, :3]], dim=1)
+    logits = trainer.model(input_ids=ids).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[:, -3:]
+    per_row = (-1.5 * logp).sum() / (3 if length_normalization == "masked_mean" else 4)
+    torch.testing.assert_close(loss, per_row, atol=1e-5, rtol=1e-5)
+
+    # every row masked (all truncated): loss 0, finite gradients
+    trainer.model.zero_grad()
+    inputs["completion_mask"] = torch.zeros_like(completion_mask)
+    empty = trainer._compute_loss(trainer.model, dict(inputs))
+    empty.backward()
+    assert empty.item() == 0.0
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
