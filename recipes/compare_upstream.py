@@ -75,7 +75,7 @@ def main(script_args, training_args, model_args, command=None):
         raise RecipeError(f"--max_steps {training_args.max_steps}: a comparison needs a fixed step budget (>= 1)")
     with user_input("--arms: "):
         arms = parse_arms(script_args.arms)
-    with run.phase("load_data"), user_input():
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         train, test, reward_name = load_data(script_args)
     state = PartialState()
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)

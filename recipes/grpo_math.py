@@ -140,7 +140,7 @@ def main(script_args, training_args, model_args):
         overwrite=script_args.overwrite_output_dir, resume=training_args.resume_from_checkpoint,
     )
     check_model_options(model_args)
-    with run.phase("load_data"), user_input():
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         train, test, reward_name = load_data(script_args)
     train_reward, eval_reward = REWARDS[reward_name]
     model_name = model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct"

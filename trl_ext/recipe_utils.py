@@ -445,7 +445,8 @@ def resume_command(argv: Sequence[str] | None = None) -> str:
         kept.append(args[i])
         i += 1
     try:
-        script = os.path.relpath(script)
+        relative = os.path.relpath(script)
+        script = script if relative.startswith("..") else relative
     except ValueError:
         pass
     launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
