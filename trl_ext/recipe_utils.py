@@ -53,7 +53,6 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -314,19 +313,35 @@ def check_output_dir(
     return out
 
 
+def latest_checkpoint(output_dir: str | Path) -> str | None:
+    """The highest-numbered complete ``checkpoint-N`` in ``output_dir`` (complete: it has ``trainer_state.json``,
+    which transformers writes last), or None. A checkpoint cut short by a kill is skipped."""
+    import re
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if (path / "trainer_state.json").is_file():
+            return str(path)
+    return None
+
+
 def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
     """The checkpoint folder to resume from, or None.
 
-    ``None``/"false" -> None; "true" (any case) -> the latest ``checkpoint-N`` in ``output_dir`` (transformers'
-    ``get_last_checkpoint``, as ``Trainer.train(resume_from_checkpoint=True)`` does); anything else -> that folder.
+    ``None``/"false" -> None; "true" (any case) -> the latest complete ``checkpoint-N`` in ``output_dir``
+    (:func:`latest_checkpoint`: what ``Trainer.train(resume_from_checkpoint=True)`` picks, minus a checkpoint cut
+    short by a kill); anything else -> that folder.
 
     Raises:
-        RecipeError: "true" with no checkpoint in ``output_dir``, or a path that is not a Trainer checkpoint.
+        RecipeError: "true" with no complete checkpoint in ``output_dir``, or a path that is not a Trainer checkpoint.
     """
     if value is None or value is False or str(value).strip().lower() in ("", "false", "no", "none"):
         return None
     if value is True or str(value).strip().lower() in ("true", "yes", "latest"):
-        found = get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+        found = latest_checkpoint(output_dir)
         if found is None:
             raise RecipeError(
                 f"--resume_from_checkpoint true: no checkpoint-N folder in --output_dir {output_dir}; run without it "
@@ -602,7 +617,7 @@ class _RecipeCallback(TrainerCallback):
 
 def _stop(output_dir: Path, signame: str) -> None:
     if _is_main_process():
-        last = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+        last = latest_checkpoint(output_dir)
         reason = "Stopped (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
         if last:
             line = f"{reason}. Last checkpoint: {last}. Resume with: {resume_command()}"
