@@ -1,8 +1,8 @@
 """Upstream trl.GRPOTrainer next to trl_ext.GRPOTrainer settings: same model, data, seed, prompts and step budget.
 
-    accelerate launch recipes/compare_upstream.py          # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
-    accelerate launch recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml    # GPU
-    accelerate launch recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
+    uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
+    uv run --extra gpu accelerate launch recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml    # GPU
+    uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
 Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
 preset names (trl_ext.compare.ARM_PRESETS: trl, course, no_std, masked_normalize, dr_grpo, kl_k3) or mappings

@@ -1,8 +1,8 @@
 """GRPO on math problems with verifiable rewards: evaluate, train with trl_ext.GRPOTrainer, evaluate again.
 
-    accelerate launch recipes/grpo_math.py                                   # CPU default: embedded model, arithmetic
-    accelerate launch recipes/grpo_math.py --config recipes/configs/grpo_math_gsm8k.yaml    # GPU: Qwen2.5-Math, vLLM
-    accelerate launch recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
+    uv run python recipes/grpo_math.py                            # CPU default: embedded model, arithmetic
+    uv run --extra gpu accelerate launch recipes/grpo_math.py --config recipes/configs/grpo_math_gsm8k.yaml    # GPU: Qwen2.5-Math, vLLM
+    uv run python recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
 
 Options: recipes/configs/grpo_math_cpu.yaml holds the recipe's defaults; a --config file is layered over them (it
 replaces only what it sets) and flags override both. Data, options and --output_dir are checked before the model is

@@ -1,7 +1,7 @@
 """The lecture's toy RL experiment on a language model: learn to sort N numbers with policy gradient.
 
-    accelerate launch recipes/grpo_sort.py                     # CPU default: embedded SmolLM2, 3 numbers, 4 arms
-    accelerate launch recipes/grpo_sort.py --arms raw normalized --max_steps 30 --num_numbers 4
+    uv run python recipes/grpo_sort.py              # CPU default: embedded SmolLM2, 3 numbers, 4 arms
+    uv run python recipes/grpo_sort.py --arms raw normalized --max_steps 30 --num_numbers 4
 
 Rewards (trl_ext.rewards.sorting): the lecture's shaped reward (one point per prompt number present in the response,
 one per adjacent pair in order; 2N-1 for a correct answer) and the all-or-nothing reward (1 for exactly the sorted

@@ -1,7 +1,7 @@
 """The RLHF loop of the course supplement: a Bradley-Terry reward model, then GRPO against it with adaptive KL.
 
-    uv run accelerate launch recipes/rlhf.py                          # CPU: embedded model, bundled pairs, minutes
-    uv run accelerate launch recipes/rlhf.py --reward_model_path outputs/reward_model   # reuse a trained reward model
+    uv run python recipes/rlhf.py                   # CPU: embedded model, bundled pairs, minutes
+    uv run python recipes/rlhf.py --reward_model_path outputs/reward_model   # reuse a trained reward model
 
 1. Reward model: loaded from --reward_model_path, or trained now by recipes/reward_model.py (its default config).
 2. Policy: trl_ext.GRPOTrainer with the reward model as its reward function (TRL scores prompt + completion with a
