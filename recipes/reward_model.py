@@ -34,6 +34,7 @@ from trl_ext.recipe_utils import (
     parse_recipe_args,
     recipe_main,
     user_input,
+    write_model_card,
     write_report,
 )
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
@@ -116,6 +117,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
 
     if not trainer.accelerator.is_main_process:
         return {}
+    write_model_card(trainer, training_args.output_dir, model_args.model_name_or_path, script_args.train_file)
     report = {
         "recipe": "reward_model",
         "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",

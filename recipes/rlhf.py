@@ -39,6 +39,7 @@ from trl_ext.recipe_utils import (  # noqa: E402
     parse_recipe_args,
     recipe_main,
     user_input,
+    write_model_card,
 )
 from trl_ext.data.preferences import load_preference_rows  # noqa: E402
 from trl_ext.eval import generate_completions  # noqa: E402
@@ -135,6 +136,7 @@ def main(script_args, training_args, model_args):
     trainer.save_model(str(out))
     if not trainer.accelerator.is_main_process:
         return
+    write_model_card(trainer, out, model_args.model_name_or_path, script_args.train_file)
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     curves = {key: [(e["step"], e[key]) for e in logs if key in e] for key in ("reward", "kl", "beta")}
     metrics = {

@@ -352,3 +352,78 @@ def test_comparisons_refuse_resume(tmp_path):
     module = load_recipe("grpo_sort")
     with pytest.raises(RecipeError, match="cannot be resumed"):
         module.main(*module.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"]))
+
+
+# ------------------------------------------------------------------------------------------- resume in every recipe
+class FakeTrainer:
+    """Stands in for the TRL trainer: records what train() was asked to resume from."""
+
+    resumed_from: list = []
+
+    def __init__(self, *args, **kwargs):
+        from types import SimpleNamespace
+
+        self.args = kwargs.get("args")
+        self.model = kwargs.get("model")
+        self.state = SimpleNamespace(log_history=[], global_step=0)
+        self.accelerator = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+
+    def add_callback(self, callback):
+        pass
+
+    def train(self, resume_from_checkpoint=None):
+        from types import SimpleNamespace
+
+        FakeTrainer.resumed_from.append(resume_from_checkpoint)
+        self.state.global_step = 4
+        return SimpleNamespace(global_step=4, training_loss=0.5)
+
+    def save_model(self, output_dir):
+        pass
+
+
+EVAL_KEYS = ("heldout_ce_loss", "safety_penalty", "heldout_total_loss", "refusal_rate_safety", "refusal_rate_benign",
+             "preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected",
+             "pairwise_accuracy", "bt_loss", "mean_reward")
+
+
+@pytest.mark.parametrize(
+    "recipe, trainer, loaders",
+    [
+        ("sft_instruct", "SFTTrainer", ["load_model_and_tokenizer"]),
+        ("dpo", "DPOTrainer", ["load_model_and_tokenizer"]),
+        ("reward_model", "RewardTrainer", ["load_tokenizer", "resolve_model_name_or_path"]),
+    ],
+)
+def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_before_evaluation(
+    tmp_path, monkeypatch, recipe, trainer, loaders
+):
+    module = load_recipe(recipe)
+    evaluations = []
+
+    def evaluate(*args):
+        evaluations.append(1)
+        return {**dict.fromkeys(EVAL_KEYS, 0.25 * len(evaluations)), "samples_safety": []}
+
+    monkeypatch.setattr(module, "evaluate", evaluate)
+    monkeypatch.setattr(module, trainer, FakeTrainer)
+    for name in loaders:
+        monkeypatch.setattr(module, name, lambda *a, **k: (None, None, None) if name == "load_model_and_tokenizer" else "m")
+    monkeypatch.setattr(module, "write_model_card", lambda *a, **k: None, raising=False)
+    FakeTrainer.resumed_from = []
+    out = tmp_path / "out"
+    module.main(*module.parse_args(["--output_dir", str(out)]))
+    assert FakeTrainer.resumed_from == [None] and len(evaluations) == 2  # before and after
+    # the run is cut after its checkpoint at step 3 (no metrics.json), then resumed from the command line
+    (out / "metrics.json").unlink()
+    for step in (2, 3):
+        (out / f"checkpoint-{step}").mkdir()
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (out / "checkpoint-4").mkdir()  # cut short by the kill: no trainer_state.json, skipped
+    module.main(*module.parse_args(["--output_dir", str(out), "--resume_from_checkpoint", "true"]))
+    assert FakeTrainer.resumed_from == [None, str(out / "checkpoint-3")]
+    assert len(evaluations) == 3  # only the evaluation after training ran again
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["before"][EVAL_KEYS[0] if recipe == "sft_instruct" else ("preference_accuracy" if recipe == "dpo" else "pairwise_accuracy")] == 0.25
+    assert metrics["after"]["bt_loss" if recipe == "reward_model" else "logp_chosen" if recipe == "dpo" else "safety_penalty"] == 0.75
+    assert metrics["reused"] == ["eval_before"] and metrics["resumed_from"] == str(out / "checkpoint-3")
