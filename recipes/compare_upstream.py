@@ -32,7 +32,6 @@ from grpo_math import (  # the math recipe's data options and loaders
 )
 
 from trl_ext.recipe_utils import (
-    RecipeArguments,
     RecipeError,
     RecipeRun,
     add_provenance,

@@ -220,7 +220,7 @@ def main(script_args, training_args, model_args):
     table.add_row("after", f"{after['accuracy']:.1%}", f"{after['format_rate']:.1%}")
     console.print(table)
     console.print(
-        f"{steps} steps in {metrics['train_seconds']:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
+        f"{steps} step{'s' if steps != 1 else ''} in {metrics['train_seconds']:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
         f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})",
         markup=False,
     )
