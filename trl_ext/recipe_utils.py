@@ -197,12 +197,12 @@ def build_parser(dataclass_types: Sequence[type], default_config: str | Path | N
             shown = os.path.relpath(default_config)
         except ValueError:
             shown = str(default_config)
-    default = f" ({shown})" if default_config else ""
-    parser.add_argument(
-        "--config", metavar="FILE",
-        help="YAML file of option: value pairs, layered over the recipe's default config" + default
-        + ": options the file sets replace the defaults, the others keep them; command-line flags override both.",
-    )
+    if default_config:
+        config_help = (f"YAML file of option: value pairs, layered over the recipe's default config ({shown}): options "
+                       "the file sets replace the defaults, the others keep them; command-line flags override both.")
+    else:
+        config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
+    parser.add_argument("--config", metavar="FILE", help=config_help)
     return parser
 
 
