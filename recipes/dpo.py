@@ -134,7 +134,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         keys=("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote {output_dir / 'metrics.json'}"
     )
     return report

@@ -142,7 +142,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         keys=("pairwise_accuracy", "reward_margin", "bt_loss"),
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote the model and metrics.json to {output_dir}"
     )
     return report

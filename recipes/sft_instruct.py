@@ -155,7 +155,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         run=run,
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
     )
     for sample in after["samples_safety"][:2]:
         console.print(f"  {sample['instruction']!r} -> {sample['answer'][:80]!r}", markup=False)
