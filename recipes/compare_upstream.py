@@ -1,14 +1,20 @@
 """Upstream trl.GRPOTrainer next to trl_ext.GRPOTrainer settings: same model, data, seed, prompts and step budget.
 
-    accelerate launch recipes/compare_upstream.py          # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
-    accelerate launch recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml    # GPU
-    accelerate launch recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
+    uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
+    uv run --extra gpu accelerate launch recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml    # GPU
+    uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
 Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
 preset names (trl_ext.compare.ARM_PRESETS: trl, course, no_std, masked_normalize, dr_grpo, kl_k3) or mappings
 (YAML) / JSON objects (command line) such as '{"name": "lr_high", "preset": "course", "learning_rate": 5e-5}'.
 Writes comparison.json, comparison.md and comparison.png into --output_dir, and each arm's tensorboard logs into
 --output_dir/<arm> (`tensorboard --logdir <output_dir>` shows the arms side by side).
+
+Options: a --config file is layered over the recipe's default config (it replaces only what it sets; flags override
+both); options and --output_dir are checked before any model is loaded; a folder holding a finished comparison
+(comparison.json) is not overwritten unless --overwrite_output_dir. Comparisons cannot be resumed (each arm trains
+from scratch): --resume_from_checkpoint is refused. comparison.json also records the command, the resolved configs,
+library versions and phase times.
 """
 
 import shlex
@@ -25,6 +31,15 @@ from grpo_math import (  # the math recipe's data options and loaders
     load_data,
 )
 
+from trl_ext.recipe_utils import (
+    RecipeError,
+    RecipeRun,
+    add_provenance,
+    check_model_options,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+)
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
@@ -45,15 +60,24 @@ class CompareArguments(MathScriptArguments):
     )
 
 
-def main(script_args, training_args, model_args, command):
-    state = PartialState()
+def main(script_args, training_args, model_args, command=None):
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
+        raise RecipeError(
+            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
+            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
+        )
+    run = RecipeRun("compare_upstream", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
+                    result_file="comparison.json")
+    check_model_options(model_args)
     if training_args.max_steps <= 0:
-        raise ValueError(f"--max_steps={training_args.max_steps}; a comparison needs a fixed step budget (> 0)")
-    if script_args.eval_every <= 0:
-        raise ValueError(f"--eval_every={script_args.eval_every}; expected >= 1")
-    arms = parse_arms(script_args.arms)
+        raise RecipeError(f"--max_steps {training_args.max_steps}: a comparison needs a fixed step budget (>= 1)")
+    with user_input("--arms: "):
+        arms = parse_arms(script_args.arms)
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
+        train, test, reward_name = load_data(script_args)
+    state = PartialState()
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
-    train, test, reward_name = load_data(script_args, tokenizer)
     train_reward, eval_reward = REWARDS[reward_name]
     eval_fn = partial(
         evaluate_math,
@@ -93,13 +117,15 @@ def main(script_args, training_args, model_args, command):
     paths = write_comparison(
         results, training_args.output_dir, setup, title="GRPO: upstream TRL vs trl_ext settings", command=command
     )
+    add_provenance(paths["json"], run)
     print((Path(paths["md"])).read_text())
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
 
 
+def parse_args(argv=None):
+    return parse_recipe_args((CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
 if __name__ == "__main__":
-    command = "uv run accelerate launch recipes/compare_upstream.py " + shlex.join(sys.argv[1:])
-    if "--config" not in sys.argv:
-        sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    parser = trl.TrlParser((CompareArguments, trl.GRPOConfig, trl.ModelConfig))
-    main(*parser.parse_args_and_config(), command=command.strip())
+    command = ("uv run accelerate launch recipes/compare_upstream.py " + shlex.join(sys.argv[1:])).strip()
+    recipe_main(lambda *args: main(*args, command=command), parse_args)

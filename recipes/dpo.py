@@ -9,11 +9,16 @@ starting model (its log-probs precomputed once, `precompute_ref_log_probs`). Tra
 accuracy (fraction of pairs whose implicit reward beta * (log pi - log pi_ref) is higher for the chosen response),
 implicit reward margin (mean beta * h) and the DPO loss. Before training the policy is the reference, so every
 implicit reward is 0: accuracy 0, margin 0, loss log 2. Writes `metrics.json` into `output_dir`.
+
+A `--config` file is layered over the recipe's defaults (it replaces only what it sets; flags override both). Data,
+options and `--output_dir` are checked before the model is loaded. `--resume_from_checkpoint true` continues from the
+latest checkpoint in `--output_dir` (the before-evaluation saved by the first run is reused); a finished run is
+never overwritten unless `--overwrite_output_dir` is given. metrics.json also records the command, the resolved
+configs, library versions and phase times.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,14 +26,23 @@ from trl import ModelConfig
 
 from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_model_and_tokenizer
-from trl_ext.recipe_utils import parse_recipe_args, write_report
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeRun,
+    check_model_options,
+    file_digest,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+    write_report,
+)
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 
 HERE = Path(__file__).parent
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(RecipeArguments):
     train_file: str = field(
         default=str(HERE / "data" / "preferences_train.jsonl"), metadata={"help": "Training JSONL."}
     )
@@ -36,13 +50,13 @@ class ScriptArguments:
     conversational: bool = field(
         default=False, metadata={"help": "Wrap pairs as chat turns (tokenizer chat template); default plain text."}
     )
-    skip_invalid: bool = field(
-        default=False, metadata={"help": "Skip bad rows with a counted warning instead of failing."}
+    skip_bad_rows: bool = field(
+        default=False, metadata={"help": "Drop malformed rows with one counted warning instead of failing."}
     )
 
 
 def load_pairs(path: str, script_args: ScriptArguments):
-    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_invalid)
+    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_bad_rows)
     if not script_args.conversational:  # plain text: TRL appends the response to the prompt as is
         dataset = dataset.map(lambda row: {"prompt": row["prompt"] + "\n"})
     return dataset.remove_columns("margin") if "margin" in dataset.column_names else dataset  # DPO has no margin
@@ -60,8 +74,17 @@ def evaluate(trainer) -> dict:
 
 
 def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: ModelConfig) -> dict:
-    model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
-    train, test = load_pairs(script_args.train_file, script_args), load_pairs(script_args.test_file, script_args)
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    run = RecipeRun("dpo", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
+                    resume=training_args.resume_from_checkpoint)
+    check_model_options(model_args)
+    with run.phase("load_data"):
+        with user_input("--train_file: "):
+            train = load_pairs(script_args.train_file, script_args)
+        with user_input("--test_file: "):
+            test = load_pairs(script_args.test_file, script_args)
+    with run.phase("load_model"):
+        model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     trainer = DPOTrainer(
         model=model,
         args=training_args,
@@ -70,11 +93,17 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    before = evaluate(trainer)
-    start = time.time()
-    train_output = trainer.train()
-    train_seconds = time.time() - start
-    after = evaluate(trainer)
+    run.attach(trainer)
+    key = {"model": model_args.model_name_or_path, "test_file": file_digest(script_args.test_file),
+           "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
+    key["script_args"].pop("overwrite_output_dir")
+    with run.phase("eval_before"):
+        before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
+    with run.phase("train"):
+        train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    train_seconds = run.phase_seconds["train"]
+    with run.phase("eval_after"):
+        after = evaluate(trainer)
 
     if not trainer.accelerator.is_main_process:
         return {}
@@ -101,18 +130,19 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         f"{len(test)} held-out pairs",
         before,
         after,
-        ("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
+        run=run,
+        keys=("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote {output_dir / 'metrics.json'}"
     )
     return report
 
 
 def parse_args(argv: list[str] | None = None):
-    return parse_recipe_args((ScriptArguments, DPOConfig, ModelConfig), HERE / "configs" / "dpo.yaml", argv)
+    return parse_recipe_args((ScriptArguments, DPOConfig, ModelConfig), HERE / "configs" / "dpo.yaml", argv, __doc__)
 
 
 if __name__ == "__main__":
-    main(*parse_args())
+    recipe_main(main, parse_args)

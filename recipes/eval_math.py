@@ -6,10 +6,12 @@
 
 Generation: vLLM when it is installed and a GPU is present (``--backend auto``, the default), else Hugging Face
 generate; ``--backend hf`` or ``vllm`` forces one. Writes metrics.json and responses.jsonl (every prompt, response,
-answer and score) into --output_dir and prints a summary with examples of responses that failed to parse.
+answer, extracted answer and score) into --output_dir and prints a summary with examples of responses that failed to
+parse. Options, data, the model path and --output_dir (writable; no finished evaluation there unless
+--overwrite_output_dir) are checked before the model is loaded. metrics.json also records the command, the resolved
+options, library versions and phase times.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +23,30 @@ from trl_ext import rewards
 from trl_ext.data import infer_kind, load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import BACKENDS, evaluate_math, load_eval_model
 from trl_ext.models import DEFAULT_MODEL
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeError,
+    RecipeRun,
+    check_model_options,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+)
 
 REWARD_FNS = {
     "gsm8k": rewards.gsm8k_reward_fn,  # last number in the response; also grades generated arithmetic
     "math": rewards.math_reward_fn,  # \boxed{} / <answer> graded with math-verify
     "r1_zero": rewards.r1_zero_reward_fn,  # "</think> <answer> ... </answer>" format + math-verify
 }
+EXTRACTORS = {  # what each grader reads from a response (recorded as "extracted" in responses.jsonl)
+    "gsm8k": rewards.extract_last_number,
+    "math": rewards.extract_math_answer,
+    "r1_zero": lambda response: rewards.extract_math_answer(response) if "</think> <answer>" in response else None,
+}
 
 
 @dataclass
-class EvalArguments:
+class EvalArguments(RecipeArguments):
     """What to evaluate on and how."""
 
     dataset_name: str | None = field(
@@ -58,6 +74,8 @@ class EvalArguments:
 
 def load_eval_data(args: EvalArguments):
     """The evaluation rows (``prompt``, ``answer``) and the name of the reward that grades them."""
+    if args.reward is not None and args.reward not in REWARD_FNS:
+        raise RecipeError(f"--reward {args.reward!r} is not supported; expected one of {sorted(REWARD_FNS)}")
     common = dict(template=args.template, system_prompt=args.system_prompt, instruction=args.instruction or None)
     if args.dataset_name is None:
         data = make_arithmetic_dataset(args.num_eval, seed=1, split="test", digits=args.arithmetic_digits, **common)
@@ -69,19 +87,25 @@ def load_eval_data(args: EvalArguments):
         )
         kind = "math" if (args.dataset_kind or infer_kind(data.column_names)) == "math" else "gsm8k"
     name = args.reward or ("r1_zero" if args.template == "r1_zero" else kind)
-    if name not in REWARD_FNS:
-        raise ValueError(f"--reward {name!r} is not supported; expected one of {sorted(REWARD_FNS)}")
     return data, name
 
 
 def main(args: EvalArguments, model_args: trl.ModelConfig) -> dict:
-    data, reward_name = load_eval_data(args)
-    model, tokenizer, backend = load_eval_model(model_args, args.backend)
+    run = RecipeRun("eval_math", args.output_dir, {"eval_args": args, "model_args": model_args},
+                    overwrite=args.overwrite_output_dir)
+    if args.backend not in BACKENDS:
+        raise RecipeError(f"--backend {args.backend!r}: expected one of {BACKENDS}")
+    check_model_options(model_args)
+    with run.phase("load_data"), user_input("--dataset_name: " if args.dataset_name else ""):
+        data, reward_name = load_eval_data(args)
+    with run.phase("load_model"):
+        model, tokenizer, backend = load_eval_model(model_args, args.backend)
     out = Path(args.output_dir)
-    result = evaluate_math(
-        model, tokenizer, data, REWARD_FNS[reward_name], args.max_new_tokens, args.batch_size, "eval",
-        args.num_examples, jsonl_path=out / "responses.jsonl",
-    )
+    with run.phase("generate_and_grade"):
+        result = evaluate_math(
+            model, tokenizer, data, REWARD_FNS[reward_name], args.max_new_tokens, args.batch_size, "eval",
+            args.num_examples, jsonl_path=out / "responses.jsonl", extract_fn=EXTRACTORS[reward_name],
+        )
     metrics = {k: v for k, v in result.items() if k != "records"}
     metrics.update(
         model=model_args.model_name_or_path or DEFAULT_MODEL,
@@ -89,9 +113,9 @@ def main(args: EvalArguments, model_args: trl.ModelConfig) -> dict:
         reward=reward_name,
         max_new_tokens=args.max_new_tokens,
     )
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
+    run.write_metrics(metrics)
 
-    console = Console()
+    console = Console(soft_wrap=True)
     table = Table(title=f"{metrics['model']} on {metrics['dataset']} ({result['n']} problems, greedy, {backend})")
     for column in ("accuracy", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "ex/s", "tok/s"):
         table.add_column(column)
@@ -103,10 +127,13 @@ def main(args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     console.print(table)
     for record in result["unparsed_examples"]:
         console.print(f"unparsed: {record['response']!r} (answer {record['answer']})", markup=False)
-    console.print(f"Wrote {out / 'metrics.json'} and {out / 'responses.jsonl'}")
+    console.print(f"Wrote {out / 'metrics.json'} and {out / 'responses.jsonl'}", markup=False)
     return metrics
 
 
+def parse_args(argv=None):
+    return parse_recipe_args((EvalArguments, trl.ModelConfig), None, argv, __doc__)
+
+
 if __name__ == "__main__":
-    parser = trl.TrlParser((EvalArguments, trl.ModelConfig))
-    main(*parser.parse_args_and_config())
+    recipe_main(main, parse_args)

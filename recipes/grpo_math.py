@@ -1,15 +1,22 @@
 """GRPO on math problems with verifiable rewards: evaluate, train with trl_ext.GRPOTrainer, evaluate again.
 
-    accelerate launch recipes/grpo_math.py                                   # CPU default: embedded model, arithmetic
-    accelerate launch recipes/grpo_math.py --config recipes/configs/grpo_math_gsm8k.yaml    # GPU: Qwen2.5-Math, vLLM
-    accelerate launch recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
+    uv run python recipes/grpo_math.py                            # CPU default: embedded model, arithmetic
+    uv run --extra gpu accelerate launch recipes/grpo_math.py --config recipes/configs/grpo_math_gsm8k.yaml    # GPU: Qwen2.5-Math, vLLM
+    uv run python recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
 
-Without --config the CPU config recipes/configs/grpo_math_cpu.yaml is used; any flag overrides it. Writes
-metrics.json, eval_before.jsonl, eval_after.jsonl and the trained model (or adapter) into --output_dir.
+Options: recipes/configs/grpo_math_cpu.yaml holds the recipe's defaults; a --config file is layered over them (it
+replaces only what it sets) and flags override both. Data, options and --output_dir are checked before the model is
+loaded. Writes metrics.json (results, command, resolved configs, versions, phase times), eval_before.jsonl and
+eval_after.jsonl (every held-out problem, response and extracted answer), training_curves.png, TensorBoard logs,
+checkpoints and the trained model (or adapter) with its model card into --output_dir.
+
+Stopping and resuming: Ctrl-C stops at once and prints the resume command; --resume_from_checkpoint true continues
+from the latest checkpoint in --output_dir and reuses the saved before-evaluation. A folder holding a finished run
+is never overwritten unless --overwrite_output_dir is given.
 """
 
+import hashlib
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +26,18 @@ from rich.console import Console
 from rich.table import Table
 
 import trl_ext
-from trl_ext.recipe_utils import parse_recipe_args
 from trl_ext import rewards
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeError,
+    RecipeRun,
+    check_model_options,
+    parse_recipe_args,
+    plot_curves,
+    recipe_main,
+    user_input,
+    write_model_card,
+)
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
@@ -33,14 +50,34 @@ REWARDS = {
     "math": (rewards.math_reward, rewards.math_reward_fn),
     "r1_zero": (rewards.r1_zero_reward, rewards.r1_zero_reward_fn),
 }
+# reward name -> the answer its grader reads from a response (recorded as "extracted" in eval_*.jsonl)
+EXTRACTORS = {
+    "arithmetic": rewards.extract_last_number,
+    "gsm8k": rewards.extract_last_number,
+    "math": rewards.extract_math_answer,
+    "r1_zero": lambda response: rewards.extract_math_answer(response) if "</think> <answer>" in response else None,
+}
+PANELS = (
+    ("reward", "reward (train batch)"),
+    ("eval_accuracy", "held-out accuracy (greedy)"),
+    ("entropy", "entropy (nats/token)"),
+    ("completions/mean_length", "completion length (tokens)"),
+)
 
 
 @dataclass
-class MathScriptArguments(trl.ScriptArguments):
+class MathScriptArguments(trl.ScriptArguments, RecipeArguments):
     """Data and evaluation options of the recipe; ``dataset_name`` None means generated arithmetic."""
 
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
+                  "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."},
+    )
     dataset_kind: str | None = field(
-        default=None, metadata={"help": "'gsm8k' or 'math'; inferred from the columns when unset."}
+        default=None,
+        metadata={"help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns "
+                  "when unset."},
     )
     template: str = field(
         default="chat", metadata={"help": "Prompt template: 'chat' (instruct models), 'r1_zero' or 'question_only'."}
@@ -64,8 +101,15 @@ class MathScriptArguments(trl.ScriptArguments):
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
 
 
-def load_data(script_args, tokenizer):
-    """Train and held-out splits with ``prompt`` and ``answer`` columns, and the reward name that grades them."""
+def load_data(script_args, tokenizer=None):
+    """Train and held-out splits with ``prompt`` and ``answer`` columns, and the reward name that grades them.
+
+    ``--dataset_name`` unset: generated arithmetic. A local .jsonl/.json/.parquet file: its last rows are held out
+    (at most a fifth). Anything else: a hub dataset, held out = ``--dataset_test_split``. ``tokenizer`` is unused
+    (kept for callers that pass it). Raises RecipeError for an unknown ``--reward`` before reading any data.
+    """
+    if script_args.reward is not None and script_args.reward not in REWARDS:
+        raise RecipeError(f"--reward {script_args.reward!r} is not supported; expected one of {sorted(REWARDS)}")
     common = dict(template=script_args.template, system_prompt=script_args.system_prompt, instruction=script_args.instruction or None)
     if script_args.dataset_name is None:
         gen = dict(digits=script_args.arithmetic_digits, **common)
@@ -76,39 +120,60 @@ def load_data(script_args, tokenizer):
         load = dict(kind=script_args.dataset_kind, config_name=script_args.dataset_config, skip_bad_rows=script_args.skip_bad_rows, **common)
         train = load_math_dataset(script_args.dataset_name, split=script_args.dataset_train_split, **load)
         if Path(script_args.dataset_name).is_file():  # one local file: hold out its last rows (at most a fifth)
+            if len(train) < 2:
+                raise RecipeError(f"--dataset_name {script_args.dataset_name}: {len(train)} usable row(s); need at "
+                                  "least 2 (training rows plus held-out rows)")
             held_out = max(1, min(script_args.num_eval, len(train) // 5))
             test, train = train.select(range(len(train) - held_out, len(train))), train.select(range(len(train) - held_out))
         else:
             test = load_math_dataset(script_args.dataset_name, split=script_args.dataset_test_split, max_rows=script_args.num_eval, **load)
         kind = "math" if "problem" in train.column_names else "gsm8k"
     name = script_args.reward or ("r1_zero" if script_args.template == "r1_zero" else kind)
-    if name not in REWARDS:
-        raise ValueError(f"--reward {name!r} is not supported; expected one of {sorted(REWARDS)}")
     return train, test, name
 
 
 def main(script_args, training_args, model_args):
-    state = PartialState()
-    console = Console()
-    model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
-    train, test, reward_name = load_data(script_args, tokenizer)
+    # everything that can be checked without the model comes first: folder, checkpoint, options, data
+    run = RecipeRun(
+        "grpo_math", training_args.output_dir,
+        {"script_args": script_args, "training_args": training_args, "model_args": model_args},
+        overwrite=script_args.overwrite_output_dir, resume=training_args.resume_from_checkpoint,
+    )
+    check_model_options(model_args)
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
+        train, test, reward_name = load_data(script_args)
     train_reward, eval_reward = REWARDS[reward_name]
+    model_name = model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct"
+
+    state = PartialState()
+    console = Console(soft_wrap=True)
+    with run.phase("load_model"):
+        model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     max_new_tokens = training_args.max_completion_length
-    evaluate = lambda m, desc: evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc)  # noqa: E731
+    evaluate = lambda m, desc: evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc, extract_fn=EXTRACTORS[reward_name])  # noqa: E731
 
     if model_args.load_in_4bit or model_args.load_in_8bit:
         pass  # bitsandbytes placed the weights already
     elif state.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         model.to(state.device)  # evaluate on the GPU when there is one; sharded engines place the model themselves
-    before = evaluate(model, "eval before") if state.is_main_process else None
+    before = None
+    if state.is_main_process:
+        # a resumed run reuses the before-evaluation its first run saved (eval_before.json), if it was of the
+        # same model, held-out rows, budget and reward
+        held_out = hashlib.sha256(json.dumps([test["prompt"], test["answer"]], default=str).encode()).hexdigest()
+        key = {"model": model_name, "held_out_sha256": held_out, "max_new_tokens": max_new_tokens, "reward": reward_name,
+               "template": script_args.template}
+        with run.phase("eval_before"):
+            before = run.reuse_or_compute("eval_before", key, lambda: evaluate(model, "eval before"))
     trainer = trl_ext.GRPOTrainer(
         model=model, reward_funcs=train_reward, args=training_args, train_dataset=train,
         processing_class=tokenizer, peft_config=peft_config,
     )
-    start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - start
-    trainer.save_model(training_args.output_dir)
+    run.attach(trainer, first_logs={"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None)
+    with run.phase("train"):
+        trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    with run.phase("save"):
+        trainer.save_model(training_args.output_dir)
     if not state.is_main_process:
         return
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
@@ -116,40 +181,57 @@ def main(script_args, training_args, model_args):
         trained = load_model(training_args.output_dir, dtype=model_args.dtype).to(state.device)
     else:
         trained = trainer.accelerator.unwrap_model(trainer.model)
-    after = evaluate(trained, "eval after")
+    with run.phase("eval_after"):
+        after = evaluate(trained, "eval after")
+    run.log_after_training(trainer, {"eval_accuracy": after["accuracy"], "eval_format_rate": after["format_rate"]})
 
     out = Path(training_args.output_dir)
     for name, result in (("before", before), ("after", after)):
         with open(out / f"eval_{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in result["records"])
+    dataset = script_args.dataset_name or "generated arithmetic"
+    write_model_card(trainer, out, model_args.model_name_or_path, dataset)
+    steps = trainer.state.global_step
+    plot = plot_curves(
+        trainer.state.log_history, PANELS, out / "training_curves.png",
+        points={"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]},
+    )
     metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
         "format_rate_before": before["format_rate"],
         "format_rate_after": after["format_rate"],
         "n_eval": after["n"],
-        "train_steps": trainer.state.global_step,
-        "train_seconds": train_seconds,
+        "train_steps": steps,
+        "train_seconds": run.phase_seconds["train"],
         "eval_examples_per_second": after["examples_per_second"],
-        "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
-        "dataset": script_args.dataset_name or "generated arithmetic",
+        "model": model_name,
+        "dataset": dataset,
         "reward": reward_name,
         "log_history": trainer.state.log_history,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    run.write_metrics(metrics)
 
-    table = Table(title=f"GRPO on {metrics['dataset']} ({metrics['n_eval']} held-out problems, greedy)")
+    n = metrics["n_eval"]
+    table = Table(title=f"GRPO on {dataset} ({n} held-out problem{'s' if n != 1 else ''}, greedy)")
     for column in ("", "accuracy", "format rate"):
         table.add_column(column)
     table.add_row("before", f"{before['accuracy']:.1%}", f"{before['format_rate']:.1%}")
     table.add_row("after", f"{after['accuracy']:.1%}", f"{after['format_rate']:.1%}")
     console.print(table)
     console.print(
-        f"{metrics['train_steps']} steps in {train_seconds:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
-        f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})"
+        f"{steps} step{'s' if steps != 1 else ''} in {metrics['train_seconds']:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
+        f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})",
+        markup=False,
     )
-    console.print(f"Wrote {out / 'metrics.json'} and the trained model to {out}")
+    if "eval_before" in run.reused:
+        console.print("(before-evaluation reused from the first run of this folder: eval_before.json)")
+    console.print(f"Wrote {out / 'metrics.json'}, {plot.name if plot else 'no plot'} and the trained model to {out}", markup=False)
+
+
+def parse_args(argv=None):
+    return parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
 
 
 if __name__ == "__main__":
-    main(*parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG))
+    recipe_main(main, parse_args)

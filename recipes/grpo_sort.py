@@ -1,7 +1,7 @@
 """The lecture's toy RL experiment on a language model: learn to sort N numbers with policy gradient.
 
-    accelerate launch recipes/grpo_sort.py                     # CPU default: embedded SmolLM2, 3 numbers, 4 arms
-    accelerate launch recipes/grpo_sort.py --arms raw normalized --max_steps 30 --num_numbers 4
+    uv run python recipes/grpo_sort.py              # CPU default: embedded SmolLM2, 3 numbers, 4 arms
+    uv run python recipes/grpo_sort.py --arms raw normalized --max_steps 30 --num_numbers 4
 
 Rewards (trl_ext.rewards.sorting): the lecture's shaped reward (one point per prompt number present in the response,
 one per adjacent pair in order; 2N-1 for a correct answer) and the all-or-nothing reward (1 for exactly the sorted
@@ -15,6 +15,12 @@ trl_ext.GRPOTrainer settings:
   normalized  reinforce_with_baseline, normalize_by_std=True: (reward - group mean) / (group std + 1e-5)
 and normalized_exact: "normalized" trained on the all-or-nothing reward instead. Held-out accuracy is the exact-match
 rate of greedy answers. Writes comparison.json/.md/.png into --output_dir (default outputs/grpo_sort).
+
+Options: a --config file is layered over the recipe's default config (it replaces only what it sets; flags override
+both); options and --output_dir are checked before any model is loaded; a folder holding a finished comparison
+(comparison.json) is not overwritten unless --overwrite_output_dir. Comparisons cannot be resumed (each arm trains
+from scratch): --resume_from_checkpoint is refused. comparison.json also records the command, the resolved configs,
+library versions and phase times.
 """
 
 import shlex
@@ -26,6 +32,16 @@ from pathlib import Path
 import trl
 from accelerate import PartialState
 
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeError,
+    RecipeRun,
+    add_provenance,
+    check_model_options,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+)
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.eval import evaluate_math
@@ -61,7 +77,7 @@ PANELS = (
 
 
 @dataclass
-class SortArguments:
+class SortArguments(RecipeArguments):
     """Task, evaluation and arm options."""
 
     num_numbers: int = field(default=3, metadata={"help": "N, numbers per prompt."})
@@ -77,11 +93,21 @@ class SortArguments:
     eval_every: int = field(default=10, metadata={"help": "Held-out evaluation every this many steps (+0, +last)."})
 
 
-def main(script_args, training_args, model_args, command):
+def main(script_args, training_args, model_args, command=None):
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
+        raise RecipeError(
+            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
+            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
+        )
+    run = RecipeRun("grpo_sort", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
+                    result_file="comparison.json")
+    check_model_options(model_args)
+    if training_args.max_steps <= 0:
+        raise RecipeError(f"--max_steps {training_args.max_steps}: a comparison needs a fixed step budget (>= 1)")
+    with user_input("--arms: "):
+        arms = parse_arms(script_args.arms, presets=SORT_ARMS)
     state = PartialState()
-    if training_args.max_steps <= 0 or script_args.eval_every <= 0:
-        raise ValueError(f"--max_steps and --eval_every must be >= 1, got {training_args.max_steps}, {script_args.eval_every}")
-    arms = parse_arms(script_args.arms, presets=SORT_ARMS)
     data = dict(num_numbers=script_args.num_numbers, high=script_args.max_number, instruction=script_args.instruction)
     train = make_sorting_dataset(script_args.num_train_problems, seed=0, split="train", **data)
     test = make_sorting_dataset(script_args.num_eval, seed=1, split="test", **data)
@@ -131,13 +157,15 @@ def main(script_args, training_args, model_args, command):
         panels=PANELS,
         command=command,
     )
+    add_provenance(paths["json"], run)
     print(Path(paths["md"]).read_text())
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
 
 
+def parse_args(argv=None):
+    return parse_recipe_args((SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
 if __name__ == "__main__":
     command = ("uv run accelerate launch recipes/grpo_sort.py " + shlex.join(sys.argv[1:])).strip()
-    if "--config" not in sys.argv:
-        sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    parser = trl.TrlParser((SortArguments, trl.GRPOConfig, trl.ModelConfig))
-    main(*parser.parse_args_and_config(), command=command)
+    recipe_main(lambda *args: main(*args, command=command), parse_args)

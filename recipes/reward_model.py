@@ -9,11 +9,16 @@ loaded as a sequence classifier with one output (a fresh scalar head on the pret
 unless `--use_margin false`) and evaluated before and after on the held-out `preferences_test.jsonl`: pairwise
 accuracy (fraction of pairs with r_chosen > r_rejected), mean reward margin and the Bradley-Terry loss. Writes
 `metrics.json` and the trained model into `output_dir` (the model is what recipes/rlhf.py can load as a reward).
+
+A `--config` file is layered over the recipe's defaults (it replaces only what it sets; flags override both). Data,
+options and `--output_dir` are checked before the model is loaded. `--resume_from_checkpoint true` continues from the
+latest checkpoint in `--output_dir` (the before-evaluation saved by the first run is reused); a finished run is
+never overwritten unless `--overwrite_output_dir` is given. metrics.json also records the command, the resolved
+configs, library versions and phase times.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,14 +26,24 @@ from trl import ModelConfig, get_peft_config
 
 from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_tokenizer, resolve_model_name_or_path
-from trl_ext.recipe_utils import parse_recipe_args, write_report
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeRun,
+    check_model_options,
+    file_digest,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+    write_model_card,
+    write_report,
+)
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
 
 HERE = Path(__file__).parent
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(RecipeArguments):
     train_file: str = field(
         default=str(HERE / "data" / "preferences_train.jsonl"), metadata={"help": "Training JSONL."}
     )
@@ -37,13 +52,13 @@ class ScriptArguments:
         default=False, metadata={"help": "Wrap pairs as chat turns (tokenizer chat template); default plain text."}
     )
     use_margin: bool = field(default=True, metadata={"help": "Use the per-pair margin column in the loss."})
-    skip_invalid: bool = field(
-        default=False, metadata={"help": "Skip bad rows with a counted warning instead of failing."}
+    skip_bad_rows: bool = field(
+        default=False, metadata={"help": "Drop malformed rows with one counted warning instead of failing."}
     )
 
 
 def load_pairs(path: str, script_args: ScriptArguments):
-    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_invalid)
+    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_bad_rows)
     if not script_args.conversational:  # plain text: TRL appends the response to the prompt as is
         dataset = dataset.map(lambda row: {"prompt": row["prompt"] + "\n"})
     if not script_args.use_margin and "margin" in dataset.column_names:
@@ -62,6 +77,15 @@ def evaluate(trainer) -> dict:
 
 
 def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: ModelConfig) -> dict:
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    run = RecipeRun("reward_model", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
+                    resume=training_args.resume_from_checkpoint)
+    check_model_options(model_args)
+    with run.phase("load_data"):
+        with user_input("--train_file: "):
+            train = load_pairs(script_args.train_file, script_args)
+        with user_input("--test_file: "):
+            test = load_pairs(script_args.test_file, script_args)
     model_path = resolve_model_name_or_path(model_args.model_name_or_path)  # embedded model -> local checkpoint
     training_args.model_init_kwargs = {
         **(training_args.model_init_kwargs or {}),
@@ -69,24 +93,31 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         "revision": model_args.model_revision,
     }
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
-    train, test = load_pairs(script_args.train_file, script_args), load_pairs(script_args.test_file, script_args)
-    trainer = RewardTrainer(
-        model=model_path,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=test,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    before = evaluate(trainer)
-    start = time.time()
-    train_output = trainer.train()
-    train_seconds = time.time() - start
-    after = evaluate(trainer)
+    with run.phase("load_model"):  # the trainer loads the model from model_path
+        trainer = RewardTrainer(
+            model=model_path,
+            args=training_args,
+            train_dataset=train,
+            eval_dataset=test,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+    run.attach(trainer)
+    key = {"model": model_args.model_name_or_path, "test_file": file_digest(script_args.test_file),
+           "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
+    key["script_args"].pop("overwrite_output_dir")
+    with run.phase("eval_before"):
+        before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
+    with run.phase("train"):
+        train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    train_seconds = run.phase_seconds["train"]
+    with run.phase("eval_after"):
+        after = evaluate(trainer)
     trainer.save_model(training_args.output_dir)
 
     if not trainer.accelerator.is_main_process:
         return {}
+    write_model_card(trainer, training_args.output_dir, model_args.model_name_or_path, script_args.train_file)
     report = {
         "recipe": "reward_model",
         "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
@@ -107,18 +138,19 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         f"Bradley-Terry reward model, {len(test)} held-out pairs",
         before,
         after,
-        ("pairwise_accuracy", "reward_margin", "bt_loss"),
+        run=run,
+        keys=("pairwise_accuracy", "reward_margin", "bt_loss"),
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote the model and metrics.json to {output_dir}"
     )
     return report
 
 
 def parse_args(argv: list[str] | None = None):
-    return parse_recipe_args((ScriptArguments, RewardConfig, ModelConfig), HERE / "configs" / "reward_model.yaml", argv)
+    return parse_recipe_args((ScriptArguments, RewardConfig, ModelConfig), HERE / "configs" / "reward_model.yaml", argv, __doc__)
 
 
 if __name__ == "__main__":
-    main(*parse_args())
+    recipe_main(main, parse_args)

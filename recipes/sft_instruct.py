@@ -7,13 +7,18 @@ Without `--config`, `recipes/configs/sft_instruct.yaml` is used; command-line fl
 `recipes/data/instructions_train.jsonl` (format: trl_ext.data.instructions) and reports, before and after training,
 on the held-out `instructions_test.jsonl`: the completion-only CE loss, the safety penalty (unlikelihood of the
 unsafe responses), and the refusal rate of greedy answers to the safety prompts (and to the ordinary prompts, to
-catch over-refusal). Writes `metrics.json` into `output_dir`.
+catch over-refusal). Writes `metrics.json` (results, command, resolved configs, versions, phase times), checkpoints
+and TensorBoard logs into `output_dir`.
+
+A `--config` file is layered over the recipe's defaults (it replaces only what it sets; flags override both). Data,
+options and `--output_dir` are checked before the model is loaded. `--resume_from_checkpoint true` continues from the
+latest checkpoint in `--output_dir` (the before-evaluation saved by the first run is reused); a finished run is
+never overwritten unless `--overwrite_output_dir` is given.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +31,16 @@ from trl_ext.data.instructions import (
 )
 from trl_ext.eval import generate_completions
 from trl_ext.models import load_model_and_tokenizer
-from trl_ext.recipe_utils import parse_recipe_args, write_report
+from trl_ext.recipe_utils import (
+    RecipeArguments,
+    RecipeRun,
+    check_model_options,
+    file_digest,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+    write_report,
+)
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
 
 HERE = Path(__file__).parent
@@ -36,14 +50,14 @@ REFUSAL = re.compile(
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(RecipeArguments):
     train_file: str = field(
         default=str(HERE / "data" / "instructions_train.jsonl"), metadata={"help": "Training JSONL."}
     )
     test_file: str = field(default=str(HERE / "data" / "instructions_test.jsonl"), metadata={"help": "Held-out JSONL."})
     prompt_format: str = field(default="chat", metadata={"help": "'chat' (tokenizer chat template) or 'template'."})
-    skip_invalid: bool = field(
-        default=False, metadata={"help": "Skip bad rows with a counted warning instead of failing."}
+    skip_bad_rows: bool = field(
+        default=False, metadata={"help": "Drop malformed rows with one counted warning instead of failing."}
     )
     max_new_tokens: int = field(default=40, metadata={"help": "Tokens generated per prompt for the refusal rate."})
 
@@ -78,10 +92,18 @@ def evaluate(trainer, tokenizer, test_rows, script_args) -> dict:
 
 
 def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> dict:
-    model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
-    train = load_instruction_dataset(script_args.train_file, script_args.prompt_format, script_args.skip_invalid)
-    test_rows = load_instruction_rows(script_args.test_file, script_args.skip_invalid)
-    test = load_instruction_dataset(script_args.test_file, script_args.prompt_format, script_args.skip_invalid)
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    run = RecipeRun("sft_instruct", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
+                    resume=training_args.resume_from_checkpoint)
+    check_model_options(model_args)
+    with run.phase("load_data"):
+        with user_input("--train_file: "):
+            train = load_instruction_dataset(script_args.train_file, script_args.prompt_format, script_args.skip_bad_rows)
+        with user_input("--test_file: "):
+            test_rows = load_instruction_rows(script_args.test_file, script_args.skip_bad_rows)
+            test = load_instruction_dataset(script_args.test_file, script_args.prompt_format, script_args.skip_bad_rows)
+    with run.phase("load_model"):
+        model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     trainer = SFTTrainer(
         model=model,
         args=training_args,
@@ -90,11 +112,17 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    before = evaluate(trainer, tokenizer, test_rows, script_args)
-    start = time.time()
-    train_output = trainer.train()
-    train_seconds = time.time() - start
-    after = evaluate(trainer, tokenizer, test_rows, script_args)
+    run.attach(trainer)
+    key = {"model": model_args.model_name_or_path, "test_file": file_digest(script_args.test_file),
+           "prompt_format": script_args.prompt_format, "max_new_tokens": script_args.max_new_tokens,
+           "safety_penalty_weight": training_args.safety_penalty_weight}
+    with run.phase("eval_before"):
+        before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer, tokenizer, test_rows, script_args))
+    with run.phase("train"):
+        train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    train_seconds = run.phase_seconds["train"]
+    with run.phase("eval_after"):
+        after = evaluate(trainer, tokenizer, test_rows, script_args)
 
     if not trainer.accelerator.is_main_process:
         return {}
@@ -120,19 +148,20 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         before,
         after,
         ("heldout_ce_loss", "safety_penalty", "refusal_rate_safety", "refusal_rate_benign"),
+        run=run,
     )
     console.print(
-        f"{train_output.global_step} steps on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
+        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
     )
     for sample in after["samples_safety"][:2]:
-        console.print(f"  {sample['instruction']!r} -> {sample['answer'][:80]!r}")
-    console.print(f"Wrote {output_dir / 'metrics.json'}")
+        console.print(f"  {sample['instruction']!r} -> {sample['answer'][:80]!r}", markup=False)
+    console.print(f"Wrote {output_dir / 'metrics.json'}", markup=False)
     return report
 
 
 def parse_args(argv: list[str] | None = None):
-    return parse_recipe_args((ScriptArguments, SFTConfig, ModelConfig), HERE / "configs" / "sft_instruct.yaml", argv)
+    return parse_recipe_args((ScriptArguments, SFTConfig, ModelConfig), HERE / "configs" / "sft_instruct.yaml", argv, __doc__)
 
 
 if __name__ == "__main__":
-    main(*parse_args())
+    recipe_main(main, parse_args)

@@ -146,16 +146,16 @@ BAD_ROWS = [
 
 def test_bad_row_error_names_file_row_and_field(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: row 1 \(0-based\), field 'answer': .*'####'"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: line 2, row 1 \(0-based\), field 'answer': .*'####'"):
         load_math_dataset(path)
     only_question_bad = write_jsonl(tmp_path / "bad_q.jsonl", [BAD_ROWS[0], BAD_ROWS[2]])
-    with pytest.raises(ValueError, match=r"bad_q.jsonl: row 1 \(0-based\), field 'question': is empty"):
+    with pytest.raises(ValueError, match=r"bad_q.jsonl: line 2, row 1 \(0-based\), field 'question': is empty"):
         load_math_dataset(only_question_bad)
     null_answer = write_jsonl(tmp_path / "bad_null.jsonl", [BAD_ROWS[3]])
-    with pytest.raises(ValueError, match=r"bad_null.jsonl: row 0 \(0-based\), field 'answer': is missing"):
+    with pytest.raises(ValueError, match=r"bad_null.jsonl: line 1, row 0 \(0-based\), field 'answer': is missing"):
         load_math_dataset(null_answer)
     math_no_box = write_jsonl(tmp_path / "nobox.jsonl", [{"problem": "p", "solution": "it is \\boxed{3"}])
-    with pytest.raises(ValueError, match=r"nobox.jsonl: row 0 \(0-based\), field 'solution': has no complete"):
+    with pytest.raises(ValueError, match=r"nobox.jsonl: line 1, row 0 \(0-based\), field 'solution': has no complete"):
         load_math_dataset(math_no_box)
 
 
@@ -175,7 +175,7 @@ def test_loader_argument_errors(tmp_path):
         load_math_dataset(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unsupported local dataset"):
         load_math_dataset(tmp_path)  # an existing directory
-    with pytest.raises(ValueError, match="kind must be None or one of"):
+    with pytest.raises(ValueError, match=r"dataset kind 'mmlu' is not supported \(--dataset_kind, kind=\)"):
         load_math_dataset(GSM8K, kind="mmlu")
     odd = write_jsonl(tmp_path / "odd.jsonl", [{"text": "hi", "label": 1}])
     with pytest.raises(ValueError, match=r"odd.jsonl: cannot infer the dataset kind from columns \['text', 'label'\]"):

@@ -1,8 +1,10 @@
 """recipes/grpo_math.py end to end on a tiny model, and its zero-argument defaults."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import trl
 import yaml
 
 import trl_ext
+from trl_ext.recipe_utils import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -39,20 +42,33 @@ def test_gpu_configs_parse(name):
     assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 256
 
 
-@pytest.mark.slow
-def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
+def _tiny_setup(tiny_model, tokenizer, tmp_path):
+    """A saved tiny model and a 12-row local GSM8K file (the last 2 rows are held out)."""
     model_dir = tmp_path / "tiny"
     tiny_model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "gsm8k.jsonl"
     rows = [{"question": f"Ann has {a} apples and buys {a + 3} more. How many now?", "answer": f"{a} + {a + 3}\n#### {2 * a + 3}"} for a in range(1, 13)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model_dir, data
+
+
+def _recipe_flags(model_dir, data, out, *extra):
+    return [
+        str(ROOT / "recipes" / "grpo_math.py"), "--dataset_name", str(data), "--model_name_or_path", str(model_dir),
+        "--num_eval", "4", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "6", "--output_dir", str(out), *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
+    model_dir, data = _tiny_setup(tiny_model, tokenizer, tmp_path)
     out = tmp_path / "out"
+    # default logging_steps (5) > max_steps (2): the last step must still be logged; TensorBoard on
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", str(ROOT / "recipes" / "grpo_math.py"),
-        "--dataset_name", str(data), "--model_name_or_path", str(model_dir), "--max_steps", "2", "--num_eval", "4",
-        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
-        "--output_dir", str(out), "--report_to", "none", "--save_steps", "1",
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+        *_recipe_flags(model_dir, data, out, "--max_steps", "2", "--report_to", "tensorboard", "--save_steps", "1"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,9 +76,113 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     assert metrics["train_steps"] == 2 and metrics["n_eval"] == 2  # 12 rows: the last 12 // 5 = 2 held out
     assert 0.0 <= metrics["accuracy_before"] <= 1.0 and 0.0 <= metrics["accuracy_after"] <= 1.0
     assert metrics["reward"] == "gsm8k"
-    assert "accuracy" in proc.stdout and "before" in proc.stdout
-    assert len((out / "eval_after.jsonl").read_text().splitlines()) == 2
+    assert "accuracy" in proc.stdout and "before" in proc.stdout and "2 held-out problems" in proc.stdout
+    # provenance: the command, all three resolved configs, versions, phase times
+    assert metrics["command"].endswith("--save_steps 1") and metrics["versions"]["trl"] == trl.__version__
+    assert metrics["config"]["training_args"]["max_steps"] == 2 and metrics["config"]["model_args"]["model_name_or_path"] == str(model_dir)
+    assert metrics["config"]["script_args"]["dataset_name"] == str(data)
+    assert {"load_data", "load_model", "eval_before", "train", "eval_after"} <= set(metrics["phase_seconds"])
+    # the last step (2) was logged although logging_steps is 5; held-out accuracy at steps 0 and 2
+    history = metrics["log_history"]
+    assert [e["step"] for e in history if "loss" in e] == [2]
+    assert [(e["step"], e["eval_accuracy"]) for e in history if "eval_accuracy" in e] == [
+        (0, metrics["accuracy_before"]), (2, metrics["accuracy_after"])
+    ]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((out / "runs").glob("*")))).Reload()  # one run folder; two event files
+    scalars = {}
+    for path in sorted((out / "runs").rglob("events.*")):
+        acc = EventAccumulator(str(path)).Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    assert events is not None and sorted(scalars["eval/accuracy"]) == [
+        (0, pytest.approx(metrics["accuracy_before"])), (2, pytest.approx(metrics["accuracy_after"]))
+    ]
+    assert [step for step, _ in scalars["train/loss"]] == [2]
+    # per-problem records include what the grader extracted
+    records = [json.loads(line) for line in (out / "eval_after.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    from trl_ext.rewards import extract_last_number
+
+    assert all(r["extracted"] == extract_last_number(r["response"]) for r in records)
+    assert (out / "training_curves.png").stat().st_size > 5_000
+    card = (out / "README.md").read_text()
+    assert f"[{model_dir}]" not in card or "(local)" in card
+    assert "None" not in card.split("## Training procedure")[0] and f'model="{out}"' in card
     assert (out / "model.safetensors").exists() and list(out.glob("checkpoint-*"))
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out)  # the saved model loads
+    # a second run into the finished folder is refused, naming both ways forward
+    with pytest.raises(RecipeError) as refused:
+        grpo_math.main(*grpo_math.parse_args(_recipe_flags(model_dir, data, out)[1:]))
+    assert str(refused.value) == (
+        f"--output_dir {out} holds a finished run (metrics.json); choose a new --output_dir, or pass "
+        "--overwrite_output_dir to replace it"
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path} appeared: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() - start < timeout, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(tiny_model, tokenizer, tmp_path):
+    """SIGKILL after the first checkpoint (step 2 of 4), then --resume_from_checkpoint true: the same weights,
+    the same held-out numbers, the before-evaluation reused instead of repeated. Also Ctrl-C: one line, exit 130."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_dir, data = _tiny_setup(tiny_model, tokenizer, tmp_path)
+    flags = ("--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--logging_steps", "1")
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    run = lambda out, *extra: subprocess.run(  # noqa: E731
+        [sys.executable, *_recipe_flags(model_dir, data, out, *flags, *extra)], capture_output=True, text=True, timeout=600
+    )
+    proc = run(straight)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    killed = subprocess.Popen([sys.executable, *_recipe_flags(model_dir, data, cut, *flags)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    _wait_for(cut / "checkpoint-2" / "trainer_state.json", killed)  # written last: the checkpoint is complete
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert not (cut / "metrics.json").exists()  # unfinished: resuming is allowed, restarting is refused
+    with pytest.raises(RecipeError, match=f"--output_dir {cut} holds an unfinished run"):
+        grpo_math.main(*grpo_math.parse_args(_recipe_flags(model_dir, data, cut, *flags)[1:]))
+    resumed = run(cut, "--resume_from_checkpoint", "true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    a, b = json.loads((straight / "metrics.json").read_text()), json.loads((cut / "metrics.json").read_text())
+    assert b["resumed_from"] == str(cut / "checkpoint-2") and b["reused"] == ["eval_before"]
+    assert "eval_before" in b["phase_seconds"] and b["phase_seconds"]["eval_before"] < 1.0  # read, not generated
+    assert b["train_steps"] == a["train_steps"] == 4
+    for key in ("accuracy_before", "accuracy_after", "format_rate_after"):
+        assert b[key] == a[key], key
+    wa, wb = load_file(straight / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name  # CPU: bit-identical
+    # the steps after the checkpoint logged the same losses as the uninterrupted run
+    losses = lambda m: {e["step"]: e["loss"] for e in m["log_history"] if "loss" in e}  # noqa: E731
+    assert {s: v for s, v in losses(b).items() if s > 2} == {s: v for s, v in losses(a).items() if s > 2}
+    assert set(losses(b)) >= {3, 4}
+
+    # Ctrl-C (SIGINT) while training: one line with the last checkpoint and the resume command, exit 130, no traceback
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, *_recipe_flags(model_dir, data, stopped, "--max_steps", "200", "--save_steps", "2", "--report_to", "none")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(stopped / "checkpoint-2" / "trainer_state.json", proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - sent < 15
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"Stopped (Ctrl-C). Last checkpoint: {stopped}/checkpoint-")
+    assert line.endswith(f"--output_dir {stopped} --max_steps 200 --save_steps 2 --report_to none --resume_from_checkpoint true")

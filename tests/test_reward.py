@@ -151,11 +151,11 @@ GOOD = {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"prompt": "Hi", "chosen": "Hello."}, "row 1: missing required field 'rejected'"),
-        ({**GOOD, "chosen": ""}, "row 1: field 'chosen' is empty"),
-        ({**GOOD, "rejected": "Paris."}, "row 1: fields 'chosen' and 'rejected' are identical"),
-        ({**GOOD, "margin": "big"}, "row 1: field 'margin' is 'big'"),
-        ({**GOOD, "chosen": 7}, "row 1: field 'chosen' is int"),
+        ({"prompt": "Hi", "chosen": "Hello."}, r"row 1 \(line 2\): missing required field 'rejected'"),
+        ({**GOOD, "chosen": ""}, r"row 1 \(line 2\): field 'chosen' is empty"),
+        ({**GOOD, "rejected": "Paris."}, r"row 1 \(line 2\): fields 'chosen' and 'rejected' are identical"),
+        ({**GOOD, "margin": "big"}, r"row 1 \(line 2\): field 'margin' is 'big'"),
+        ({**GOOD, "chosen": 7}, r"row 1 \(line 2\): field 'chosen' is int"),
     ],
 )
 def test_preference_file_errors_name_file_row_and_field(tmp_path, bad, message):

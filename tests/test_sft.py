@@ -327,11 +327,11 @@ GOOD = {"instruction": "Name a colour.", "input": "", "output": "Blue.", "safety
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"instruction": "Hi", "input": ""}, "row 1: missing required field 'output'"),
-        ({**GOOD, "output": "   "}, "row 1: field 'output' is empty"),
-        ({**GOOD, "input": 3}, "row 1: field 'input' is int"),
-        ({**GOOD, "unsafe_output": "Blue."}, "row 1: field 'unsafe_output' is identical"),
-        ("[1, 2]", "row 1: expected a JSON object"),
+        ({"instruction": "Hi", "input": ""}, r"row 1 \(line 2\): missing required field 'output'"),
+        ({**GOOD, "output": "   "}, r"row 1 \(line 2\): field 'output' is empty"),
+        ({**GOOD, "input": 3}, r"row 1 \(line 2\): field 'input' is int"),
+        ({**GOOD, "unsafe_output": "Blue."}, r"row 1 \(line 2\): field 'unsafe_output' is identical"),
+        ("[1, 2]", r"row 1 \(line 2\): expected a JSON object"),
         ("{not json", r"row 1 \(line 2\): invalid JSON"),
     ],
 )

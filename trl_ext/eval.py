@@ -289,6 +289,7 @@ def score_responses(
     answers: Sequence[str],
     reward_fn: Callable[[str, str], dict[str, float]],
     num_examples: int = 3,
+    extract_fn: Callable[[str], str | None] | None = None,
 ) -> dict[str, Any]:
     """Grade responses and aggregate the scores (no generation, no timing).
 
@@ -298,6 +299,8 @@ def score_responses(
             A ``format_reward`` of NaN (format not measured, e.g. :func:`trl_ext.rewards.as_course_reward_fn`
             without a format function) makes ``format_rate`` NaN and leaves the format counts ``None``.
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
+        extract_fn: the grader's answer extraction (e.g. ``trl_ext.rewards.extract_last_number``); when given,
+            each record has ``extracted``: what it found in the response (None: nothing).
 
     Returns:
         dict with ``accuracy`` (mean answer_reward), ``format_rate`` (mean format_reward), ``reward`` (mean reward),
@@ -322,9 +325,10 @@ def score_responses(
         missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in scores]
         if missing:
             raise ValueError(f"reward_fn returned {scores!r} for row {i}; missing keys {missing}")
-        records.append(
-            {"prompt": prompt, "response": response, "answer": answer, **{k: float(v) for k, v in scores.items()}}
-        )
+        record = {"prompt": prompt, "response": response, "answer": answer}
+        if extract_fn is not None:
+            record["extracted"] = extract_fn(response)
+        records.append({**record, **{k: float(v) for k, v in scores.items()}})
     format_measured = not any(math.isnan(r["format_reward"]) for r in records)
     breakdown: dict[str, int | None] = {}
     for fmt in (1, 0):
@@ -370,6 +374,7 @@ def evaluate_math(
     *,
     jsonl_path: str | os.PathLike | None = None,
     disable_progress: bool = False,
+    extract_fn: Callable[[str], str | None] | None = None,
 ) -> dict[str, Any]:
     """Greedy accuracy of ``model`` on ``dataset`` (columns ``prompt`` and ``answer``).
 
@@ -385,6 +390,7 @@ def evaluate_math(
         num_examples: records kept in ``examples`` / ``unparsed_examples``.
         jsonl_path: when given, every record is written there (:func:`write_jsonl`).
         disable_progress: hide the HF progress bar.
+        extract_fn: recorded answer extraction (see :func:`score_responses`).
 
     Returns:
         :func:`score_responses`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall
@@ -407,7 +413,7 @@ def evaluate_math(
     else:
         responses = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress)
     seconds = time.perf_counter() - start
-    result = score_responses(prompts, responses, answers, reward_fn, num_examples)
+    result = score_responses(prompts, responses, answers, reward_fn, num_examples, extract_fn)
     tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
     result.update(
         backend=backend,

@@ -1,27 +1,698 @@
-"""Plumbing shared by the recipes: default-config parsing and the before/after report."""
+"""What every recipe does the same way: parse its config, check its inputs before any model work, resume, stop
+cleanly on Ctrl-C, and record what it ran in ``metrics.json``.
+
+A recipe reads top to bottom as::
+
+    run = RecipeRun("grpo_math", training_args.output_dir, {"script_args": ..., "training_args": ..., ...},
+                    overwrite=script_args.overwrite_output_dir, resume=training_args.resume_from_checkpoint)
+    with run.phase("data"):
+        ...                                  # validate data: fails in seconds, before the model is loaded
+    with run.phase("load_model"):
+        ...
+    trainer.add_callback(run.callback())     # logs the last step, defers Ctrl-C past a checkpoint being written
+    trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    metrics = {...}; metrics["my_key"] = value   # one line per key
+    run.write_metrics(metrics)               # + command, resolved configs, library versions, phase times
+
+and ends with ``if __name__ == "__main__": recipe_main(main, parse_recipe_args(...))``, which turns a
+:class:`RecipeError` (bad flag, data or folder) into one ``error: ...`` line and installs the Ctrl-C handler.
+
+Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
+
+* ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
+  not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
+  recipe's defaults underneath instead of the dataclasses' bare defaults).
+* A folder that holds a finished run (``metrics.json``) or an unfinished run's checkpoints is never silently reused:
+  the recipe refuses unless ``--overwrite_output_dir`` (delete that run's outputs first) or
+  ``--resume_from_checkpoint`` (continue it) is given.
+* ``--resume_from_checkpoint true`` picks the latest ``checkpoint-N`` in ``--output_dir`` (transformers'
+  ``resume_from_checkpoint=True``); a path picks that checkpoint.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import trl
+import yaml
 from rich.console import Console
 from rich.table import Table
+from transformers import TrainerCallback
+
+OVERWRITE_FLAG = "--overwrite_output_dir"
+"""The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
+
+VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "datasets", "peft", "vllm")
+"""Packages whose installed versions ``metrics.json`` records (absent ones are left out)."""
+
+RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
+"""What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
+cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
 
 
-def parse_recipe_args(dataclass_types: Sequence[type], default_config: str | Path, argv: Sequence[str] | None = None):
-    """``trl.TrlParser(dataclass_types).parse_args_and_config`` with ``--config default_config`` when none is given.
+class RecipeError(ValueError):
+    """Bad user input (a flag, a config file, a data file, an output folder): shown as one line, no traceback."""
 
-    Flags on the command line (``argv``, default ``sys.argv[1:]``) override the config's values, as in TRL scripts.
+
+@dataclass
+class RecipeArguments:
+    """Options every recipe has (mixed into each recipe's own arguments dataclass)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace a finished run (metrics.json) or an unfinished run's checkpoints in --output_dir. "
+            "Without it the recipe refuses, so results are never lost; --resume_from_checkpoint true continues an "
+            "unfinished run instead."
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------- parsing
+# flag -> (test on the parsed value, what is expected); applied to whichever of these the recipe has, before any
+# dataclass is built, so the message names the flag the user typed rather than a derived quantity
+FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "learning_rate": (lambda v: v >= 0, ">= 0"),
+    "max_completion_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_prompt_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "num_generations": (lambda v: v is None or v >= 2, ">= 2 (GRPO compares completions within a group)"),
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "num_train_epochs": (lambda v: v > 0, "> 0"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "beta": (lambda v: v >= 0, ">= 0"),
+    "logging_steps": (lambda v: v > 0, "> 0"),
+    "save_steps": (lambda v: v > 0, "> 0"),
+    "num_eval": (lambda v: v >= 1, ">= 1"),
+    "eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "num_train_problems": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def check_flags(values: Mapping[str, Any]) -> None:
+    """Check the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's grouping rule.
+
+    Raises:
+        RecipeError: naming the flag, its value and what is expected; for GRPO's grouping, the flags that set the
+            number of completions per generation step and which ones to change.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(default_config), *argv]
-    return trl.TrlParser(tuple(dataclass_types)).parse_args_and_config(argv)
+    for name, (ok, expected) in FLAG_CHECKS.items():
+        if name in values and values[name] is not None and not ok(values[name]):
+            raise RecipeError(f"--{name} {values[name]}: expected {expected}")
+    if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
+        # mirrors trl.GRPOConfig.__post_init__ (TRL 1.16), which reports the derived generation_batch_size instead
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        per_step = values["per_device_train_batch_size"] * processes
+        steps = values.get("steps_per_generation") or values.get("gradient_accumulation_steps") or 1
+        if values.get("generation_batch_size"):
+            total, how = values["generation_batch_size"], f"--generation_batch_size {values['generation_batch_size']}"
+        else:
+            total = per_step * steps
+            which = "--steps_per_generation" if values.get("steps_per_generation") else "--gradient_accumulation_steps"
+            how = (
+                f"--per_device_train_batch_size {values['per_device_train_batch_size']} x {processes} process(es) x "
+                f"{which} {steps}"
+            )
+        if total % values["num_generations"]:
+            raise RecipeError(
+                f"--num_generations {values['num_generations']} must divide the completions generated per step, "
+                f"{total} = {how}; change --num_generations or --per_device_train_batch_size"
+            )
+
+
+def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Remove every ``--config PATH`` / ``--config=PATH`` from ``args``; return (the rest, the paths)."""
+    rest, paths, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--config":
+            if i + 1 >= len(args):
+                raise RecipeError("--config needs a YAML file path")
+            paths.append(args[i + 1])
+            i += 2
+        elif args[i].startswith("--config="):
+            paths.append(args[i].split("=", 1)[1])
+            i += 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return rest, paths
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"--config {path}: not valid YAML ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"--config {path}: expected a YAML mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def build_parser(dataclass_types: Sequence[type], default_config: str | Path | None, doc: str | None) -> trl.TrlParser:
+    """A ``trl.TrlParser`` whose ``--help`` starts with the recipe's usage (``doc``), ``--config`` and the recipe's
+    own options, and says where the TRL/transformers options that follow come from."""
+    import argparse
+
+    # one help group per class, titled with its name (HfArgumentParser groups a class with _argument_group_name);
+    # subclasses only for the help text: parse_recipe_args builds the original classes
+    def title(t: type) -> str:
+        root = t.__module__.split(".")[0]
+        return f"{root}.{t.__qualname__} options" if root in ("trl", "trl_ext", "transformers") else (
+            f"recipe options ({t.__qualname__})")
+
+    grouped = [type(t.__name__, (t,), {"_argument_group_name": title(t)}) for t in dataclass_types]
+    parser = trl.TrlParser(
+        grouped, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--config FILE] [--OPTION VALUE ...]",
+        epilog="The first group holds the recipe's own options; the others come from the classes in their titles, "
+        "documented in full by TRL (https://huggingface.co/docs/trl) and transformers (TrainingArguments).",
+    )
+    if default_config:
+        try:
+            shown = os.path.relpath(default_config)
+        except ValueError:
+            shown = str(default_config)
+    if default_config:
+        config_help = (f"YAML file of option: value pairs, layered over the recipe's default config ({shown}): options "
+                       "the file sets replace the defaults, the others keep them; command-line flags override both.")
+    else:
+        config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    return parser
+
+
+def parse_recipe_args(
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None,
+    argv: Sequence[str] | None = None,
+    doc: str | None = None,
+) -> tuple:
+    """Parse a recipe's flags: recipe defaults (``default_config``) < ``--config`` file < command-line flags.
+
+    Args:
+        dataclass_types: the recipe's argument classes, its own first (e.g. ``(ScriptArguments, GRPOConfig,
+            ModelConfig)``).
+        default_config: the recipe's default YAML (None: the dataclasses' defaults).
+        argv: flags (default ``sys.argv[1:]``).
+        doc: the recipe's usage text, shown first by ``--help`` (pass the module's ``__doc__``).
+
+    Returns:
+        one instance per dataclass type, in order.
+
+    Raises:
+        RecipeError: a missing or malformed config file, an option unknown to every class (naming the file), a
+            flag value outside its range (:func:`check_flags`) or a value a config class rejects.
+        SystemExit: ``--help``, or argparse's own errors (unknown flag, wrong type), as in every TRL script.
+    """
+    args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(dataclass_types, default_config, doc)
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for path in ([default_config] if default_config else []) + paths:
+        layer = _read_yaml(path)
+        env = layer.pop("env", {}) or {}
+        if not isinstance(env, dict):
+            raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
+        for key, value in env.items():  # TRL's `env:` block
+            os.environ[key] = str(value)
+        merged.update(layer)
+        source.update(dict.fromkeys(layer, str(path)))
+    unknown = parser.set_defaults_with_config(**merged)
+    if unknown:
+        keys = sorted({item[2:] for item in unknown[::2]})
+        raise RecipeError(
+            "unknown option(s) " + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
+            + "; see --help for the options of this recipe"
+        )
+    if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
+        import torch
+
+        if torch.cuda.is_available():
+            print(f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
+                  "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.", file=sys.stderr)
+    # mirrors transformers.HfArgumentParser.parse_args_into_dataclasses, with the flag checks before construction
+    namespace, remaining = parser.parse_known_args(args=args)
+    if remaining:
+        parser.error(f"unrecognized arguments: {' '.join(remaining)}")
+    values = vars(namespace)
+    values.pop("config", None)
+    check_flags(values)
+    outputs = []
+    for dtype in dataclass_types:
+        keys = {f.name for f in dataclasses.fields(dtype) if f.init}
+        try:
+            outputs.append(dtype(**{k: v for k, v in values.items() if k in keys}))
+        except ValueError as err:
+            raise RecipeError(f"invalid options for {dtype.__name__}: {err}") from None
+    return tuple(outputs)
+
+
+# ------------------------------------------------------------------------------------------- output folder
+def check_output_dir(
+    output_dir: str | Path, overwrite: bool = False, resuming: bool = False, result_file: str = "metrics.json"
+) -> Path:
+    """Make sure ``output_dir`` can take this run's results, before any model work.
+
+    * A finished run (``result_file``, default ``metrics.json``) or an unfinished run's ``checkpoint-*`` folders:
+      refused, unless
+      ``resuming`` (continue it) or ``overwrite`` (the previous run's :data:`RUN_ARTIFACTS` are deleted first,
+      on the main process, so TensorBoard logs and checkpoints of two runs never mix).
+    * The folder is created and a probe file written and removed, so an unwritable folder fails now.
+
+    Raises:
+        RecipeError: naming the folder and the ways forward (a new ``--output_dir``, ``--overwrite_output_dir``,
+            ``--resume_from_checkpoint true``), or why it cannot be written.
+    """
+    out = Path(output_dir)
+    finished = (out / result_file).is_file()
+    checkpoints = sorted(out.glob("checkpoint-*")) if out.is_dir() else []
+    if (finished or checkpoints) and not resuming:
+        if not overwrite:
+            what = f"a finished run ({result_file})" if finished else f"an unfinished run ({checkpoints[-1].name})"
+            resume = "" if finished else ", or --resume_from_checkpoint true to continue it"
+            raise RecipeError(
+                f"--output_dir {out} holds {what}; choose a new --output_dir, or pass {OVERWRITE_FLAG} to replace "
+                f"it{resume}"
+            )
+        if _is_main_process():
+            for pattern in (*RUN_ARTIFACTS, result_file):
+                for path in out.glob(pattern):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise RecipeError(f"--output_dir {out} is not writable: {err.strerror or err}") from None
+    return out
+
+
+def latest_checkpoint(output_dir: str | Path) -> str | None:
+    """The highest-numbered complete ``checkpoint-N`` in ``output_dir`` (complete: it has ``trainer_state.json``,
+    which transformers writes last), or None. A checkpoint cut short by a kill is skipped."""
+    import re
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if (path / "trainer_state.json").is_file():
+            return str(path)
+    return None
+
+
+def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
+    """The checkpoint folder to resume from, or None.
+
+    ``None``/"false" -> None; "true" (any case) -> the latest complete ``checkpoint-N`` in ``output_dir``
+    (:func:`latest_checkpoint`: what ``Trainer.train(resume_from_checkpoint=True)`` picks, minus a checkpoint cut
+    short by a kill); anything else -> that folder.
+
+    Raises:
+        RecipeError: "true" with no complete checkpoint in ``output_dir``, or a path that is not a Trainer checkpoint.
+    """
+    if value is None or value is False or str(value).strip().lower() in ("", "false", "no", "none"):
+        return None
+    if value is True or str(value).strip().lower() in ("true", "yes", "latest"):
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise RecipeError(
+                f"--resume_from_checkpoint true: no checkpoint-N folder in --output_dir {output_dir}; run without it "
+                "to start, or give a checkpoint path"
+            )
+        return found
+    path = Path(str(value))
+    if not (path / "trainer_state.json").is_file():
+        reason = "no such folder" if not path.is_dir() else "not a Trainer checkpoint (no trainer_state.json)"
+        raise RecipeError(f"--resume_from_checkpoint {value}: {reason}")
+    return str(path)
+
+
+def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
+    """Fail fast when a model is neither the embedded one, a local folder, nor a Hub id this machine can reach.
+
+    Checks the local Hugging Face cache first (works offline), then asks the Hub whether the repository exists.
+
+    Raises:
+        RecipeError: naming the flag and the path, and that a local folder has to be produced first.
+    """
+    from trl_ext.models import is_embedded
+
+    if name_or_path is None or is_embedded(name_or_path) or Path(name_or_path).exists():
+        return
+    from huggingface_hub import repo_exists, try_to_load_from_cache
+
+    local = f"{flag} {name_or_path}: no such local folder (if it is a recipe's output, run that recipe first)"
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise RecipeError(local)
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise RecipeError(f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
+    try:
+        exists = repo_exists(name_or_path)
+    except Exception as err:  # no network, proxy, ...: say so instead of failing later inside from_pretrained
+        raise RecipeError(f"{local}, and the Hugging Face Hub could not be reached ({type(err).__name__})") from None
+    if not exists:
+        raise RecipeError(f"{local}, nor a model on the Hugging Face Hub")
+
+
+def file_digest(path: str | Path) -> str:
+    """``"<path> sha256:<hex>"`` of a file's bytes: what a cached result computed from that file depends on."""
+    import hashlib
+
+    return f"{path} sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+
+
+def check_model_options(model_args: Any) -> None:
+    """Model checks that need no model: the backend options (4/8-bit, flash-attention: which extra is missing) and
+    :func:`check_model_source`.
+
+    Raises:
+        RecipeError: with the message of ``trl_ext.models.check_backend_available`` or :func:`check_model_source`.
+    """
+    from trl_ext.models import check_backend_available
+
+    try:
+        check_backend_available(
+            load_in_4bit=model_args.load_in_4bit, load_in_8bit=model_args.load_in_8bit,
+            attn_implementation=model_args.attn_implementation,
+        )
+    except (ImportError, RuntimeError, ValueError) as err:
+        raise RecipeError(str(err)) from None
+    check_model_source(model_args.model_name_or_path)
+
+
+# ------------------------------------------------------------------------------------------- the run
+_CURRENT_RUN: RecipeRun | None = None
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+def _json_config(obj: Any) -> Any:
+    if hasattr(obj, "to_dict"):  # TrainingArguments: enums to values, *_token fields masked
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and the git commit of this checkout if any."""
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        if commit.returncode == 0:
+            versions["git_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return versions
+
+
+def resume_command(argv: Sequence[str] | None = None) -> str:
+    """The command that resumes this run: the same flags, ``--resume_from_checkpoint true`` instead of any given."""
+    argv = list(sys.argv if argv is None else argv)
+    script, args, kept, i = argv[0], argv[1:], [], 0
+    while i < len(args):
+        if args[i] == "--resume_from_checkpoint":
+            i += 2
+            continue
+        if args[i].startswith("--resume_from_checkpoint="):
+            i += 1
+            continue
+        kept.append(args[i])
+        i += 1
+    try:
+        relative = os.path.relpath(script)
+        script = script if relative.startswith("..") else relative
+    except ValueError:
+        pass
+    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
+    return f"{launcher} {shlex.join([script, *kept, '--resume_from_checkpoint', 'true'])}"
+
+
+class RecipeRun:
+    """Bookkeeping of one recipe run; constructing it checks the output folder and resolves the checkpoint.
+
+    Args:
+        name: the recipe's name (``"grpo_math"``), recorded in ``metrics.json``.
+        output_dir: the run's ``--output_dir``.
+        configs: the resolved argument objects by name (``{"script_args": ..., "training_args": ...}``), recorded
+            in ``metrics.json`` (TrainingArguments through ``to_dict``, which masks ``*_token`` values).
+        overwrite: ``--overwrite_output_dir``.
+        resume: ``--resume_from_checkpoint`` as parsed (None, "true" or a path); see :func:`resolve_resume`.
+        result_file: the file whose presence marks a finished run of this recipe.
+
+    Attributes:
+        resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
+        phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
+
+    Raises:
+        RecipeError: from :func:`check_output_dir` and :func:`resolve_resume`.
+    """
+
+    def __init__(self, name: str, output_dir: str | Path, configs: Mapping[str, Any], *, overwrite: bool = False,
+                 resume: str | bool | None = None, result_file: str = "metrics.json"):
+        global _CURRENT_RUN
+        self.name = name
+        self.output_dir = Path(output_dir)
+        self.configs = dict(configs)
+        self.resume_from_checkpoint = resolve_resume(resume, output_dir)
+        check_output_dir(output_dir, overwrite, self.resume_from_checkpoint is not None, result_file)
+        self.phase_seconds: dict[str, float] = {}
+        self.reused: list[str] = []
+        self.started = time.time()
+        self._saving = False
+        self._exit_after_save: str | None = None
+        _CURRENT_RUN = self
+
+    def make_current(self) -> None:
+        """Make this run the one Ctrl-C reports on (after a nested recipe, e.g. rlhf's reward-model stage)."""
+        global _CURRENT_RUN
+        _CURRENT_RUN = self
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_from_checkpoint is not None
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time a phase (``load_data``, ``load_model``, ``eval_before``, ``train``, ...); repeated names add up."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[name] = round(self.phase_seconds.get(name, 0.0) + time.perf_counter() - start, 3)
+
+    def reuse_or_compute(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
+        """On resume, the result a previous run of this folder saved under ``name`` with the same ``key``; else
+        ``compute()``, saved to ``output_dir/<name>.json`` (main process) for a later resume.
+
+        ``key`` holds what the result depends on (model, held-out rows, generation budget...): a resumed run whose
+        key differs computes again. Reused names are listed in ``metrics.json`` under ``reused``.
+        """
+        path = self.output_dir / f"{name}.json"
+        key = json.loads(json.dumps(key, default=str))
+        if self.resuming and path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                self.reused.append(name)
+                return saved["result"]
+        result = compute()
+        if _is_main_process() and result is not None:
+            path.write_text(json.dumps({"key": key, "result": result}, default=str))
+        return result
+
+    def provenance(self) -> dict[str, Any]:
+        """``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,
+        ``resumed_from`` and ``reused``: the keys :meth:`write_metrics` adds."""
+        return {
+            "recipe": self.name,
+            "command": shlex.join(sys.argv),
+            "config": {k: _json_config(v) for k, v in self.configs.items()},
+            "versions": library_versions(),
+            "phase_seconds": {**self.phase_seconds, "total": round(time.time() - self.started, 3)},
+            "resumed_from": self.resume_from_checkpoint,
+            "reused": self.reused,
+        }
+
+    def write_metrics(self, metrics: Mapping[str, Any]) -> Path:
+        """Write ``metrics`` plus :meth:`provenance` to ``output_dir/metrics.json`` (written last: its presence
+        marks a finished run); return the path."""
+        path = self.output_dir / "metrics.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({**metrics, **self.provenance()}, indent=2, default=str))
+        tmp.replace(path)
+        return path
+
+    def attach(self, trainer: Any, first_logs: Mapping[str, float] | None = None) -> None:
+        """Add this run's TrainerCallback to ``trainer``: it logs the last step whatever ``logging_steps`` is,
+        makes a Ctrl-C that arrives while a checkpoint is written wait until that checkpoint is complete, and logs
+        ``first_logs`` (e.g. the held-out accuracy before training) at step 0 once the loggers are set up (not
+        again on resume)."""
+        trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
+
+    @staticmethod
+    def log_after_training(trainer: Any, logs: Mapping[str, float]) -> None:
+        """Log ``logs`` (e.g. the held-out accuracy after training) at the last step to every ``report_to``
+        logger, and flush TensorBoard (its writer was closed at the end of training)."""
+        from transformers import Trainer
+        from transformers.integrations import TensorBoardCallback
+
+        Trainer.log(trainer, dict(logs))  # not the GRPO override: no pending training metrics to merge
+        for cb in trainer.callback_handler.callbacks:
+            if isinstance(cb, TensorBoardCallback) and cb.tb_writer is not None:
+                cb.tb_writer.close()
+                cb.tb_writer = None
+
+    def interrupted(self, signum: int) -> None:
+        """Signal handler body: one line naming the last checkpoint and the resume command, then exit 130 at once
+        (or right after the checkpoint being written)."""
+        if self._saving:
+            self._exit_after_save = signal.Signals(signum).name
+            return
+        _stop(self.output_dir, signal.Signals(signum).name)
+
+
+class _RecipeCallback(TrainerCallback):
+    def __init__(self, run: RecipeRun, trainer: Any = None, first_logs: Mapping[str, float] | None = None):
+        self.run, self.trainer, self.first_logs = run, trainer, dict(first_logs or {})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.first_logs and state.global_step == 0 and self.trainer is not None:
+            from transformers import Trainer
+
+            Trainer.log(self.trainer, dict(self.first_logs))  # after the loggers' own on_train_begin
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps and args.logging_strategy != "no":
+            control.should_log = True  # DefaultFlowCallback logs only multiples of logging_steps
+        self.run._saving = bool(control.should_save)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.run._saving = False
+        if self.run._exit_after_save:
+            _stop(self.run.output_dir, self.run._exit_after_save)
+        return control
+
+
+def _stop(output_dir: Path, signame: str) -> None:
+    if _is_main_process():
+        last = latest_checkpoint(output_dir)
+        reason = "Stopped (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
+        if last:
+            line = f"{reason}. Last checkpoint: {last}. Resume with: {resume_command()}"
+        else:
+            line = f"{reason} before the first checkpoint in {output_dir}; nothing to resume, run again to start over."
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def _handle_signal(signum, frame):  # noqa: ARG001
+    if _CURRENT_RUN is not None:
+        _CURRENT_RUN.interrupted(signum)
+    else:
+        print("Stopped (Ctrl-C) before the run started.", file=sys.stderr, flush=True)
+        os._exit(130)
+
+
+def install_interrupt_handler() -> None:
+    """Ctrl-C / SIGTERM stop the recipe at once with one line (no traceback); also when only the launcher that
+    started this process dies (Linux: the kernel sends SIGINT to the child, so ``accelerate launch``'s child never
+    runs on alone)."""
+    signal.signal(signal.SIGINT, _handle_signal)
+    signal.signal(signal.SIGTERM, _handle_signal)
+    if sys.platform.startswith("linux") and "ACCELERATE_MIXED_PRECISION" in os.environ:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def recipe_main(main: Callable[..., Any], parse: Callable[[], tuple]) -> Any:
+    """Run a recipe from the command line: Ctrl-C handling, then ``main(*parse())``; a :class:`RecipeError`
+    (or a missing file) becomes one ``error: ...`` line on stderr and exit status 2."""
+    install_interrupt_handler()
+    try:
+        return main(*parse())
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+@contextmanager
+def user_input(what: str = ""):
+    """Turn ValueError/FileNotFoundError raised while reading user input (data files, options) into RecipeError."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except (ValueError, FileNotFoundError) as err:
+        raise RecipeError(f"{what}{err}") from None
+
+
+# ------------------------------------------------------------------------------------------- reports
+def add_provenance(json_path: str | Path, run: RecipeRun) -> None:
+    """Add ``run``'s provenance (command, configs, versions, phase times) to an existing JSON report."""
+    path = Path(json_path)
+    data = json.loads(path.read_text())
+    data.update(run.provenance())
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+
+def print_before_after(title: str, before: Mapping[str, float], after: Mapping[str, float], keys: Sequence[str]) -> Console:
+    """Print a held-out before/after table of ``keys``; return the console for the closing lines."""
+    table = Table(title=title)
+    for column in ("held-out", "before", "after"):
+        table.add_column(column)
+    for key in keys:
+        table.add_row(key, f"{before[key]:.4f}", f"{after[key]:.4f}")
+    console = Console(soft_wrap=True)  # paths in the closing lines stay whole
+    console.print(table)
+    return console
 
 
 def write_report(
@@ -31,19 +702,91 @@ def write_report(
     before: dict[str, float],
     after: dict[str, float],
     keys: Sequence[str],
+    run: RecipeRun | None = None,
 ) -> Console:
-    """Write ``report`` to ``output_dir/metrics.json`` and print a before/after table of ``keys``.
-
-    Returns the console, for the recipe's closing lines.
-    """
+    """Write ``report`` to ``output_dir/metrics.json`` (with ``run``'s provenance when given) and print a
+    before/after table of ``keys``. Returns the console, for the recipe's closing lines."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(report, indent=2))
-    table = Table(title=title)
-    for column in ("held-out", "before", "after"):
-        table.add_column(column)
-    for key in keys:
-        table.add_row(key, f"{before[key]:.4f}", f"{after[key]:.4f}")
-    console = Console()
-    console.print(table)
-    return console
+    if run is not None:
+        run.write_metrics(report)
+    else:
+        (output_dir / "metrics.json").write_text(json.dumps(report, indent=2, default=str))
+    return print_before_after(title, before, after, keys)
+
+
+def plot_curves(
+    log_history: Sequence[Mapping[str, Any]],
+    panels: Sequence[tuple[str, str]],
+    path: str | Path,
+    points: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> Path | None:
+    """One panel per ``(log key, title)`` of the training log against the step; ``points`` adds marked values
+    (e.g. ``{"eval_accuracy": [(0, 0.09), (40, 0.675)]}``) to the panel of that key. Panels with no data are
+    left out; returns the PNG path, or None when nothing was logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = dict(points or {})
+    series = {key: [(e["step"], e[key]) for e in log_history if key in e and "step" in e] for key, _ in panels}
+    shown = [(key, title) for key, title in panels if series[key] or points.get(key)]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.2), squeeze=False)
+    for ax, (key, title) in zip(axes[0], shown):
+        if series[key]:
+            ax.plot(*zip(*series[key]), marker=".")
+        if points.get(key):
+            ax.plot(*zip(*points[key]), marker="o", linestyle="--", color="tab:red")
+            for step, value in points[key]:
+                ax.annotate(f"{value:.3g}", (step, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+EMBEDDED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model the embedded GGUF (Q4_1) was quantized from: the base model the model cards name."""
+
+
+def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
+    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model (the embedded
+    model's Hub id for None) and the output folder as the model to load (TRL's own card names ``None`` and the
+    folder's bare name for local runs)."""
+    from trl.trainer.utils import generate_model_card
+
+    from trl_ext.models import is_embedded
+
+    base = EMBEDDED_BASE_MODEL if base_model is None or is_embedded(base_model) else str(base_model)
+    card = generate_model_card(
+        base_model=base,
+        model_name=Path(output_dir).name,
+        hub_model_id=str(output_dir),
+        dataset_name=None,
+        tags=sorted(set(getattr(trainer, "_tag_names", [])) | {"trl", "trl_ext"}),
+        wandb_url=None,
+        trackio_url=None,
+        trainer_name=getattr(trainer, "_name", type(trainer).__name__),
+        trainer_citation=getattr(trainer, "_paper", {}).get("citation"),
+        template_file=getattr(trainer, "_template_file", None),
+        paper_title=getattr(trainer, "_paper", {}).get("title"),
+        paper_id=getattr(trainer, "_paper", {}).get("id"),
+    )
+    text = str(card)
+    if Path(base).exists():  # a local base model: no Hub link
+        text = text.replace(f"[{base}](https://huggingface.co/{base})", f"`{base}` (local)")
+    if base_model is None or is_embedded(base_model):
+        text = text.replace(
+            f"[{base}](https://huggingface.co/{base})",
+            f"[{base}](https://huggingface.co/{base}) (trl_ext's embedded copy: its Q4_1 GGUF, dequantized)",
+        )
+    if dataset:
+        text = text.replace("It has been trained using", f"Training data: {dataset}.\nIt has been trained using", 1)
+    path = Path(output_dir) / "README.md"
+    path.write_text(text)
+    return path

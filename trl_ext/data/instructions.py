@@ -76,17 +76,21 @@ def collect_valid_rows(path: str | os.PathLike, validate: Any, skip_invalid: boo
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a bad row without ``skip_invalid`` (naming the file, the row, and the line for JSON errors), or
-        no valid row at all.
+        ValueError: a file not ending in .jsonl/.json, an empty file, a bad row without ``skip_invalid`` (naming
+        the file, the row and its line), or no valid row at all.
     """
-    rows, skipped = [], []
+    path = Path(path)
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: expected a JSON-lines file (.jsonl), one {kind} object per line")
+    rows, skipped, seen = [], [], 0
     for row, line_number, line in read_jsonl_lines(path):
+        seen += 1
+        where = f"row {row} (line {line_number})"
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
-            clean, error, where = None, f"invalid JSON ({err.msg})", f"row {row} (line {line_number})"
+            clean, error = None, f"invalid JSON ({err.msg})"
         else:
-            where = f"row {row}"
             if isinstance(value, dict):
                 clean, error = validate(value)
             else:
@@ -97,6 +101,8 @@ def collect_valid_rows(path: str | os.PathLike, validate: Any, skip_invalid: boo
             skipped.append(row)
         else:
             raise ValueError(f"{path} {where}: {error}")
+    if not seen:
+        raise ValueError(f"{path}: the file is empty; expected one {kind} JSON object per line")
     if skipped:
         shown = f"{skipped[:10]}{'...' if len(skipped) > 10 else ''}"
         warnings.warn(f"{path}: skipped {len(skipped)} invalid {kind} row(s) (rows {shown})", stacklevel=3)

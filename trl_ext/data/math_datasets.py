@@ -7,6 +7,7 @@ functions of :mod:`trl_ext.rewards` read (TRL passes dataset columns to reward f
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,65 @@ class _BadRow(ValueError):
         self.field = field
 
 
-def _load_raw(name_or_path: str | Path, split: str, config_name: str | None) -> tuple[Dataset, str]:
-    """Load a local .jsonl/.json/.parquet file (the whole file) or a hub dataset split; return it and its name."""
+def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
+    of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem. Returns the rows and, for JSON lines, each row's line number."""
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; expected one JSON object per row")
+    if path.suffix.lower() == ".json" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            if text.lstrip()[:1] == "[":
+                raise ValueError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
+            value = None  # maybe JSON lines in a .json file
+        if isinstance(value, dict) and isinstance(value.get("data"), list):
+            value = value["data"]
+        if isinstance(value, list):
+            for i, row in enumerate(value):
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: row {i} (0-based) is a {type(row).__name__}; expected a JSON object")
+            if not value:
+                raise ValueError(f"{path}: the JSON array is empty; expected one object per row")
+            return value, None
+    rows, lines = [], []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+        lines.append(line_number)
+    return rows, lines
+
+
+def _read_parquet_rows(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for a damaged or non-parquet file
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    if table.num_rows == 0:
+        raise ValueError(f"{path}: the file has no rows")
+    return table.to_pylist(), None
+
+
+def _load_raw(name_or_path: str | Path, split: str, config_name: str | None) -> tuple[Any, str, list[int] | None]:
+    """A local .jsonl/.json/.parquet file (read whole, as a list of row dicts) or a hub dataset split (a
+    ``datasets.Dataset``); returned with a name for messages and the file line of each row (JSON lines only)."""
     path = Path(name_or_path)
     suffix = path.suffix.lower()
     if suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-        return load_dataset(LOCAL_FORMATS[suffix], data_files=str(path), split="train"), str(path)
+        rows, lines = _read_parquet_rows(path) if LOCAL_FORMATS[suffix] == "parquet" else _read_json_rows(path)
+        return rows, str(path), lines
     if path.exists():
         raise ValueError(
             f"unsupported local dataset {str(path)!r}: expected a file ending in {sorted(LOCAL_FORMATS)} "
@@ -48,7 +100,13 @@ def _load_raw(name_or_path: str | Path, split: str, config_name: str | None) -> 
     name = str(name_or_path)
     config = config_name if config_name is not None else HUB_DEFAULT_CONFIGS.get(name)
     dataset = load_dataset(name, config, split=split)
-    return dataset, f"{name}" + (f" (config {config!r})" if config else "") + f" split {split!r}"
+    return dataset, f"{name}" + (f" (config {config!r})" if config else "") + f" split {split!r}", None
+
+
+def _column_names(raw: Any) -> list[str]:
+    if isinstance(raw, list):  # local rows: every key any row has, in first-seen order
+        return list(dict.fromkeys(key for row in raw for key in row))
+    return raw.column_names
 
 
 def infer_kind(column_names: list[str]) -> str | None:
@@ -77,7 +135,7 @@ def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
         try:
             return parse_gsm8k_ground_truth(text)
         except ValueError as err:
-            raise _BadRow(answer_field, f"{err} (for bare-number answers pass kind='arithmetic')") from None
+            raise _BadRow(answer_field, f"{err} (for bare-number answers set the kind to 'arithmetic': --dataset_kind arithmetic, kind='arithmetic')") from None
     if kind == "arithmetic":
         number = to_decimal(text)
         if number is None or number != number.to_integral_value():
@@ -144,20 +202,21 @@ def load_math_dataset(
             answer that cannot be parsed. The message names the file, the 0-based row number and the field.
     """
     if kind is not None and kind not in KINDS:
-        raise ValueError(f"kind must be None or one of {KINDS}, got {kind!r}")
+        raise ValueError(f"dataset kind {kind!r} is not supported (--dataset_kind, kind=); expected one of {KINDS}")
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
-    raw, source = _load_raw(name_or_path, split, config_name)
+    raw, source, lines = _load_raw(name_or_path, split, config_name)
     if max_rows is not None and max_rows < len(raw):
-        raw = raw.select(range(max_rows))
+        raw = raw[:max_rows] if isinstance(raw, list) else raw.select(range(max_rows))
 
-    columns = raw.column_names
+    columns = _column_names(raw)
     if kind is None:
         kind = infer_kind(columns)
         if kind is None:
             raise ValueError(
                 f"{source}: cannot infer the dataset kind from columns {columns}: expected 'problem' (+ 'answer' or "
-                "'solution') for math, or 'question' + 'answer' for gsm8k; or pass kind="
+                "'solution') for math, or 'question' + 'answer' for gsm8k; or set the kind (recipes: --dataset_kind, "
+                "Python: kind=)"
             )
     question_field = "problem" if kind == "math" else "question"
     if kind == "math":
@@ -174,6 +233,8 @@ def load_math_dataset(
     bad: list[tuple[int, str, str]] = []
     several_boxes: list[int] = []  # rows whose answer box was chosen among boxes separated by text
     for i, row in enumerate(raw):
+        if isinstance(raw, list):
+            row = {name: row.get(name) for name in columns}
         try:
             _text(row, question_field)
             answers.append(_ground_truth(row, kind, answer_field))
@@ -182,7 +243,8 @@ def load_math_dataset(
                 several_boxes.append(i)
         except _BadRow as err:
             if not skip_bad_rows:
-                raise ValueError(f"{source}: row {i} (0-based), field {err.field!r}: {err}") from None
+                line = f" line {lines[i]}," if lines else ""
+                raise ValueError(f"{source}:{line} row {i} (0-based), field {err.field!r}: {err}") from None
             bad.append((i, err.field, str(err)))
     if bad:
         i, field, problem = bad[0]
@@ -203,7 +265,10 @@ def load_math_dataset(
             stacklevel=2,
         )
 
-    data = raw.select(keep).to_dict()
+    if isinstance(raw, list):
+        data = {name: [raw[i].get(name) for i in keep] for name in columns}
+    else:
+        data = raw.select(keep).to_dict()
     if kind == "gsm8k" and "solution" not in data:
         data["solution"] = data["answer"]
     data["answer"] = answers
@@ -211,4 +276,7 @@ def load_math_dataset(
         format_prompt(q, template, tokenizer, system_prompt=system_prompt, instruction=instruction)
         for q in data[question_field]
     ]
-    return Dataset.from_dict(data)
+    try:
+        return Dataset.from_dict(data)
+    except (TypeError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError: a column mixes types
+        raise ValueError(f"{source}: a column mixes value types across rows ({err})") from None
