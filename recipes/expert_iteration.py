@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from grpo_math import REWARDS, MathScriptArguments, load_data  # the math recipe
 import trl_ext
 from trl_ext import functional as F
 from trl_ext.eval import evaluate_math
-from trl_ext.experiment import write_experiment_record
+from trl_ext.experiment import git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer
 from trl_ext.recipe_utils import parse_recipe_args
 from trl_ext.rewards import completion_text
@@ -47,7 +48,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "expert_iteration_cpu.yaml"
 class EIArguments(MathScriptArguments):
     """The math recipe's data options plus the expert-iteration loop and its sampling."""
 
-    n_ei_steps: int = field(default=5, metadata={"help": "Expert-iteration steps (sample, filter, SFT)."})
+    n_ei_steps: int = field(default=3, metadata={"help": "Expert-iteration steps (sample, filter, SFT)."})
     num_generations: int = field(default=8, metadata={"help": "G: outputs sampled per question."})
     ei_batch_size: int = field(default=16, metadata={"help": "Questions sampled (without replacement) per EI step."})
     sft_epochs: int = field(default=1, metadata={"help": "SFT epochs over each step's kept outputs (sets num_train_epochs)."})
@@ -119,6 +120,12 @@ def mean_response_entropy(model, prompt_ids, completion_ids, pad_token_id, batch
     return total / max(count, 1)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads): a measure of work that a busy machine does not inflate."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def plot_ei(steps: list[dict], before: float, path: Path) -> Path:
     import matplotlib
 
@@ -151,6 +158,7 @@ def main(script_args, training_args, model_args):
     if training_args.max_steps > 0:
         raise ValueError(f"--max_steps={training_args.max_steps}; the SFT length is set by --sft_epochs, leave max_steps unset")
     training_args.num_train_epochs = script_args.sft_epochs
+    git = git_state()  # the code this run starts from
     model, tokenizer, _ = load_model_and_tokenizer(model_args)
     train, test, reward_name = load_data(script_args, tokenizer)
     train_reward, eval_reward = REWARDS[reward_name]
@@ -163,7 +171,7 @@ def main(script_args, training_args, model_args):
     sampler = make_sampler(model, tokenizer, train, train_reward, script_args, training_args)
     rng = random.Random(training_args.seed)
     order = rng.sample(range(len(train)), len(train))
-    steps, start = [], time.perf_counter()
+    steps, start, cpu_start = [], time.perf_counter(), cpu_seconds()
     log_history = []
     for step in range(1, script_args.n_ei_steps + 1):
         first = (step - 1) * script_args.ei_batch_size
@@ -212,7 +220,7 @@ def main(script_args, training_args, model_args):
             f"entropy {entropy:.3f}, {record['sft_steps']} SFT steps, held-out accuracy {result['accuracy']:.1%}",
             flush=True,
         )
-    train_seconds = time.perf_counter() - start
+    train_seconds, train_cpu_seconds = time.perf_counter() - start, cpu_seconds() - cpu_start
 
     out = Path(training_args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +232,7 @@ def main(script_args, training_args, model_args):
         "n_eval": before["n"],
         "ei_steps": steps,
         "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,
         "model": model_args.model_name_or_path or DEFAULT_MODEL,
         "dataset": script_args.dataset_name or "generated arithmetic",
         "reward": reward_name,
@@ -241,6 +250,7 @@ def main(script_args, training_args, model_args):
             ("kept samples (first -> last EI step)", f"{steps[0]['kept']}/{steps[0]['generated']}", f"{steps[-1]['kept']}/{steps[-1]['generated']}"),
             ("response entropy (nats/token)", f"{entropies[0]:.3f}", f"{entropies[-1]:.3f}"),
             ("wall time (EI loop, s)", "", f"{train_seconds:.0f}"),
+            ("CPU time (EI loop, s; all threads)", "", f"{train_cpu_seconds:.0f}"),
         ],
         results_header=("", "first / before", "last / after"),
         plots=[plot.name],
@@ -251,6 +261,7 @@ def main(script_args, training_args, model_args):
             + (" (collapsed)." if entropies[-1] < 0.1 or entropies[-1] < entropies[0] / 5 else "."),
         ],
         log_history=log_history,
+        git=git,
     )
     print(
         f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {steps[-1]['accuracy']:.1%} "

@@ -216,6 +216,7 @@ def main(script_args, training_args, model_args, command):
     state = PartialState()
     if training_args.max_steps <= 0:
         raise ValueError(f"--max_steps={training_args.max_steps}; the experiments need a fixed step budget (> 0)")
+    git = git_state()  # the code this run starts from (commits made while it runs are not its code)
     names = list(EXPERIMENTS) if script_args.experiment == "all" else [script_args.experiment]
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     base_task, base_description = make_task(script_args, tokenizer, training_args)
@@ -255,7 +256,7 @@ def main(script_args, training_args, model_args, command):
             "temperature": training_args.temperature,
             "seed": training_args.seed,
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
-            "git commit": (git := git_state())["commit"],
+            "git commit": git["commit"],
             "dirty": git["dirty"],
         }
         paths = write_comparison(results, out / name, setup, title=f"GRPO ablation: {name}", panels=PANELS,
@@ -268,7 +269,7 @@ def main(script_args, training_args, model_args, command):
                       f"{100 * r['final_accuracy_se']:.1f}" if r.get("final_accuracy_se") is not None else "n/a",
                       r["final_reward"], r["train_seconds"]) for r in results],
             results_header=("arm", "accuracy before", "accuracy after", "SE (points)", "train reward (last 5)", "train seconds"),
-            plots=["comparison.png"], observations=observations(results), command=command,
+            plots=["comparison.png"], observations=observations(results), command=command, git=git,
         )
         written.append((name, paths))
         print(Path(paths["md"]).read_text(), flush=True)

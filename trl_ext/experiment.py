@@ -219,6 +219,7 @@ def write_experiment_record(
     max_completion_length: int | None = None,
     command: str | None = None,
     extra_markdown: str = "",
+    git: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``output_dir/experiment.md`` and return its path.
 
@@ -236,12 +237,14 @@ def write_experiment_record(
         max_completion_length: the generation budget, for the length-limit observation.
         command: the command line that reproduces the run (default: ``sys.argv``).
         extra_markdown: appended at the end (e.g. a comparison table).
+        git: ``{"commit", "dirty"}`` taken when the run started (default: :func:`git_state` now). Take it at the
+            start of long runs, so that commits made while the run goes on are not credited with its results.
 
-    The record starts with the git commit and dirty flag of the project (:func:`git_state`).
+    The record starts with the git commit and dirty flag of the project.
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    git = git_state()
+    git = dict(git) if git is not None else git_state()
     params = config_hyperparameters(*configs)
     params.update(hyperparameters or {})
     command = command or " ".join([Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]])
