@@ -280,3 +280,52 @@ def write_experiment_record(
     path = out / "experiment.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def write_recipe_record(output_dir: str | os.PathLike, title: str, *configs: Any, command: str | None = None) -> Path:
+    """``experiment.md`` from what a recipe left in ``output_dir``; one call at the end of a recipe's ``main``.
+
+    Reads ``metrics.json`` (its scalar entries become the results table, its ``log_history`` feeds
+    :func:`observe_training`) or, for comparison recipes, ``comparison.json`` (one row per arm: final held-out
+    accuracy and its standard error, train reward, seconds); embeds every ``*.png`` in ``output_dir``. ``configs``
+    are the recipe's config dataclasses (their ``max_completion_length``, if any, is used for the length check).
+
+    Raises:
+        FileNotFoundError: neither ``metrics.json`` nor ``comparison.json`` exists in ``output_dir``.
+    """
+    out = Path(output_dir)
+    metrics_path, comparison_path = out / "metrics.json", out / "comparison.json"
+    import json
+
+    log_history, observations = None, []
+    if metrics_path.exists():
+        metrics = json.loads(metrics_path.read_text())
+        rows: list[Sequence[Any]] = [(k, v) for k, v in metrics.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+        header: Sequence[str] = ("metric", "value")
+        log_history = metrics.get("log_history")
+    elif comparison_path.exists():
+        arms = json.loads(comparison_path.read_text())["arms"]
+        header = ("arm", "held-out accuracy (final)", "SE (points)", "train reward (last 5)", "train seconds")
+        rows = [
+            (a["name"], a.get("final_accuracy"), None if a.get("final_accuracy_se") is None else 100 * a["final_accuracy_se"],
+             a.get("final_reward"), a.get("train_seconds"))
+            for a in arms
+        ]
+        for a in arms:
+            observations += [f"{a['name']}: {note}" for note in observe_training(_history_from_curves(a.get("curves", {})))]
+    else:
+        raise FileNotFoundError(f"{out} holds neither metrics.json nor comparison.json; write the recipe's results first")
+    budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
+    return write_experiment_record(
+        out, title, configs=configs, results=rows, results_header=header, plots=sorted(p.name for p in out.glob("*.png")),
+        observations=observations, log_history=log_history, max_completion_length=budget, command=command,
+    )
+
+
+def _history_from_curves(curves: Mapping[str, Sequence[Sequence[float]]]) -> list[dict[str, Any]]:
+    """``{key: [[step, value], ...]}`` (trl_ext.compare summaries) back into log_history-like entries."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for key, points in curves.items():
+        for step, value in points:
+            by_step.setdefault(int(step), {"step": int(step)})[key] = value
+    return [by_step[s] for s in sorted(by_step)]
