@@ -23,6 +23,7 @@ from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_model_and_tokenizer
 from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 
@@ -103,6 +104,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         after,
         ("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
     )
+    write_recipe_record(output_dir, "DPO", script_args, training_args, model_args)
     console.print(
         f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote {output_dir / 'metrics.json'}"

@@ -21,6 +21,7 @@ from trl_ext import rewards
 from trl_ext.data import infer_kind, load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import BACKENDS, evaluate_math, load_eval_model
 from trl_ext.models import DEFAULT_MODEL
+from trl_ext.experiment import write_recipe_record
 
 REWARD_FNS = {
     "gsm8k": rewards.gsm8k_reward_fn,  # last number in the response; also grades generated arithmetic
@@ -103,6 +104,7 @@ def main(args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     console.print(table)
     for record in result["unparsed_examples"]:
         console.print(f"unparsed: {record['response']!r} (answer {record['answer']})", markup=False)
+    write_recipe_record(out, "Evaluation", args, model_args)
     console.print(f"Wrote {out / 'metrics.json'} and {out / 'responses.jsonl'}")
     return metrics
 

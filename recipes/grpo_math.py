@@ -24,6 +24,7 @@ from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
+from trl_ext.experiment import write_recipe_record
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -148,6 +149,7 @@ def main(script_args, training_args, model_args):
         f"{metrics['train_steps']} steps in {train_seconds:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
         f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})"
     )
+    write_recipe_record(out, "GRPO on math problems", script_args, training_args, model_args)
     console.print(f"Wrote {out / 'metrics.json'} and the trained model to {out}")
 
 

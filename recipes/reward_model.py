@@ -23,6 +23,7 @@ from trl_ext.data.preferences import load_preference_dataset
 from trl_ext.models import load_tokenizer, resolve_model_name_or_path
 from trl_ext.recipe_utils import parse_recipe_args, write_report
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 
@@ -109,6 +110,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         after,
         ("pairwise_accuracy", "reward_margin", "bt_loss"),
     )
+    write_recipe_record(output_dir, "Bradley-Terry reward model", script_args, training_args, model_args)
     console.print(
         f"{train_output.global_step} steps on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote the model and metrics.json to {output_dir}"

@@ -85,3 +85,33 @@ def test_write_experiment_record(tmp_path):
     assert "| metric | before | after |" in text and "| accuracy | 9.0% | 60.0% |" in text
     assert "![curves](curves.png)" in text
     assert "- Something happened." in text and "- Train reward rose from 0.000" in text
+
+
+def test_write_recipe_record_from_metrics_and_from_a_comparison(tmp_path):
+    import json
+
+    from trl_ext.experiment import write_recipe_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({
+        "accuracy_before": 0.09, "accuracy_after": 0.675, "n_eval": 200, "model": "m", "flag": True,
+        "log_history": [log(1, reward=0.1), log(2, reward=0.6)],
+    }))
+    (run / "curves.png").write_bytes(b"\x89PNG")
+    text = write_recipe_record(run, "GRPO", Config(learning_rate=2e-5)).read_text()
+    assert "| accuracy_before | 0.09 |" in text and "| n_eval | 200 |" in text and "| model | m |" in text
+    assert "flag" not in text and "log_history" not in text  # only scalar results; the log feeds the observations
+    assert "| learning_rate | 2e-05 |" in text and "![curves](curves.png)" in text
+    assert "Train reward rose from 0.100 (first logged steps) to 0.600 (last)" in text
+
+    comparison = tmp_path / "cmp"
+    comparison.mkdir()
+    arm = {"name": "course", "final_accuracy": 0.5, "final_accuracy_se": 0.05, "final_reward": 0.4, "train_seconds": 10.0,
+           "curves": {"reward": [[1, 0.0], [2, 0.5]], "entropy": [[1, 1.0], [2, 0.9]]}}
+    (comparison / "comparison.json").write_text(json.dumps({"setup": {}, "arms": [arm]}))
+    text = write_recipe_record(comparison, "Compare", command="uv run c").read_text()
+    assert "| course | 0.5 | 5 | 0.4 | 10 |" in text
+    assert "- course: Train reward rose from 0.000" in text and "- course: Entropy went from 1.000 to 0.900" in text
+    with pytest.raises(FileNotFoundError, match="neither metrics.json nor comparison.json"):
+        write_recipe_record(tmp_path / "missing", "x")
