@@ -43,6 +43,7 @@ from trl_ext.recipe_utils import (
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
+from trl_ext.experiment import write_recipe_record
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "compare_upstream_cpu.yaml"
 
@@ -118,6 +119,7 @@ def main(script_args, training_args, model_args, command=None):
         results, training_args.output_dir, setup, title="GRPO: upstream TRL vs trl_ext settings", command=command
     )
     add_provenance(paths["json"], run)
+    write_recipe_record(training_args.output_dir, "Upstream TRL vs trl_ext", script_args, training_args, model_args, command=command)
     print((Path(paths["md"])).read_text())
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
 

@@ -37,6 +37,7 @@ from trl_ext.recipe_utils import (
     write_report,
 )
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 
@@ -133,6 +134,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
         run=run,
         keys=("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
     )
+    write_recipe_record(output_dir, "DPO", script_args, training_args, model_args)
     console.print(
         f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote {output_dir / 'metrics.json'}"

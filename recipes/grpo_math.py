@@ -41,6 +41,7 @@ from trl_ext.recipe_utils import (
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
+from trl_ext.experiment import write_recipe_record
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -226,6 +227,7 @@ def main(script_args, training_args, model_args):
     )
     if "eval_before" in run.reused:
         console.print("(before-evaluation reused from the first run of this folder: eval_before.json)")
+    write_recipe_record(out, "GRPO on math problems", script_args, training_args, model_args)
     console.print(f"Wrote {out / 'metrics.json'}, {plot.name if plot else 'no plot'} and the trained model to {out}", markup=False)
 
 

@@ -47,6 +47,7 @@ from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.rewards import sort_exact_reward, sort_shaped_reward, sort_shaped_reward_fn
+from trl_ext.experiment import write_recipe_record
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_sort_cpu.yaml"
 
@@ -158,6 +159,7 @@ def main(script_args, training_args, model_args, command=None):
         command=command,
     )
     add_provenance(paths["json"], run)
+    write_recipe_record(training_args.output_dir, "Sorting experiment", script_args, training_args, model_args, command=command)
     print(Path(paths["md"]).read_text())
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
 

@@ -38,6 +38,7 @@ from trl_ext.recipe_utils import (
     write_report,
 )
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 
@@ -141,6 +142,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
         run=run,
         keys=("pairwise_accuracy", "reward_margin", "bt_loss"),
     )
+    write_recipe_record(output_dir, "Bradley-Terry reward model", script_args, training_args, model_args)
     console.print(
         f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
         f"Wrote the model and metrics.json to {output_dir}"

@@ -44,6 +44,7 @@ from trl_ext.recipe_utils import (  # noqa: E402
 from trl_ext.data.preferences import load_preference_rows  # noqa: E402
 from trl_ext.eval import generate_completions  # noqa: E402
 from trl_ext.models import load_tokenizer, resolve_model_name_or_path  # noqa: E402
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 DEFAULT_CONFIG = HERE / "configs" / "rlhf.yaml"
@@ -161,6 +162,7 @@ def main(script_args, training_args, model_args):
         ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(out / "rlhf.png", dpi=120)
+    write_recipe_record(out, "RLHF: reward model, then GRPO with an adaptive KL coefficient", script_args, training_args, model_args)
     console.print(
         f"reward-model score on {len(test_prompts)} held-out prompts: {before:.3f} -> {after:.3f}; "
         f"KL {metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {metrics['train_steps']} steps. "

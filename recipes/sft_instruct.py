@@ -42,6 +42,7 @@ from trl_ext.recipe_utils import (
     write_report,
 )
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
+from trl_ext.experiment import write_recipe_record
 
 HERE = Path(__file__).parent
 REFUSAL = re.compile(
@@ -155,6 +156,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
     )
     for sample in after["samples_safety"][:2]:
         console.print(f"  {sample['instruction']!r} -> {sample['answer'][:80]!r}", markup=False)
+    write_recipe_record(output_dir, "SFT with a safety penalty", script_args, training_args, model_args)
     console.print(f"Wrote {output_dir / 'metrics.json'}", markup=False)
     return report
 

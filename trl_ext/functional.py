@@ -29,6 +29,7 @@ __all__ = [
     "compute_group_normalized_rewards",
     "compute_naive_policy_gradient_loss",
     "compute_grpo_clip_loss",
+    "compute_grpo_no_clip_loss",
     "compute_policy_gradient_loss",
     "compute_grpo_loss",
     "grpo_microbatch_train_step",
@@ -38,7 +39,9 @@ __all__ = [
     "compute_gae",
 ]
 
-PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
+OFF_POLICY_PG_LOSS_TYPES = ("grpo_clip", "grpo_no_clip")
+"""Loss types that use old_log_probs (the importance ratio), so they stay correct when rollouts are reused."""
 LENGTH_NORMALIZATIONS = ("masked_mean", "masked_normalize")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -440,9 +443,42 @@ def compute_grpo_clip_loss(
     return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
 
 
+def compute_grpo_no_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GRPO-No-Clip loss  -ratio * A, ratio = exp(log pi_theta - log pi_theta_old) (no clipping).
+
+    The importance ratio keeps the gradient unbiased when the rollouts came from an older policy (``num_iterations
+    > 1`` or ``steps_per_generation > 1``): d loss / d log pi = -ratio * A. Without the clip nothing bounds how far
+    one batch can move the policy; that is what the handout's clip ablation measures. The old log-probs are
+    detached, as in ``compute_grpo_clip_loss``.
+
+    Args:
+        advantages: (B, 1) (or (B,)) advantage per rollout.
+        policy_log_probs: (B, T) log-probs under the policy being trained.
+        old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+
+    Returns:
+        ``(loss (B, T), metadata)`` with ``metadata["ratio"]`` the (B, T) detached ratio (for ratio statistics) and
+        ``metadata["clipped"]`` all False (nothing is clipped; kept so clip-ratio metrics read 0 for this loss).
+
+    Raises:
+        ValueError: on shape mismatches.
+
+    Source: CS336 A5 handout, section 8 (clip ablation, "GRPO-No-Clip"): -pi_theta / pi_theta_old * A per token.
+    """
+    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    loss = -ratio * advantages
+    return loss, {"clipped": torch.zeros_like(ratio, dtype=torch.bool), "ratio": ratio.detach()}
+
+
 def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor,
-    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"],
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"],
     raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
@@ -452,10 +488,13 @@ def compute_policy_gradient_loss(
 
     - ``"no_baseline"``: ``-raw_rewards * log pi`` (needs ``raw_rewards``);
     - ``"reinforce_with_baseline"``: ``-advantages * log pi`` (needs ``advantages``);
-    - ``"grpo_clip"``: ``compute_grpo_clip_loss`` (needs ``advantages``, ``old_log_probs``, ``cliprange``).
+    - ``"grpo_clip"``: ``compute_grpo_clip_loss`` (needs ``advantages``, ``old_log_probs``, ``cliprange``);
+    - ``"grpo_no_clip"``: ``compute_grpo_no_clip_loss`` (needs ``advantages``, ``old_log_probs``; ``cliprange`` is
+      ignored).
 
     Returns:
-        ``(loss (B, T), metadata)``; metadata is empty except for ``grpo_clip``.
+        ``(loss (B, T), metadata)``; metadata is empty except for ``grpo_clip`` and ``grpo_no_clip`` (``ratio``,
+        ``clipped``).
 
     Raises:
         ValueError: for an unknown ``loss_type`` or a missing argument that the loss type needs (named).
@@ -467,6 +506,7 @@ def compute_policy_gradient_loss(
         "no_baseline": {"raw_rewards": raw_rewards},
         "reinforce_with_baseline": {"advantages": advantages},
         "grpo_clip": {"advantages": advantages, "old_log_probs": old_log_probs, "cliprange": cliprange},
+        "grpo_no_clip": {"advantages": advantages, "old_log_probs": old_log_probs},
     }[loss_type]
     missing = [name for name, value in required.items() if value is None]
     if missing:
@@ -475,6 +515,8 @@ def compute_policy_gradient_loss(
         return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
     if loss_type == "reinforce_with_baseline":
         return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    if loss_type == "grpo_no_clip":
+        return compute_grpo_no_clip_loss(advantages, policy_log_probs, old_log_probs)
     return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
 
 
@@ -544,7 +586,7 @@ def grpo_microbatch_train_step(
     policy_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
     gradient_accumulation_steps: int,
-    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip"],
+    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"],
     raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,

@@ -80,8 +80,9 @@ class GRPOConfig(trl.GRPOConfig):
         default="grpo_clip",
         metadata={
             "help": "Policy-gradient loss: 'grpo_clip' (default; -min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A)), "
-            "'reinforce_with_baseline' (-A * log p with group-normalized A) or 'no_baseline' (-r * log p with the raw "
-            "reward r). CS336 A5 section 7.2."
+            "'grpo_no_clip' (-ratio*A, the handout's clip ablation; ratio = pi/pi_old, so it stays off-policy-correct "
+            "with num_iterations > 1), 'reinforce_with_baseline' (-A * log p with group-normalized A) or 'no_baseline' "
+            "(-r * log p with the raw reward r). CS336 A5 sections 7.2 and 8."
         },
     )
     advantage_eps: float = field(
@@ -426,6 +427,14 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
             self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_sequence_means(clipped & ~positive)).item())
             self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_sequence_means(clipped & positive)).item())
+        if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
+            ratio = pg_metadata["ratio"]
+            self._metrics[mode]["ratio/mean"].append(global_masked_mean(ratio))
+            big = torch.finfo(ratio.dtype).max
+            local = torch.stack([torch.where(mask.bool(), ratio, big).min().neg(), torch.where(mask.bool(), ratio, -big).max()])
+            low, high = self.accelerator.reduce(local, reduction="max").tolist() if self.accelerator.num_processes > 1 else local.tolist()
+            self._metrics[mode]["ratio/min"].append(-low)
+            self._metrics[mode]["ratio/max"].append(high)
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
         """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time

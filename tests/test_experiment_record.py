@@ -1,0 +1,117 @@
+"""trl_ext.experiment: git provenance, hyperparameters, automatic observations and experiment.md."""
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from trl_ext.experiment import config_hyperparameters, git_state, observe_training, write_experiment_record
+
+
+def git(cwd, *args):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_git_state_commit_and_dirty_flag(tmp_path):
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_state(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "new.py").write_text("x = 1\n")  # an untracked, not ignored file makes the tree dirty
+    assert git_state(tmp_path) == {"commit": head, "dirty": True}
+
+
+def test_git_state_outside_a_repository(tmp_path_factory):
+    assert git_state(tmp_path_factory.mktemp("nogit")) == {"commit": None, "dirty": None}
+
+
+@dataclasses.dataclass
+class Config:
+    learning_rate: float = 1e-5
+    beta: float = 0.0
+    warmup_steps: int = 0
+    output_dir: str = "out"
+    tags: list = dataclasses.field(default_factory=list)
+
+
+def test_config_hyperparameters_lists_changed_and_important_fields():
+    params = config_hyperparameters(Config(warmup_steps=5, output_dir="elsewhere"))
+    # learning_rate and beta are important (listed at their defaults), warmup_steps changed, output_dir is plumbing
+    assert params == {"learning_rate": 1e-5, "beta": 0.0, "warmup_steps": 5}
+    assert list(params)[:2] == ["learning_rate", "beta"]  # important fields first, in IMPORTANT_FIELDS order
+    assert config_hyperparameters(Config(tags=["a"]))["tags"] == ["a"]
+    with pytest.raises(TypeError, match="dataclass instances"):
+        config_hyperparameters({"learning_rate": 1})
+
+
+def log(step, **values):
+    return {"step": step, **values}
+
+
+def test_observations_by_hand():
+    rewards = [0.0, 0.0, 0.1, 0.1, 0.6, 0.9, 0.9, 1.0, 1.0, 1.0]
+    history = [
+        log(s + 1, reward=r, entropy=1.0 if s < 5 else 0.05, grad_norm=50.0 if s == 3 else 1.0,
+            **{"completions/clipped_ratio": 0.8 if s == 9 else 0.0})
+        for s, r in enumerate(rewards)
+    ]
+    history.append({"step": 10, "train_runtime": 12.0})  # a summary entry without the keys is ignored
+    notes = observe_training(history, max_completion_length=16)
+    text = " ".join(notes)
+    # first 3 mean 0.0333, last 3 mean 1.0; window = 10 // 5 = 2 points: the largest rise between consecutive
+    # 2-point means is from steps (3, 4) mean 0.1 to steps (5, 6) mean 0.75: +0.65, reported as "around steps 4-6"
+    assert "Train reward rose from 0.033 (first logged steps) to 1.000 (last)" in text
+    assert "rose fastest around steps 4-6 (+0.650" in text
+    assert "Entropy went from 1.000 to 0.050 nats/token; it collapsed" in text
+    assert "80% of the last step's completions hit the length limit (16 tokens)" in text
+    assert "Gradient norm spiked to 50 at step 4 (median 1)" in text
+    assert observe_training([]) == []
+    sft = observe_training([log(1, loss=2.0), log(2, loss=1.5), log(3, loss=1.0)])
+    assert sft == ["Training loss went from 2.0000 to 1.0000 (-1.0000)."]
+
+
+def test_write_experiment_record(tmp_path):
+    path = write_experiment_record(
+        tmp_path, "A run", configs=(Config(beta=0.1),), hyperparameters={"experiment": "baselines"},
+        results=[("accuracy", "9.0%", "60.0%")], results_header=("metric", "before", "after"),
+        plots=["curves.png"], observations=["Something happened."],
+        log_history=[log(1, reward=0.0), log(2, reward=1.0)], command="uv run x --flag 1",
+        git={"commit": "abc123", "dirty": True},
+    )
+    text = path.read_text()
+    assert path == tmp_path / "experiment.md" and text.startswith("# A run")
+    assert "- git commit: `abc123` (dirty: true)" in text and "- command: `uv run x --flag 1`" in text
+    assert "| beta | 0.1 |" in text and "| experiment | baselines |" in text and "| output_dir |" not in text
+    assert "| metric | before | after |" in text and "| accuracy | 9.0% | 60.0% |" in text
+    assert "![curves](curves.png)" in text
+    assert "- Something happened." in text and "- Train reward rose from 0.000" in text
+
+
+def test_write_recipe_record_from_metrics_and_from_a_comparison(tmp_path):
+    import json
+
+    from trl_ext.experiment import write_recipe_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({
+        "accuracy_before": 0.09, "accuracy_after": 0.675, "n_eval": 200, "model": "m", "flag": True,
+        "log_history": [log(1, reward=0.1), log(2, reward=0.6)],
+    }))
+    (run / "curves.png").write_bytes(b"\x89PNG")
+    text = write_recipe_record(run, "GRPO", Config(learning_rate=2e-5)).read_text()
+    assert "| accuracy_before | 0.09 |" in text and "| n_eval | 200 |" in text and "| model | m |" in text
+    assert "flag" not in text and "log_history" not in text  # only scalar results; the log feeds the observations
+    assert "| learning_rate | 2e-05 |" in text and "![curves](curves.png)" in text
+    assert "Train reward rose from 0.100 (first logged steps) to 0.600 (last)" in text
+
+    comparison = tmp_path / "cmp"
+    comparison.mkdir()
+    arm = {"name": "course", "final_accuracy": 0.5, "final_accuracy_se": 0.05, "final_reward": 0.4, "train_seconds": 10.0,
+           "curves": {"reward": [[1, 0.0], [2, 0.5]], "entropy": [[1, 1.0], [2, 0.9]]}}
+    (comparison / "comparison.json").write_text(json.dumps({"setup": {}, "arms": [arm]}))
+    text = write_recipe_record(comparison, "Compare", command="uv run c").read_text()
+    assert "| course | 0.5 | 5 | 0.4 | 10 |" in text
+    assert "- course: Train reward rose from 0.000" in text and "- course: Entropy went from 1.000 to 0.900" in text
+    with pytest.raises(FileNotFoundError, match="neither metrics.json nor comparison.json"):
+        write_recipe_record(tmp_path / "missing", "x")

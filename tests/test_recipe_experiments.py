@@ -1,0 +1,181 @@
+"""recipes/grpo_ablations.py and recipes/expert_iteration.py: arms, configs, reuse, and tiny end-to-end runs."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import trl
+import yaml
+
+import trl_ext
+from trl_ext.compare import arm_key, parse_arms, run_comparison
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import expert_iteration  # noqa: E402
+import grpo_ablations  # noqa: E402
+
+
+def parse_ablations(*argv, config=None):
+    parser = trl.TrlParser((grpo_ablations.AblationArguments, trl.GRPOConfig, trl.ModelConfig))
+    gpu = [] if config is None else ["--bf16", "false", "--use_cpu", "true", "--use_vllm", "false"]
+    path = grpo_ablations.DEFAULT_CONFIG if config is None else grpo_ablations.DEFAULT_CONFIG.parent / config
+    return parser.parse_args_and_config(["--config", str(path), *gpu, *argv])
+
+
+def arms_of(name, script_args, training_args):
+    return parse_arms(grpo_ablations.experiment_arms(name, script_args, training_args))
+
+
+def test_every_experiment_changes_one_thing_from_the_reference():
+    script_args, training_args, _ = parse_ablations("--gradient_accumulation_steps", "2")
+    ref = {k: v for k, v in grpo_ablations.REFERENCE.items() if k != "trainer"}
+    names = {e: [a.name for a in arms_of(e, script_args, training_args)] for e in grpo_ablations.EXPERIMENTS}
+    assert names == {
+        "baselines": ["no_baseline", "reinforce_with_baseline"],
+        "std_normalization": ["std_normalized", "no_std"],
+        "length_normalization": ["masked_mean", "masked_normalize"],
+        "learning_rate": ["lr_1.7e-05", "lr_5.0e-05", "lr_1.5e-04"],  # 5e-5 x (1/3, 1, 3)
+        "off_policy": ["on_policy_1x1", "grpo_clip_2x1", "grpo_clip_2x2"],
+        "clip_ablation": ["grpo_clip_2x2", "grpo_no_clip_2x2"],
+        "prompt": ["r1_zero", "question_only"],
+    }
+    no_baseline, rwb = arms_of("baselines", script_args, training_args)
+    assert rwb.settings == ref and no_baseline.settings == {**ref, "pg_loss_type": "no_baseline"}
+    assert arms_of("std_normalization", script_args, training_args)[1].settings == {**ref, "normalize_by_std": False}
+    assert arms_of("length_normalization", script_args, training_args)[1].settings == {**ref, "length_normalization": "masked_normalize"}
+    # off-policy 'ExK': E epochs per rollout batch, a rollout batch of K train batches = K x gradient_accumulation_steps
+    _, e2k1, e2k2 = arms_of("off_policy", script_args, training_args)
+    assert (e2k1.settings["num_iterations"], e2k1.settings["steps_per_generation"]) == (2, 2)
+    assert (e2k2.settings["num_iterations"], e2k2.settings["steps_per_generation"]) == (2, 4)
+    clip, no_clip = arms_of("clip_ablation", script_args, training_args)
+    assert clip.settings == e2k2.settings and no_clip.settings == {**e2k2.settings, "pg_loss_type": "grpo_no_clip"}
+    assert [a.task for a in arms_of("prompt", script_args, training_args)] == ["r1_zero", "question_only"]
+
+
+def test_arms_shared_between_experiments_have_one_key():
+    script_args, training_args, _ = parse_ablations()
+    key = lambda e, i: arm_key(arms_of(e, script_args, training_args)[i], training_args)  # noqa: E731
+    reference = key("baselines", 1)
+    # the reference arm under four more names, and on-policy GRPO-Clip (ratio 1: the same gradient)
+    assert reference == key("std_normalization", 0) == key("length_normalization", 0) == key("learning_rate", 1)
+    assert reference == key("off_policy", 0)
+    assert key("off_policy", 2) == key("clip_ablation", 0)
+    keys = {arm_key(a, training_args) for e in grpo_ablations.EXPERIMENTS for a in arms_of(e, script_args, training_args)}
+    assert len(keys) == 11  # what --experiment all trains
+
+
+def test_run_comparison_reuses_a_cached_arm_without_training(tmp_path):
+    _, training_args, _ = parse_ablations("--output_dir", str(tmp_path))
+    arm = parse_arms([{"name": "again", **grpo_ablations.REFERENCE}])[0]
+    cached = {"name": "first", "settings": {}, "task": None, "final_accuracy": 0.5, "curves": {}}
+    cache = {arm_key(arm, training_args): cached}
+
+    def load_model():
+        raise AssertionError("a cached arm must not be trained again")
+
+    [result] = run_comparison([arm], training_args, load_model, None, None, cache=cache, log=lambda m: None)
+    assert result["name"] == "again" and result["final_accuracy"] == 0.5 and result["settings"] == arm.settings
+    with pytest.raises(ValueError, match=r"arms use tasks \['question_only', 'r1_zero'\] that are not in tasks"):
+        run_comparison(arms_of("prompt", *parse_ablations()[:2]), training_args, load_model, None, None)
+
+
+def test_bad_options_fail_fast():
+    with pytest.raises(ValueError, match="--experiment 'lr'"):
+        parse_ablations("--experiment", "lr")
+    with pytest.raises(ValueError, match="off-policy setting '2y2'"):
+        parse_ablations("--clip_ablation_setting", "2y2")
+    with pytest.raises(ValueError, match="expected E, K >= 1"):
+        grpo_ablations.parse_setting("0x1")
+
+
+@pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
+def test_gpu_configs_hold_the_handout_hyperparameters(config):
+    assert yaml.safe_load((grpo_ablations.DEFAULT_CONFIG.parent / config).read_text())["use_vllm"] is True
+    script_args, training_args, model_args = parse_ablations(config=config)
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and script_args.template == "r1_zero"
+    assert training_args.max_steps == 200 and training_args.learning_rate == 1e-5
+    assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 256
+    assert training_args.num_generations == 8 and training_args.max_grad_norm == 1.0
+    assert (training_args.adam_beta1, training_args.adam_beta2) == (0.9, 0.95)
+
+
+def test_expert_iteration_configs_parse():
+    parser = trl.TrlParser((expert_iteration.EIArguments, trl_ext.SFTConfig, trl.ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(expert_iteration.DEFAULT_CONFIG)])
+    assert model_args.model_name_or_path is None and script_args.num_eval == 200  # the main job's held-out set
+    assert training_args.completion_only_loss and training_args.max_grad_norm == 1.0
+    path = expert_iteration.DEFAULT_CONFIG.parent / "expert_iteration_math.yaml"
+    script_args, _, model_args = parser.parse_args_and_config(
+        ["--config", str(path), "--bf16", "false", "--use_cpu", "true", "--use_vllm", "false"]
+    )
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and script_args.template == "r1_zero"
+    with pytest.raises(ValueError, match="--num_generations=0"):
+        parser.parse_args_and_config(["--config", str(expert_iteration.DEFAULT_CONFIG), "--num_generations", "0"])
+
+
+def even_length_reward_fn(response, ground_truth):
+    """Toy course reward: 1 for an even number of characters (a random tiny model gets about half)."""
+    r = float(len(response) % 2 == 0)
+    return {"reward": r, "format_reward": 1.0, "answer_reward": r}
+
+
+@pytest.fixture
+def tiny_model_dir(tiny_model, tokenizer, tmp_path):
+    path = tmp_path / "tiny"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(expert_iteration.REWARDS, "arithmetic", (expert_iteration.REWARDS["arithmetic"][0], even_length_reward_fn))
+    parser = trl.TrlParser((expert_iteration.EIArguments, trl_ext.SFTConfig, trl.ModelConfig))
+    out = tmp_path / "out"
+    args = parser.parse_args_and_config([
+        "--config", str(expert_iteration.DEFAULT_CONFIG), "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
+        "--n_ei_steps", "2", "--num_generations", "4", "--ei_batch_size", "2", "--max_completion_length", "4",
+        "--num_eval", "4", "--num_train_problems", "20", "--per_device_train_batch_size", "2", "--sft_epochs", "2",
+        "--report_to", "none",
+    ])
+    expert_iteration.main(*args)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_eval"] == 4 and len(metrics["ei_steps"]) == 2
+    assert metrics["accuracy_after"] == metrics["ei_steps"][-1]["accuracy"]
+    for step in metrics["ei_steps"]:
+        assert step["generated"] == 8 and step["questions"] == 2  # 2 questions x G = 4
+        assert 0 < step["kept"] <= 8, "the toy reward keeps about half the samples"
+        # one SFT epoch over the kept samples in batches of 2, twice (sft_epochs 2)
+        assert step["sft_steps"] == 2 * math.ceil(step["kept"] / 2)
+        # a random model over the 49152-token vocabulary is nearly uniform: entropy close to ln 49152 = 10.80 nats
+        assert step["entropy"] == pytest.approx(math.log(49152), abs=0.1)
+    assert (out / "ei_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = (out / "experiment.md").read_text()
+    assert "- git commit: `" in record and "| n_ei_steps | 2 |" in record and "![ei_curves](ei_curves.png)" in record
+
+
+@pytest.mark.slow
+def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    args = parse_ablations(
+        "--experiment", "baselines", "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--max_steps", "2",
+        "--eval_every", "1", "--num_eval", "4", "--num_train_problems", "16", "--per_device_train_batch_size", "4",
+        "--num_generations", "4", "--max_completion_length", "4", "--report_to", "none",
+    )
+    grpo_ablations.main(*args, command="uv run accelerate launch recipes/grpo_ablations.py --experiment baselines")
+    data = json.loads((out / "baselines" / "comparison.json").read_text())
+    assert [a["name"] for a in data["arms"]] == ["no_baseline", "reinforce_with_baseline"]
+    for arm in data["arms"]:
+        assert arm["steps"] == 2 and [s for s, _ in arm["accuracy_curve"]] == [0, 1, 2]
+        assert arm["n_eval"] == 4 and arm["final_accuracy_se"] == pytest.approx(
+            math.sqrt(arm["final_accuracy"] * (1 - arm["final_accuracy"]) / 4)
+        )
+        assert {"reward", "entropy", "completions/mean_length", "grad_norm"} <= set(arm["curves"])
+    assert data["arms"][0]["accuracy_curve"][0] == data["arms"][1]["accuracy_curve"][0]  # one shared step-0 evaluation
+    assert data["setup"]["held-out problems"] == 4 and data["setup"]["git commit"]
+    assert (out / "baselines" / "comparison.png").stat().st_size > 10_000
+    record = (out / "baselines" / "experiment.md").read_text()
+    assert "GRPO ablation: baselines" in record and "| no_baseline |" in record and "dirty:" in record

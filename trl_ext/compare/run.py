@@ -1,0 +1,162 @@
+"""Running arms one after another from the same model, data, seed, prompts and step budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+import trl
+from transformers import set_seed
+
+from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
+from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
+
+@dataclasses.dataclass
+class Task:
+    """A variant of a comparison's data, for arms that train on other prompts (e.g. another prompt template).
+
+    Attributes:
+        train_dataset: the training prompts.
+        reward_funcs: TRL reward function(s) for them.
+        eval_fn: ``eval_fn(model) -> dict`` with ``accuracy`` (None: no held-out evaluation).
+        description: one line for reports (e.g. ``"r1_zero prompt, r1_zero reward"``).
+    """
+
+    train_dataset: Any
+    reward_funcs: Any
+    eval_fn: Callable[[Any], Mapping[str, Any]] | None = None
+    description: str = ""
+
+
+def run_comparison(
+    arms: Sequence[Arm],
+    base_args: trl.GRPOConfig,
+    load_model: Callable[[], tuple[Any, Any, Any]],
+    train_dataset: Any,
+    reward_funcs: Any,
+    eval_fn: Callable[[Any], Mapping[str, Any]] | None = None,
+    eval_steps: Sequence[int] = (),
+    curve_keys: Sequence[str] = ("reward", "entropy", "completions/mean_length"),
+    log: Callable[[str], None] = print,
+    *,
+    tasks: Mapping[str, Task] | None = None,
+    cache: MutableMapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train each arm from the same initial model, one after another, and summarize it (:func:`summarize_arm`).
+
+    Every arm gets ``set_seed(base_args.seed)`` before its model is loaded, the same ``train_dataset`` (so the same
+    prompts in the same order), the same ``reward_funcs`` and ``base_args``'s step budget (:func:`arm_config`).
+    When ``eval_fn`` is given and 0 is in ``eval_steps``, the initial model is evaluated once and that result is
+    every arm's step-0 point. An arm with a ``task`` trains on ``tasks[arm.task]``'s prompts and rewards and is
+    evaluated with its ``eval_fn`` (its own step-0 evaluation, once per task).
+
+    Args:
+        arms: from :func:`parse_arms`.
+        base_args: the shared config (a ``trl.GRPOConfig``).
+        load_model: returns a fresh ``(model, tokenizer, peft_config)``, e.g. ``lambda:
+            trl_ext.models.load_model_and_tokenizer(model_args)``. With ``beta > 0`` TRL builds the reference model
+            from ``model.config._name_or_path``, which is the checkpoint directory for models loaded that way.
+        train_dataset: the training prompts.
+        reward_funcs: TRL reward function(s); an arm changes their weights through ``reward_weights``.
+        eval_fn: ``eval_fn(model) -> dict`` with ``accuracy`` (and optionally ``format_rate``, ``reward``, ``n``).
+        eval_steps: optimizer steps at which to evaluate (0 = before training).
+        curve_keys: logged metrics kept as curves.
+        log: progress printer (main process only).
+        tasks: task name -> :class:`Task`, for arms whose ``task`` is set.
+        cache: a dict shared by several calls (several comparisons on the same base config, model and data): an
+            arm whose :func:`arm_key` is already in it is not trained again; its summary is reused under the arm's
+            name. Step-0 evaluations are cached too.
+
+    Returns:
+        One summary dict per arm (on every process; held-out numbers only exist on the main process).
+
+    Raises:
+        ValueError: an arm names a task that is not in ``tasks``.
+    """
+    from accelerate import PartialState
+
+    tasks = dict(tasks or {})
+    missing = sorted({a.task for a in arms if a.task is not None and a.task not in tasks})
+    if missing:
+        raise ValueError(f"arms use tasks {missing} that are not in tasks (given: {sorted(tasks)})")
+    tasks[None] = Task(train_dataset, reward_funcs, eval_fn)
+    cache = {} if cache is None else cache
+    is_main = PartialState().is_main_process
+    log = log if is_main else (lambda message: None)
+
+    def initial_eval(task_name):
+        task = tasks[task_name]
+        if task.eval_fn is None or 0 not in eval_steps:
+            return None
+        key = f"initial-eval:{task_name}"
+        if key not in cache:
+            set_seed(base_args.seed)
+            model, _, _ = load_model()
+            record = None
+            if is_main:
+                if torch.cuda.is_available():
+                    model = model.to("cuda")
+                record = _eval_record(0, task.eval_fn(model))
+                log(f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}")
+            del model
+            release_memory()
+            cache[key] = record
+        return cache[key]
+
+    results = []
+    for i, arm in enumerate(arms):
+        key = arm_key(arm, base_args)
+        if key in cache:
+            summary = {**cache[key], "name": arm.name, "settings": dict(arm.settings), "task": arm.task}
+            log(f"[{i + 1}/{len(arms)}] arm {arm.name!r}: already trained in this run as {cache[key]['name']!r}, reused")
+            results.append(summary)
+            continue
+        task = tasks[arm.task]
+        first_eval = initial_eval(arm.task)
+        config = arm_config(base_args, arm)
+        log(f"[{i + 1}/{len(arms)}] arm {arm.name!r} ({arm.trainer}{f', task {arm.task}' if arm.task else ''}): {arm.settings}")
+        set_seed(config.seed)
+        model, tokenizer, peft_config = load_model()
+        trainer_cls = TRAINERS[arm.trainer][0]
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=task.reward_funcs,
+            args=config,
+            train_dataset=task.train_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        monitor = ArmMonitor(task.eval_fn, [s for s in eval_steps if s > 0]).attach(trainer)
+        meter = PeakMemory().start()
+        start = time.perf_counter()
+        trainer.train()
+        train_seconds = time.perf_counter() - start
+        peak = meter.stop()
+        evals = ([first_eval] if first_eval else []) + monitor.evals
+        summary = summarize_arm(
+            arm,
+            trainer.state.log_history,
+            monitor.step_seconds,
+            evals,
+            generated_tokens=monitor.generated_tokens,
+            generation_seconds=monitor.generation_seconds,
+            peak_memory_bytes=peak,
+            memory_kind=meter.kind,
+            train_seconds=train_seconds,
+            curve_keys=curve_keys,
+        )
+        cache[key] = summary
+        results.append(summary)
+        acc = summary["final_accuracy"]
+        median = summary["median_step_seconds"]
+        log(
+            f"arm {arm.name!r}: {summary['steps']} steps in {train_seconds:.0f} s"
+            + (f", median {median:.1f} s/step" if median is not None else "")
+            + (f", held-out accuracy {acc:.1%}" if acc is not None else "")
+        )
+        del trainer, model, monitor
+        release_memory()
+    return results
