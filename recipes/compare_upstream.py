@@ -28,6 +28,7 @@ from grpo_math import (  # the math recipe's data options and loaders
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "compare_upstream_cpu.yaml"
 
@@ -45,7 +46,7 @@ class CompareArguments(MathScriptArguments):
     )
 
 
-def main(script_args, training_args, model_args, command):
+def main(script_args, training_args, model_args, command, speed=None):
     state = PartialState()
     if training_args.max_steps <= 0:
         raise ValueError(f"--max_steps={training_args.max_steps}; a comparison needs a fixed step budget (> 0)")
@@ -89,6 +90,8 @@ def main(script_args, training_args, model_args, command):
         "temperature": training_args.temperature,
         "seed": training_args.seed,
         "device": str(state.device) + (f" x {state.num_processes}" if state.num_processes > 1 else ""),
+        # the same for every arm: threads and precision are set once, before the arms' configs are derived
+        **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
     }
     paths = write_comparison(
         results, training_args.output_dir, setup, title="GRPO: upstream TRL vs trl_ext settings", command=command
@@ -102,4 +105,5 @@ if __name__ == "__main__":
     if "--config" not in sys.argv:
         sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
     parser = trl.TrlParser((CompareArguments, trl.GRPOConfig, trl.ModelConfig))
-    main(*parser.parse_args_and_config(), command=command.strip())
+    args = parser.parse_args_and_config()
+    main(*args, command=command.strip(), speed=apply_speed_defaults(args[1], default_config=DEFAULT_CONFIG))

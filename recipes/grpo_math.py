@@ -24,6 +24,8 @@ from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
+from trl_ext.profiling import PhaseTimer, StepProfiler, format_breakdown, time_breakdown
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -87,14 +89,20 @@ def load_data(script_args, tokenizer):
     return train, test, name
 
 
-def main(script_args, training_args, model_args):
+def main(script_args, training_args, model_args, speed=None):
+    wall_start = time.perf_counter()
+    timer = PhaseTimer()  # per-phase wall seconds -> metrics.json "time_breakdown"
     state = PartialState()
     console = Console()
-    model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
+    with timer.phase("model_load"):
+        model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     train, test, reward_name = load_data(script_args, tokenizer)
     train_reward, eval_reward = REWARDS[reward_name]
     max_new_tokens = training_args.max_completion_length
-    evaluate = lambda m, desc: evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc)  # noqa: E731
+
+    def evaluate(m, desc):
+        with timer.phase("evaluation"):
+            return evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc)
 
     if model_args.load_in_4bit or model_args.load_in_8bit:
         pass  # bitsandbytes placed the weights already
@@ -105,6 +113,7 @@ def main(script_args, training_args, model_args):
         model=model, reward_funcs=train_reward, args=training_args, train_dataset=train,
         processing_class=tokenizer, peft_config=peft_config,
     )
+    StepProfiler(timer).attach(trainer)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -115,7 +124,8 @@ def main(script_args, training_args, model_args):
         # parameters are sharded across ranks that have returned: evaluate the full checkpoint just saved instead
         trained = load_model(training_args.output_dir, dtype=model_args.dtype).to(state.device)
     else:
-        trained = trainer.accelerator.unwrap_model(trainer.model)
+        # without accelerate's autocast wrapper: both evaluations run in the model's own dtype (fp32 by default)
+        trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     after = evaluate(trained, "eval after")
 
     out = Path(training_args.output_dir)
@@ -134,6 +144,8 @@ def main(script_args, training_args, model_args):
         "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
         "dataset": script_args.dataset_name or "generated arithmetic",
         "reward": reward_name,
+        "runtime": speed or {},
+        "time_breakdown": time_breakdown(timer, time.perf_counter() - wall_start),
         "log_history": trainer.state.log_history,
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -148,8 +160,15 @@ def main(script_args, training_args, model_args):
         f"{metrics['train_steps']} steps in {train_seconds:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
         f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})"
     )
+    speed = metrics["runtime"]
+    console.print(
+        f"Where the {metrics['time_breakdown']['total']:.0f} s went"
+        + (f" ({speed['threads']} threads, {speed['precision']})" if speed else "") + ":\n"
+        + format_breakdown(metrics["time_breakdown"])
+    )
     console.print(f"Wrote {out / 'metrics.json'} and the trained model to {out}")
 
 
 if __name__ == "__main__":
-    main(*parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG))
+    args = parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
+    main(*args, speed=apply_speed_defaults(args[1], default_config=DEFAULT_CONFIG))

@@ -33,6 +33,7 @@ import torch
 import trl
 from transformers import TrainerCallback, set_seed
 
+from trl_ext.profiling import StepProfiler, time_breakdown
 from trl_ext.trainers import GRPOConfig, GRPOTrainer
 
 TRAINERS = {"trl": (trl.GRPOTrainer, trl.GRPOConfig), "trl_ext": (GRPOTrainer, GRPOConfig)}
@@ -475,7 +476,16 @@ def run_comparison(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        monitor = ArmMonitor(eval_fn, [s for s in eval_steps if s > 0]).attach(trainer)
+        profiler = StepProfiler()
+        timed_eval = None
+        if eval_fn is not None:
+
+            def timed_eval(m, _eval_fn=eval_fn, _timer=profiler.timer):
+                with _timer.phase("evaluation"):
+                    return _eval_fn(m)
+
+        monitor = ArmMonitor(timed_eval, [s for s in eval_steps if s > 0]).attach(trainer)
+        profiler.attach(trainer)
         meter = PeakMemory().start()
         start = time.perf_counter()
         trainer.train()
@@ -494,6 +504,7 @@ def run_comparison(
             train_seconds=train_seconds,
             curve_keys=curve_keys,
         )
+        summary["time_breakdown"] = time_breakdown(profiler.timer)  # seconds per phase of this arm's train()
         results.append(summary)
         acc = summary["final_accuracy"]
         median = summary["median_step_seconds"]
@@ -502,7 +513,7 @@ def run_comparison(
             + (f", median {median:.1f} s/step" if median is not None else "")
             + (f", held-out accuracy {acc:.1%}" if acc is not None else "")
         )
-        del trainer, model, monitor
+        del trainer, model, monitor, profiler
         release_memory()
     return results
 
