@@ -110,3 +110,22 @@ def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
     state = trainer.optimizer.state
     assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())  # fp32 optimizer state
+
+
+def test_bf16_two_thread_runs_are_deterministic(tokenizer, tmp_path):
+    """Same seed, same thread count, bf16 autocast: two runs end with bit-identical weights."""
+    from trl_ext.models import tiny_model_for_tests
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weights = []
+        for run in range(2):
+            trainer = _toy_trainer(tiny_model_for_tests(tokenizer), tokenizer, tmp_path / str(run), bf16=True,
+                                   cast_lm_head_to_fp32=True, max_steps=2)
+            trainer.train()
+            weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    finally:
+        torch.set_num_threads(before)
+    assert any(not torch.equal(weights[0][n], tiny_model_for_tests(tokenizer).state_dict()[n]) for n in weights[0])
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
