@@ -412,6 +412,18 @@ def summarize_arm(
 
 
 # ------------------------------------------------------------------------------------------------------- running
+def _timed(eval_fn, timer):
+    """``eval_fn`` timed as the ``evaluation`` phase of ``timer`` (None stays None)."""
+    if eval_fn is None:
+        return None
+
+    def timed(model):
+        with timer.phase("evaluation"):
+            return eval_fn(model)
+
+    return timed
+
+
 def run_comparison(
     arms: Sequence[Arm],
     base_args: trl.GRPOConfig,
@@ -476,15 +488,8 @@ def run_comparison(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        profiler = StepProfiler()
-        timed_eval = None
-        if eval_fn is not None:
-
-            def timed_eval(m, _eval_fn=eval_fn, _timer=profiler.timer):
-                with _timer.phase("evaluation"):
-                    return _eval_fn(m)
-
-        monitor = ArmMonitor(timed_eval, [s for s in eval_steps if s > 0]).attach(trainer)
+        profiler = StepProfiler()  # held-out evaluations count as "evaluation", not as training time
+        monitor = ArmMonitor(_timed(eval_fn, profiler.timer), [s for s in eval_steps if s > 0]).attach(trainer)
         profiler.attach(trainer)
         meter = PeakMemory().start()
         start = time.perf_counter()
