@@ -16,6 +16,17 @@ seconds per step of each and the median of the per-pair ratios.
 
 Peak memory: each trainer alone (the other deleted), order A B B A, a few steps each; CUDA max allocated on GPU,
 else the increase of the process's peak RSS over its RSS before the trainer was built (trl_ext.compare.PeakMemory).
+
+Utilization: achieved model FLOP/s of a step over the machine's measured matmul peak, both in this process, at the
+same dtype and thread count. Model FLOPs per step = 6 x P x (prompt + completion tokens) for the log-prob forward and
+the backward, plus 2 x P x (prompt + completion tokens) for generation (prefill + decoding), with P the parameter
+count (the tied LM head counted once) and only real (non-padding) tokens; attention's own FLOPs are left out (short
+sequences). Peak = best of several ``torch.matmul`` of two 2048 x 2048 matrices (bf16 under --precision bf16).
+
+Scaling (--scaling): the same lockstep measurement as the group size (4, 8, 16 completions per prompt, 2 prompts per
+step) and the completion length (16, 64, 256 tokens, forced with min_new_tokens) grow, with each trainer's time per
+phase (trl_ext.profiling); writes a JSON and a plot (docs/performance.png). Threads and precision follow the recipes'
+defaults (trl_ext.runtime): every core; bf16 autocast where the CPU has bf16 instructions.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ import torch
 import trl
 
 import trl_ext
+from trl_ext import runtime
 from trl_ext.compare import PeakMemory, release_memory
+from trl_ext.profiling import StepProfiler
 from trl_ext.data import make_arithmetic_dataset
 from trl_ext.models import load_model, load_tokenizer
 from trl_ext.rewards import arithmetic_reward
@@ -47,14 +60,19 @@ def parse_args():
     p.add_argument("--pairs", type=int, default=10, help="measured step pairs")
     p.add_argument("--memory-steps", type=int, default=3, help="steps per memory measurement")
     p.add_argument("--output", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="fp32 weights, with bf16 autocast for 'bf16'; 'auto': bf16 where the CPU has bf16 instructions")
+    p.add_argument("--scaling", action="store_true", help="measure the scaling grid instead (see above)")
+    p.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory runs")
     return p.parse_args()
 
 
-def build(kind: str, args, tokenizer, dataset, out_dir: str):
+def build(kind: str, args, tokenizer, dataset, out_dir: str, **overrides):
     common = dict(
         output_dir=os.path.join(out_dir, kind),
         use_cpu=not torch.cuda.is_available(),
-        bf16=False,
+        bf16=args.precision == "bf16",
+        cast_lm_head_to_fp32=args.precision == "bf16",  # log-probs stay fp32 (as trl_ext.runtime sets it)
         gradient_checkpointing=False,
         per_device_train_batch_size=args.batch_size,
         num_generations=args.num_generations,
@@ -69,6 +87,7 @@ def build(kind: str, args, tokenizer, dataset, out_dir: str):
         save_strategy="no",
         seed=0,
     )
+    common.update(overrides)
     if kind == "trl":
         config = trl.GRPOConfig(loss_type="grpo", scale_rewards="group", **common)
         cls = trl.GRPOTrainer
@@ -81,10 +100,14 @@ def build(kind: str, args, tokenizer, dataset, out_dir: str):
     model = load_model(args.model, dtype=args.dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     trainer = cls(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer)
+    # as trainer.train() does: accelerate wraps the forward in autocast (bf16), for generation and the loss alike
+    trainer.model = trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
     trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
     trainer.current_gradient_accumulation_steps = 1
     trainer.bench_batches = iter(trainer.get_train_dataloader())
     trainer.bench_tokens = 0
+    trainer.bench_all_tokens = 0
+    trainer.bench_profiler = StepProfiler().attach(trainer)
     return trainer
 
 
@@ -105,7 +128,82 @@ def step(trainer, seed: int) -> float:
     seconds = time.perf_counter() - start
     length = trainer._metrics["train"]["completions/mean_length"][-1]
     trainer.bench_tokens += round(length * trainer.args.per_device_train_batch_size)
+    # prompt + completion tokens without padding (TRL's cumulative num_tokens)
+    trainer.bench_all_tokens = int(trainer._metrics["train"]["num_tokens"][-1])
     return seconds
+
+
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """Best FLOP/s of ``torch.matmul`` of two n x n matrices of ``dtype`` at this process's thread count."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def model_flops(trainer) -> float:
+    """Model FLOPs of all measured-or-not steps so far: (6 + 2) x P x real tokens (see the module docstring)."""
+    params = sum(p.numel() for p in trainer.model.parameters())
+    return 8 * params * trainer.bench_all_tokens
+
+
+def lockstep(trainers, args, label=""):
+    """Step both trainers in alternating order; returns the measured seconds per trainer and per-step FLOPs."""
+    seconds = {"trl": [], "trl_ext": []}
+    flops = {"trl": 0.0, "trl_ext": 0.0}
+    for pair in range(args.warmup + args.pairs):
+        order = ("trl", "trl_ext") if pair % 2 == 0 else ("trl_ext", "trl")
+        this_pair = {}
+        for kind in order:
+            before = model_flops(trainers[kind])
+            this_pair[kind] = step(trainers[kind], seed=pair)
+            if pair >= args.warmup:
+                flops[kind] += model_flops(trainers[kind]) - before
+        if pair >= args.warmup:
+            for kind, s in this_pair.items():
+                seconds[kind].append(s)
+        print(f"{label}pair {pair + 1}/{args.warmup + args.pairs}{' (warm-up)' if pair < args.warmup else ''}: "
+              f"trl {this_pair['trl']:.2f} s, trl_ext {this_pair['trl_ext']:.2f} s", flush=True)
+    return seconds, flops
+
+
+SCALING_GRID = [(4, 16), (8, 16), (16, 16), (8, 64), (8, 256)]
+"""(completions per prompt G, completion length T); 2 prompts per step, so 2G completions."""
+
+
+def run_scaling(args, tokenizer, dataset, out_dir):
+    rows = []
+    for group, length in SCALING_GRID:
+        overrides = dict(num_generations=group, per_device_train_batch_size=2 * group, max_completion_length=length,
+                         generation_kwargs={"min_new_tokens": length})
+        trainers = {k: build(k, args, tokenizer, dataset, out_dir, **overrides) for k in ("trl", "trl_ext")}
+        seconds, flops = lockstep(trainers, args, label=f"G={group} T={length}: ")
+        row = {"group_size": group, "completion_length": length, "completions": 2 * group}
+        for kind, trainer in trainers.items():
+            total = trainer.bench_profiler.timer.seconds
+            steps = args.warmup + args.pairs
+            row[kind] = {
+                "median_step_seconds": statistics.median(seconds[kind]),
+                "mean_phase_seconds": {k: v / steps for k, v in total.items()},  # warm-up included
+                "flops_per_second": flops[kind] / sum(seconds[kind]),
+            }
+        rows.append(row)
+        print(f"G={group} T={length}: trl {row['trl']['median_step_seconds']:.2f} s, "
+              f"trl_ext {row['trl_ext']['median_step_seconds']:.2f} s", flush=True)
+        del trainers
+        release_memory()
+        if args.output:  # keep what is done so far
+            with open(args.output, "w") as f:
+                json.dump({"rows": rows, "settings": vars(args), "threads": torch.get_num_threads()}, f, indent=2)
+    return rows
 
 
 def rss_bytes() -> int:
@@ -127,37 +225,69 @@ def measure_memory(kind: str, args, tokenizer, dataset, out_dir: str) -> int:
     return peak
 
 
+def plot_scaling(rows, path):
+    """Two panels: median step seconds vs group size (T=16) and vs completion length (G=8), trl and trl_ext."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, fixed, label in ((axes[0], "group_size", ("completion_length", 16), "completions per prompt G (T=16)"),
+                                  (axes[1], "completion_length", ("group_size", 8), "completion length T (G=8)")):
+        sel = sorted((r for r in rows if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
+        for kind, style in (("trl", "--o"), ("trl_ext", "-s")):
+            ax.plot([r[key] for r in sel], [r[kind]["median_step_seconds"] for r in sel], style, label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("seconds per optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     args = parse_args()
     out_dir = "outputs/bench_grpo_overhead"
+    threads = runtime.configure_cpu_threads()
+    if args.precision == "auto":
+        args.precision = "bf16" if torch.cuda.is_available() or runtime.cpu_has_bf16() else "fp32"
     tokenizer = load_tokenizer(args.model)
     dataset = make_arithmetic_dataset(2000, seed=0, split="train")
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {device}; model {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}); "
           f"{args.batch_size} completions/step ({args.num_generations} per prompt), <= {args.max_completion_length} tokens")
 
+    print(f"precision {args.precision}; threads {threads['threads']} ({threads['source']})")
+    peak = matmul_peak_flops(torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    print(f"matmul peak ({args.precision}, {torch.get_num_threads()} threads): {peak / 1e9:.1f} GFLOP/s", flush=True)
+    if args.scaling:
+        rows = run_scaling(args, tokenizer, dataset, out_dir)
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"rows": rows, "settings": vars(args), "threads": torch.get_num_threads(),
+                           "matmul_peak_flops": peak}, f, indent=2)
+        plot_scaling(rows, "docs/performance.png")
+        raise SystemExit(0)
+
     trainers = {"trl": build("trl", args, tokenizer, dataset, out_dir), "trl_ext": build("trl_ext", args, tokenizer, dataset, out_dir)}
-    seconds: dict[str, list[float]] = {"trl": [], "trl_ext": []}
-    for pair in range(args.warmup + args.pairs):
-        order = ("trl", "trl_ext") if pair % 2 == 0 else ("trl_ext", "trl")
-        this_pair = {kind: step(trainers[kind], seed=pair) for kind in order}
-        if pair >= args.warmup:
-            for kind, s in this_pair.items():
-                seconds[kind].append(s)
-        print(f"pair {pair + 1}/{args.warmup + args.pairs}{' (warm-up)' if pair < args.warmup else ''}: "
-              f"trl {this_pair['trl']:.2f} s, trl_ext {this_pair['trl_ext']:.2f} s", flush=True)
+    seconds, flops = lockstep(trainers, args)
     tokens = {k: t.bench_tokens for k, t in trainers.items()}
+    achieved = {k: flops[k] / sum(seconds[k]) for k in seconds}
+    phases = {k: dict(t.bench_profiler.timer.seconds) for k, t in trainers.items()}
     del trainers
     release_memory()
 
     memory: dict[str, list[int]] = {"trl": [], "trl_ext": []}
-    for kind in ("trl", "trl_ext", "trl_ext", "trl"):
+    for kind in () if args.skip_memory else ("trl", "trl_ext", "trl_ext", "trl"):
         memory[kind].append(measure_memory(kind, args, tokenizer, dataset, out_dir))
         print(f"peak memory {kind}: {memory[kind][-1] / 2**20:.0f} MiB", flush=True)
 
     median = {k: statistics.median(v) for k, v in seconds.items()}
     pair_ratios = [b / a for a, b in zip(seconds["trl"], seconds["trl_ext"])]
-    mem = {k: statistics.fmean(v) for k, v in memory.items()}
+    mem = {k: statistics.fmean(v) if v else float("nan") for k, v in memory.items()}
     result = {
         "device": device,
         "model": args.model or "embedded SmolLM2-135M-Instruct",
@@ -171,6 +301,12 @@ if __name__ == "__main__":
         "peak_memory_ratio": mem["trl_ext"] / mem["trl"],
         "step_seconds": seconds,
         "memory_runs_bytes": memory,
+        "precision": args.precision,
+        "threads": torch.get_num_threads(),
+        "matmul_peak_flops": peak,
+        "achieved_model_flops": achieved,
+        "utilization": {k: v / peak for k, v in achieved.items()},
+        "phase_seconds": phases,
     }
     print()
     print(f"step time  trl {median['trl']:.3f} s   trl_ext {median['trl_ext']:.3f} s (medians of {args.pairs})")
@@ -179,6 +315,9 @@ if __name__ == "__main__":
     print(f"generated tokens  trl {tokens['trl']}   trl_ext {tokens['trl_ext']} (equal = same samples)")
     print(f"peak memory  trl {mem['trl'] / 2**20:.0f} MiB   trl_ext {mem['trl_ext'] / 2**20:.0f} MiB   "
           f"ratio {result['peak_memory_ratio']:.3f} ({result['peak_memory_kind']})   target <= 1.02")
+    print(f"utilization  trl {achieved['trl'] / 1e9:.1f} GFLOP/s = {result['utilization']['trl']:.1%}   "
+          f"trl_ext {achieved['trl_ext'] / 1e9:.1f} GFLOP/s = {result['utilization']['trl_ext']:.1%} of the "
+          f"{peak / 1e9:.1f} GFLOP/s matmul peak ({args.precision}, {torch.get_num_threads()} threads)")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)

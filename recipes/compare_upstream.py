@@ -44,6 +44,7 @@ from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.experiment import write_recipe_record
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "compare_upstream_cpu.yaml"
 
@@ -61,7 +62,7 @@ class CompareArguments(MathScriptArguments):
     )
 
 
-def main(script_args, training_args, model_args, command=None):
+def main(script_args, training_args, model_args, command=None, speed=None):
     configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
     if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
         raise RecipeError(
@@ -114,6 +115,8 @@ def main(script_args, training_args, model_args, command=None):
         "temperature": training_args.temperature,
         "seed": training_args.seed,
         "device": str(state.device) + (f" x {state.num_processes}" if state.num_processes > 1 else ""),
+        # the same for every arm: threads and precision are set once, before the arms' configs are derived
+        **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
     }
     paths = write_comparison(
         results, training_args.output_dir, setup, title="GRPO: upstream TRL vs trl_ext settings", command=command
@@ -130,4 +133,10 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     command = ("uv run accelerate launch recipes/compare_upstream.py " + shlex.join(sys.argv[1:])).strip()
-    recipe_main(lambda *args: main(*args, command=command), parse_args)
+
+    def main_with_speed_defaults(script_args, training_args, model_args):
+        # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same threads and dtype
+        speed = apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG)
+        return main(script_args, training_args, model_args, command=command, speed=speed)
+
+    recipe_main(main_with_speed_defaults, parse_args)

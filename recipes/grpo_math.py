@@ -17,6 +17,7 @@ is never overwritten unless --overwrite_output_dir is given.
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
 from trl_ext.experiment import write_recipe_record
+from trl_ext.profiling import PhaseTimer, StepProfiler, format_breakdown, time_breakdown
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -133,8 +136,10 @@ def load_data(script_args, tokenizer=None):
     return train, test, name
 
 
-def main(script_args, training_args, model_args):
+def main(script_args, training_args, model_args, speed=None):
     # everything that can be checked without the model comes first: folder, checkpoint, options, data
+    wall_start = time.perf_counter()
+    timer = PhaseTimer()  # per-phase wall seconds of the whole job -> metrics.json "time_breakdown"
     run = RecipeRun(
         "grpo_math", training_args.output_dir,
         {"script_args": script_args, "training_args": training_args, "model_args": model_args},
@@ -148,10 +153,16 @@ def main(script_args, training_args, model_args):
 
     state = PartialState()
     console = Console(soft_wrap=True)
-    with run.phase("load_model"):
+    with run.phase("load_model"), timer.phase("model_load"):
         model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     max_new_tokens = training_args.max_completion_length
-    evaluate = lambda m, desc: evaluate_math(m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc, extract_fn=EXTRACTORS[reward_name])  # noqa: E731
+
+    def evaluate(m, desc):
+        with timer.phase("evaluation"):
+            return evaluate_math(
+                m, tokenizer, test, eval_reward, max_new_tokens, script_args.eval_batch_size, desc,
+                extract_fn=EXTRACTORS[reward_name],
+            )
 
     if model_args.load_in_4bit or model_args.load_in_8bit:
         pass  # bitsandbytes placed the weights already
@@ -171,6 +182,7 @@ def main(script_args, training_args, model_args):
         processing_class=tokenizer, peft_config=peft_config,
     )
     run.attach(trainer, first_logs={"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None)
+    StepProfiler(timer).attach(trainer)
     with run.phase("train"):
         trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
     with run.phase("save"):
@@ -181,7 +193,8 @@ def main(script_args, training_args, model_args):
         # parameters are sharded across ranks that have returned: evaluate the full checkpoint just saved instead
         trained = load_model(training_args.output_dir, dtype=model_args.dtype).to(state.device)
     else:
-        trained = trainer.accelerator.unwrap_model(trainer.model)
+        # without accelerate's autocast wrapper: both evaluations run in the model's own dtype (fp32 by default)
+        trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     with run.phase("eval_after"):
         after = evaluate(trained, "eval after")
     run.log_after_training(trainer, {"eval_accuracy": after["accuracy"], "eval_format_rate": after["format_rate"]})
@@ -209,6 +222,8 @@ def main(script_args, training_args, model_args):
         "model": model_name,
         "dataset": dataset,
         "reward": reward_name,
+        "runtime": speed or {},
+        "time_breakdown": time_breakdown(timer, time.perf_counter() - wall_start),
         "log_history": trainer.state.log_history,
     }
     run.write_metrics(metrics)
@@ -227,6 +242,13 @@ def main(script_args, training_args, model_args):
     )
     if "eval_before" in run.reused:
         console.print("(before-evaluation reused from the first run of this folder: eval_before.json)")
+    speed = metrics["runtime"]
+    console.print(
+        f"Where the {metrics['time_breakdown']['total']:.0f} s went"
+        + (f" ({speed['threads']} threads, {speed['precision']})" if speed else "") + ":\n"
+        + format_breakdown(metrics["time_breakdown"]),
+        markup=False,
+    )
     write_recipe_record(out, "GRPO on math problems", script_args, training_args, model_args)
     console.print(f"Wrote {out / 'metrics.json'}, {plot.name if plot else 'no plot'} and the trained model to {out}", markup=False)
 
@@ -235,5 +257,9 @@ def parse_args(argv=None):
     return parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
 
 
+def _main_with_speed_defaults(script_args, training_args, model_args):
+    return main(script_args, training_args, model_args, speed=apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG))
+
+
 if __name__ == "__main__":
-    recipe_main(main, parse_args)
+    recipe_main(_main_with_speed_defaults, parse_args)

@@ -1,6 +1,7 @@
 """recipes/grpo_math.py end to end on a tiny model, and its zero-argument defaults."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -24,7 +25,9 @@ def test_zero_argument_run_uses_the_cpu_config():
     script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(grpo_math.DEFAULT_CONFIG)])
     assert model_args.model_name_or_path is None  # the embedded SmolLM2-135M-Instruct
     assert script_args.dataset_name is None and script_args.num_eval >= 200  # generated arithmetic, >= 200 held out
+    # fp32 on purpose (bf16 autocast learned less, see the config); an explicit bf16 key, so trl_ext.runtime keeps it
     assert training_args.use_cpu and not training_args.bf16
+    assert yaml.safe_load(grpo_math.DEFAULT_CONFIG.read_text())["bf16"] is False
     assert (training_args.pg_loss_type, training_args.loss_type, training_args.scale_rewards) == ("grpo_clip", "grpo", "group")
     assert training_args.save_strategy == "steps"  # a crash mid-run leaves a loadable checkpoint
 
@@ -70,7 +73,8 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
         *_recipe_flags(model_dir, data, out, "--max_steps", "2", "--report_to", "tensorboard", "--save_steps", "1"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # accelerate then exports its default 1
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_steps"] == 2 and metrics["n_eval"] == 2  # 12 rows: the last 12 // 5 = 2 held out
@@ -110,6 +114,14 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     card = (out / "README.md").read_text()
     assert f"[{model_dir}]" not in card or "(local)" in card
     assert "None" not in card.split("## Training procedure")[0] and f'model="{out}"' in card
+    # every core by default (accelerate exported OMP_NUM_THREADS=1 on its own), and where the time went
+    assert metrics["runtime"]["threads_source"].startswith("default") and metrics["runtime"]["threads"] >= 1
+    breakdown = metrics["time_breakdown"]
+    for phase in ("model_load", "evaluation", "generation", "logprob_forward", "backward", "optimizer"):
+        assert breakdown[phase] > 0, phase
+    assert breakdown["reward"] >= 0  # a regex over 4 short completions: can round to 0 ms
+    assert sum(v for k, v in breakdown.items() if k != "total") == pytest.approx(breakdown["total"], abs=0.02)
+    assert "Where the" in proc.stdout
     assert (out / "model.safetensors").exists() and list(out.glob("checkpoint-*"))
     from transformers import AutoModelForCausalLM
 

@@ -11,6 +11,7 @@ import torch
 import trl
 from transformers import set_seed
 
+from trl_ext.profiling import StepProfiler, time_breakdown
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
 
@@ -29,6 +30,18 @@ class Task:
     reward_funcs: Any
     eval_fn: Callable[[Any], Mapping[str, Any]] | None = None
     description: str = ""
+
+
+def _timed(eval_fn, timer):
+    """``eval_fn`` timed as the ``evaluation`` phase of ``timer`` (None stays None)."""
+    if eval_fn is None:
+        return None
+
+    def timed(model):
+        with timer.phase("evaluation"):
+            return eval_fn(model)
+
+    return timed
 
 
 def run_comparison(
@@ -129,7 +142,9 @@ def run_comparison(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        monitor = ArmMonitor(task.eval_fn, [s for s in eval_steps if s > 0]).attach(trainer)
+        profiler = StepProfiler()  # held-out evaluations count as "evaluation", not as training time
+        monitor = ArmMonitor(_timed(task.eval_fn, profiler.timer), [s for s in eval_steps if s > 0]).attach(trainer)
+        profiler.attach(trainer)
         meter = PeakMemory().start()
         start = time.perf_counter()
         trainer.train()
@@ -148,6 +163,7 @@ def run_comparison(
             train_seconds=train_seconds,
             curve_keys=curve_keys,
         )
+        summary["time_breakdown"] = time_breakdown(profiler.timer)  # seconds per phase of this arm's train()
         cache[key] = summary
         results.append(summary)
         acc = summary["final_accuracy"]
@@ -157,6 +173,6 @@ def run_comparison(
             + (f", median {median:.1f} s/step" if median is not None else "")
             + (f", held-out accuracy {acc:.1%}" if acc is not None else "")
         )
-        del trainer, model, monitor
+        del trainer, model, monitor, profiler
         release_memory()
     return results

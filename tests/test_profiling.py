@@ -1,0 +1,131 @@
+"""trl_ext.profiling: exclusive per-phase timing, the breakdown's keys and sums; bf16 autocast keeps the RL math fp32."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+
+import trl_ext
+import trl_ext.functional as F
+from trl_ext import profiling
+from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
+
+from conftest import CPU_TEST_ARGS
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_nested_phases_are_exclusive(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(profiling.time, "perf_counter", clock)
+    timer = PhaseTimer()
+    with timer.phase("outer"):
+        clock.now += 2.0
+        with timer.phase("inner"):
+            clock.now += 3.0
+        clock.now += 1.0
+    with timer.phase("inner"):
+        clock.now += 0.5
+    # outer ran 6 s of which 3 s were inner: 3 s exclusive; inner 3 + 0.5
+    assert timer.seconds == {"outer": 3.0, "inner": 3.5}
+    assert timer.calls == {"outer": 1, "inner": 2}
+
+
+def test_time_breakdown_order_other_and_total():
+    timer = PhaseTimer()
+    for name, seconds in (("backward", 4.0), ("generation", 10.0), ("evaluation", 6.0), ("model_load", 1.0)):
+        timer.add(name, seconds)
+    out = time_breakdown(timer, total_seconds=25.0)
+    assert list(out) == ["model_load", "evaluation", "generation", "backward", "other", "total"]
+    assert out["other"] == 4.0 and out["total"] == 25.0  # 25 - (1 + 6 + 10 + 4)
+    assert "generation" in profiling.format_breakdown(out) and "40.0%" in profiling.format_breakdown(out)
+
+
+def _toy_trainer(tiny_model, tokenizer, tmp_path, **overrides):
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    dataset = Dataset.from_list([{"prompt": f"Count to {i}:"} for i in range(8)])
+    settings = dict(CPU_TEST_ARGS, per_device_train_batch_size=4, num_generations=4, max_completion_length=6)
+    settings.update(overrides)
+    args = trl_ext.GRPOConfig(output_dir=str(tmp_path), **settings)
+
+    def reward(completions, **kwargs):
+        return [float(len(c) % 5) for c in completions]
+
+    return trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok)
+
+
+def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path):
+    trainer = _toy_trainer(tiny_model, tokenizer, tmp_path, max_steps=2)
+    profiler = StepProfiler().attach(trainer)
+    trainer.train()
+    seconds = profiler.timer.seconds
+    for phase in ("generation", "reward", "logprob_forward", "backward", "optimizer", "train_other"):
+        assert seconds[phase] > 0, phase
+    # one generation / reward / forward / backward per optimizer step at these settings; clipping + step = 1 call
+    calls = profiler.timer.calls
+    assert (calls["generation"], calls["reward"], calls["logprob_forward"], calls["backward"], calls["optimizer"]) == (2, 2, 2, 2, 2)
+    assert profiler.steps == 2
+    # the phases partition train(): their sum is the wall time of train() (train_other is the remainder)
+    assert sum(seconds.values()) == pytest.approx(profiler.train_seconds, rel=1e-6)
+
+
+def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """Master weights fp32; log-probs (LM head in fp32), ratio inputs, advantages and KL fp32 under bf16 autocast."""
+    seen = {}
+    pg_loss, kl = F.compute_policy_gradient_loss, F.compute_kl
+
+    def spy_pg(policy_log_probs, loss_type, raw_rewards=None, advantages=None, old_log_probs=None, cliprange=None):
+        seen.update(policy=policy_log_probs.dtype, old=old_log_probs.dtype, advantages=advantages.dtype)
+        return pg_loss(policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange)
+
+    def spy_kl(log_probs, ref_log_probs, estimator="k3"):
+        out = kl(log_probs, ref_log_probs, estimator)
+        seen.update(kl=(log_probs.dtype, ref_log_probs.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(F, "compute_policy_gradient_loss", spy_pg)
+    monkeypatch.setattr(F, "compute_kl", spy_kl)
+    mlp_out = []
+    tiny_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: mlp_out.append(o.dtype))
+    trainer = _toy_trainer(tiny_model, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True, max_steps=1)
+    trainer.train()
+    # the KL term on one more batch, with reference log-probs given (beta > 0 would load a reference checkpoint)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trainer._generate_and_score_completions([{"prompt": "Count to 5:"}] * 4)
+    trainer.beta = 0.04
+    inputs["ref_per_token_logps"] = torch.full(inputs["completion_ids"].shape, -3.0)
+    mlp_out.clear()
+    trainer._compute_loss(trainer.model, inputs)
+    assert mlp_out and set(mlp_out) == {torch.bfloat16}  # the forward really ran under bf16 autocast ...
+    assert seen["policy"] == seen["old"] == seen["advantages"] == torch.float32  # ... the RL math did not
+    assert seen["kl"] == (torch.float32, torch.float32, torch.float32)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+    state = trainer.optimizer.state
+    assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())  # fp32 optimizer state
+
+
+def test_bf16_two_thread_runs_are_deterministic(tokenizer, tmp_path):
+    """Same seed, same thread count, bf16 autocast: two runs end with bit-identical weights."""
+    from trl_ext.models import tiny_model_for_tests
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        weights = []
+        for run in range(2):
+            trainer = _toy_trainer(tiny_model_for_tests(tokenizer), tokenizer, tmp_path / str(run), bf16=True,
+                                   cast_lm_head_to_fp32=True, max_steps=2)
+            trainer.train()
+            weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    finally:
+        torch.set_num_threads(before)
+    assert any(not torch.equal(weights[0][n], tiny_model_for_tests(tokenizer).state_dict()[n]) for n in weights[0])
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])

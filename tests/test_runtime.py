@@ -1,0 +1,174 @@
+"""trl_ext.runtime: the thread default respects explicit settings; bf16 is enabled only where it is ours to enable."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import trl
+
+from trl_ext import runtime
+from trl_ext.runtime import ThreadSetting, thread_setting
+
+
+# ------------------------------------------------------------------------------------------------- thread setting
+def test_unset_is_not_explicit():
+    assert thread_setting(env={}, launcher_env={}, launcher_cmdline=[]) == ThreadSetting(False, "unset", None)
+
+
+def test_accelerate_default_is_not_explicit():
+    # accelerate launch (no config, no GPU) exported OMP_NUM_THREADS=1; the launcher itself was started without it
+    setting = thread_setting(
+        env={"OMP_NUM_THREADS": "1"},
+        launcher_env={"PATH": "/usr/bin"},
+        launcher_cmdline=[".venv/bin/python", ".venv/bin/accelerate", "launch", "recipes/grpo_math.py"],
+    )
+    assert setting == ThreadSetting(False, "launcher default", 1)
+
+
+def test_exported_before_launch_is_explicit():
+    setting = thread_setting(
+        env={"OMP_NUM_THREADS": "1"},
+        launcher_env={"OMP_NUM_THREADS": "1"},
+        launcher_cmdline=["accelerate", "launch", "x.py"],
+    )
+    assert setting == ThreadSetting(True, "OMP_NUM_THREADS", 1)
+
+
+@pytest.mark.parametrize("flag", [["--num_cpu_threads_per_process", "3"], ["--num_cpu_threads_per_process=3"]])
+def test_launcher_flag_is_explicit(flag):
+    setting = thread_setting(
+        env={"OMP_NUM_THREADS": "3"}, launcher_env={}, launcher_cmdline=["accelerate", "launch", *flag, "x.py"]
+    )
+    assert setting == ThreadSetting(True, "--num_cpu_threads_per_process", 3)
+
+
+def test_without_a_launcher_the_variable_is_the_users():
+    # no launcher ancestor (plain `python script.py`): nobody but the user can have set it
+    assert thread_setting(env={"OMP_NUM_THREADS": "2"}, launcher_env=None, launcher_cmdline=None).explicit
+
+
+@pytest.mark.parametrize(
+    "cmdline, expected",
+    [
+        (["/x/.venv/bin/python", "/x/.venv/bin/accelerate", "launch", "a.py"], True),
+        (["python", "-m", "accelerate.commands.launch", "a.py"], True),
+        (["/usr/bin/torchrun", "--nproc_per_node", "2", "a.py"], True),
+        (["python", "-m", "torch.distributed.run", "a.py"], True),
+        (["uv", "run", "accelerate", "launch", "a.py"], True),  # uv's own process, one level above accelerate
+        (["python", "a.py", "launch"], False),
+        (["bash", "-c", "accelerate env"], False),
+    ],
+)
+def test_is_launcher(cmdline, expected):
+    assert runtime._is_launcher(cmdline) is expected
+
+
+@pytest.mark.parametrize(
+    "local_processes, cores, expected", [(1, 2, 2), (2, 2, 1), (3, 2, 1), (2, 16, 8), (3, 16, 5), (1, 1, 1)]
+)
+def test_default_num_threads_shares_cores_among_local_processes(local_processes, cores, expected):
+    assert runtime.default_num_threads(local_processes, cores) == expected
+
+
+def test_configure_respects_explicit_and_changes_default(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setattr(runtime, "default_num_threads", lambda: 1 if before != 1 else 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(before))
+    try:
+        kept = runtime.configure_cpu_threads(ThreadSetting(True, "OMP_NUM_THREADS", before), on_gpu=False)
+        assert kept == {"threads": before, "source": "OMP_NUM_THREADS", "changed": False}
+        assert torch.get_num_threads() == before
+        target = 1 if before != 1 else 2
+        done = runtime.configure_cpu_threads(ThreadSetting(False, "launcher default", before), on_gpu=False)
+        assert done == {"threads": target, "source": "default (cores / local processes)", "changed": True}
+        assert torch.get_num_threads() == target and os.environ["OMP_NUM_THREADS"] == str(target)
+        assert runtime.configure_cpu_threads(ThreadSetting(False, "unset", None), on_gpu=True)["source"] == "gpu"
+    finally:
+        torch.set_num_threads(before)
+
+
+_PROBE = textwrap.dedent(
+    """
+    import json, os, torch
+    from trl_ext import runtime
+    setting = runtime.thread_setting()
+    done = runtime.configure_cpu_threads(setting, on_gpu=False)
+    print("PROBE" + json.dumps({"explicit": setting.explicit, "source": setting.source, "env": os.environ.get("OMP_NUM_THREADS"),
+                                 "threads": torch.get_num_threads(), "cores": runtime.available_cores()}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launch_flags, exported, expect_explicit, expect_source",
+    [
+        ([], None, False, "launcher default"),
+        ([], "1", True, "OMP_NUM_THREADS"),
+        (["--num_cpu_threads_per_process", "1"], None, True, "--num_cpu_threads_per_process"),
+    ],
+)
+def test_real_accelerate_launch(tmp_path, launch_flags, exported, expect_explicit, expect_source):
+    """The real launcher (no config file, no GPU): its default 1 is replaced, a user's 1 is kept."""
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_CONFIG_FILE=str(tmp_path / "none.yaml"))
+    if exported is not None:
+        env["OMP_NUM_THREADS"] = exported
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", *launch_flags, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probe = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE"))[5:])
+    assert probe["explicit"] is expect_explicit and probe["source"] == expect_source
+    assert probe["threads"] == (1 if expect_explicit else probe["cores"])
+
+
+# ----------------------------------------------------------------------------------------------------------- bf16
+@pytest.mark.parametrize(
+    "cpuinfo, expected",
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni\n", True),
+        ("flags\t\t: fpu sse amx_bf16 amx_tile\n", True),
+        ("Features\t: fp asimd bf16 i8mm\n", True),  # Arm
+        ("flags\t\t: fpu sse avx2 avx512f avx512bw\n", False),
+        ("model name\t: bf16 marketing name\nflags\t\t: fpu sse\n", False),  # only flag lines count
+    ],
+)
+def test_cpu_has_bf16(cpuinfo, expected):
+    assert runtime.cpu_has_bf16(cpuinfo) is expected
+
+
+def test_precision_set_by_user(tmp_path):
+    plain, with_bf16 = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    plain.write_text("max_steps: 2\n")
+    with_bf16.write_text("bf16: false\nmax_steps: 2\n")
+    assert not runtime.precision_set_by_user(["--max_steps", "2"], plain)
+    assert runtime.precision_set_by_user(["--bf16", "false"], plain)
+    assert runtime.precision_set_by_user(["--fp16=true"], plain)
+    assert runtime.precision_set_by_user([], with_bf16)
+    assert runtime.precision_set_by_user(["--config", str(with_bf16)])
+    assert not runtime.precision_set_by_user(["--bf16_full_eval", "true"], plain)
+
+
+def _args(**kwargs):
+    return trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", **kwargs)
+
+
+def test_enable_cpu_bf16_only_when_ours_to_enable():
+    args = _args(bf16=False)
+    assert runtime.enable_cpu_bf16(args, user_set=False, has_bf16=True).startswith("bf16 autocast")
+    assert args.bf16 and args.mixed_precision == "bf16" and args.cast_lm_head_to_fp32
+    args = _args()  # TRL's own default bf16=True: on a CPU without bf16 instructions our default is fp32
+    assert args.bf16
+    assert runtime.enable_cpu_bf16(args, user_set=False, has_bf16=False).startswith("fp32")
+    assert not args.bf16 and args.mixed_precision == "no" and not args.cast_lm_head_to_fp32
+    args = _args(bf16=False)  # the user said fp32 (e.g. --bf16 false): kept
+    assert runtime.enable_cpu_bf16(args, user_set=True, has_bf16=True) == "fp32"
+    assert not args.bf16 and not args.cast_lm_head_to_fp32
+    args = _args(bf16=True)  # the user said bf16 on a CPU without bf16 instructions: kept
+    assert runtime.enable_cpu_bf16(args, user_set=True, has_bf16=False) == "bf16" and args.bf16

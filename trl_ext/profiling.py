@@ -1,0 +1,184 @@
+"""Where the wall time of a GRPO run goes: per-phase timers around the trainer's seams.
+
+:class:`PhaseTimer` accumulates wall seconds per named phase with *exclusive* accounting (a phase that runs inside
+another is charged to itself only), so the phases never double count and their sum is at most the wall time.
+:class:`StepProfiler` is a ``transformers.TrainerCallback`` that attaches such a timer to a ``trl.GRPOTrainer`` (or
+``trl_ext.GRPOTrainer``) by wrapping, on the instance only, the methods each phase runs in (TRL 1.16 / transformers
+5.x):
+
+==============  ==========================================================================================
+phase           what is timed
+==============  ==========================================================================================
+generation      ``trainer._generate`` (prompt tokenization, ``model.generate`` / vLLM, decoding)
+reward          ``trainer._calculate_rewards`` (every reward function, gathered across processes)
+logprob_forward ``trainer._get_per_token_logps_and_entropies`` (policy, old-policy and reference forwards)
+backward        ``trainer.accelerator.backward`` (the loss's backward pass)
+optimizer       ``trainer._clip_grad_norm`` plus ``optimizer.step()`` (``on_pre_optimizer_step`` ->
+                ``on_optimizer_step``)
+checkpoint      ``trainer._save_checkpoint``
+train_other     the rest of ``trainer.train()``: data loading, advantages, the loss arithmetic, logging, callbacks
+==============  ==========================================================================================
+
+``evaluation`` and ``model_load`` are timed by the caller with :meth:`PhaseTimer.phase`. On CUDA each phase boundary
+synchronizes the device, so kernels are charged to the phase that launched them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+TRAIN_PHASES = ("generation", "reward", "logprob_forward", "backward", "optimizer", "checkpoint")
+"""Phases :class:`StepProfiler` times inside ``trainer.train()``; ``train_other`` is the remainder."""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Accumulated wall seconds per phase, exclusive of nested phases.
+
+    Example::
+
+        timer = PhaseTimer()
+        with timer.phase("evaluation"):
+            ...
+        timer.seconds  # {"evaluation": 12.3}
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._stack: list[list[Any]] = []  # [name, start, seconds spent in nested phases]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as ``name``; time spent in phases nested inside it is charged to those instead."""
+        _sync()
+        self._stack.append([name, time.perf_counter(), 0.0])
+        try:
+            yield
+        finally:
+            _sync()
+            _, start, nested = self._stack.pop()
+            elapsed = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - nested
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self._stack:
+                self._stack[-1][2] += elapsed
+
+    def add(self, name: str, seconds: float) -> None:
+        """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, obj: Any, method: str, name: str) -> None:
+        """Replace ``obj.method`` (on the instance) by a version timed as ``name``."""
+        original = getattr(obj, method)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            with self.phase(name):
+                return original(*args, **kwargs)
+
+        setattr(obj, method, timed)
+
+
+class StepProfiler(TrainerCallback):
+    """Per-phase wall time of ``trainer.train()`` (see the module docstring for the phases).
+
+    Use::
+
+        profiler = StepProfiler(timer).attach(trainer)   # before trainer.train()
+        trainer.train()
+        profiler.timer.seconds                           # {"generation": ..., "train_other": ..., ...}
+
+    Args:
+        timer: where the seconds go (a fresh :class:`PhaseTimer` when None); pass the recipe's timer to collect
+            evaluation and model loading in the same place.
+    """
+
+    def __init__(self, timer: PhaseTimer | None = None):
+        self.timer = timer if timer is not None else PhaseTimer()
+        self.train_seconds = 0.0
+        self.steps = 0
+        self._train_start: float | None = None
+        self._optimizer_start: float | None = None
+        self._inside_train = 0.0
+
+    def attach(self, trainer: Any) -> StepProfiler:
+        """Wrap ``trainer``'s phase methods and register as its callback; returns ``self``."""
+        for method, name in (
+            ("_generate", "generation"),
+            ("_calculate_rewards", "reward"),
+            ("_get_per_token_logps_and_entropies", "logprob_forward"),
+            ("_save_checkpoint", "checkpoint"),
+        ):
+            self.timer.wrap(trainer, method, name)
+        self.timer.wrap(trainer.accelerator, "backward", "backward")
+        # Gradient clipping runs right before on_pre_optimizer_step; charge it to the optimizer phase.
+        self.timer.wrap(trainer, "_clip_grad_norm", "optimizer")
+        trainer.add_callback(self)
+        return self
+
+    def _phase_total(self) -> float:
+        # every phase, including ones the caller times inside train() (e.g. held-out evaluation in a callback)
+        return sum(self.timer.seconds.values())
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _sync()
+        self._train_start = time.perf_counter()
+        self._inside_train = self._phase_total()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        _sync()
+        self._optimizer_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._optimizer_start is not None:
+            _sync()
+            self.timer.add("optimizer", time.perf_counter() - self._optimizer_start)
+            self.timer.calls["optimizer"] -= 1  # clipping + step count as one call per optimizer step
+            self._optimizer_start = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._train_start is None:
+            return
+        _sync()
+        self.train_seconds += time.perf_counter() - self._train_start
+        inside = self._phase_total() - self._inside_train
+        self.timer.add("train_other", max(0.0, self.train_seconds - inside))
+        self._train_start = None
+
+
+def time_breakdown(timer: PhaseTimer, total_seconds: float | None = None) -> dict[str, float]:
+    """Seconds per phase in a fixed order (phases that never ran are left out), rounded to 1 ms.
+
+    With ``total_seconds`` (the run's wall time), ``other`` is what no phase covered (start-up, saving the model,
+    writing reports) and ``total`` is ``total_seconds``, so the phases plus ``other`` sum to ``total``.
+    """
+    order = ("model_load", "evaluation", *TRAIN_PHASES, "train_other")
+    out = {name: timer.seconds[name] for name in order if name in timer.seconds}
+    out.update({k: v for k, v in timer.seconds.items() if k not in out})
+    if total_seconds is not None:
+        out["other"] = max(0.0, total_seconds - sum(out.values()))
+        out["total"] = total_seconds
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def format_breakdown(breakdown: Mapping[str, float]) -> str:
+    """One line per phase: seconds and share of ``total`` (or of the sum when there is no ``total``)."""
+    total = breakdown.get("total") or sum(v for k, v in breakdown.items() if k != "total") or 1.0
+    width = max(len(k) for k in breakdown)
+    return "\n".join(f"{k:<{width}}  {v:8.1f} s  {v / total:6.1%}" for k, v in breakdown.items())

@@ -1,0 +1,251 @@
+"""Speed defaults for CPU runs: every core by default, bf16 autocast where the CPU has bf16 instructions.
+
+Both only change *our defaults*; an explicit choice of the user always wins.
+
+Threads. ``accelerate launch`` without a config file on a machine without a GPU exports ``OMP_NUM_THREADS=1`` to
+the script (accelerate 1.15, ``commands/launch.py::_validate_launch_command``: ``num_cpu_threads_per_process``
+defaults to ``$OMP_NUM_THREADS`` or 1, and its "use the physical cores" heuristic only runs with ``--cpu``), and
+``torchrun`` does the same for several processes. The script cannot tell that 1 from a user's ``export
+OMP_NUM_THREADS=1`` by its own environment, but it can ask its launcher: ``/proc/<launcher>/environ`` holds the
+environment the launcher was *started* with (what the user exported; the launcher's own later changes are not in
+it) and ``/proc/<launcher>/cmdline`` its flags (``--num_cpu_threads_per_process``). :func:`thread_setting` reads
+both; :func:`configure_cpu_threads` then uses ``available cores // local processes`` unless the setting was explicit.
+
+bf16. :func:`cpu_has_bf16` reads the CPU flags (``avx512_bf16``, ``amx_bf16``, Arm ``bf16``); without them bf16
+matmuls are emulated and slower than fp32. :func:`enable_cpu_bf16` turns on ``bf16`` (autocast, fp32 master weights
+and optimizer state) in a ``TrainingArguments`` whose precision the user did not set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+THREAD_FLAG = "--num_cpu_threads_per_process"
+
+
+@dataclasses.dataclass
+class ThreadSetting:
+    """Where a process's thread count comes from.
+
+    Attributes:
+        explicit: True when the user chose it (``OMP_NUM_THREADS`` exported before the launcher, or the launcher's
+            ``--num_cpu_threads_per_process``, or ``OMP_NUM_THREADS`` set for a script run without a launcher).
+        source: ``"OMP_NUM_THREADS"``, ``"--num_cpu_threads_per_process"``, ``"launcher default"`` (accelerate or
+            torchrun exported it on their own) or ``"unset"``.
+        value: the ``OMP_NUM_THREADS`` this process sees, or None.
+    """
+
+    explicit: bool
+    source: str
+    value: int | None
+
+
+def _read_proc(pid: int, name: str) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
+def _is_launcher(cmdline: Sequence[str]) -> bool:
+    """``accelerate launch ...`` / ``python -m accelerate.commands.launch`` / ``torchrun`` / ``torch.distributed.run``."""
+    names = [os.path.basename(a) for a in cmdline]
+    if "launch" in cmdline and any(n == "accelerate" or n.startswith("accelerate.commands") for n in names):
+        return True
+    return any(n in ("torchrun", "accelerate.commands.launch", "torch.distributed.run", "accelerate-launch") for n in names)
+
+
+def find_launcher(pid: int | None = None, max_depth: int = 4) -> int | None:
+    """The pid of the nearest ancestor of ``pid`` (default: this process) that is a launcher, or None.
+
+    Looks at most ``max_depth`` parents up (``uv run accelerate launch`` puts the script two levels below ``uv``).
+    Returns None where ``/proc`` cannot be read (non-Linux).
+    """
+    pid = os.getpid() if pid is None else pid
+    for _ in range(max_depth):
+        status = _read_proc(pid, "status")
+        if status is None:
+            return None
+        ppid = next((int(line.split()[1]) for line in "".join(status).splitlines() if line.startswith("PPid:")), 0)
+        if ppid <= 1:
+            return None
+        cmdline = _read_proc(ppid, "cmdline")
+        if cmdline and _is_launcher(cmdline):
+            return ppid
+        pid = ppid
+    return None
+
+
+def thread_setting(
+    env: dict[str, str] | None = None,
+    launcher_env: dict[str, str] | None = None,
+    launcher_cmdline: Sequence[str] | None = None,
+) -> ThreadSetting:
+    """Decide whether this process's ``OMP_NUM_THREADS`` is the user's choice or a launcher's default.
+
+    Args:
+        env: this process's environment (default ``os.environ``).
+        launcher_env, launcher_cmdline: the launcher's start-up environment and command line; by default read from
+            ``/proc`` for the nearest launcher ancestor (:func:`find_launcher`). Pass both as None with no launcher.
+
+    Rules: ``OMP_NUM_THREADS`` unset -> not explicit (``"unset"``). Set and a launcher found -> explicit when the
+    launcher was started with ``OMP_NUM_THREADS`` in its environment or with ``--num_cpu_threads_per_process``,
+    else the launcher's default. Set and no launcher found (a plain ``python script.py``, or ``/proc`` unreadable)
+    -> explicit: we cannot prove it is not the user's, so it is respected.
+    """
+    env = os.environ if env is None else env
+    raw = env.get("OMP_NUM_THREADS")
+    value = int(raw) if raw and raw.strip().isdigit() else None
+    if raw is None:
+        return ThreadSetting(False, "unset", None)
+    if launcher_env is None and launcher_cmdline is None:
+        pid = find_launcher()
+        if pid is not None:
+            launcher_cmdline = _read_proc(pid, "cmdline") or []
+            launcher_env = dict(e.split("=", 1) for e in (_read_proc(pid, "environ") or []) if "=" in e)
+    if launcher_env is None and launcher_cmdline is None:
+        return ThreadSetting(True, "OMP_NUM_THREADS", value)
+    if any(a == THREAD_FLAG or a.startswith(THREAD_FLAG + "=") for a in (launcher_cmdline or [])):
+        return ThreadSetting(True, THREAD_FLAG, value)
+    if "OMP_NUM_THREADS" in (launcher_env or {}):
+        return ThreadSetting(True, "OMP_NUM_THREADS", value)
+    return ThreadSetting(False, "launcher default", value)
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def default_num_threads(local_processes: int | None = None, cores: int | None = None) -> int:
+    """``cores // local_processes`` (at least 1): every core, shared evenly by the processes on this machine.
+
+    ``local_processes`` defaults to ``$LOCAL_WORLD_SIZE`` (set by torchrun/accelerate) or 1.
+    """
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    cores = available_cores() if cores is None else cores
+    return max(1, cores // max(1, local_processes))
+
+
+def configure_cpu_threads(setting: ThreadSetting | None = None, on_gpu: bool | None = None) -> dict[str, Any]:
+    """Use every core (shared by the local processes) unless the user set the thread count; return what was done.
+
+    On a machine with a GPU nothing changes (the CPU only feeds the GPU there). Otherwise, when ``setting``
+    (default :func:`thread_setting`) is not explicit, ``torch.set_num_threads(default_num_threads())`` and
+    ``OMP_NUM_THREADS`` is updated for child processes.
+
+    Returns:
+        ``{"threads": int, "source": str, "changed": bool}``; ``source`` is ``"default (cores / local
+        processes)"``, the explicit setting's source, or ``"gpu"``.
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if on_gpu:
+        return {"threads": torch.get_num_threads(), "source": "gpu", "changed": False}
+    setting = thread_setting() if setting is None else setting
+    if setting.explicit:
+        return {"threads": torch.get_num_threads(), "source": setting.source, "changed": False}
+    threads = default_num_threads()
+    changed = threads != torch.get_num_threads()
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return {"threads": threads, "source": "default (cores / local processes)", "changed": changed}
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has bf16 arithmetic instructions (x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16``).
+
+    Reads ``/proc/cpuinfo`` (or the given text); False where it cannot be read (non-Linux), the safe side: fp32.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, rest = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(rest.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def precision_set_by_user(argv: Sequence[str] | None = None, config_path: str | os.PathLike | None = None) -> bool:
+    """True when ``--bf16``/``--fp16`` is on the command line or ``bf16``/``fp16`` is a key of the YAML config."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--bf16", "--fp16"):
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            return True
+    if config_path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
+        config_path = argv[argv.index("--config") + 1]
+    if config_path is not None:
+        import yaml
+
+        config = yaml.safe_load(Path(config_path).read_text()) or {}
+        return "bf16" in config or "fp16" in config
+    return False
+
+
+def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None) -> str:
+    """On a CPU run whose precision the user did not set: bf16 autocast where the CPU has bf16 instructions, else fp32.
+
+    (TRL's ``GRPOConfig`` defaults to ``bf16=True`` whatever the CPU; without bf16 instructions that is emulated and
+    slower than fp32, so "not set" is decided here.) Master weights and optimizer state stay fp32: autocast runs
+    matmuls in bf16 op by op. The LM head runs in fp32 (``cast_lm_head_to_fp32``, TRL 1.16), so the per-token
+    log-probs, and the ratio, KL and advantages computed from them, are fp32. Sets ``bf16`` and ``mixed_precision``
+    the way ``TrainingArguments.__post_init__`` derives one from the other (transformers 5.x, "Mixed Precision").
+
+    Args:
+        training_args: a ``TrainingArguments`` (e.g. ``trl.GRPOConfig``), changed in place.
+        user_set: the user gave ``--bf16``/``--fp16`` or a config with them (:func:`precision_set_by_user`).
+        has_bf16: override :func:`cpu_has_bf16` (tests).
+
+    Returns:
+        what the run uses: ``"bf16 autocast (default: CPU has bf16 instructions)"``, ``"fp32 (default: no bf16
+        instructions)"``, ``"bf16"``/``"fp16"``/``"fp32"`` (the user's), or ``"unchanged (GPU)"``.
+    """
+    if not getattr(training_args, "use_cpu", False) and torch.cuda.is_available():
+        return "unchanged (GPU)"
+    if user_set:
+        return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    bf16 = cpu_has_bf16() if has_bf16 is None else has_bf16
+    training_args.bf16, training_args.fp16 = bf16, False
+    training_args.mixed_precision = "bf16" if bf16 else "no"
+    if bf16 and hasattr(training_args, "cast_lm_head_to_fp32"):
+        training_args.cast_lm_head_to_fp32 = True
+    return "bf16 autocast (default: CPU has bf16 instructions)" if bf16 else "fp32 (default: no bf16 instructions)"
+
+
+def apply_speed_defaults(
+    training_args: Any, argv: Sequence[str] | None = None, default_config: str | os.PathLike | None = None
+) -> dict[str, Any]:
+    """The recipes' one call: :func:`configure_cpu_threads` and :func:`enable_cpu_bf16`; returns what was chosen.
+
+    Args:
+        training_args: the parsed ``TrainingArguments``, changed in place.
+        argv: the recipe's command line (default ``sys.argv[1:]``).
+        default_config: the config the recipe reads when ``argv`` has no ``--config``.
+
+    Returns:
+        ``{"threads", "threads_source", "precision", "cores"}``, for ``metrics.json``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = None if "--config" in argv else default_config
+    threads = configure_cpu_threads()
+    precision = enable_cpu_bf16(training_args, user_set=precision_set_by_user(argv, config))
+    return {
+        "threads": threads["threads"],
+        "threads_source": threads["source"],
+        "precision": precision,
+        "cores": available_cores(),
+    }
