@@ -273,17 +273,26 @@ def main(script_args, training_args, model_args, command):
         )
         written.append((name, paths))
         print(Path(paths["md"]).read_text(), flush=True)
-    if state.is_main_process and script_args.experiment == "all":
-        lines = ["# GRPO ablations (CS336 A5, section 8)", "", f"Command: `{command}`", ""]
-        for name, paths in written:
-            data = json.loads(Path(paths["json"]).read_text())
-            lines += [f"## {name}", "", f"[table]({name}/comparison.md), [record]({name}/experiment.md)", "",
-                      f"![{name}]({name}/comparison.png)", ""]
-            lines += [f"- {r['name']}: {r['final_accuracy']:.1%} ± {100 * (r['final_accuracy_se'] or 0):.1f}" for r in data["arms"]
-                      if r["final_accuracy"] is not None]
-            lines.append("")
-        (out / "report.md").write_text("\n".join(lines))
-        print(f"Wrote {out / 'report.md'}")
+        if script_args.experiment == "all":  # rewritten after every experiment, so a stopped run still has one
+            write_report(out, written, [n for n in names if n not in dict(written)], command)
+
+
+def write_report(out: Path, written: list, missing: list, command: str) -> Path:
+    """``out/report.md``: each finished experiment's plot, final accuracies with their standard errors and links."""
+    lines = ["# GRPO ablations (CS336 A5, section 8)", "", f"Command: `{command}`", ""]
+    if missing:
+        lines += [f"Not run yet: {', '.join(missing)}.", ""]
+    for name, paths in written:
+        data = json.loads(Path(paths["json"]).read_text())
+        lines += [f"## {name}", "", f"[table]({name}/comparison.md), [record]({name}/experiment.md)", "",
+                  f"![{name}]({name}/comparison.png)", ""]
+        lines += [f"- {r['name']}: {r['final_accuracy']:.1%} ± {100 * (r['final_accuracy_se'] or 0):.1f} "
+                  f"({r['n_eval']} held-out problems)" for r in data["arms"] if r["final_accuracy"] is not None]
+        lines.append("")
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    print(f"Wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -179,3 +179,14 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
     assert (out / "baselines" / "comparison.png").stat().st_size > 10_000
     record = (out / "baselines" / "experiment.md").read_text()
     assert "GRPO ablation: baselines" in record and "| no_baseline |" in record and "dirty:" in record
+
+
+def test_report_lists_finished_experiments_with_standard_errors_and_what_is_missing(tmp_path):
+    (tmp_path / "baselines").mkdir()
+    arms = [{"name": "no_baseline", "final_accuracy": 0.46, "final_accuracy_se": math.sqrt(0.46 * 0.54 / 100), "n_eval": 100}]
+    (tmp_path / "baselines" / "comparison.json").write_text(json.dumps({"setup": {}, "arms": arms}))
+    path = grpo_ablations.write_report(tmp_path, [("baselines", {"json": tmp_path / "baselines" / "comparison.json"})],
+                                       ["prompt"], "uv run x")
+    text = path.read_text()
+    assert "Not run yet: prompt." in text and "![baselines](baselines/comparison.png)" in text
+    assert "- no_baseline: 46.0% ± 5.0 (100 held-out problems)" in text  # sqrt(0.46 * 0.54 / 100) = 0.0498
