@@ -29,6 +29,7 @@ EXPECTED = {
     "multi_gpu_full.yaml": (DistributedType.FSDP, 8, "bf16"),
     "deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 8, "bf16"),
     "cpu_2proc.yaml": (DistributedType.MULTI_GPU, 2, "no"),
+    "single_process.yaml": (DistributedType.NO, 1, "no"),
 }
 # alias -> the file it must be (one config, two names; see the comments in the target files)
 ALIASES = {"single_gpu_qlora.yaml": "single_gpu_lora.yaml", "multi_gpu_full.yaml": "multi_gpu_fsdp2.yaml"}
@@ -74,6 +75,22 @@ def test_config_loads_and_launch_environment(name):
         assert env["ACCELERATE_USE_CPU"] == "False"
     else:  # torchrun or the DeepSpeed launcher starts one process per GPU
         assert args.nproc_per_node == str(num_processes)
+
+
+def test_single_process_config_leaves_accelerate_nothing_to_warn_about(caplog, monkeypatch, tmp_path):
+    # accelerate logs "The following values were not passed to `accelerate launch`..." for every value it fills in;
+    # the README's main-job command must launch without that warning, and without accelerate's CPU thread heuristic
+    # (trl_ext.runtime decides threads), so OMP_NUM_THREADS is accelerate's plain default of 1, marked as not ours.
+    with caplog.at_level("WARNING"):
+        args, _ = launch_env(CONFIG_DIR / "single_process.yaml")
+    assert "were not passed" not in caplog.text
+    assert args.num_cpu_threads_per_process == 1 and args.num_processes == 1 and not args.use_cpu
+    # while a bare `accelerate launch train.py` (no default config under HF_HOME) does warn
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _validate_launch_command(launch_command_parser().parse_args(["train.py"]))
+    assert "were not passed" in caplog.text
 
 
 def test_cpu_2proc_starts_two_torchrun_processes_on_a_free_port():
