@@ -13,14 +13,20 @@ SFT is a TRL trainer. Held-out greedy accuracy is measured before training and a
 token entropy of each step's sampled responses under the policy that sampled them.
 
 Writes metrics.json (accuracy_before, accuracy_after, n_eval, ei_steps: per step generated/kept samples, held-out
-accuracy, response entropy), ei_curves.png and experiment.md into --output_dir. Without --config the CPU config
-recipes/configs/expert_iteration_cpu.yaml is used; any flag (every trl_ext.SFTConfig option too) overrides it.
+accuracy, response entropy; plus the command, resolved configs, library versions and phase times), ei_curves.png,
+experiment.md and the final model into --output_dir.
+
+Options: recipes/configs/expert_iteration_cpu.yaml holds the recipe's defaults; a --config file is layered over them
+(it replaces only what it sets) and flags (every trl_ext.SFTConfig option too) override both. Options, data and
+--output_dir are checked before the model is loaded; a folder holding a finished run (metrics.json) is not
+overwritten unless --overwrite_output_dir. Expert iteration cannot be resumed: the loop keeps no checkpoints (each
+EI step's SFT is a fresh trainer and the sampled questions depend on the whole run so far), so
+--resume_from_checkpoint is refused; Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import random
 import resource
 import time
@@ -38,8 +44,16 @@ from trl_ext import functional as F
 from trl_ext.eval import evaluate_math
 from trl_ext.experiment import git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer
-from trl_ext.recipe_utils import parse_recipe_args
+from trl_ext.recipe_utils import (
+    RecipeError,
+    RecipeRun,
+    check_model_options,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+)
 from trl_ext.rewards import completion_text
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "expert_iteration_cpu.yaml"
 
@@ -149,24 +163,43 @@ def plot_ei(steps: list[dict], before: float, path: Path) -> Path:
     return path
 
 
-def main(script_args, training_args, model_args):
+def main(script_args, training_args, model_args, speed=None):
+    # everything that can be checked without the model comes first: resume, folder, options, data
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
+        raise RecipeError(
+            "--resume_from_checkpoint: expert iteration keeps no checkpoints (each EI step's SFT is a fresh trainer "
+            "and the questions it samples depend on the whole run so far), so it cannot be resumed; run it again "
+            "(add --overwrite_output_dir to replace an earlier run in the same --output_dir)"
+        )
+    run = RecipeRun("expert_iteration", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir)
+    check_model_options(model_args)
     state = PartialState()
     if state.num_processes > 1:
-        raise ValueError("expert_iteration.py runs in one process (its SFT batches are small); launch without multi-process accelerate")
+        raise RecipeError("expert_iteration.py runs in one process (its SFT batches are small); launch without multi-process accelerate")
     if model_args.use_peft:
-        raise ValueError("--use_peft is not supported by expert_iteration.py yet (each EI step would wrap the model again)")
+        raise RecipeError("--use_peft is not supported by expert_iteration.py yet (each EI step would wrap the model again)")
     if training_args.max_steps > 0:
-        raise ValueError(f"--max_steps={training_args.max_steps}; the SFT length is set by --sft_epochs, leave max_steps unset")
+        raise RecipeError(f"--max_steps {training_args.max_steps}: the SFT length is set by --sft_epochs; leave max_steps unset")
     training_args.num_train_epochs = script_args.sft_epochs
     git = git_state()  # the code this run starts from
-    model, tokenizer, _ = load_model_and_tokenizer(model_args)
-    train, test, reward_name = load_data(script_args, tokenizer)
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
+        train, test, reward_name = load_data(script_args)
     train_reward, eval_reward = REWARDS[reward_name]
+    needed = script_args.n_ei_steps * script_args.ei_batch_size
+    if needed > len(train):  # questions are drawn without replacement across the whole run
+        raise RecipeError(
+            f"--n_ei_steps {script_args.n_ei_steps} x --ei_batch_size {script_args.ei_batch_size} = {needed} questions, "
+            f"but the training split has {len(train)}; lower one of them or use more training problems"
+        )
+    with run.phase("load_model"):
+        model, tokenizer, _ = load_model_and_tokenizer(model_args)
     model.to(state.device)
     evaluate = lambda desc: evaluate_math(  # noqa: E731
         model, tokenizer, test, eval_reward, script_args.max_completion_length, script_args.eval_batch_size, desc, disable_progress=True
     )
-    before = evaluate("eval before")
+    with run.phase("eval_before"):
+        before = evaluate("eval before")
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} problems", flush=True)
     sampler = make_sampler(model, tokenizer, train, train_reward, script_args, training_args)
     rng = random.Random(training_args.seed)
@@ -180,11 +213,13 @@ def main(script_args, training_args, model_args):
         answers = [row["answer"] for row in rows for _ in range(script_args.num_generations)]
         t0 = time.perf_counter()
         sampler._last_loaded_step = -1  # the policy changed since the last call: make vLLM reload the weights
-        prompt_ids, completion_ids, _, completions, *_ = sampler._generate(prompts)
+        with run.phase("sample"):
+            prompt_ids, completion_ids, _, completions, *_ = sampler._generate(prompts)
         generation_seconds = time.perf_counter() - t0
         texts = [completion_text(c, i) for i, c in enumerate(completions)]
         rewards = [eval_reward(text, answer)["reward"] for text, answer in zip(texts, answers)]
-        entropy = mean_response_entropy(model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size)
+        with run.phase("entropy"):
+            entropy = mean_response_entropy(model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size)
         kept = [i for i, r in enumerate(rewards) if r == 1.0]
         record = {
             "step": step,
@@ -206,13 +241,16 @@ def main(script_args, training_args, model_args):
             args.logging_dir = None
             t0 = time.perf_counter()
             trainer = trl_ext.SFTTrainer(model=model, args=args, train_dataset=sft_data, processing_class=tokenizer)
-            result = trainer.train()
+            run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
+            with run.phase("sft"):
+                result = trainer.train()
             record.update(sft_loss=result.training_loss, sft_steps=result.global_step, sft_seconds=time.perf_counter() - t0)
             log_history += [{**e, "ei_step": step} for e in trainer.state.log_history]
             del trainer
         else:
             record.update(sft_loss=None, sft_steps=0, sft_seconds=0.0)
-        result = evaluate(f"eval after EI step {step}")
+        with run.phase("eval_steps"):
+            result = evaluate(f"eval after EI step {step}")
         record.update(accuracy=result["accuracy"], format_rate=result["format_rate"])
         steps.append(record)
         print(
@@ -223,9 +261,9 @@ def main(script_args, training_args, model_args):
     train_seconds, train_cpu_seconds = time.perf_counter() - start, cpu_seconds() - cpu_start
 
     out = Path(training_args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with run.phase("save"):
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
     metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": steps[-1]["accuracy"],
@@ -236,9 +274,9 @@ def main(script_args, training_args, model_args):
         "model": model_args.model_name_or_path or DEFAULT_MODEL,
         "dataset": script_args.dataset_name or "generated arithmetic",
         "reward": reward_name,
+        "runtime": speed or {},
         "log_history": log_history,
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot = plot_ei(steps, before["accuracy"], out / "ei_curves.png")
     se = lambda p: (p * (1 - p) / before["n"]) ** 0.5  # noqa: E731
     entropies = [s["entropy"] for s in steps]
@@ -263,11 +301,21 @@ def main(script_args, training_args, model_args):
         log_history=log_history,
         git=git,
     )
+    run.write_metrics(metrics)  # last: its presence marks a finished run
     print(
         f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {steps[-1]['accuracy']:.1%} "
         f"({before['n']} problems) in {train_seconds:.0f} s; wrote {out / 'metrics.json'}, {plot} and {out / 'experiment.md'}"
     )
 
 
+def parse_args(argv=None):
+    return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
+def _main_with_speed_defaults(script_args, training_args, model_args):
+    # threads and CPU precision are chosen before the sampler's GRPOConfig copies bf16 from training_args
+    return main(script_args, training_args, model_args, speed=apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG))
+
+
 if __name__ == "__main__":
-    main(*parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG))
+    recipe_main(_main_with_speed_defaults, parse_args)

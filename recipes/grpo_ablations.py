@@ -22,8 +22,14 @@ normalization, masked_mean, on-policy, beta 0):
 
 Every arm starts from the same model with the same seed, prompts and step budget (--max_steps); held-out greedy
 accuracy is measured at step 0 and every --eval_every steps on --num_eval problems, next to the reward, entropy,
-response length and gradient norm curves. Writes <output_dir>/<NAME>/comparison.{json,md,png} and experiment.md.
-Without --config the CPU config recipes/configs/grpo_ablations_cpu.yaml is used; any flag overrides it.
+response length and gradient norm curves. Writes <output_dir>/<NAME>/comparison.{json,md,png} and experiment.md;
+comparison.json also records the command, the resolved configs, library versions and phase times.
+
+Options: recipes/configs/grpo_ablations_cpu.yaml holds the recipe's defaults; a --config file is layered over them
+(it replaces only what it sets) and flags override both. Options, data and --output_dir are checked before any model
+is loaded. An experiment whose <output_dir>/<NAME>/comparison.json exists (for 'all': any of them) is not run again
+unless --overwrite_output_dir; other experiments may share the folder. Comparisons cannot be resumed (each arm trains
+from scratch): --resume_from_checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +53,16 @@ from trl_ext.compare.monitoring import binomial_standard_error
 from trl_ext.eval import evaluate_math
 from trl_ext.experiment import config_hyperparameters, git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
+from trl_ext.recipe_utils import (
+    RecipeError,
+    RecipeRun,
+    add_provenance,
+    check_model_options,
+    parse_recipe_args,
+    recipe_main,
+    user_input,
+)
+from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_ablations_cpu.yaml"
 EXPERIMENTS = (  # the order of --experiment all: the reference arm first, reused by the next four experiments
@@ -169,10 +185,17 @@ def experiment_arms(name: str, script_args: AblationArguments, training_args) ->
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")
 
 
-def make_task(script_args, tokenizer, training_args, template: str | None = None) -> tuple[Task, str]:
-    """Train data, reward and held-out evaluation for ``template`` (None: the config's own)."""
+def load_task_data(script_args, template: str | None = None) -> tuple:
+    """``(args, train, test, reward name)`` for ``template`` (None: the config's own); no tokenizer or model needed,
+    so bad data fails before any model work."""
     args = script_args if template is None else dataclasses.replace(script_args, template=template, reward=None)
-    train, test, reward_name = load_data(args, tokenizer)
+    train, test, reward_name = load_data(args)
+    return args, train, test, reward_name
+
+
+def make_task(script_args, tokenizer, training_args, data: tuple) -> tuple[Task, str]:
+    """Train data, reward and held-out evaluation from ``data`` (:func:`load_task_data`)."""
+    args, train, test, reward_name = data
     train_reward, eval_reward = REWARDS[reward_name]
     eval_fn = partial(
         evaluate_math, tokenizer=tokenizer, dataset=test, reward_fn=eval_reward,
@@ -212,21 +235,38 @@ def observations(results: list[dict]) -> list[str]:
     return notes
 
 
-def main(script_args, training_args, model_args, command):
-    state = PartialState()
-    if training_args.max_steps <= 0:
-        raise ValueError(f"--max_steps={training_args.max_steps}; the experiments need a fixed step budget (> 0)")
-    git = git_state()  # the code this run starts from (commits made while it runs are not its code)
+def main(script_args, training_args, model_args, command=None, speed=None):
+    # everything that can be checked without the model comes first: resume, folder, options, data
+    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
+        raise RecipeError(
+            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
+            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
+        )
     names = list(EXPERIMENTS) if script_args.experiment == "all" else [script_args.experiment]
-    tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
-    base_task, base_description = make_task(script_args, tokenizer, training_args)
-    tasks = {}
-    if "prompt" in names:
-        for template in ("r1_zero", "question_only"):
-            tasks[template], _ = make_task(script_args, tokenizer, training_args, template)
+    out = Path(training_args.output_dir)
+    # a finished experiment leaves <NAME>/comparison.json: refuse the first one this run would redo
+    markers = [f"{name}/comparison.json" for name in names]
+    marker = next((m for m in markers if (out / m).is_file()), markers[0])
+    run = RecipeRun("grpo_ablations", out, configs, overwrite=script_args.overwrite_output_dir, result_file=marker)
+    if script_args.overwrite_output_dir and PartialState().is_main_process:
+        for m in markers:  # the other experiments this run redoes: no stale result survives a stopped run
+            (out / m).unlink(missing_ok=True)
+    check_model_options(model_args)
+    if training_args.max_steps <= 0:
+        raise RecipeError(f"--max_steps {training_args.max_steps}: the experiments need a fixed step budget (>= 1)")
+    command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
+    state = PartialState()
+    git = git_state()  # the code this run starts from (commits made while it runs are not its code)
+    with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
+        base_data = load_task_data(script_args)
+        prompt_data = {t: load_task_data(script_args, t) for t in ("r1_zero", "question_only")} if "prompt" in names else {}
+    with run.phase("load_tokenizer"):
+        tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
+    base_task, base_description = make_task(script_args, tokenizer, training_args, base_data)
+    tasks = {template: make_task(script_args, tokenizer, training_args, data)[0] for template, data in prompt_data.items()}
     steps = training_args.max_steps
     eval_steps = sorted({0, steps, *range(script_args.eval_every, steps, script_args.eval_every)})
-    out = Path(training_args.output_dir)
     cache: dict = {}
     written = []
     for name in names:
@@ -234,10 +274,11 @@ def main(script_args, training_args, model_args, command):
         arms = parse_arms(experiment_arms(name, script_args, training_args))
         exp_args = copy.copy(training_args)  # not dataclasses.replace: that re-runs TRL's derivations
         exp_args.output_dir = str(out / name)
-        results = run_comparison(
-            arms, exp_args, lambda: load_model_and_tokenizer(model_args), base_task.train_dataset,
-            base_task.reward_funcs, base_task.eval_fn, eval_steps, curve_keys=CURVE_KEYS, tasks=tasks, cache=cache,
-        )
+        with run.phase(name):
+            results = run_comparison(
+                arms, exp_args, lambda: load_model_and_tokenizer(model_args), base_task.train_dataset,
+                base_task.reward_funcs, base_task.eval_fn, eval_steps, curve_keys=CURVE_KEYS, tasks=tasks, cache=cache,
+            )
         if not state.is_main_process:
             continue
         setup = {
@@ -258,9 +299,12 @@ def main(script_args, training_args, model_args, command):
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
             "git commit": git["commit"],
             "dirty": git["dirty"],
+            # the same for every arm: threads and precision are set once, before the arms' configs are derived
+            **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
         }
         paths = write_comparison(results, out / name, setup, title=f"GRPO ablation: {name}", panels=PANELS,
                                  command=command.replace(f"--experiment {script_args.experiment}", f"--experiment {name}"))
+        add_provenance(paths["json"], run)
         write_experiment_record(
             out / name, f"GRPO ablation: {name}", configs=(script_args, training_args, model_args),
             hyperparameters={"arms": "; ".join(f"{a.name}: {a.settings}" for a in arms)},
@@ -295,9 +339,16 @@ def write_report(out: Path, written: list, missing: list, command: str) -> Path:
     return path
 
 
+def parse_args(argv=None):
+    return parse_recipe_args((AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
 if __name__ == "__main__":
-    command = "uv run accelerate launch recipes/grpo_ablations.py " + shlex.join(sys.argv[1:])
-    if "--config" not in sys.argv:
-        sys.argv[1:1] = ["--config", str(DEFAULT_CONFIG)]
-    parser = trl.TrlParser((AblationArguments, trl.GRPOConfig, trl.ModelConfig))
-    main(*parser.parse_args_and_config(), command=command.strip())
+    command = ("uv run accelerate launch recipes/grpo_ablations.py " + shlex.join(sys.argv[1:])).strip()
+
+    def main_with_speed_defaults(script_args, training_args, model_args):
+        # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same threads and dtype
+        speed = apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG)
+        return main(script_args, training_args, model_args, command=command, speed=speed)
+
+    recipe_main(main_with_speed_defaults, parse_args)

@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import trl
 import yaml
 
-import trl_ext
 from trl_ext.compare import arm_key, parse_arms, run_comparison
+from trl_ext.recipe_utils import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -19,10 +18,10 @@ import grpo_ablations  # noqa: E402
 
 
 def parse_ablations(*argv, config=None):
-    parser = trl.TrlParser((grpo_ablations.AblationArguments, trl.GRPOConfig, trl.ModelConfig))
-    gpu = [] if config is None else ["--bf16", "false", "--use_cpu", "true", "--use_vllm", "false"]
-    path = grpo_ablations.DEFAULT_CONFIG if config is None else grpo_ablations.DEFAULT_CONFIG.parent / config
-    return parser.parse_args_and_config(["--config", str(path), *gpu, *argv])
+    """The recipe's own parsing: its CPU defaults, ``config`` (a GPU file) layered over them, then ``argv``."""
+    gpu = [] if config is None else ["--config", str(grpo_ablations.DEFAULT_CONFIG.parent / config), "--bf16", "false",
+                                     "--use_cpu", "true", "--use_vllm", "false"]
+    return grpo_ablations.parse_args([*gpu, *argv])
 
 
 def arms_of(name, script_args, training_args):
@@ -103,17 +102,72 @@ def test_gpu_configs_hold_the_handout_hyperparameters(config):
 
 
 def test_expert_iteration_configs_parse():
-    parser = trl.TrlParser((expert_iteration.EIArguments, trl_ext.SFTConfig, trl.ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(expert_iteration.DEFAULT_CONFIG)])
+    script_args, training_args, model_args = expert_iteration.parse_args([])
     assert model_args.model_name_or_path is None and script_args.num_eval == 200  # the main job's held-out set
     assert training_args.completion_only_loss and training_args.max_grad_norm == 1.0
+    assert script_args.overwrite_output_dir is False  # RecipeArguments: the flag exists
     path = expert_iteration.DEFAULT_CONFIG.parent / "expert_iteration_math.yaml"
-    script_args, _, model_args = parser.parse_args_and_config(
-        ["--config", str(path), "--bf16", "false", "--use_cpu", "true", "--use_vllm", "false"]
+    script_args, training_args, model_args = expert_iteration.parse_args(
+        ["--config", str(path), "--bf16", "false", "--use_vllm", "false"]  # bf16 needs a GPU here
     )
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and script_args.template == "r1_zero"
-    with pytest.raises(ValueError, match="--num_generations=0"):
-        parser.parse_args_and_config(["--config", str(expert_iteration.DEFAULT_CONFIG), "--num_generations", "0"])
+    # layered over the CPU defaults, the GPU file must switch the CPU off itself
+    assert training_args.use_cpu is False and script_args.ei_batch_size == 1024 and script_args.num_eval == 1024
+    with pytest.raises(RecipeError, match="--num_generations 0: expected >= 2"):
+        expert_iteration.parse_args(["--num_generations", "0"])
+    with pytest.raises(RecipeError, match="--n_ei_steps=0; expected an integer >= 1"):
+        expert_iteration.parse_args(["--n_ei_steps", "0"])
+
+
+@pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
+def test_gpu_ablation_configs_switch_the_cpu_off(config):
+    _, training_args, _ = grpo_ablations.parse_args(
+        ["--config", str(grpo_ablations.DEFAULT_CONFIG.parent / config), "--bf16", "false", "--use_vllm", "false"]
+    )
+    assert training_args.use_cpu is False  # the CPU defaults underneath say use_cpu: true
+
+
+def test_expert_iteration_refuses_bad_options_and_resume_before_the_model(tmp_path, monkeypatch):
+    def explode(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(expert_iteration, "load_model_and_tokenizer", explode)
+    out = str(tmp_path / "out")
+    with pytest.raises(RecipeError, match="expert iteration keeps no checkpoints.*cannot be resumed"):
+        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--resume_from_checkpoint", "true"]))
+    with pytest.raises(RecipeError, match="--max_steps 5: the SFT length is set by --sft_epochs"):
+        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--max_steps", "5"]))
+    # 3 steps x 16 questions drawn without replacement from 40 training problems
+    with pytest.raises(RecipeError, match="--n_ei_steps 3 x --ei_batch_size 16 = 48 questions, but the training split has 40"):
+        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--num_train_problems", "40"]))
+
+
+def test_grpo_ablations_refuse_resume_and_a_step_budget_of_zero(tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo_ablations, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
+    with pytest.raises(RecipeError, match="cannot be resumed"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"))
+    with pytest.raises(RecipeError, match=r"--max_steps -1: the experiments need a fixed step budget"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--max_steps", "-1"))
+
+
+def test_grpo_ablations_run_experiments_one_by_one_into_one_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo_ablations, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "comparison.json").write_text("{}")
+    (tmp_path / "prompt").mkdir()
+    (tmp_path / "prompt" / "comparison.json").write_text("{}")
+    # 'all' redoes both finished experiments: refused, naming the first
+    with pytest.raises(RecipeError, match=r"holds a finished run \(baselines/comparison.json\)"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "all"))
+    with pytest.raises(RecipeError, match=r"holds a finished run \(prompt/comparison.json\)"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "prompt"))
+    # another experiment may share the folder: it gets past the folder check (to the tokenizer, stubbed to fail)
+    with pytest.raises(pytest.fail.Exception, match="tokenizer loaded"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "std_normalization"))
+    # --overwrite_output_dir for 'all' removes every finished marker it will redo, so none survives a stopped run
+    with pytest.raises(pytest.fail.Exception, match="tokenizer loaded"):
+        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "all", "--overwrite_output_dir"))
+    assert not (tmp_path / "baselines" / "comparison.json").exists() and not (tmp_path / "prompt" / "comparison.json").exists()
 
 
 def even_length_reward_fn(response, ground_truth):
@@ -133,10 +187,9 @@ def tiny_model_dir(tiny_model, tokenizer, tmp_path):
 @pytest.mark.slow
 def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(expert_iteration.REWARDS, "arithmetic", (expert_iteration.REWARDS["arithmetic"][0], even_length_reward_fn))
-    parser = trl.TrlParser((expert_iteration.EIArguments, trl_ext.SFTConfig, trl.ModelConfig))
     out = tmp_path / "out"
-    args = parser.parse_args_and_config([
-        "--config", str(expert_iteration.DEFAULT_CONFIG), "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
+    args = expert_iteration.parse_args([
+        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
         "--n_ei_steps", "2", "--num_generations", "4", "--ei_batch_size", "2", "--max_completion_length", "4",
         "--num_eval", "4", "--num_train_problems", "20", "--per_device_train_batch_size", "2", "--sft_epochs", "2",
         "--report_to", "none",
@@ -145,6 +198,8 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n_eval"] == 4 and len(metrics["ei_steps"]) == 2
     assert metrics["accuracy_after"] == metrics["ei_steps"][-1]["accuracy"]
+    assert metrics["recipe"] == "expert_iteration" and metrics["config"]["script_args"]["n_ei_steps"] == 2  # provenance
+    assert {"load_data", "load_model", "eval_before", "sample", "sft", "eval_steps", "save"} <= set(metrics["phase_seconds"])
     for step in metrics["ei_steps"]:
         assert step["generated"] == 8 and step["questions"] == 2  # 2 questions x G = 4
         assert 0 < step["kept"] <= 8, "the toy reward keeps about half the samples"
@@ -167,6 +222,7 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
     )
     grpo_ablations.main(*args, command="uv run accelerate launch recipes/grpo_ablations.py --experiment baselines")
     data = json.loads((out / "baselines" / "comparison.json").read_text())
+    assert data["recipe"] == "grpo_ablations" and data["config"]["training_args"]["max_steps"] == 2  # provenance
     assert [a["name"] for a in data["arms"]] == ["no_baseline", "reinforce_with_baseline"]
     for arm in data["arms"]:
         assert arm["steps"] == 2 and [s for s, _ in arm["accuracy_curve"]] == [0, 1, 2]

@@ -299,6 +299,8 @@ def _bad_file(tmp_path, name, text=BAD_LINE):
         ("dpo", ["load_model_and_tokenizer"], ["--test_file", "{bad}"]),
         ("reward_model", ["load_tokenizer", "resolve_model_name_or_path"], ["--train_file", "{bad}"]),
         ("rlhf", ["load_tokenizer", "resolve_model_name_or_path", "train_reward_model"], ["--train_file", "{bad}"]),
+        ("expert_iteration", ["load_model_and_tokenizer"], ["--dataset_name", "{bad}"]),
+        ("grpo_ablations", ["load_model_and_tokenizer", "load_tokenizer"], ["--dataset_name", "{bad}"]),
     ],
 )
 def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, recipe, loaders, flags):
@@ -312,7 +314,8 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
         module.main(*module.parse_args(argv))
 
 
-@pytest.mark.parametrize("recipe", ["grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort", "compare_upstream"])
+@pytest.mark.parametrize("recipe", ["grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort",
+                                    "compare_upstream", "expert_iteration", "grpo_ablations"])
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
     for name in ("load_model_and_tokenizer", "load_eval_model", "load_tokenizer", "resolve_model_name_or_path",
@@ -322,7 +325,10 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
             monkeypatch.setattr(module, name, _explode)
     out = tmp_path / "out"
     out.mkdir()
-    marker = "comparison.json" if recipe in ("grpo_sort", "compare_upstream") else "metrics.json"
+    # grpo_ablations: each experiment's folder (the default experiment is baselines)
+    marker = {"grpo_sort": "comparison.json", "compare_upstream": "comparison.json",
+              "grpo_ablations": "baselines/comparison.json"}.get(recipe, "metrics.json")
+    (out / marker).parent.mkdir(exist_ok=True)
     (out / marker).write_text("{}")
     with pytest.raises(RecipeError, match=rf"--output_dir {out} holds a finished run \({marker}\)"):
         module.main(*module.parse_args(["--output_dir", str(out)]))
