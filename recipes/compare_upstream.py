@@ -44,7 +44,6 @@ from trl_ext.compare import parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.experiment import write_recipe_record
-from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "compare_upstream_cpu.yaml"
 
@@ -133,10 +132,5 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     command = ("uv run accelerate launch recipes/compare_upstream.py " + shlex.join(sys.argv[1:])).strip()
-
-    def main_with_speed_defaults(script_args, training_args, model_args):
-        # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same threads and dtype
-        speed = apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG)
-        return main(script_args, training_args, model_args, command=command, speed=speed)
-
-    recipe_main(main_with_speed_defaults, parse_args)
+    # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same ones
+    recipe_main(main, parse_args, speed_defaults=DEFAULT_CONFIG, command=command)

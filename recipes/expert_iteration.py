@@ -53,7 +53,6 @@ from trl_ext.recipe_utils import (
     user_input,
 )
 from trl_ext.rewards import completion_text
-from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "expert_iteration_cpu.yaml"
 
@@ -312,10 +311,6 @@ def parse_args(argv=None):
     return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
 
 
-def _main_with_speed_defaults(script_args, training_args, model_args):
-    # threads and CPU precision are chosen before the sampler's GRPOConfig copies bf16 from training_args
-    return main(script_args, training_args, model_args, speed=apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG))
-
-
 if __name__ == "__main__":
-    recipe_main(_main_with_speed_defaults, parse_args)
+    # threads and CPU precision are chosen before main, so before the sampler's GRPOConfig copies bf16 from them
+    recipe_main(main, parse_args, speed_defaults=DEFAULT_CONFIG)

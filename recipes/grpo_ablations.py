@@ -62,7 +62,6 @@ from trl_ext.recipe_utils import (
     recipe_main,
     user_input,
 )
-from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_ablations_cpu.yaml"
 EXPERIMENTS = (  # the order of --experiment all: the reference arm first, reused by the next four experiments
@@ -345,10 +344,5 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     command = ("uv run accelerate launch recipes/grpo_ablations.py " + shlex.join(sys.argv[1:])).strip()
-
-    def main_with_speed_defaults(script_args, training_args, model_args):
-        # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same threads and dtype
-        speed = apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG)
-        return main(script_args, training_args, model_args, command=command, speed=speed)
-
-    recipe_main(main_with_speed_defaults, parse_args)
+    # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same ones
+    recipe_main(main, parse_args, speed_defaults=DEFAULT_CONFIG, command=command)

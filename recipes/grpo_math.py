@@ -44,7 +44,6 @@ from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
 from trl_ext.experiment import write_recipe_record
 from trl_ext.profiling import PhaseTimer, StepProfiler, format_breakdown, time_breakdown
-from trl_ext.runtime import apply_speed_defaults
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -257,9 +256,5 @@ def parse_args(argv=None):
     return parse_recipe_args((MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
 
 
-def _main_with_speed_defaults(script_args, training_args, model_args):
-    return main(script_args, training_args, model_args, speed=apply_speed_defaults(training_args, default_config=DEFAULT_CONFIG))
-
-
 if __name__ == "__main__":
-    recipe_main(_main_with_speed_defaults, parse_args)
+    recipe_main(main, parse_args, speed_defaults=DEFAULT_CONFIG)

@@ -170,4 +170,4 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     command = ("uv run accelerate launch recipes/grpo_sort.py " + shlex.join(sys.argv[1:])).strip()
-    recipe_main(lambda *args: main(*args, command=command), parse_args)
+    recipe_main(main, parse_args, command=command)

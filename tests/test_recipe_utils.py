@@ -120,6 +120,30 @@ def test_recipe_main_turns_user_errors_into_one_line(capsys):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def test_recipe_main_applies_speed_defaults_to_the_training_args_before_main(monkeypatch):
+    import signal
+
+    import trl_ext.runtime
+
+    seen = []
+
+    def fake_apply(training_args, argv=None, default_config=None):
+        seen.append((training_args, default_config))
+        training_args["threads_set"] = True  # main must see the arguments after the defaults were applied
+        return {"threads": 2, "threads_source": "default", "precision": "fp32", "cores": 2}
+
+    monkeypatch.setattr(trl_ext.runtime, "apply_speed_defaults", fake_apply)
+    script, training, model = object(), {}, object()
+    got = recipe_main(lambda *a, **kw: (a, kw), lambda: (script, training, model), speed_defaults="cpu.yaml", command="c")
+    assert seen == [(training, "cpu.yaml")]
+    assert got == ((script, {"threads_set": True}, model), {"command": "c", "speed": fake_apply({}, None)})
+    # without speed_defaults nothing is applied and main gets no speed argument
+    assert recipe_main(lambda *a, **kw: kw, lambda: (script, training, model)) == {}
+    assert len(seen) == 2  # the one call above building the expected value
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # recipe_main installed the recipe's handler
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 # ------------------------------------------------------------------------------------------- output folder
 def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     out = tmp_path / "run"

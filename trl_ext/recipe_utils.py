@@ -651,12 +651,27 @@ def install_interrupt_handler() -> None:
             pass
 
 
-def recipe_main(main: Callable[..., Any], parse: Callable[[], tuple]) -> Any:
-    """Run a recipe from the command line: Ctrl-C handling, then ``main(*parse())``; a :class:`RecipeError`
-    (or a missing file) becomes one ``error: ...`` line on stderr and exit status 2."""
+def recipe_main(
+    main: Callable[..., Any],
+    parse: Callable[[], tuple],
+    speed_defaults: str | Path | None = None,
+    **main_kwargs: Any,
+) -> Any:
+    """Run a recipe from the command line: Ctrl-C handling, then ``main(*parse(), **main_kwargs)``; a
+    :class:`RecipeError` (or a missing file) becomes one ``error: ...`` line on stderr and exit status 2.
+
+    With ``speed_defaults`` (the recipe's default config), ``trl_ext.runtime.apply_speed_defaults`` picks threads and
+    CPU precision on the parsed training arguments (the second dataclass) before ``main`` runs -- so before any
+    trainer config is derived from them -- and ``main`` gets what it chose as ``speed=``.
+    """
     install_interrupt_handler()
     try:
-        return main(*parse())
+        args = parse()
+        if speed_defaults is not None:
+            from trl_ext.runtime import apply_speed_defaults
+
+            main_kwargs["speed"] = apply_speed_defaults(args[1], default_config=speed_defaults)
+        return main(*args, **main_kwargs)
     except (RecipeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
