@@ -60,6 +60,7 @@ from trl_ext.recipe_utils import (
     check_model_options,
     parse_recipe_args,
     recipe_main,
+    refuse_comparison_resume,
     user_input,
 )
 
@@ -237,11 +238,7 @@ def observations(results: list[dict]) -> list[str]:
 def main(script_args, training_args, model_args, command=None, speed=None):
     # everything that can be checked without the model comes first: resume, folder, options, data
     configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
-    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
-        raise RecipeError(
-            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
-            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
-        )
+    refuse_comparison_resume(training_args)
     names = list(EXPERIMENTS) if script_args.experiment == "all" else [script_args.experiment]
     out = Path(training_args.output_dir)
     # a finished experiment leaves <NAME>/comparison.json: refuse the first one this run would redo

@@ -40,6 +40,7 @@ from trl_ext.recipe_utils import (
     check_model_options,
     parse_recipe_args,
     recipe_main,
+    refuse_comparison_resume,
     user_input,
 )
 from trl_ext.compare import parse_arms, run_comparison, write_comparison
@@ -96,11 +97,7 @@ class SortArguments(RecipeArguments):
 
 def main(script_args, training_args, model_args, command=None):
     configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
-    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
-        raise RecipeError(
-            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
-            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
-        )
+    refuse_comparison_resume(training_args)
     run = RecipeRun("grpo_sort", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
                     result_file="comparison.json")
     check_model_options(model_args)

@@ -677,6 +677,16 @@ def recipe_main(
         sys.exit(2)
 
 
+def refuse_comparison_resume(training_args: Any) -> None:
+    """Raise :class:`RecipeError` when ``--resume_from_checkpoint`` is given to a comparison recipe: every arm is
+    trained from scratch, so there is nothing to resume."""
+    if training_args.resume_from_checkpoint not in (None, "", "false", "False"):
+        raise RecipeError(
+            "--resume_from_checkpoint: a comparison trains every arm from scratch and cannot be resumed; run it again "
+            "(add --overwrite_output_dir to replace an earlier comparison in the same --output_dir)"
+        )
+
+
 @contextmanager
 def user_input(what: str = ""):
     """Turn ValueError/FileNotFoundError raised while reading user input (data files, options) into RecipeError."""
