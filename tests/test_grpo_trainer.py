@@ -97,11 +97,16 @@ def loss_and_grads(trainer, inputs):
         ),
     ],
 )
-def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, tokenizer, tiny_model_dir, tmp_path):
+# gradient_checkpointing=False: trl_ext shares each prompt's key/value cache (share_prompt_cache) in generation and in
+# the old/reference/policy forwards, upstream does not; True (TRL's default): nothing is shared.
+@pytest.mark.parametrize("gradient_checkpointing", [True, False])
+def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient_checkpointing, tokenizer, tiny_model_dir, tmp_path):
     model_a = model_b = tiny_model_dir
-    shared = dict(beta=0.04, epsilon=0.2, num_iterations=2)
+    shared = dict(beta=0.04, epsilon=0.2, num_iterations=2, gradient_checkpointing=gradient_checkpointing)
     ext = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared)
     ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
+    rows_seen = []  # rows of each forward of trl_ext's policy: a 1-row forward is a shared prompt's prefill
+    ext.model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].size(0)), with_kwargs=True)
 
     batch_ext, batch_ref = generation_batch(ext), generation_batch(ref)
     assert torch.equal(batch_ext["completion_ids"], batch_ref["completion_ids"])  # same seed, same samples
@@ -112,6 +117,9 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, tokenize
     inputs = perturb_for_clipping(batch_ref)
     loss_ext, grads_ext = loss_and_grads(ext, dict(inputs))
     loss_ref, grads_ref = loss_and_grads(ref, dict(inputs))
+    # 4 rows of one prompt: a shared prefill runs 1 row -- in generation always (TRL turns checkpointing off for
+    # it), in the old-log-prob and loss forwards only without checkpointing (no cache in training then)
+    assert rows_seen.count(1) == (1 if gradient_checkpointing else 3), rows_seen
     torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:

@@ -10,6 +10,11 @@ Two seams in TRL 1.16 are swapped, nothing else:
   and ``functional.compute_grpo_loss``; log-probs and entropies still come from upstream
   ``_get_per_token_logps_and_entropies``.
 
+Speed (issue 11): with ``share_prompt_cache`` (default) each distinct prompt of a batch runs once and its key/value
+cache serves all of its completions, in transformers generation (``_generate_single_turn`` shadows ``generate`` for
+the call) and in the log-prob forward/backward (``_get_per_token_logps_and_entropies``); see
+``trl_ext.shared_prompts``. Same values up to float rounding.
+
 Two small hooks keep the inputs right (issue 10): ``_tokenize_prompts`` drops the BOS text of a plain-text prompt
 already rendered with a BOS-writing template (one BOS, as ``trl_ext.eval`` sees it), and
 ``_get_per_token_logps_and_entropies`` passes generation's position ids (left padding with absolute positions). A
@@ -33,6 +38,7 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
 from ..data.prompts import strip_leading_bos
+from ..shared_prompts import cache_argument, forward_with_shared_prompts, generate_with_shared_prompts
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -62,6 +68,7 @@ _SEAMS = {
                                            "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
                                            "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                                            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"),
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
     "training_step": ("model", "inputs", "num_items_in_batch"),
     **TRAINER_MIXIN_SEAMS,
@@ -137,6 +144,17 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Multiply the per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2). Default False: the "
             "course's plain KL estimate (TRL's default is True)."
+        },
+    )
+    share_prompt_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "Run each distinct prompt of a batch through the model once and reuse its key/value cache for all "
+            "of its completions: in transformers generation (prefill) and in the log-prob forward and backward. "
+            "Same log-probs and gradients up to float rounding (causal attention: a prompt's keys and values do not "
+            "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
+            "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
+            "cache (gradient checkpointing). Set False to run TRL's unshared forwards."
         },
     )
     loss_type: str | None = field(
@@ -330,20 +348,49 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
     # -- loss ---------------------------------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
         # later than in generation, which derives them from the attention mask
         # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
         # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
         # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
+        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
         if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not _accepts_position_ids(self.accelerator.unwrap_model(model)):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
+        # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
+        # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
+        share = self.args.share_prompt_cache and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
+        cache_name = cache_argument(self.accelerator.unwrap_model(model)) if share else None
+        prompt_length = input_ids.size(1) - logits_to_keep
 
         def forward_with_positions(**inputs):
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
+            if share:
+                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, **inputs)
             return model(**inputs)
 
-        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, *args, **kwargs)
+        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
+        # transformers generation: prefill each distinct prompt once (share_prompt_cache). Upstream calls
+        # `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
+        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
+        # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        if self.use_vllm or not self.args.share_prompt_cache or not hasattr(unwrapped, "generate"):
+            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        own = unwrapped.__dict__.get("generate")
+        unwrapped.generate = generate_with_shared_prompts(
+            unwrapped.generate, unwrapped, cache_argument(unwrapped), _accepts_position_ids(unwrapped)
+        )
+        try:
+            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        finally:
+            if own is None:
+                del unwrapped.generate
+            else:
+                unwrapped.generate = own
 
     def _compute_loss(self, model, inputs):
         # Mirrors trl.GRPOTrainer._compute_loss (TRL 1.16) for the per-token log-probs, then applies the course loss.

@@ -1,0 +1,194 @@
+"""trl_ext.shared_prompts: each distinct prompt runs once, its key/value cache serves all of its completions.
+
+Checked against the plain computation on tiny random GPT-2 (learned absolute positions) and Llama (rotary) models:
+TRL's fused LM head log-probs and entropies, the gradients of every parameter, and sampled/greedy generation
+(identical tokens). Rows are left-padded prompts of two lengths, each repeated, so both the grouping and the padding
+are exercised; the two-level path (a prefix every row shares, then the distinct rest) is forced with a lower
+threshold.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_ext import shared_prompts
+from trl_ext.models import tiny_model_for_tests
+from trl_ext.shared_prompts import (
+    cache_argument,
+    common_prefix_length,
+    forward_with_shared_prompts,
+    generate_with_shared_prompts,
+    group_rows,
+    prefill,
+)
+
+
+def test_group_rows_by_hand():
+    ids = torch.tensor([[0, 5, 6], [7, 5, 6], [0, 5, 6], [7, 5, 6], [0, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])  # last row: same ids, other mask
+    first, inverse = group_rows(ids, mask)
+    assert first.tolist() == [0, 1, 4]  # first row of each distinct (ids, mask), in order of appearance
+    assert inverse.tolist() == [0, 1, 0, 1, 2]
+    assert torch.equal(ids[first][inverse], ids) and torch.equal(mask[first][inverse], mask)
+
+
+def test_group_rows_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"prompt_ids \(2, 3\) and prompt_mask \(2, 2\)"):
+        group_rows(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 2, dtype=torch.long))
+
+
+def test_common_prefix_length_by_hand():
+    ids = torch.tensor([[1, 2, 3, 9], [1, 2, 4, 9]])
+    assert common_prefix_length(ids, torch.ones_like(ids)) == 2  # column 3 agrees again but is not a prefix
+    assert common_prefix_length(ids, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])) == 0  # same id, one padded
+    assert common_prefix_length(ids[:1], torch.ones(1, 4, dtype=torch.long)) == 4
+
+
+def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def model(request, tokenizer):
+    model = tiny_gpt2(tokenizer) if request.param == "gpt2" else tiny_model_for_tests(tokenizer)
+    return model.float().train()
+
+
+def no_dropout(model):
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+PADDED = [[11, 12, 13, 14, 15], [11, 12, 16]]  # 5 and 3 tokens: the second is left-padded, no aligned common prefix
+COMMON_PREFIX = [[11, 12, 13, 14, 15], [11, 12, 16, 17, 18]]  # both 5 tokens, the first 2 shared
+
+
+def batch(tokenizer, prompts, group_size=3):
+    """Each prompt (left-padded to 5 tokens) x group_size, then 4 random completion tokens (the last row's
+    completion ends early: right padding)."""
+    pad = tokenizer.pad_token_id
+    rows, masks = [], []
+    g = torch.Generator().manual_seed(3)
+    for prompt in prompts:
+        for _ in range(group_size):
+            completion = torch.randint(100, 400, (4,), generator=g).tolist()
+            padding = 5 - len(prompt)
+            rows.append([pad] * padding + prompt + completion)
+            masks.append([0] * padding + [1] * (len(prompt) + 4))
+    ids, mask = torch.tensor(rows), torch.tensor(masks)
+    ids[-1, -1], mask[-1, -1] = pad, 0
+    return ids, mask
+
+
+def fused_outputs(model, ids, mask, completion_length, shared):
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-completion_length] = -100
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_length = ids.size(1) - completion_length
+    model.zero_grad()
+    if shared:
+        out = forward_with_shared_prompts(model, prompt_length, ids, mask, positions, cache_name=cache_argument(model),
+                                          labels=labels, fused_lm_head=True)
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True)
+    log_probs, entropy = out.log_probs[:, -completion_length:], out.entropy[:, -completion_length:]
+    # any loss that weights tokens differently, so each parameter's gradient depends on every row
+    weights = torch.linspace(0.5, 1.5, log_probs.numel()).view_as(log_probs)
+    ((log_probs * weights * mask[:, -completion_length:]).sum() + entropy.sum() * 0.1).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "prompts, expected",
+    [
+        # the 2 distinct prompts' first 4 columns, then 6 rows x (last prompt token + 4 completion tokens)
+        (PADDED, [(2, 4), (6, 5)]),
+        # the shared prefix for 1 row (2 columns), the 2 distinct prompts' next 2 columns, then the 6 rows
+        (COMMON_PREFIX, [(1, 2), (2, 2), (6, 5)]),
+    ],
+)
+def test_shared_forward_equals_plain_log_probs_entropies_and_gradients(model, tokenizer, monkeypatch, prompts, expected):
+    monkeypatch.setattr(shared_prompts, "MIN_SHARED_POSITIONS", 1)  # share any common prefix, however short
+    model = no_dropout(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids, mask = batch(tokenizer, prompts)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    plain = fused_outputs(model, ids, mask, 4, shared=False)
+    shared = fused_outputs(model, ids, mask, 4, shared=True)
+    assert calls == [(6, 9)] + expected
+    valid = mask[:, -4:].bool()
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
+    assert shared[2].keys() == plain[2].keys() and len(plain[2]) > 0
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(shared[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_distinct_prompts_run_the_plain_forward(tokenizer):
+    model = tiny_model_for_tests(tokenizer)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert prefill(model, cache_argument(model), ids, torch.ones_like(ids)) is None  # nothing repeats: no cache
+
+
+@pytest.mark.parametrize(
+    "do_sample, prompts, expected",
+    [
+        # sampling groups of left-padded prompts: the 2 distinct prompts up to their last token, then 6 rows decode
+        (True, PADDED, [(2, 4), (6, 1)]),
+        # greedy evaluation of distinct prompts: their common prefix once, then each prompt's rest
+        (False, COMMON_PREFIX, [(1, 2), (2, 2), (2, 1)]),
+    ],
+)
+def test_generation_with_shared_prefill_gives_the_same_tokens(model, tokenizer, monkeypatch, do_sample, prompts, expected):
+    monkeypatch.setattr(shared_prompts, "MIN_SHARED_POSITIONS", 1)
+    model = no_dropout(model).eval()
+    ids, mask = batch(tokenizer, prompts)
+    ids, mask = ids[:, :5], mask[:, :5]
+    kwargs = dict(max_new_tokens=6, do_sample=do_sample, pad_token_id=tokenizer.pad_token_id)
+    if do_sample:
+        kwargs["temperature"] = 1.5
+    else:
+        ids, mask = ids[::3], mask[::3]
+    with torch.no_grad():
+        torch.manual_seed(7)
+        plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        prefills = []
+        handle = model.register_forward_pre_hook(lambda m, a, kw: prefills.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), use_positions=True)
+        torch.manual_seed(7)
+        shared = generate(input_ids=ids, attention_mask=mask, **kwargs)
+        handle.remove()
+    assert torch.equal(shared, plain)
+    # the prefill forwards, then generation's own first call: the last prompt token of every row
+    assert prefills[: len(expected)] == expected
+
+
+def test_generation_passes_other_model_inputs_through(tokenizer):
+    model = tiny_model_for_tests(tokenizer).eval()
+    seen = {}
+
+    def fake_generate(**kwargs):
+        seen.update(kwargs)
+        return "plain"
+
+    wrapped = generate_with_shared_prompts(fake_generate, model, cache_argument(model), use_positions=True)
+    ids = torch.tensor([[5, 6, 7]] * 2)
+    assert wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.zeros(2, 3)) == "plain"
+    assert "cache" not in seen and "past_key_values" not in seen
+    config = copy.deepcopy(model.generation_config)
+    config.cache_implementation = "static"
+    assert wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config) == "plain"
+    assert seen.get(cache_argument(model)) is None
