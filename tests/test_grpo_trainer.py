@@ -139,6 +139,48 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient
     assert high.max() > 0
 
 
+@pytest.mark.parametrize("pg_loss_type", ["grpo_clip", "no_baseline"])
+def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients_and_metrics(pg_loss_type, tokenizer, tiny_model_dir, tmp_path):
+    """beta = 0: rows whose advantage is exactly 0 (for no_baseline: reward 0) add 0 to the loss and the gradient;
+    skip_zero_advantage_rows runs them without gradient, and everything else must come out as when they are not
+    skipped -- and, for grpo_clip, as upstream."""
+    iterations = 2 if pg_loss_type == "grpo_clip" else 1  # no_baseline is on-policy: stale samples are refused
+    options = dict(beta=0.0, epsilon=0.2, num_iterations=iterations, gradient_checkpointing=False, pg_loss_type=pg_loss_type)
+    runs = {}
+    for skip in (True, False):
+        trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path,
+                               advantage_eps=1e-4, skip_zero_advantage_rows=skip, **options)
+        inputs = perturb_for_clipping(generation_batch(trainer))  # old log-probs off by up to +-0.6: some clipping
+        inputs["advantages"] = torch.tensor([0.0, 1.5, 0.0, -0.5])  # rows 0 and 2: nothing to learn from
+        forwards = []  # (rows, gradient enabled) of each forward of the policy
+        handle = trainer.model.register_forward_pre_hook(
+            lambda m, a, kw: forwards.append((kw["input_ids"].size(0), torch.is_grad_enabled())), with_kwargs=True)
+        loss, grads = loss_and_grads(trainer, dict(inputs))
+        handle.remove()
+        metrics = {key: values[-1] for key, values in trainer._metrics["train"].items() if key.startswith(("entropy", "clip_ratio", "ratio"))}
+        runs[skip] = loss, grads, metrics, forwards
+    (loss, grads, metrics, forwards), (loss_all, grads_all, metrics_all, forwards_all) = runs[True], runs[False]
+    # skipped: the 2 rows with advantages run in the gradient forward (prefill of their one prompt, then the rows),
+    # the 2 others without gradient; not skipped: one gradient forward of all 4 rows
+    assert forwards == [(1, True), (2, True), (1, False), (2, False)], forwards
+    assert forwards_all == [(1, True), (4, True)], forwards_all
+    torch.testing.assert_close(loss, loss_all, atol=1e-7, rtol=1e-6)
+    assert loss != 0
+    for name in grads_all:
+        torch.testing.assert_close(grads[name], grads_all[name], atol=1e-7, rtol=1e-5, msg=name)
+    assert metrics.keys() == metrics_all.keys() and "entropy" in metrics
+    for key in metrics_all:  # entropies and clip/ratio statistics still over all 4 rows
+        assert metrics[key] == pytest.approx(metrics_all[key], abs=1e-6), key
+    if pg_loss_type == "grpo_clip":
+        assert metrics["clip_ratio/region_mean"] > 0
+        upstream = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, loss_type="grpo",
+                                scale_rewards="group", beta=0.0, epsilon=0.2, num_iterations=2, gradient_checkpointing=False)
+        loss_ref, grads_ref = loss_and_grads(upstream, dict(inputs))
+        torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-5)
+        for name in grads_ref:
+            torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
 def independent_log_probs(model, inputs, temperature):
     """log p of each completion token from a plain forward pass (no TRL code), at the sampling temperature as TRL."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

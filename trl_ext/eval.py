@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from trl_ext.data.prompts import prompt_token_ids
 from trl_ext.rewards.math_answers import extract_last_number
+from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
 
 BACKENDS = ("auto", "hf", "vllm")
 """Generation backends accepted by :func:`resolve_backend` / :func:`load_eval_model`."""
@@ -160,7 +161,9 @@ def generate_completions(
 
     Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
     training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
-    generation prompt), then the batch is left-padded.
+    generation prompt), then the batch is left-padded. The columns every prompt of a batch shares (a system prompt)
+    are prefilled once and their key/value cache copied to each row (:mod:`trl_ext.shared_prompts`; the same tokens
+    up to float rounding).
 
     Returns:
         N decoded completions without special tokens.
@@ -176,11 +179,13 @@ def generate_completions(
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
+    # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
+    generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
     try:
         for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
             batch = tokenizer.pad({"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt")
             batch = {k: v.to(device) for k, v in batch.items()}
-            generated = model.generate(
+            generated = generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
             outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -47,8 +47,8 @@ def group_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[tor
 def cache_argument(model: Any) -> str:
     """Name of the key/value cache argument of ``model.forward``: ``cache`` (transformers >= 5.2x) or
     ``past_key_values`` (earlier releases; later ones still accept it with a deprecation warning)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base = getattr(base, "module", base)  # DDP / accelerate wrappers
+    base = getattr(model, "module", model)  # DDP / accelerate wrappers
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
@@ -61,6 +61,12 @@ def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 # A separate forward for the prefix every prompt shares (a system prompt) is worth its fixed cost (~30 small kernels
 # per layer) only when it saves at least this many token positions.
 MIN_SHARED_POSITIONS = 64
+
+
+def accepts_position_ids(model: Any) -> bool:
+    """Whether the (PEFT-unwrapped) model's forward takes ``position_ids``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 def _call(model: Callable, cache_name: str, input_ids, attention_mask, position_ids, cache=None):
@@ -112,7 +118,8 @@ def prefill(
 
 def forward_with_shared_prompts(
     model: Callable, prompt_length: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None = None, *, cache_name: str = "past_key_values", **kwargs: Any,
+    position_ids: torch.Tensor | None = None, *, cache_name: str = "past_key_values", prefill_model: Callable | None = None,
+    **kwargs: Any,
 ):
     """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to what the last ``T - prompt_length
     + 1`` positions produce, with each distinct prompt's first ``prompt_length - 1`` tokens run once.
@@ -122,7 +129,12 @@ def forward_with_shared_prompts(
     completion tokens, shape (B, T - prompt_length), i.e. exactly the ``[:, -logits_to_keep:]`` slice upstream takes.
 
     Args:
-        model: the (possibly wrapped) causal LM; called twice, so DDP/FSDP hooks see both forwards.
+        model: the (possibly DDP-wrapped) causal LM; runs the completion forward, once, as the plain call would.
+        prefill_model: what runs the prompt prefill (default ``model``). Under DDP pass the unwrapped module: DDP's
+            forward broadcasts buffers, a collective, so every rank must make the same number of wrapped calls,
+            whatever its prompts; gradients through the unwrapped prefill still reach DDP's hooks (autograd sums both
+            paths into each parameter before its hook fires). Not for parameter-sharding setups (FSDP, ZeRO-3),
+            whose every forward gathers parameters collectively.
         prompt_length: P, number of leading columns that are prompt (left-padded); the rest is completion.
         input_ids, attention_mask: (B, T).
         position_ids: (B, T) or None (the model then numbers positions after the cache).
@@ -140,7 +152,7 @@ def forward_with_shared_prompts(
         return plain()
     split = prompt_length - 1  # the last prompt token stays in the second forward: its output scores token P
     prefix_positions = None if position_ids is None else position_ids[:, :split]
-    cache = prefill(model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
+    cache = prefill(prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
     if cache is None:
         return plain()
     if "labels" in kwargs and kwargs["labels"] is not None:
@@ -160,7 +172,8 @@ def generate_with_shared_prompts(generate: Callable, model: Callable, cache_name
     """
     def wrapped(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         call = dict(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
-        cache_impl = getattr(generation_config, "cache_implementation", None)
+        config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+        cache_impl = getattr(config, "cache_implementation", None)  # e.g. a model whose defaults ask for a static cache
         model_inputs = [k for k, v in kwargs.items() if torch.is_tensor(v) or k in ("cache", "past_key_values", "cache_implementation")]
         if (
             model_inputs or input_ids is None or attention_mask is None or input_ids.size(1) < 2

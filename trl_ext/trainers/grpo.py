@@ -38,7 +38,7 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
 from ..data.prompts import strip_leading_bos
-from ..shared_prompts import cache_argument, forward_with_shared_prompts, generate_with_shared_prompts
+from ..shared_prompts import accepts_position_ids, cache_argument, forward_with_shared_prompts, generate_with_shared_prompts
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -154,7 +154,17 @@ class GRPOConfig(trl.GRPOConfig):
             "Same log-probs and gradients up to float rounding (causal attention: a prompt's keys and values do not "
             "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
             "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
-            "cache (gradient checkpointing). Set False to run TRL's unshared forwards."
+            "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
+            "ranks must run the same forwards). Set False to run TRL's unshared forwards."
+        },
+    )
+    skip_zero_advantage_rows: bool = field(
+        default=True,
+        metadata={
+            "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
+            "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
+            "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
+            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective)."
         },
     )
     loss_type: str | None = field(
@@ -275,6 +285,11 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
+        # Parameter-sharding setups gather parameters in every forward, collectively: all ranks must run the same
+        # forwards, which data-dependent sharing or skipping would break.
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        self._share_prompts = self.args.share_prompt_cache and not sharded
+        self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
@@ -355,19 +370,20 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
         # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
         # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
-        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not _accepts_position_ids(self.accelerator.unwrap_model(model)):
+        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not accepts_position_ids(self.accelerator.unwrap_model(model)):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
         # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
         # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
-        share = self.args.share_prompt_cache and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
-        cache_name = cache_argument(self.accelerator.unwrap_model(model)) if share else None
+        share = self._share_prompts and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
+        unwrapped = self.accelerator.unwrap_model(model)
+        cache_name = cache_argument(unwrapped) if share else None
         prompt_length = input_ids.size(1) - logits_to_keep
 
         def forward_with_positions(**inputs):
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
-            if share:
-                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, **inputs)
+            if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
+                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, **inputs)
             return model(**inputs)
 
         return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
@@ -378,11 +394,11 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
         # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        if self.use_vllm or not self.args.share_prompt_cache or not hasattr(unwrapped, "generate"):
+        if self.use_vllm or not self._share_prompts or not hasattr(unwrapped, "generate"):
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
         own = unwrapped.__dict__.get("generate")
         unwrapped.generate = generate_with_shared_prompts(
-            unwrapped.generate, unwrapped, cache_argument(unwrapped), _accepts_position_ids(unwrapped)
+            unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
         )
         try:
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
@@ -398,15 +414,20 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in _FORWARD_KEYS if key in inputs},
-        )
+        extra_inputs = {key: inputs.get(key) for key in _FORWARD_KEYS if key in inputs}
+        zero_rows = self._rows_without_gradient(inputs, extra_inputs)
+        if zero_rows is None:
+            per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled,
+                **extra_inputs,
+            )
+        else:
+            per_token_logps, entropies, aux_loss = self._logps_without_zero_rows(model, input_ids, attention_mask, completion_ids.size(1), zero_rows)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
@@ -444,6 +465,43 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
         self._log_loss_metrics(mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None)
         return loss
+
+    def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
+        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``: reward 0)
+        makes every policy-gradient loss of ``functional`` 0 at every token, and with beta = 0 nothing else is
+        added. None when nothing is skipped: an option off, evaluation, beta != 0, multimodal or MoE inputs, or
+        no such row."""
+        if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
+            return None
+        if any(value is not None for value in extra_inputs.values()):
+            return None
+        zero = inputs["advantages"] == 0
+        if not zero.any():
+            return None
+        if zero.all():  # keep one row: the loss must stay connected to the model (and DDP's backward run)
+            zero = zero.clone()
+            zero[0] = False
+        return zero
+
+    def _logps_without_zero_rows(self, model, input_ids, attention_mask, logits_to_keep, zero_rows):
+        """Per-token log-probs and entropies (B, C) as ``_get_per_token_logps_and_entropies`` gives them, with the
+        ``zero_rows`` computed without gradient (their loss is exactly 0; their values feed the metrics). Under DDP
+        that forward runs on the unwrapped module, so every rank makes one wrapped forward, as upstream."""
+        keep = ~zero_rows
+        kept_logps, kept_entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids[keep], attention_mask[keep], logits_to_keep, compute_entropy=True
+        )
+        with torch.no_grad():
+            zero_logps, zero_entropies, _ = self._get_per_token_logps_and_entropies(
+                self.accelerator.unwrap_model(model), input_ids[zero_rows], attention_mask[zero_rows], logits_to_keep,
+                compute_entropy=True,
+            )
+        per_token_logps = kept_logps.new_zeros(input_ids.size(0), logits_to_keep)
+        per_token_logps = per_token_logps.index_put((keep.nonzero().squeeze(1),), kept_logps)
+        per_token_logps = per_token_logps.index_put((zero_rows.nonzero().squeeze(1),), zero_logps)
+        entropies = torch.empty_like(per_token_logps, requires_grad=False)
+        entropies[keep], entropies[zero_rows] = kept_entropies.detach(), zero_entropies
+        return per_token_logps, entropies, None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
         def global_masked_sum_count(x):
@@ -519,11 +577,6 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
     left-padded prompt gets the positions it has alone and in generation.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _accepts_position_ids(model: Any) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
