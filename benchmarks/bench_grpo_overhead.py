@@ -1,15 +1,19 @@
-"""Overhead of trl_ext.GRPOTrainer over upstream trl.GRPOTrainer: step time and peak memory, one process, same math.
+"""trl_ext.GRPOTrainer against upstream trl.GRPOTrainer: step time and peak memory, one process, same math.
 
     uv run python benchmarks/bench_grpo_overhead.py                       # CPU: embedded SmolLM2, ~5 minutes
     uv run python benchmarks/bench_grpo_overhead.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 \
         --batch-size 32 --num-generations 8 --max-completion-length 256 # GPU
 
 Both trainers get the same model weights, prompts, reward and settings chosen so that the math is identical
-(GRPO-Clip, std-normalized advantages with TRL's eps 1e-4, per-response token mean, beta 0): any difference is
-overhead of the trl_ext seams. Not a test.
+(GRPO-Clip, std-normalized advantages with TRL's eps 1e-4, per-response token mean, beta 0). Three trainers
+(``KINDS``): upstream; ``trl_ext`` as shipped, which skips work the math does not need (``share_prompt_cache``: each
+prompt's keys/values once per group; ``skip_zero_advantage_rows``: no backward for rows with advantage 0), so its
+ratio to upstream shows that saving (target < 1.00; the skipping part depends on how many groups have equal rewards,
+reported as ``frac_reward_zero_std``); ``trl_ext_shared``, prompt sharing alone; and ``trl_ext_unshared`` with both
+off, the same work as upstream, whose ratio is the overhead of the seams alone (target <= 1.02). Not a test.
 
-Step time: both trainers live side by side and take optimizer steps in lockstep (A B, then B A, ...), each step
-preceded by the same seed, so both sample the same completions and a busy machine slows both alike. A step is
+Step time: the trainers live side by side and take optimizer steps in lockstep (A B C D, then B C D A, ...), each step
+preceded by the same seed, so all sample the same completions and a busy machine slows both alike. A step is
 generation + reward + advantages + loss + backward + gradient clipping + AdamW step, driven directly through
 ``Trainer.training_step`` (Trainer's logging and callbacks, identical for both, are left out). Reported: median
 seconds per step of each and the median of the per-pair ratios.
@@ -25,8 +29,9 @@ sequences). Peak = best of several ``torch.matmul`` of two 2048 x 2048 matrices 
 
 Scaling (--scaling): the same lockstep measurement as the group size (4, 8, 16 completions per prompt, 2 prompts per
 step) and the completion length (16, 64, 256 tokens, forced with min_new_tokens) grow, with each trainer's time per
-phase (trl_ext.profiling); writes a JSON and a plot (docs/performance.png). Threads and precision follow the recipes'
-defaults (trl_ext.runtime): every core; bf16 autocast where the CPU has bf16 instructions.
+phase (trl_ext.profiling); writes a JSON and a plot (docs/performance.png); trl_ext there shares prompts but does not
+skip zero-advantage rows (see ``KINDS``). Threads follow trl_ext.runtime (every core); precision ``auto`` is bf16
+autocast where the CPU has bf16 instructions -- pass ``--precision fp32`` for the main job's setting.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def build(kind: str, args, tokenizer, dataset, out_dir: str, **overrides):
     else:
         config = trl_ext.GRPOConfig(
             pg_loss_type="grpo_clip", normalize_by_std=True, advantage_eps=1e-4, length_normalization="masked_mean",
-            share_prompt_cache=kind == "trl_ext", **common,
+            share_prompt_cache=kind != "trl_ext_unshared", skip_zero_advantage_rows=kind == "trl_ext", **common,
         )
         cls = trl_ext.GRPOTrainer
     model = load_model(args.model, dtype=args.dtype)
@@ -155,8 +160,11 @@ def model_flops(trainer) -> float:
     return 8 * params * trainer.bench_all_tokens
 
 
-KINDS = ("trl", "trl_ext", "trl_ext_unshared")
-"""Upstream; trl_ext as shipped (share_prompt_cache=True); trl_ext with share_prompt_cache=False (only the seams)."""
+KINDS = ("trl", "trl_ext", "trl_ext_shared", "trl_ext_unshared")
+"""Upstream; trl_ext as shipped (share_prompt_cache and skip_zero_advantage_rows on); trl_ext with prompt sharing
+only; trl_ext with both off (the seams alone, the same work as upstream). What skipping saves depends on how many
+groups have equal rewards (reported); the scaling grid uses "trl_ext_shared" (forced-length completions of the base
+model almost never earn a reward, so skipping would drop nearly every backward and hide how a step's cost grows)."""
 
 
 def lockstep(trainers, args, label=""):
@@ -189,7 +197,7 @@ def run_scaling(args, tokenizer, dataset, out_dir):
     for group, length in SCALING_GRID:
         overrides = dict(num_generations=group, per_device_train_batch_size=2 * group, max_completion_length=length,
                          generation_kwargs={"min_new_tokens": length})
-        trainers = {k: build(k, args, tokenizer, dataset, out_dir, **overrides) for k in ("trl", "trl_ext")}
+        trainers = {k: build(k, args, tokenizer, dataset, out_dir, **overrides) for k in ("trl", "trl_ext_shared")}
         seconds, flops = lockstep(trainers, args, label=f"G={group} T={length}: ")
         row = {"group_size": group, "completion_length": length, "completions": 2 * group}
         for kind, trainer in trainers.items():
@@ -202,7 +210,7 @@ def run_scaling(args, tokenizer, dataset, out_dir):
             }
         rows.append(row)
         print(f"G={group} T={length}: trl {row['trl']['median_step_seconds']:.2f} s, "
-              f"trl_ext {row['trl_ext']['median_step_seconds']:.2f} s", flush=True)
+              f"trl_ext_shared {row['trl_ext_shared']['median_step_seconds']:.2f} s", flush=True)
         del trainers
         release_memory()
         if args.output:  # keep what is done so far
@@ -231,7 +239,7 @@ def measure_memory(kind: str, args, tokenizer, dataset, out_dir: str) -> int:
 
 
 def plot_scaling(rows, path):
-    """Two panels: median step seconds vs group size (T=16) and vs completion length (G=8), trl and trl_ext."""
+    """Two panels: median step seconds vs group size (T=16) and vs completion length (G=8), upstream and trl_ext."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,8 +249,8 @@ def plot_scaling(rows, path):
     for ax, key, fixed, label in ((axes[0], "group_size", ("completion_length", 16), "completions per prompt G (T=16)"),
                                   (axes[1], "completion_length", ("group_size", 8), "completion length T (G=8)")):
         sel = sorted((r for r in rows if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
-        for kind, style in (("trl", "--o"), ("trl_ext", "-s")):
-            ax.plot([r[key] for r in sel], [r[kind]["median_step_seconds"] for r in sel], style, label=kind)
+        for kind, style, name in (("trl", "--o", "upstream trl"), ("trl_ext_shared", "-s", "trl_ext (share_prompt_cache)")):
+            ax.plot([r[key] for r in sel], [r[kind]["median_step_seconds"] for r in sel], style, label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.set_ylabel("seconds per optimizer step")
@@ -282,6 +290,8 @@ if __name__ == "__main__":
     tokens = {k: t.bench_tokens for k, t in trainers.items()}
     achieved = {k: flops[k] / sum(seconds[k]) for k in seconds}
     phases = {k: dict(t.bench_profiler.timer.seconds) for k, t in trainers.items()}
+    # share of groups whose rewards were all equal (their rows have advantage 0): what skip_zero_advantage_rows skips
+    zero_std = statistics.fmean(trainers["trl_ext"]._metrics["train"]["frac_reward_zero_std"])
     del trainers
     release_memory()
 
@@ -312,6 +322,7 @@ if __name__ == "__main__":
         "achieved_model_flops": achieved,
         "utilization": {k: v / peak for k, v in achieved.items()},
         "phase_seconds": phases,
+        "frac_reward_zero_std": zero_std,
     }
     print()
     print("step time (median of %d), ratio to trl (of medians / median of per-round ratios), generated tokens "
@@ -322,7 +333,8 @@ if __name__ == "__main__":
         mem_ratio = "" if kind == "trl" else f" (ratio {result['peak_memory_ratio'][kind]:.3f})"
         print(f"  {kind:17s} {median[kind]:.3f} s{ratios}   tokens {tokens[kind]}   "
               f"memory {mem[kind] / 2**20:.0f} MiB{mem_ratio}")
-    print("  targets: trl_ext_unshared (the seams alone) <= 1.02; trl_ext (skips the repeated prompt work) < 1.00")
+    print("  targets: trl_ext_unshared (the seams alone) <= 1.02; trl_ext (skips work the math does not need) < 1.00;"
+          f" groups with equal rewards (rows skipped by trl_ext): {zero_std:.0%}")
     print(f"utilization (model FLOP/s over the {peak / 1e9:.1f} GFLOP/s matmul peak, {args.precision}, "
           f"{torch.get_num_threads()} threads; the same model FLOPs counted for every trainer):")
     for kind in KINDS:

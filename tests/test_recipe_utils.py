@@ -201,8 +201,9 @@ def test_resume_command_repeats_the_flags_with_resume_true():
     assert command.endswith("recipes/grpo_math.py --max_steps 5 --seed 1 --resume_from_checkpoint true")
 
 
-def test_a_model_path_that_does_not_exist_says_so(monkeypatch):
+def test_a_model_path_that_does_not_exist_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # relative paths: a main job run in the checkout must not make outputs/grpo_math exist
     with pytest.raises(RecipeError, match=r"--model_name_or_path outputs/grpo_math: no such local folder .*run that recipe first"):
         check_model_source("outputs/grpo_math")
     with pytest.raises(RecipeError, match="no such local folder"):

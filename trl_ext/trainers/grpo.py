@@ -13,7 +13,9 @@ Two seams in TRL 1.16 are swapped, nothing else:
 Speed (issue 11): with ``share_prompt_cache`` (default) each distinct prompt of a batch runs once and its key/value
 cache serves all of its completions, in transformers generation (``_generate_single_turn`` shadows ``generate`` for
 the call) and in the log-prob forward/backward (``_get_per_token_logps_and_entropies``); see
-``trl_ext.shared_prompts``. Same values up to float rounding.
+``trl_ext.shared_prompts``. With ``skip_zero_advantage_rows`` (default, beta 0) ``_compute_loss`` runs rows whose
+advantage is exactly 0 without gradient: their loss and gradient are exactly 0, their values still feed the metrics.
+Same values up to float rounding.
 
 Two small hooks keep the inputs right (issue 10): ``_tokenize_prompts`` drops the BOS text of a plain-text prompt
 already rendered with a BOS-writing template (one BOS, as ``trl_ext.eval`` sees it), and
