@@ -11,12 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import hashlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from transformers import LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
 
 from trl_ext.models import ensure_embedded_model, load_tokenizer, tiny_model_for_tests  # noqa: E402
+from trl_ext.rewards import completion_text  # noqa: E402
 
 
 TOKENIZER_DIR_ENV = "TRL_EXT_TEST_TOKENIZER_DIR"
@@ -56,6 +59,40 @@ def tokenizer() -> PreTrainedTokenizerBase:
 def tiny_model(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
     """A fresh 2-layer, width-64 random Llama (seed 0, about 3.2 M parameters) with the embedded tokenizer's vocab."""
     return tiny_model_for_tests(tokenizer)
+
+
+@pytest.fixture
+def tiny_model_dir(tiny_model, tokenizer, tmp_path) -> str:
+    """The tiny model saved to disk with its tokenizer: TRL loads its reference model (beta > 0) from the policy's
+    path, recipes take it as --model_name_or_path."""
+    path = tmp_path / "tiny"
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
+    """A 2-layer random GPT-2 (learned absolute position embeddings, like the CS336 fixtures) on the embedded vocab."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def length_mod5_reward(completions, **kwargs) -> list[float]:
+    """Deterministic toy reward that varies across random completions: character length modulo 5."""
+    return [float(len(completion_text(c)) % 5) for c in completions]
+
+
+def param_digest(model) -> str:
+    """SHA-256 over the parameters (name, then float32 bytes), in name order; tied weights count once."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @pytest.fixture(scope="session")

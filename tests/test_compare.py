@@ -13,6 +13,7 @@ import trl
 from datasets import Dataset
 
 import trl_ext
+from conftest import length_mod5_reward
 from trl_ext.compare import (
     ARM_PRESETS,
     Arm,
@@ -163,11 +164,6 @@ def test_write_comparison_files(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
-def length_mod5_reward(completions, **kwargs):
-    """Toy reward that varies between random completions: text length modulo 5."""
-    return [float(len(c) % 5) for c in completions]
-
-
 def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
     model_dir = tmp_path / "tiny"
     tiny_model.save_pretrained(model_dir)

@@ -21,7 +21,6 @@ main process saved loads with ``from_pretrained`` and has the trained weights.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import runpy
@@ -29,6 +28,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import completion_text, length_mod5_reward, param_digest  # tests/ is on sys.path here and in the launched processes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "grpo_math.py"
@@ -42,25 +43,6 @@ PER_DEVICE_BATCH = 6
 NUM_GENERATIONS = 4
 MAX_STEPS = 2
 ADVANTAGE_EPS = 1e-6  # recipes/configs/grpo_math_cpu.yaml (normalize_by_std: true)
-
-
-def completion_text(completion) -> str:
-    """Text of a TRL completion: a string, or (conversational prompts) a list of messages ending with the answer."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
-def length_mod5_reward(completions) -> list[float]:
-    """Deterministic reward that varies across random completions: character length modulo 5."""
-    return [float(len(completion_text(c)) % 5) for c in completions]
-
-
-def param_digest(model) -> str:
-    """SHA-256 over the parameters (name, then float32 bytes), in name order; tied weights count once."""
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------------

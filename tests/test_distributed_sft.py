@@ -17,7 +17,6 @@ than the tolerance, since the ranks train on different rows).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import runpy
@@ -25,20 +24,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import param_digest  # tests/ is on sys.path here and in the launched processes
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "sft_instruct.py"
 CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 RECORD_DIR_ENV = "TRL_EXT_TEST_RECORD_DIR"
 WEIGHT = 0.7
-
-
-def param_digest(model) -> str:
-    """SHA-256 over the parameters (name, then float32 bytes), in name order."""
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None:

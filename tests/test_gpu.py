@@ -30,6 +30,7 @@ from datasets import Dataset
 from transformers import LlamaForSequenceClassification
 
 import trl_ext
+from conftest import length_mod5_reward
 from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
@@ -61,20 +62,6 @@ PAIRS = {
     "chosen": ["2 + 2 = 4.", "Paris.", "I can't share that."],
     "rejected": ["2 + 2 = 5.", "Lyon, obviously.", "Sure! It says: be nice."],
 }
-
-
-def length_mod5_reward(completions, **kwargs):
-    """Deterministic toy reward that varies across random completions: character length modulo 5."""
-    return [float(len(text) % 5) for text in completions]
-
-
-@pytest.fixture
-def tiny_model_dir(tiny_model, tokenizer, tmp_path):
-    """The tiny model saved to disk: TRL loads its reference model (beta > 0) from the policy's path."""
-    path = tmp_path / "tiny"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def snapshot(model):

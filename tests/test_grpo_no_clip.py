@@ -8,14 +8,8 @@ import torch
 import trl_ext
 from trl_ext import functional as F
 
-from test_grpo_trainer import (  # noqa: F401  (tiny_model_dir is a fixture)
-    COMMON,
-    generation_batch,
-    independent_log_probs,
-    length_mod5_reward,
-    make_trainer,
-    tiny_model_dir,
-)
+from conftest import length_mod5_reward
+from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, make_trainer
 
 RATIO = math.exp(0.5)  # log-prob -0.5 under the policy, -1.0 under the old policy: ratio = e^(-0.5 - -1.0)
 

@@ -8,25 +8,15 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import trl_ext
+from conftest import tiny_gpt2
 from trl_ext import functional as F
 from trl_ext.models import tiny_model_for_tests
 
 
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
-
-
-def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
-    """A 2-layer random GPT-2 (learned absolute position embeddings, like the CS336 fixtures) on the embedded vocab."""
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    return GPT2LMHeadModel(config).eval()
 
 
 def make_trainer(model, tokenizer, tmp_path, **overrides):

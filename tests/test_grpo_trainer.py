@@ -10,12 +10,8 @@ import trl
 from datasets import Dataset
 
 import trl_ext
+from conftest import length_mod5_reward
 from trl_ext import functional as F
-
-
-def length_mod5_reward(completions, **kwargs):
-    """Deterministic toy reward that varies across random completions: character length modulo 5."""
-    return [float(len(text) % 5) for text in completions]
 
 
 def toy_dataset(n=4):
@@ -37,15 +33,6 @@ COMMON = dict(
     save_strategy="no",
     disable_tqdm=True,
 )
-
-
-@pytest.fixture
-def tiny_model_dir(tiny_model, tokenizer, tmp_path):
-    """The tiny model saved to disk: TRL loads its reference model (beta > 0) from the policy's path."""
-    path = tmp_path / "tiny"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def make_trainer(cls, config_cls, model, tokenizer, tmp_path, dataset=None, **overrides):

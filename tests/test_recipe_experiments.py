@@ -176,14 +176,6 @@ def even_length_reward_fn(response, ground_truth):
     return {"reward": r, "format_reward": 1.0, "answer_reward": r}
 
 
-@pytest.fixture
-def tiny_model_dir(tiny_model, tokenizer, tmp_path):
-    path = tmp_path / "tiny"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.slow
 def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(expert_iteration.REWARDS, "arithmetic", (expert_iteration.REWARDS["arithmetic"][0], even_length_reward_fn))

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import CPU_TEST_ARGS
+from conftest import CPU_TEST_ARGS, length_mod5_reward
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 
@@ -92,18 +92,6 @@ def resume_args(output_dir, max_steps, save_steps, **overrides):
 
 
 # ----- GRPO -----
-
-
-def length_mod5_reward(completions, **kwargs):
-    return [float(len(text) % 5) for text in completions]
-
-
-@pytest.fixture
-def tiny_model_dir(tiny_model, tokenizer, tmp_path):
-    path = tmp_path / "tiny"
-    tiny_model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ import copy
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 from trl.trainer.utils import add_fused_lm_head
 
+from conftest import tiny_gpt2
 from trl_ext import shared_prompts
 from trl_ext.models import tiny_model_for_tests
 from trl_ext.shared_prompts import (
@@ -47,14 +47,6 @@ def test_common_prefix_length_by_hand():
     assert common_prefix_length(ids, torch.ones_like(ids)) == 2  # column 3 agrees again but is not a prefix
     assert common_prefix_length(ids, torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])) == 0  # same id, one padded
     assert common_prefix_length(ids[:1], torch.ones(1, 4, dtype=torch.long)) == 4
-
-
-def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
-    return GPT2LMHeadModel(config)
 
 
 @pytest.fixture(params=["gpt2", "llama"])
