@@ -44,12 +44,31 @@ def group_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[tor
     return first_of[order], rank[inverse]
 
 
+def _forward_parameters(model: Any):
+    """Parameters of the underlying model's ``forward``, past a DDP/accelerate wrapper (``module``) and PEFT."""
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return inspect.signature(base.forward).parameters
+
+
 def cache_argument(model: Any) -> str:
     """Name of the key/value cache argument of ``model.forward``: ``cache`` (transformers >= 5.2x) or
     ``past_key_values`` (earlier releases; later ones still accept it with a deprecation warning)."""
-    base = getattr(model, "module", model)  # DDP / accelerate wrappers
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base  # PEFT
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+
+
+def accepts_position_ids(model: Any) -> bool:
+    """Whether the underlying model's forward takes ``position_ids``."""
+    return "position_ids" in _forward_parameters(model)
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real tokens of its row, (B, T) -> (B, T); 0 on padding.
+
+    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1), so a
+    left-padded prompt gets the positions it has alone and in generation.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
@@ -61,12 +80,6 @@ def common_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 # A separate forward for the prefix every prompt shares (a system prompt) is worth its fixed cost (~30 small kernels
 # per layer) only when it saves at least this many token positions.
 MIN_SHARED_POSITIONS = 64
-
-
-def accepts_position_ids(model: Any) -> bool:
-    """Whether the (PEFT-unwrapped) model's forward takes ``position_ids``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 def _call(model: Callable, cache_name: str, input_ids, attention_mask, position_ids, cache=None):
@@ -181,7 +194,7 @@ def generate_with_shared_prompts(generate: Callable, model: Callable, cache_name
         ):
             return generate(**call)
         prefix_ids, prefix_mask = input_ids[:, :-1], attention_mask[:, :-1]
-        positions = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0) if use_positions else None
+        positions = position_ids_from_attention_mask(prefix_mask) if use_positions else None
         with torch.no_grad():
             cache = prefill(model, cache_name, prefix_ids, prefix_mask, positions)
         if cache is None:

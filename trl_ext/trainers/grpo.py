@@ -40,7 +40,13 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
 from ..data.prompts import strip_leading_bos
-from ..shared_prompts import accepts_position_ids, cache_argument, forward_with_shared_prompts, generate_with_shared_prompts
+from ..shared_prompts import (
+    accepts_position_ids,
+    cache_argument,
+    forward_with_shared_prompts,
+    generate_with_shared_prompts,
+    position_ids_from_attention_mask,
+)
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -372,13 +378,13 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
         # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
         # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
-        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not accepts_position_ids(self.accelerator.unwrap_model(model)):
+        unwrapped = self.accelerator.unwrap_model(model)
+        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not accepts_position_ids(unwrapped):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
         # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
         # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
         share = self._share_prompts and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
-        unwrapped = self.accelerator.unwrap_model(model)
         cache_name = cache_argument(unwrapped) if share else None
         prompt_length = input_ids.size(1) - logits_to_keep
 
@@ -498,11 +504,10 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self.accelerator.unwrap_model(model), input_ids[zero_rows], attention_mask[zero_rows], logits_to_keep,
                 compute_entropy=True,
             )
-        per_token_logps = kept_logps.new_zeros(input_ids.size(0), logits_to_keep)
-        per_token_logps = per_token_logps.index_put((keep.nonzero().squeeze(1),), kept_logps)
-        per_token_logps = per_token_logps.index_put((zero_rows.nonzero().squeeze(1),), zero_logps)
-        entropies = torch.empty_like(per_token_logps, requires_grad=False)
-        entropies[keep], entropies[zero_rows] = kept_entropies.detach(), zero_entropies
+        # rows back in batch order: kept rows first, then the zero rows, permuted by where each came from
+        order = torch.cat([keep.nonzero(), zero_rows.nonzero()]).squeeze(1).argsort()
+        per_token_logps = torch.cat([kept_logps, zero_logps])[order]
+        entropies = torch.cat([kept_entropies.detach(), zero_entropies])[order]
         return per_token_logps, entropies, None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
@@ -570,15 +575,6 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self._finished_rollout_kl.clear()
                 self._metrics["train"]["beta"].append(self.beta)
         return loss
-
-
-def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token among the real tokens of its row, (B, T) -> (B, T); 0 on padding.
-
-    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1), so a
-    left-padded prompt gets the positions it has alone and in generation.
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
