@@ -177,10 +177,16 @@ def extract_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    box = _box_at(text, start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox")))
+    return None if box is None else box[1]
+
+
+def _box_at(text: str, i: int) -> tuple[int, str | None] | None:
+    """The box whose keyword (``\\boxed``/``\\fbox``) ends at ``i``: (end, content), content None when it is never
+    closed (end = len(text)); None when no box follows the keyword (neither ``{`` nor a space)."""
     if i < len(text) and text[i] == " ":  # "\boxed 5"
         content = re.match(r"\s*([^\s$]+)", text[i:])
-        return content.group(1) if content else None
+        return (i + content.end(), content.group(1)) if content else (len(text), None)
     if i >= len(text) or text[i] != "{":
         return None
     depth = 0
@@ -190,8 +196,8 @@ def extract_boxed(text: str) -> str | None:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1 : j].strip()
-    return None
+                return j + 1, text[i + 1 : j].strip()
+    return len(text), None
 
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)")
@@ -209,30 +215,15 @@ def _box_spans(text: str) -> list[tuple[int, int, str | None]]:
     for match in _BOX_RE.finditer(text):
         if match.start() < position:  # inside the previous box (a nested box)
             continue
-        i = match.end()
-        if i < len(text) and text[i] == " ":  # "\boxed 5"
-            content = re.match(r"\s*([^\s$]+)", text[i:])
-            end = i + content.end() if content else len(text)
-            spans.append((match.start(), end, content.group(1) if content else None))
-            position = end
+        box = _box_at(text, match.end())
+        if box is None:
             continue
-        if i >= len(text) or text[i] != "{":
-            continue
-        depth = 0
-        for j in range(i, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    inner = text[i + 1 : j].strip()
-                    # a box around a box ("\boxed{\boxed{3}}") means the inner answer
-                    spans.append((match.start(), j + 1, extract_boxed_answer(inner) if _BOX_RE.search(inner) else inner))
-                    position = j + 1
-                    break
-        else:
-            spans.append((match.start(), len(text), None))
-            position = len(text)
+        end, content = box
+        # a box around a box ("\boxed{\boxed{3}}") means the inner answer
+        if content is not None and text[match.end()] == "{" and _BOX_RE.search(content):
+            content = extract_boxed_answer(content)
+        spans.append((match.start(), end, content))
+        position = end
     return spans
 
 
