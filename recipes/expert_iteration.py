@@ -55,6 +55,12 @@ from trl_ext.recipe_utils import (
 from trl_ext.rewards import completion_text
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "expert_iteration_cpu.yaml"
+HELP = {  # inherited trl_ext.SFTConfig options this recipe treats its own way
+    "resume_from_checkpoint": "Refused: expert iteration keeps no checkpoints (each EI step's SFT is a fresh trainer), "
+    "so it cannot be resumed.",
+    "max_steps": "Refused (leave it unset): the SFT of each EI step runs --sft_epochs epochs over its kept samples.",
+    "num_train_epochs": "Not read: set from --sft_epochs.",
+}
 
 
 @dataclass
@@ -308,7 +314,7 @@ def main(script_args, training_args, model_args, speed=None):
 
 
 def parse_args(argv=None):
-    return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+    return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, HELP)
 
 
 if __name__ == "__main__":

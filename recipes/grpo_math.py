@@ -32,6 +32,7 @@ from trl_ext.recipe_utils import (
     RecipeArguments,
     RecipeError,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     plot_curves,
@@ -135,6 +136,16 @@ def load_data(script_args, tokenizer=None):
     return train, test, name
 
 
+def train_source(script_args, test) -> str:
+    """Where the training prompts come from, in the user's flags (for messages)."""
+    if script_args.dataset_name is None:
+        return f"--num_train_problems {script_args.num_train_problems}"
+    if Path(script_args.dataset_name).is_file():
+        held_out = f"{len(test)} row{'s' if len(test) != 1 else ''}"
+        return f"--dataset_name {script_args.dataset_name} (its last {held_out} held out for evaluation)"
+    return f"--dataset_name {script_args.dataset_name} (split {script_args.dataset_train_split})"
+
+
 def main(script_args, training_args, model_args, speed=None):
     # everything that can be checked without the model comes first: folder, checkpoint, options, data
     wall_start = time.perf_counter()
@@ -147,6 +158,7 @@ def main(script_args, training_args, model_args, speed=None):
     check_model_options(model_args)
     with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         train, test, reward_name = load_data(script_args)
+    check_fills_one_step(len(train), training_args, train_source(script_args, test), "prompts")
     train_reward, eval_reward = REWARDS[reward_name]
     model_name = model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct"
 
@@ -235,7 +247,7 @@ def main(script_args, training_args, model_args, speed=None):
     table.add_row("after", f"{after['accuracy']:.1%}", f"{after['format_rate']:.1%}")
     console.print(table)
     console.print(
-        f"{steps} step{'s' if steps != 1 else ''} in {metrics['train_seconds']:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
+        f"{run.steps_summary(steps, metrics['train_seconds'])}; gain {after['accuracy'] - before['accuracy']:+.1%}. "
         f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})",
         markup=False,
     )

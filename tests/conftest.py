@@ -95,6 +95,19 @@ def param_digest(model) -> str:
     return digest.hexdigest()
 
 
+@pytest.fixture
+def hub_has_every_repo(monkeypatch):
+    """Parse configs that name Hub models and datasets (the GPU configs) on this offline machine: the recipes' source
+    checks (trl_ext.recipe_utils.model_source_problem / dataset_source_problem) are told the Hub has every repository.
+    Nothing is downloaded; loading such a model or dataset would still fail."""
+    from trl_ext import recipe_utils
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(recipe_utils, "_hub_check", lambda name, repo_type: None)
+    monkeypatch.setattr(recipe_utils, "_SOURCE_CACHE", {})
+
+
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """Local float32 checkpoint of the embedded model, converted from the GGUF on first use (about 30 s).
