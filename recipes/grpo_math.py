@@ -233,7 +233,8 @@ def main(script_args, training_args, model_args, speed=None):
         "model": model_name,
         "dataset": dataset,
         "reward": reward_name,
-        "runtime": speed or {},
+        "runtime": {**(speed or {}), "processes": state.num_processes,
+                    "distributed_type": str(trainer.accelerator.distributed_type)},  # FSDP shows here, not in PartialState
         "time_breakdown": time_breakdown(timer, time.perf_counter() - wall_start),
         "log_history": trainer.state.log_history,
     }
@@ -256,7 +257,7 @@ def main(script_args, training_args, model_args, speed=None):
     speed = metrics["runtime"]
     console.print(
         f"Where the {metrics['time_breakdown']['total']:.0f} s went"
-        + (f" ({speed['threads']} threads, {speed['precision']})" if speed else "") + ":\n"
+        + (f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else "") + ":\n"
         + format_breakdown(metrics["time_breakdown"]),
         markup=False,
     )

@@ -14,6 +14,7 @@ HuggingFaceH4/MATH-500). tests/test_config_rehearsal.py runs every config on CPU
   lowered to finish in seconds.
 * :func:`gsm8k_rows`, :func:`math_lighteval_rows`, :func:`math500_rows`: rows with the columns of those hub
   datasets, ground truths 4 or 5.
+* :func:`allowed_overrides`: the only flags a rehearsal may add to a config.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+HUB_DATASETS = {}  # hub id -> rows with its columns; filled below
+QWEN_MODELS = ("Qwen/Qwen2.5-Math-1.5B",)
+"""Hub models the Qwen2 stand-in replaces (the embedded SmolLM2 is replaced by a tiny random Llama)."""
+EVAL_ROWS = 4
+"""Held-out problems of a rehearsal (--num_eval): evaluation runs the same code on 4 problems as on 1319."""
 EOS = "<|endoftext|>"
 QWEN_SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>")
 QWEN_CHAT_TEMPLATE = (  # Qwen2.5's template without tool calls
@@ -72,6 +78,13 @@ def math500_rows(n: int, seed: int = 0) -> list[dict]:
     ``unique_id``."""
     return [{"problem": q, "solution": f"Adding gives $\\boxed{{{a}}}$.", "answer": a, "subject": "Prealgebra",
              "level": 1, "unique_id": f"test/prealgebra/{i}.json"} for i, (q, a) in enumerate(_questions(n, seed))]
+
+
+HUB_DATASETS.update({
+    "openai/gsm8k": gsm8k_rows,
+    "DigitalLearningGmbH/MATH-lighteval": math_lighteval_rows,
+    "HuggingFaceH4/MATH-500": math500_rows,
+})
 
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> Path:
@@ -153,3 +166,41 @@ def teach(model, tokenizer, prompts: Sequence[str], steps: int = 60, lr: float =
     with torch.no_grad():
         model.model.norm.weight.mul_(sharpen)
     return losses
+
+
+# ------------------------------------------------------------------------------------------------------ rules
+def allowed_overrides(config: dict, recipe: str, model_dir: str, data_file: str | None, out: Path,
+                      reward_model_dir: str | None = None) -> list[str]:
+    """The flags a CPU rehearsal of ``config`` (the YAML as a dict) of ``recipe`` may add, and only these (the
+    reasons: tests/test_config_rehearsal.py's docstring and docs/scaling.md): what a CPU forces, the stand-ins'
+    paths, tiny counts, and the smallest CPU-affordable step."""
+    flags = ["--output_dir", str(out), "--model_name_or_path", model_dir]
+    if config.get("use_vllm"):
+        flags += ["--use_vllm", "false"]
+    if config.get("backend") == "vllm":
+        flags += ["--backend", "hf"]
+    if config.get("bf16"):
+        flags += ["--use_cpu", "true"]
+    if config.get("dataset_name") is not None:
+        flags += ["--dataset_name", data_file]
+    if recipe == "rlhf":
+        flags += ["--reward_model_path", reward_model_dir]
+    if recipe == "expert_iteration":
+        flags += ["--n_ei_steps", "1"]
+        # questions whose samples fill one SFT optimizer step when all are kept
+        one_step = config.get("per_device_train_batch_size", 8) * config.get("gradient_accumulation_steps", 1)
+        questions = max(1, one_step // config.get("num_generations", 8))
+        if config.get("ei_batch_size", 16) > questions:
+            flags += ["--ei_batch_size", str(questions)]
+    elif recipe != "eval_math":
+        flags += ["--max_steps", "1"]
+    if recipe != "eval_math" and config.get("num_eval", 0) > EVAL_ROWS:
+        flags += ["--num_eval", str(EVAL_ROWS)]
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    if config.get("num_generations") and recipe != "expert_iteration" and accumulation > 1:
+        # the fewest micro-batches per optimizer step that keep a generation batch whole groups
+        per_device, group = config["per_device_train_batch_size"], config["num_generations"]
+        fewest = next(k for k in range(1, accumulation + 1) if per_device * k % group == 0)
+        if fewest < accumulation:
+            flags += ["--gradient_accumulation_steps", str(fewest)]
+    return flags

@@ -2,22 +2,31 @@
 evaluation) with the config's own values, so a mistake in a config file fails here rather than on a rented GPU.
 
 Each run is ``recipes/<recipe>.py --config <file>`` started the way the command line starts it (its ``__main__``
-block, in this process to share the imports), plus only these flags, derived from the config file itself by
-:func:`allowed_overrides` -- nothing else may differ, which :func:`assert_config_kept` checks on the run's recorded
-configuration:
+block, in this process to share the imports: about 100 s for all 17 on 2 idle cores), plus only the flags
+``stand_ins.allowed_overrides`` derives from the config file itself -- :func:`assert_config_kept` then checks, on the
+run's recorded configuration, that every other option of the file ran with the file's value:
 
-1. What a CPU forces (the config asks for something this machine cannot do):
-   ``--use_vllm false`` where the config sets ``use_vllm: true`` (vLLM needs CUDA); ``--backend hf`` where eval_math's
-   config sets ``backend: vllm``; ``--use_cpu true`` where the config sets ``bf16: true`` (transformers refuses bf16
-   without a bf16 GPU unless use_cpu; the run then keeps the config's bf16 autocast and ``dtype`` on CPU rather
-   than switching precision with ``--bf16 false``).
-2. Paths redirected to local stand-ins: ``--model_name_or_path`` (a Hub model -> a tiny model of the same family,
-   see tests/stand_ins.py; the embedded SmolLM2 -> a tiny random Llama with the embedded tokenizer),
+1. What a CPU forces (the config asks for something this machine cannot do): ``--use_vllm false`` where the config
+   sets ``use_vllm: true`` (vLLM needs CUDA); ``--backend hf`` where eval_math's config sets ``backend: vllm``;
+   ``--use_cpu true`` where the config sets ``bf16: true`` (transformers refuses bf16 without a bf16 GPU unless
+   use_cpu; the run keeps the config's bf16 autocast and bfloat16 weights on the CPU rather than changing the
+   precision with ``--bf16 false``).
+2. Paths redirected to local stand-ins (tests/stand_ins.py): ``--model_name_or_path`` (Qwen2.5-Math -> a tiny Qwen2
+   model and Qwen2 tokenizer built here; the embedded SmolLM2 -> a tiny random Llama with the embedded tokenizer),
    ``--dataset_name`` (a Hub dataset -> a small local file with that dataset's columns), rlhf's
-   ``--reward_model_path`` (its default trains a reward model on the embedded model first) and ``--output_dir``.
-3. Counts kept tiny: ``--max_steps 1`` (every trainer recipe; the config's batch sizes, accumulation,
-   num_generations, lengths, learning rate and schedule stay, so the one step is a full step of the config) and, for
-   expert_iteration (which sizes its SFT by epochs and refuses --max_steps), ``--n_ei_steps 1``.
+   ``--reward_model_path`` (unset, rlhf first trains a reward model on the real embedded model) and
+   ``--output_dir``.
+3. Counts kept tiny: ``--max_steps 1``, and expert iteration (which sizes its SFT by epochs and refuses --max_steps)
+   ``--n_ei_steps 1``; ``--num_eval 4`` where the config evaluates more (the same code on fewer held-out problems).
+4. The smallest CPU-affordable step, where the config's full step would take minutes on CPU: a GRPO config's
+   ``--gradient_accumulation_steps`` is lowered to the fewest micro-batches that keep one generation batch whole
+   groups (1 for the GPU configs' 8 x 32 and 32 x 8 in groups of 8): accumulation repeats the same micro-step on
+   other rows, so the other 31 micro-batches (measured: 61 s of a 72 s rehearsal on a loaded machine) add time, not
+   coverage; the per-device batch, group size, lengths, learning rate and schedule stay the config's, and the
+   config's own accumulation is still validated (the GRPO grouping check at parse time, and the local file holds
+   the 32 prompts a full step needs). Expert iteration: ``--ei_batch_size`` is lowered to the questions whose
+   samples fill one SFT optimizer step when all are kept (per_device_train_batch_size x gradient_accumulation_steps
+   / num_generations: 16 instead of 1024), so its SFT phase runs one step instead of 32.
 
 No length is lowered: the Qwen stand-in is taught to answer in the R1-Zero format and stop, so the 1024-token
 budgets of the GPU configs are kept and completions still end after ~15 tokens. One substitution that is not a
@@ -39,18 +48,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from stand_ins import gsm8k_rows, math500_rows, math_lighteval_rows, qwen2_model, qwen2_tokenizer, response, teach, write_jsonl
-
-from trl_ext.data.prompts import R1_ZERO_TEMPLATE
+from stand_ins import HUB_DATASETS, QWEN_MODELS, allowed_overrides, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "recipes" / "configs"
-HUB_DATASETS = {  # hub id -> rows with its columns
-    "openai/gsm8k": gsm8k_rows,
-    "DigitalLearningGmbH/MATH-lighteval": math_lighteval_rows,
-    "HuggingFaceH4/MATH-500": math500_rows,
-}
-QWEN_MODELS = ("Qwen/Qwen2.5-Math-1.5B",)
 
 
 @dataclass
@@ -60,9 +61,9 @@ class Rehearsal:
     result: str = "metrics.json"
 
 
-# rows: enough training prompts for one optimizer step of the config (per_device_train_batch_size x
-# gradient_accumulation_steps / num_generations = 32 for the GRPO configs; expert iteration samples ei_batch_size =
-# 1024 questions), plus the held-out rows a single local file gives up (its last fifth); eval_math reads 16
+# rows of the local file: the GRPO configs' 32 prompts of one full optimizer step (8 x 32 / 8, or 32 x 8 / 8) plus the
+# EVAL_ROWS a single local file holds out for evaluation; expert iteration's 16 questions (see allowed_overrides) plus
+# those; eval_math evaluates 16
 REHEARSALS = {
     "compare_upstream_cpu.yaml": Rehearsal("compare_upstream", result="comparison.json"),
     "compare_upstream_gsm8k.yaml": Rehearsal("compare_upstream", rows=40, result="comparison.json"),
@@ -70,7 +71,7 @@ REHEARSALS = {
     "eval_math_gsm8k.yaml": Rehearsal("eval_math", rows=16),
     "eval_math_math500.yaml": Rehearsal("eval_math", rows=16),
     "expert_iteration_cpu.yaml": Rehearsal("expert_iteration"),
-    "expert_iteration_math.yaml": Rehearsal("expert_iteration", rows=1280),
+    "expert_iteration_math.yaml": Rehearsal("expert_iteration", rows=24),
     "grpo_ablations_cpu.yaml": Rehearsal("grpo_ablations", result="baselines/comparison.json"),
     "grpo_ablations_gsm8k.yaml": Rehearsal("grpo_ablations", rows=40, result="baselines/comparison.json"),
     "grpo_ablations_math.yaml": Rehearsal("grpo_ablations", rows=40, result="baselines/comparison.json"),
@@ -82,65 +83,6 @@ REHEARSALS = {
     "rlhf.yaml": Rehearsal("rlhf"),
     "sft_instruct.yaml": Rehearsal("sft_instruct"),
 }
-
-
-def allowed_overrides(config: dict, recipe: str, model_dir: str, data_file: str | None, out: Path,
-                      reward_model_dir: str | None = None) -> list[str]:
-    """The flags a CPU rehearsal of ``config`` (the YAML as a dict) may add; see the module docstring."""
-    flags = ["--output_dir", str(out), "--model_name_or_path", model_dir]
-    if config.get("use_vllm"):
-        flags += ["--use_vllm", "false"]
-    if config.get("backend") == "vllm":
-        flags += ["--backend", "hf"]
-    if config.get("bf16") and not torch.cuda.is_available():
-        flags += ["--use_cpu", "true"]
-    if config.get("dataset_name") is not None:
-        flags += ["--dataset_name", data_file]
-    if recipe == "rlhf":
-        flags += ["--reward_model_path", reward_model_dir]
-    if recipe == "expert_iteration":
-        flags += ["--n_ei_steps", "1"]
-        # questions whose samples fill one SFT optimizer step when all are kept
-        one_step = config.get("per_device_train_batch_size", 8) * config.get("gradient_accumulation_steps", 1)
-        questions = max(1, one_step // config.get("num_generations", 8))
-        if config.get("ei_batch_size", 16) > questions:
-            flags += ["--ei_batch_size", str(questions)]
-    elif recipe != "eval_math":
-        flags += ["--max_steps", "1"]
-    accumulation = config.get("gradient_accumulation_steps", 1)
-    if config.get("num_generations") and recipe != "expert_iteration" and accumulation > 1:
-        # the fewest micro-batches per optimizer step that keep a generation batch whole groups
-        per_device, group = config["per_device_train_batch_size"], config["num_generations"]
-        fewest = next(k for k in range(1, accumulation + 1) if per_device * k % group == 0)
-        if fewest < accumulation:
-            flags += ["--gradient_accumulation_steps", str(fewest)]
-    return flags
-
-
-# ------------------------------------------------------------------------------------------------------ stand-ins
-@pytest.fixture(scope="session")
-def qwen_stand_in(tmp_path_factory) -> str:
-    """A tiny Qwen2 model + Qwen2 tokenizer (tests/stand_ins.py), taught to answer R1-Zero prompts; saved once."""
-    questions = [r["question"] for r in gsm8k_rows(64, seed=123)]
-    prompts = [R1_ZERO_TEMPLATE.format(question=q) for q in questions]
-    tokenizer = qwen2_tokenizer(prompts + [response(a) for a in ("4", "5")] + [r["solution"] for r in math_lighteval_rows(4)])
-    model = qwen2_model(tokenizer)
-    teach(model, tokenizer, prompts)
-    path = tmp_path_factory.mktemp("qwen2_stand_in")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def llama_stand_in(tmp_path_factory, tokenizer) -> str:
-    """The embedded model's stand-in: a tiny random Llama with the embedded SmolLM2 tokenizer, saved once."""
-    from trl_ext.models import tiny_model_for_tests
-
-    path = tmp_path_factory.mktemp("llama_stand_in")
-    tiny_model_for_tests(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def run_recipe(recipe: str, argv: list[str], monkeypatch) -> None:
@@ -176,9 +118,34 @@ def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> Non
             continue
         assert key in ran, f"{key} is not among the recorded options"
         got = ran[key]
-        if isinstance(got, list) and not isinstance(value, list):  # transformers makes report_to a list
-            got = got[0] if len(got) == 1 else got
+        if key == "report_to" and isinstance(got, list) and not isinstance(value, list):  # transformers: a list
+            got = got[0] if len(got) == 1 else "none" if not got else got
         assert got == value or str(got) == str(value), f"{key}: the run used {got!r}, the config says {value!r}"
+
+
+def even_length_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """Stand-in for the reward that filters expert_iteration_cpu.yaml's samples: 1 for an even number of characters
+    (a random model gets about half), as tests/test_recipe_experiments.py uses."""
+    reward = float(len(response) % 2 == 0)
+    return {"reward": reward, "format_reward": 1.0, "answer_reward": reward}
+
+
+def assert_one_step(recipe: str, config: dict, record: dict, rows: int) -> None:
+    """The run trained one optimizer step (every arm of a comparison; expert iteration: one SFT step), or evaluated
+    every row (eval_math)."""
+    if recipe == "eval_math":
+        assert record["n"] == rows
+    elif recipe == "expert_iteration":
+        (step,) = record["ei_steps"]
+        assert step["kept"] > 0 and step["sft_steps"] == 1
+    elif "arms" in record:
+        arms = record["arms"]
+        assert [arm["steps"] for arm in arms] == [1] * len(arms)
+        assert all([s for s, _ in arm["accuracy_curve"]] == [0, 1] for arm in arms)
+        if recipe != "grpo_ablations":
+            assert [arm["name"] for arm in arms] == [a if isinstance(a, str) else a["name"] for a in config["arms"]]
+    else:
+        assert record["train_steps"] == 1
 
 
 @pytest.mark.slow
@@ -187,14 +154,48 @@ def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in,
     rehearsal = REHEARSALS[name]
     config = yaml.safe_load((CONFIG_DIR / name).read_text())
     model = config.get("model_name_or_path")
-    model_dir = qwen_stand_in if model in QWEN_MODELS else llama_stand_in
     assert model in (*QWEN_MODELS, None), f"{name}: no stand-in for {model}"
+    model_dir = qwen_stand_in if model in QWEN_MODELS else llama_stand_in
     data_file = None
     if config.get("dataset_name") is not None:
         rows = HUB_DATASETS[config["dataset_name"]](rehearsal.rows)
         data_file = str(write_jsonl(tmp_path / "data.jsonl", rows))
+    if name == "expert_iteration_cpu.yaml":
+        monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+        import grpo_math  # the module expert_iteration imports its REWARDS table from
+
+        monkeypatch.setitem(grpo_math.REWARDS, "arithmetic", (grpo_math.REWARDS["arithmetic"][0], even_length_reward_fn))
     out = tmp_path / "out"
     flags = allowed_overrides(config, rehearsal.recipe, model_dir, data_file, out, reward_model_dir=llama_stand_in)
     run_recipe(rehearsal.recipe, ["--config", str(CONFIG_DIR / name), *flags], monkeypatch)
     record = json.loads((out / rehearsal.result).read_text())
     assert_config_kept(config, record, flags)
+    assert_one_step(rehearsal.recipe, config, record, rehearsal.rows)
+    if model in QWEN_MODELS and rehearsal.recipe == "grpo_math":  # bf16 weights and bf16 autocast, as on the GPU
+        assert record["runtime"]["precision"] == "bf16 autocast, bf16 weights"
+
+
+def test_every_bundled_config_is_rehearsed():
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) == sorted(REHEARSALS)
+
+
+def test_the_overrides_are_only_the_documented_ones():
+    # the GPU GRPO config: CPU-forced flags, paths, one step, 4 held-out problems, and 1 micro-batch instead of 32
+    config = yaml.safe_load((CONFIG_DIR / "grpo_math_math.yaml").read_text())
+    flags = allowed_overrides(config, "grpo_math", "M", "D", Path("O"))
+    assert dict(zip(flags[::2], flags[1::2])) == {
+        "--output_dir": "O", "--model_name_or_path": "M", "--use_vllm": "false", "--use_cpu": "true",
+        "--dataset_name": "D", "--max_steps": "1", "--num_eval": "4", "--gradient_accumulation_steps": "1",
+    }
+    # a CPU config: paths and counts only
+    config = yaml.safe_load((CONFIG_DIR / "grpo_math_cpu.yaml").read_text())
+    flags = allowed_overrides(config, "grpo_math", "M", None, Path("O"))
+    assert dict(zip(flags[::2], flags[1::2])) == {"--output_dir": "O", "--model_name_or_path": "M", "--max_steps": "1",
+                                                 "--num_eval": "4"}
+    # expert iteration: one EI step of the questions whose samples fill one SFT step (4 x 16 / 4 = 16)
+    config = yaml.safe_load((CONFIG_DIR / "expert_iteration_math.yaml").read_text())
+    flags = allowed_overrides(config, "expert_iteration", "M", "D", Path("O"))
+    assert dict(zip(flags[::2], flags[1::2])) == {
+        "--output_dir": "O", "--model_name_or_path": "M", "--use_vllm": "false", "--use_cpu": "true",
+        "--dataset_name": "D", "--n_ei_steps": "1", "--ei_batch_size": "16", "--num_eval": "4",
+    }

@@ -159,6 +159,12 @@ def raise_problems(problems: Sequence[str]) -> None:
         )
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _offline(*names: str) -> bool:
     return any(os.environ.get(n, "0").lower() in ("1", "true", "yes", "on") for n in names)
 
@@ -392,6 +398,10 @@ def parse_recipe_args(
         parser.error(f"unrecognized arguments: {' '.join(remaining)}")
     values = vars(namespace)
     values.pop("config", None)
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and "use_cpu" in values and (values["use_cpu"] or not _cuda()) and _is_main_process():
+        print("note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
+              "data parallelism, every process holding the whole model", file=sys.stderr)
     flagged = flag_problems(values)
     problems += flagged
     devices = device_problems(values)
