@@ -51,7 +51,7 @@ from grpo_math import REWARDS, MathScriptArguments, load_data, train_source  # t
 from trl_ext.compare import Task, arm_config, parse_arms, run_comparison, write_comparison
 from trl_ext.compare.monitoring import binomial_standard_error
 from trl_ext.eval import evaluate_math
-from trl_ext.experiment import config_hyperparameters, git_state, write_experiment_record
+from trl_ext.experiment import git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.recipe_utils import (
     COMPARISON_HELP,

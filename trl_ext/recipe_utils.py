@@ -15,7 +15,10 @@ A recipe reads top to bottom as::
     run.write_metrics(metrics)               # + command, resolved configs, library versions, phase times
 
 and ends with ``if __name__ == "__main__": recipe_main(main, parse_recipe_args(...))``, which turns a
-:class:`RecipeError` (bad flag, data or folder) into one ``error: ...`` line and installs the Ctrl-C handler.
+:class:`RecipeError` (bad flag, data or folder) into an ``error: ...`` message and installs the Ctrl-C handler.
+:func:`parse_recipe_args` checks everything that needs no model (flag values, what this machine can run, which
+models, datasets and files it can reach) and reports every problem it finds at once, each naming the flag that
+fixes it; :func:`check_fills_one_step` refuses a training set from which the trainer would take no batch.
 
 Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
 
@@ -173,11 +176,9 @@ def _gpu_fix(flag: str, fix: str, what: str, package: str | None) -> str | None:
     """The problem of a GPU-only option on this machine (``package`` missing or no CUDA GPU), or None."""
     import importlib.util
 
-    import torch
-
     if package is not None and importlib.util.find_spec(package) is None:
         return f"{flag}: {what} is not installed here; pass `{fix}`, or install the gpu extra on a CUDA machine"
-    if not torch.cuda.is_available():
+    if not _cuda():
         return f"{flag}: {what} needs a CUDA GPU (torch.cuda.is_available() is False); pass `{fix}`"
     return None
 
@@ -197,10 +198,8 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
         from transformers.utils import is_torch_bf16_gpu_available
 
         if not is_torch_bf16_gpu_available():
-            import torch
-
             flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
-            why = "this GPU has no bf16 (Ampere or newer)" if torch.cuda.is_available() else "no CUDA GPU here"
+            why = "this GPU has no bf16 (Ampere or newer)" if _cuda() else "no CUDA GPU here"
             problems.append(f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or "
                             "`--use_cpu true`")
     if values.get("load_in_4bit") and values.get("load_in_8bit"):
@@ -570,13 +569,10 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
 def _dataset_cached(name: str) -> bool:
     """Whether ``datasets`` can load hub dataset ``name`` offline: its files in the Hub cache, or a prepared copy in
     the ``datasets`` cache."""
+    from datasets.config import HF_DATASETS_CACHE
     from huggingface_hub.constants import HF_HUB_CACHE
 
     hub = Path(HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "snapshots"
-    try:
-        from datasets.config import HF_DATASETS_CACHE
-    except ImportError:  # pragma: no cover
-        HF_DATASETS_CACHE = Path.home() / ".cache" / "huggingface" / "datasets"
     prepared = Path(HF_DATASETS_CACHE) / name.replace("/", "___")
     return (hub.is_dir() and any(hub.iterdir())) or prepared.is_dir()
 
