@@ -759,6 +759,7 @@ class RecipeRun:
 
     Attributes:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
+        resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
 
     Raises:
@@ -773,6 +774,9 @@ class RecipeRun:
         self.configs = dict(configs)
         self.resume_from_checkpoint = resolve_resume(resume, output_dir)
         check_output_dir(output_dir, overwrite, self.resume_from_checkpoint is not None, result_file)
+        # read now: save_total_limit may delete that checkpoint once this run saves a newer one
+        self.resumed_step = 0 if self.resume_from_checkpoint is None else int(json.loads(
+            (Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
         self.phase_seconds: dict[str, float] = {}
         self.reused: list[str] = []
         self.started = time.time()
@@ -788,15 +792,6 @@ class RecipeRun:
     @property
     def resuming(self) -> bool:
         return self.resume_from_checkpoint is not None
-
-    @property
-    def resumed_step(self) -> int:
-        """The optimizer step of the checkpoint this run resumes from (its ``trainer_state.json``), 0 when not
-        resuming: the steps this process trains are ``global_step - resumed_step``."""
-        if self.resume_from_checkpoint is None:
-            return 0
-        state = json.loads((Path(self.resume_from_checkpoint) / "trainer_state.json").read_text())
-        return int(state.get("global_step", 0))
 
     def steps_summary(self, global_step: int, seconds: float) -> str:
         """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`),
