@@ -45,6 +45,7 @@ from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
 from trl_ext.experiment import write_recipe_record
 from trl_ext.profiling import PhaseTimer, StepProfiler, format_breakdown, time_breakdown
+from trl_ext.runtime import name_loaded_weights
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -166,6 +167,8 @@ def main(script_args, training_args, model_args, speed=None):
     console = Console(soft_wrap=True)
     with run.phase("load_model"), timer.phase("model_load"):
         model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
+    if speed:  # --dtype auto: the checkpoint's own dtype, known now
+        speed["precision"] = name_loaded_weights(speed["precision"], training_args, model_args.dtype, model)
     max_new_tokens = training_args.max_completion_length
 
     def evaluate(m, desc):

@@ -662,7 +662,7 @@ def _gsm8k_file(tmp_path, rows):
 
 
 @pytest.mark.parametrize("recipe", ["grpo_math", "compare_upstream", "grpo_ablations", "grpo_sort", "rlhf", "sft_instruct",
-                                    "dpo", "reward_model"])
+                                    "dpo", "reward_model", "expert_iteration"])
 def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_work(recipe, tmp_path, monkeypatch):
     module = load_recipe(recipe)
     for name in ("load_model_and_tokenizer", "load_model", "load_tokenizer", "resolve_model_name_or_path",
@@ -687,6 +687,11 @@ def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_wo
         flags = ["--per_device_train_batch_size", "16", "--steps_per_generation", "16", "--num_generations", "4"]
         expected = f"--train_file {DATA / 'preferences_train.jsonl'} (unique prompts): 54 training prompts " + TOO_FEW.format(
             n=64, c=256, b=16, a="--steps_per_generation 16", g=4, w="--steps_per_generation")
+    elif recipe == "expert_iteration":  # (its too-few-questions check: tests/test_recipe_experiments.py)
+        flags = ["--ei_batch_size", "2", "--num_generations", "4", "--per_device_train_batch_size", "16",
+                 "--dataloader_drop_last", "true"]  # at most 2 x 4 = 8 kept samples per SFT, batches of 16 dropped
+        expected = ("--ei_batch_size 2 x --num_generations 4 (an EI step's SFT set if every sample is kept): 8 training "
+                    "samples " + DROP_LAST.format(n=16, u="samples"))
     else:
         unit, rows, name = ("rows", 45, "instructions_train.jsonl") if recipe == "sft_instruct" else ("pairs", 54, "preferences_train.jsonl")
         flags = ["--dataloader_drop_last", "true", "--per_device_train_batch_size", "64"]

@@ -192,3 +192,20 @@ def test_the_precision_label_names_the_weights_dtype_and_the_autocast(bf16, dtyp
     assert runtime.enable_cpu_bf16(args, user_set=True, dtype=dtype) == label
     assert runtime.enable_cpu_bf16(_args(bf16=False), user_set=False, has_bf16=False, dtype="bfloat16") == (
         "bf16 weights, no autocast (default: no bf16 instructions)")
+
+
+@pytest.mark.parametrize(
+    "requested, loaded, bf16, label",
+    [
+        ("auto", torch.bfloat16, False, "bf16 weights, no autocast (GPU)"),  # a bf16 checkpoint such as Qwen2.5-Math
+        (None, torch.float32, False, "fp32 (GPU)"),
+        ("auto", torch.bfloat16, True, "bf16 autocast, bf16 weights (GPU)"),
+        ("bfloat16", torch.bfloat16, False, "bf16 weights, no autocast (GPU)"),  # named already: unchanged
+    ],
+)
+def test_the_loaded_weights_dtype_replaces_checkpoint_dtype(requested, loaded, bf16, label, tiny_model):
+    args = _args(bf16=bf16)
+    made = runtime.precision_label(args, requested) + " (GPU)"  # as enable_cpu_bf16 labels a GPU run
+    model = tiny_model.to(loaded)
+    assert runtime.name_loaded_weights(made, args, requested, model) == label
+    assert runtime.name_loaded_weights("something else", args, requested, model) == "something else"

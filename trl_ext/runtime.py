@@ -215,6 +215,24 @@ def precision_label(training_args: Any, dtype: Any = "float32") -> str:
     return f"{autocast} autocast, {weights} weights"
 
 
+def name_loaded_weights(precision: str, training_args: Any, requested_dtype: Any, model: Any) -> str:
+    """``precision`` (a label from :func:`apply_speed_defaults`, made before the model loaded) with the weights' dtype
+    the model really has: ``--dtype auto`` (or None) loads each checkpoint in its own dtype, e.g. bf16 for
+    Qwen2.5-Math, so ``"checkpoint-dtype weights, no autocast (GPU)"`` becomes ``"bf16 weights, no autocast (GPU)"``.
+    Labels made for an explicit dtype come back unchanged, and so does a label made elsewhere.
+
+    Args:
+        precision: the label (``speed["precision"]``).
+        training_args: the run's ``TrainingArguments`` (its ``bf16``/``fp16``).
+        requested_dtype: ``trl.ModelConfig.dtype``, as passed to :func:`apply_speed_defaults`.
+        model: the loaded model (its ``dtype``).
+    """
+    before = precision_label(training_args, requested_dtype)
+    if not precision.startswith(before):
+        return precision
+    return precision_label(training_args, getattr(model, "dtype", requested_dtype)) + precision[len(before):]
+
+
 def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None, dtype: Any = "float32") -> str:
     """On a CPU run whose precision the user did not set: bf16 autocast where the CPU has bf16 instructions, else fp32.
 
