@@ -85,7 +85,11 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
         )
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     values.update(overrides)
-    return config_cls(**values)
+    with warnings.catch_warnings():
+        # a deprecated option (e.g. DPOConfig's pad_token) already warned when the user built `args`; not twice
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return config_cls(**values)
 
 
 # Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
