@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, load_recipe, param_digest
 import torch
 import trl
 from datasets import Dataset
@@ -255,3 +255,59 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tmp_path):
     before = saved["before"]
     assert before["preference_accuracy"] == 0.0 and before["reward_margin"] == 0.0  # policy == reference
     assert before["dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the reference model
+def _losses(trainer) -> list[float]:
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _in_memory(tokenizer, tmp_path, name, **kwargs):
+    """A trainer on a model built in memory (config._name_or_path is ""), trained 2 steps of 3 pairs each."""
+    model = kwargs.pop("model", None) or tiny_model_for_tests(tokenizer, seed=1)
+    assert model.config._name_or_path == ""
+    args = DPOConfig(output_dir=str(tmp_path / name), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
+    dataset = Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()})
+    return DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), **kwargs)
+
+
+def test_a_model_built_in_memory_gets_a_frozen_copy_as_its_reference(tokenizer, tmp_path):
+    # upstream reloads the reference from model.config._name_or_path, "" here: "Repo id must use alphanumeric chars"
+    implicit = _in_memory(tokenizer, tmp_path, "implicit")
+    model, reference = implicit.model, implicit.ref_model
+    assert reference is not None and reference is not model and not reference.training
+    assert all(not p.requires_grad for p in reference.parameters())
+    before = param_digest(model)
+    assert param_digest(reference) == before  # the policy as passed
+    explicit = _in_memory(tokenizer, tmp_path, "explicit", ref_model=copy.deepcopy(tiny_model_for_tests(tokenizer, seed=1)))
+    got, expected = _losses(implicit), _losses(explicit)
+    assert got[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0: h = 0, loss = log 2
+    assert got == expected and len(got) == 2 and got[1] != got[0]
+    assert param_digest(implicit.ref_model) == before != param_digest(implicit.model)  # frozen while the policy trains
+
+
+def test_the_copy_equals_upstreams_reference_loaded_from_the_model_path(tokenizer, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    runs = []
+    for cls, config_cls in ((DPOTrainer, DPOConfig), (trl.DPOTrainer, trl.DPOConfig)):
+        args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
+        runs.append(cls(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args,
+                        train_dataset=Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()}),
+                        processing_class=copy.deepcopy(tokenizer)))
+    ours, upstream = (_losses(trainer) for trainer in runs)
+    assert ours == pytest.approx(upstream, abs=1e-6) and ours[0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_peft_keeps_the_adapter_disabled_base_as_reference(tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with_config = _in_memory(tokenizer, tmp_path, "config", peft_config=LoraConfig(**lora))
+    wrapped = _in_memory(tokenizer, tmp_path, "wrapped",
+                         model=get_peft_model(tiny_model_for_tests(tokenizer, seed=1), LoraConfig(**lora)))
+    for trainer in (with_config, wrapped):
+        assert trainer.ref_model is None  # upstream's choice: the base model with the adapters disabled
+        losses = _losses(trainer)
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # LoRA B starts at 0: policy == base

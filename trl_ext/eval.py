@@ -234,6 +234,7 @@ def load_eval_model(
         see :func:`resolve_backend`.
     """
     from trl_ext.models import (
+        is_embedded,
         load_model_and_tokenizer,
         load_tokenizer,
         resolve_model_name_or_path,
@@ -247,7 +248,7 @@ def load_eval_model(
         dtype = model_args.dtype if model_args.dtype not in (None, "auto") else "auto"
         llm = LLM(
             model=resolve_model_name_or_path(model_args.model_name_or_path),
-            revision=None if model_args.model_name_or_path is None else model_args.model_revision,
+            revision=None if is_embedded(model_args.model_name_or_path) else model_args.model_revision,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,

@@ -54,6 +54,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback
 
+from trl_ext.models import EMBEDDED_ALIAS, EMBEDDED_BASE_MODEL  # noqa: F401  (re-exported: recipes name them)
+
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
 
@@ -63,6 +65,14 @@ VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "
 RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
 """What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
 cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
+
+
+MODEL_NAME_HELP = (
+    f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
+    "config names a model) selects the embedded SmolLM2-135M-Instruct, also over a --config file that names "
+    "another model."
+)
+"""What every recipe's ``--help`` adds to ``--model_name_or_path`` (trl.ModelConfig's own help)."""
 
 
 class RecipeError(ValueError):
@@ -203,6 +213,9 @@ def build_parser(dataclass_types: Sequence[type], default_config: str | Path | N
     else:
         config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
     parser.add_argument("--config", metavar="FILE", help=config_help)
+    for action in parser._actions:  # trl.ModelConfig's help does not know the embedded model
+        if action.dest == "model_name_or_path":
+            action.help = (f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP)
     return parser
 
 
@@ -361,11 +374,23 @@ def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_pa
     Checks the local Hugging Face cache first (works offline), then asks the Hub whether the repository exists.
 
     Raises:
-        RecipeError: naming the flag and the path, and that a local folder has to be produced first.
+        RecipeError: naming the flag and the path, and that a local folder has to be produced first; an empty
+            name (naming ``--model_name_or_path embedded``); the embedded model's package missing (how to get it).
     """
-    from trl_ext.models import is_embedded
+    from trl_ext.models import embedded_gguf_path, is_embedded
 
-    if name_or_path is None or is_embedded(name_or_path) or Path(name_or_path).exists():
+    if name_or_path is not None and not name_or_path.strip():
+        raise RecipeError(
+            f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
+            "embedded SmolLM2-135M-Instruct"
+        )
+    if is_embedded(name_or_path):
+        try:
+            embedded_gguf_path()
+        except FileNotFoundError as err:
+            raise RecipeError(f"{flag} {name_or_path or EMBEDDED_ALIAS}: {err}") from None
+        return
+    if Path(name_or_path).exists():
         return
     from huggingface_hub import repo_exists, try_to_load_from_cache
 
@@ -775,19 +800,17 @@ def plot_curves(
     return Path(path)
 
 
-EMBEDDED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The Hub model the embedded GGUF (Q4_1) was quantized from: the base model the model cards name."""
-
-
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
-    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model (the embedded
-    model's Hub id for None) and the output folder as the model to load (TRL's own card names ``None`` and the
-    folder's bare name for local runs)."""
+    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model
+    (``trl_ext.models.base_model_id``: the embedded model's Hub id for the embedded model, by name or cache folder)
+    and the output folder as the model to load (TRL's own card names ``None`` and the folder's bare name for local
+    runs)."""
     from trl.trainer.utils import generate_model_card
 
-    from trl_ext.models import is_embedded
+    from trl_ext.models import base_model_id
 
-    base = EMBEDDED_BASE_MODEL if base_model is None or is_embedded(base_model) else str(base_model)
+    base = base_model_id(base_model)
+    embedded = base == EMBEDDED_BASE_MODEL and str(base_model) != EMBEDDED_BASE_MODEL  # our dequantized copy of it
     card = generate_model_card(
         base_model=base,
         model_name=Path(output_dir).name,
@@ -805,7 +828,7 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
     text = str(card)
     if Path(base).exists():  # a local base model: no Hub link
         text = text.replace(f"[{base}](https://huggingface.co/{base})", f"`{base}` (local)")
-    if base_model is None or is_embedded(base_model):
+    if embedded:
         text = text.replace(
             f"[{base}](https://huggingface.co/{base})",
             f"[{base}](https://huggingface.co/{base}) (trl_ext's embedded copy: its Q4_1 GGUF, dequantized)",

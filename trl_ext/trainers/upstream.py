@@ -85,7 +85,11 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
         )
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     values.update(overrides)
-    return config_cls(**values)
+    with warnings.catch_warnings():
+        # a deprecated option (e.g. DPOConfig's pad_token) already warned when the user built `args`; not twice
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return config_cls(**values)
 
 
 # Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
@@ -93,6 +97,8 @@ TRAINER_MIXIN_SEAMS = {
     "train": ("resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
     "_save_checkpoint": ("model", "trial"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
+    "save_model": ("output_dir", "_internal_call"),
+    "create_model_card": ("model_name", "dataset_name", "tags"),
 }
 
 
@@ -110,6 +116,11 @@ class TrainerMixin:
 
     Several processes: ``train()`` after ``evaluate()`` (a recipe's before-training evaluation) wraps the model in
     DDP; see ``train``.
+
+    Portable outputs: what a save writes (the final model and every checkpoint: adapter_config.json, the adapter's
+    README, TRL's model card) names the real base model, ``trl_ext.models.base_model_id`` -- the Hub id
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` for the embedded model instead of its local cache folder, so a LoRA
+    adapter loads on any machine that has that model. See ``save_model`` and ``create_model_card``.
     """
 
     STATE_FILE = "trl_ext_state.json"
@@ -180,3 +191,25 @@ class TrainerMixin:
                     "trl_ext; resume with the same number of processes"
                 )
             self._restore_checkpoint_rank_state(torch.load(rank_path, map_location="cpu", weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        # checkpoints come here too (transformers' _save_checkpoint calls save_model)
+        from trl_ext.models import name_base_model
+
+        result = super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            name_base_model(output_dir if output_dir is not None else self.args.output_dir)
+        return result
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        # TRL 1.16 BaseTrainer.create_model_card names config._name_or_path as the base model, or none for a local
+        # folder (the embedded model's cache); name the model base_model_id gives instead, for the card alone
+        from trl_ext.models import base_model_id
+
+        config = self.model.config
+        loaded_from = config._name_or_path
+        config._name_or_path = base_model_id(loaded_from) if loaded_from else loaded_from
+        try:
+            return super().create_model_card(model_name, dataset_name, tags)
+        finally:
+            config._name_or_path = loaded_from
