@@ -209,3 +209,104 @@ def test_degenerate_answers_are_graded_zero_quickly_in_any_thread(capfd):
 def test_verify_worker_rejects_a_bad_timeout():
     with pytest.raises(ValueError, match="timeout=0; expected seconds > 0"):
         verify_worker.verify_in_worker("1", "1", 0)
+
+
+# ------------------------------------------------------------------- 8. grading from forks, threads and pools
+# 40 answers that only math-verify can settle (a fraction against a decimal), verdicts known by hand: k/4 written as
+# a decimal is right, (k+1)/4 is wrong; interleaved so that a verdict read by the wrong caller shows.
+FORK_CASES = [
+    case
+    for k in range(1, 21)
+    for case in ((f"\\frac{{{k}}}{{4}}", str(k / 4), True), (f"\\frac{{{k}}}{{4}}", str((k + 1) / 4), False))
+]
+
+
+def _grade_cases(shift: int) -> list[bool]:
+    """Grade FORK_CASES starting at ``shift`` (so processes grading at once ask different questions); return
+    whether each verdict was right, in FORK_CASES order."""
+    order = [(i + shift) % len(FORK_CASES) for i in range(len(FORK_CASES))]
+    right = {}
+    for i in order:
+        answer, truth, expected = FORK_CASES[i]
+        right[i] = grade_math_answer(answer, truth) == expected
+    return [right[i] for i in range(len(FORK_CASES))]
+
+
+def test_fork_cases_are_graded_by_math_verify():
+    from trl_ext.rewards import to_decimal as as_number
+
+    assert sum(expected for _, _, expected in FORK_CASES) == 20
+    assert FORK_CASES[6] == ("\\frac{4}{4}", "1.0", True) and FORK_CASES[7] == ("\\frac{4}{4}", "1.25", False)
+    assert all(as_number(answer) is None for answer, _, _ in FORK_CASES)  # no shortcut settles them
+
+
+def test_fork_pool_after_the_parent_graded_gets_right_verdicts_in_children_and_parent():
+    import multiprocessing
+
+    assert grade_math_answer("\\frac{1}{2}", "0.5")  # the parent now has a zygote and an idle worker to inherit
+    parent_workers = {w.pid for w in verify_worker._idle}
+    assert parent_workers
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.map(_grade_cases, [0, 7, 13, 29])
+    for shift, right in zip([0, 7, 13, 29], results):
+        assert all(right), f"child grading from shift {shift}: {right.count(False)} of 40 verdicts wrong"
+    assert all(_grade_cases(3)), "the parent's verdicts went wrong after the children graded"
+    assert {w.pid for w in verify_worker._idle} & parent_workers  # the parent kept its own workers
+
+
+def test_spawned_pool_gets_right_verdicts():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        verdicts = pool.starmap(grade_math_answer, [(a, t) for a, t, _ in FORK_CASES[:10]])
+    assert verdicts == [expected for _, _, expected in FORK_CASES[:10]]
+
+
+def test_thread_pool_gets_right_verdicts():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(_grade_cases, range(0, 40, 5)))
+    assert [right.count(False) for right in results] == [0] * 8
+
+
+def test_a_fork_that_skipped_the_fork_hook_drops_the_inherited_workers(monkeypatch):
+    # A fork() from C runs no os.register_at_fork hook; the pid check catches it. Simulated here by making this
+    # process look like a child of another: its workers count as inherited and must not be used (nor killed).
+    assert grade_math_answer("\\frac{1}{2}", "0.5")
+    inherited = list(verify_worker._idle)
+    monkeypatch.setattr(verify_worker, "_owner_pid", -1)
+    assert all(_grade_cases(0))
+    assert not {w.pid for w in verify_worker._idle} & {w.pid for w in inherited}
+    assert all(w.sock.fileno() == -1 for w in inherited)  # closed in this process, without a flush or a kill
+
+
+def test_killed_workers_and_zygote_are_replaced_within_the_time_limit(monkeypatch):
+    import os
+    import signal
+
+    assert grade_math_answer("\\frac{1}{2}", "0.5")
+    # killed while idle: noticed before use
+    for worker in list(verify_worker._idle):
+        os.kill(worker.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert all(_grade_cases(0))
+    # the zygote killed too: a new one is started
+    os.kill(verify_worker._zygote.proc.pid, signal.SIGKILL)
+    for worker in list(verify_worker._idle):
+        os.kill(worker.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert all(_grade_cases(11))
+    # killed while grading (simulated: the worker handed out is already dead): the answer goes to a fresh worker
+    dead = verify_worker._idle_worker()
+    os.kill(dead.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    handed_out = [dead]
+    real_idle_worker = verify_worker._idle_worker
+    monkeypatch.setattr(verify_worker, "_idle_worker", lambda: handed_out.pop() if handed_out else real_idle_worker())
+    assert verify_worker.verify_in_worker("\\frac{3}{4}", "0.75", 1.0) is True
+    assert not handed_out and dead.sock.fileno() == -1
+    # and the time limit still holds on a degenerate answer
+    start = time.perf_counter()
+    assert math_reward_fn("\\boxed{\\prod_{k=1}^{10^{7}} k}", "3")["reward"] == 0.0
+    assert time.perf_counter() - start < 2.5
