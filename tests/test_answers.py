@@ -310,3 +310,105 @@ def test_killed_workers_and_zygote_are_replaced_within_the_time_limit(monkeypatc
     start = time.perf_counter()
     assert math_reward_fn("\\boxed{\\prod_{k=1}^{10^{7}} k}", "3")["reward"] == 0.0
     assert time.perf_counter() - start < 2.5
+
+
+# --------------------------------------------------------------------------------- 9. scientific notation
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The total is 1.5e3.", "1500"),  # 1.5 * 1000
+        ("The total is 1.5E3", "1500"),
+        ("so $1.5 \\times 10^{3}$", "1500"),
+        ("about 2.5 × 10^3 km", "2500"),
+        ("2.5x10^3", "2500"),
+        ("2.5 X 10^3", "2500"),
+        ("$1.5\\cdot 10^{3}$", "1500"),
+        ("$1.5 \\, \\times \\, 10^{3}$", "1500"),  # LaTeX spaces around the sign
+        ("3*10**4", "30000"),
+        ("6.02·10²³ atoms", "602000000000000000000000"),  # superscript exponent: 6.02 * 10^23
+        ("2 × 10⁻³", "0.002"),
+        ("it is 3e-4", "0.0003"),  # 3 / 10000
+        ("it is 4.2E+2", "420"),
+        ("x = -2.5e-3", "-0.0025"),
+        ("$-1.2 \\times 10^{-2}$", "-0.012"),
+        ("5 \\times 10^{-1}", "0.5"),
+        ("1,500e3", "1500000"),  # 1500 * 1000
+        ("it is 10^3", "1000"),  # a power of ten alone is a number too
+        ("$10^{-2}$", "0.01"),
+        ("-10^3", "-1000"),
+        ("1e500", "1e+500"),  # 501 digits stay in E notation
+        # not scientific: the last plain number, as before
+        ("the3e5", "5"),  # the mantissa follows a letter
+        ("hash 3e5a", "5"),  # a letter follows the exponent
+        ("3eggs", "3"),
+        ("3e", "3"),
+        ("x1.5e3", "3"),
+        ("2^10", "10"),  # only powers of ten are evaluated
+        ("2 x 10 = 20", "20"),
+        ("10^3.5", "3.5"),
+        ("3\n* 10^2 boxes", "100"),  # a bullet on the next line is not a multiplication sign
+        ("2024-01-05", "05"),
+    ],
+)
+def test_scientific_notation_is_read_as_one_number(text, expected):
+    assert extract_last_number(text) == expected
+    assert parse_gsm8k_response(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1.5e3", Decimal(1500)),
+        ("1.5 \\times 10^{3}", Decimal(1500)),
+        ("2.5 × 10^3", Decimal(2500)),
+        ("2.5e-3", Decimal("0.0025")),
+        ("10^{3}", Decimal(1000)),
+        ("1e500", Decimal(10) ** 500),
+        ("1.5e3 apples", None),
+        ("3e", None),
+        ("2^{10}", None),
+    ],
+)
+def test_to_decimal_reads_scientific_notation(text, value):
+    assert to_decimal(text) == value
+
+
+@pytest.mark.parametrize(
+    "response, truth, reward",
+    [
+        ("The answer is 1.5e3", "1500", 1.0),
+        ("The answer is 2.5 × 10^3", "2500", 1.0),
+        ("The answer is 2.5 × 10^3", "3", 0.0),  # the 3 of the exponent is no longer read
+        ("The answer is 1.5e3", "3", 0.0),
+        ("The answer is 5e-1", "0.5", 1.0),
+        ("#### 1.5e3", "1500", 1.0),
+    ],
+)
+def test_gsm8k_reward_grades_scientific_notation(response, truth, reward):
+    assert gsm8k_reward_fn(response, truth)["reward"] == reward
+
+
+@pytest.mark.parametrize(
+    "response, truth, reward",
+    [
+        ("\\boxed{1.5e3}", "1500", 1.0),
+        ("\\boxed{1.5E3}", "1500", 1.0),
+        ("\\boxed{1.5 \\times 10^{3}}", "1500", 1.0),
+        ("\\boxed{2.5 × 10^3}", "2500", 1.0),
+        ("\\boxed{1500}", "1.5 \\times 10^{3}", 1.0),
+        ("\\boxed{3 \\cdot 10^{-2}}", "0.03", 1.0),
+        ("\\boxed{1.5e3}", "150", 0.0),
+        ("\\boxed{1.5e3}", "\\frac{3000}{2}", 1.0),  # math-verify is given 1500, not 1.5 * e * 3
+        ("\\boxed{1.5e3}", "4.5e", 0.0),  # ... so it is not 4.5 * e
+        ("\\boxed{1e500}", "10^{500}", 1.0),
+        ("\\boxed{2e500}", "2 \\cdot 10^{500} + 1", 0.0),
+        ("\\boxed{2e500}", "\\frac{4 \\cdot 10^{500}}{2}", 1.0),
+    ],
+)
+def test_math_reward_grades_scientific_notation(response, truth, reward):
+    assert math_reward_fn(response, truth)["reward"] == reward
+    assert r1_zero_reward_fn(f"x </think> <answer>{response}</answer>", truth)["reward"] == reward
+
+
+def test_gsm8k_ground_truth_in_scientific_notation_is_written_out():
+    assert parse_gsm8k_ground_truth("so 15 * 100 = 1500\n#### 1.5e3") == "1500"
