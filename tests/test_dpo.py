@@ -311,3 +311,31 @@ def test_peft_keeps_the_adapter_disabled_base_as_reference(tokenizer, tmp_path):
         assert trainer.ref_model is None  # upstream's choice: the base model with the adapters disabled
         losses = _losses(trainer)
         assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # LoRA B starts at 0: policy == base
+
+
+def test_token_metrics_of_a_batch_without_completion_tokens_are_not_logged(tokenizer, tmp_path):
+    """A micro-batch whose completions were all truncated away has no token to average entropy, logits/* and
+    mean_token_accuracy over: nothing is logged for it (upstream logs 0.0, which log() would average in), and the
+    logged value is that of the batches with tokens."""
+    trainer = make(DPOTrainer, DPOConfig, tokenizer, tmp_path)
+    batch = first_batch(trainer)
+    token_keys = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+    empty = dict(batch, completion_mask=torch.zeros_like(batch["completion_mask"]))
+    trainer.compute_loss(trainer.model, dict(empty))
+    assert not any(trainer._metrics["train"].get(key) for key in token_keys)
+    assert len(trainer._metrics["train"]["rewards/chosen"]) == 1  # sequence-level metrics still logged (sums are 0)
+    trainer.log({})
+    assert not set(token_keys) & set(trainer.state.log_history[-1])
+
+    trainer.compute_loss(trainer.model, dict(batch))
+    with_tokens = {key: trainer._metrics["train"][key][-1] for key in token_keys}
+    trainer.compute_loss(trainer.model, dict(empty))
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    assert {key: logged[key] for key in token_keys} == with_tokens
+    # entropy by hand: the policy's mean entropy over the completion tokens (positions predicting them)
+    with torch.no_grad():
+        logits = tiny_model_for_tests(tokenizer, seed=1)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    entropy = torch.distributions.Categorical(logits=logits[:, :-1].float()).entropy()
+    mask = batch["completion_mask"][:, 1:].float()
+    assert with_tokens["entropy"] == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-4)

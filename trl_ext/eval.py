@@ -44,7 +44,8 @@ def parse_gsm8k_response(model_output: str) -> str | None:
     """The last number in ``model_output`` as a string, or ``None`` when it holds no number (course supplement).
 
     Uses :func:`trl_ext.rewards.extract_last_number`: thousands commas removed (``"1,234"`` -> ``"1234"``), a
-    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``).
+    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``),
+    scientific notation written out (``"1.5e3"``, ``"2.5 × 10^3"`` -> ``"1500"``, ``"2500"``).
     """
     return extract_last_number(model_output)
 

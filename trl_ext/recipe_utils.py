@@ -52,7 +52,7 @@ import trl
 import yaml
 from rich.console import Console
 from rich.table import Table
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 from trl_ext.models import EMBEDDED_ALIAS, EMBEDDED_BASE_MODEL  # noqa: F401  (re-exported: recipes name them)
 
@@ -471,6 +471,28 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def check_resume(checkpoint: str | Path, training_args: Any) -> None:
+    """Refuse, before any model work, to resume ``checkpoint`` with options that would not continue it exactly
+    (``trl_ext.trainers.upstream.check_resume_options``: processes, batch size, accumulation, seed, GRPO's rollout
+    shape); the trainer checks the same again in ``train()``.
+
+    Raises:
+        RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
+    """
+    from trl_ext.trainers.upstream import ResumeMismatchError, check_resume_options
+
+    try:
+        check_resume_options(checkpoint, training_args, RECIPE_START_OVER)
+    except ResumeMismatchError as err:
+        raise RecipeError(str(err)) from None
+
+
+RECIPE_START_OVER = (
+    "run without --resume_from_checkpoint, with a new --output_dir (or --overwrite_output_dir to replace this run)"
+)
+"""How a recipe's user starts over instead of resuming (see :func:`check_resume`)."""
+
+
 def resume_command(argv: Sequence[str] | None = None) -> str:
     """The command that resumes this run: the same flags, ``--resume_from_checkpoint true`` instead of any given."""
     argv = list(sys.argv if argv is None else argv)
@@ -510,7 +532,7 @@ class RecipeRun:
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
 
     Raises:
-        RecipeError: from :func:`check_output_dir` and :func:`resolve_resume`.
+        RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
     """
 
     def __init__(self, name: str, output_dir: str | Path, configs: Mapping[str, Any], *, overwrite: bool = False,
@@ -521,6 +543,9 @@ class RecipeRun:
         self.configs = dict(configs)
         self.resume_from_checkpoint = resolve_resume(resume, output_dir)
         check_output_dir(output_dir, overwrite, self.resume_from_checkpoint is not None, result_file)
+        training_args = self.configs.get("training_args")
+        if self.resume_from_checkpoint is not None and isinstance(training_args, TrainingArguments):
+            check_resume(self.resume_from_checkpoint, training_args)
         self.phase_seconds: dict[str, float] = {}
         self.reused: list[str] = []
         self.started = time.time()

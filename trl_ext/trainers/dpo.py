@@ -222,7 +222,10 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
         with torch.no_grad():
             entropy_sum = gather((outputs.entropy[:, -seq_len:] * shift_completion_mask).sum()).sum()
             total_tokens = gather(shift_completion_mask.sum()).sum()
-            self._metrics[mode]["entropy"].append((entropy_sum / total_tokens).item() if total_tokens > 0 else 0.0)
+            # A token mean over no completion token (all truncated away, on every process) is not logged; upstream
+            # logs 0.0 there, which its log() would average into the logging window as if it were a value.
+            if total_tokens > 0:
+                self._metrics[mode]["entropy"].append((entropy_sum / total_tokens).item())
             if mode == "train":
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // self._tp_size
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
@@ -248,7 +251,8 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
                 ("mean_token_accuracy", chosen_is_top1.float(), chosen_mask),
             ):
                 total, count = gather(values[keep].sum()).sum().item(), gather(keep.sum()).sum().item()
-                self._metrics[mode][name].append(total / count if count > 0 else 0.0)
+                if count > 0:
+                    self._metrics[mode][name].append(total / count)
 
         if return_outputs:  # deprecated upstream: the fused head builds no logits, so they take an extra forward
             with torch.no_grad():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -511,18 +512,23 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         return per_token_logps, entropies, None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
+        # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
+        # mask_truncated_completions) is NaN, as upstream's nanmin/nanmax give for clip_ratio/low_min and
+        # high_max; upstream's log() leaves NaN out of the logging window's average and logs None when nothing is
+        # left. (Upstream TRL 1.16 logs 0.0 for its masked means there, which would pull the window's average down.)
         def global_masked_sum_count(x):
             local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
             return self.accelerator.reduce(local, reduction="sum")
 
         def global_masked_mean(x):
             total, count = global_masked_sum_count(x).tolist()
-            return total / max(count, 1.0)
+            return total / count if count > 0 else math.nan
 
         self._metrics[mode]["entropy"].append(global_masked_mean(entropies))
         if per_token_kl is not None:
             kl_sum_count = global_masked_sum_count(per_token_kl.detach())
-            self._metrics[mode]["kl"].append(kl_sum_count[0].item() / max(kl_sum_count[1].item(), 1.0))
+            total, count = kl_sum_count.tolist()
+            self._metrics[mode]["kl"].append(total / count if count > 0 else math.nan)
             if mode == "train" and self.args.kl_target is not None:
                 self._update_adaptive_beta(kl_sum_count.cpu())
         if "clipped" in pg_metadata:
@@ -541,12 +547,14 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_sequence_means(clipped & positive)).item())
         if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
             ratio = pg_metadata["ratio"]
-            self._metrics[mode]["ratio/mean"].append(global_masked_mean(ratio))
-            big = torch.finfo(ratio.dtype).max
-            local = torch.stack([torch.where(mask.bool(), ratio, big).min().neg(), torch.where(mask.bool(), ratio, -big).max()])
+            mean = global_masked_mean(ratio)
+            self._metrics[mode]["ratio/mean"].append(mean)
+            # a process without response tokens contributes -inf to both maxima (it has no ratio to report)
+            local = torch.stack([torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()])
             low, high = self.accelerator.reduce(local, reduction="max").tolist() if self.accelerator.num_processes > 1 else local.tolist()
-            self._metrics[mode]["ratio/min"].append(-low)
-            self._metrics[mode]["ratio/max"].append(high)
+            empty = math.isnan(mean)  # no response token on any process
+            self._metrics[mode]["ratio/min"].append(math.nan if empty else -low)
+            self._metrics[mode]["ratio/max"].append(math.nan if empty else high)
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
         """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time

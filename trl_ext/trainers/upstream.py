@@ -8,21 +8,27 @@
 - ``TrainerMixin``: trainer state that changes during training (the adaptive KL ``beta``, counters, the rollout
   buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its adaptive
   entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``, ``_load_optimizer_and_scheduler``
-  reads it back); and ``train()`` after ``evaluate()`` still trains under DDP.
+  reads it back); the options a resume depends on are saved too, and ``train(resume_from_checkpoint=...)`` refuses
+  a run whose options differ (``check_resume_options``) before any step; and ``train()`` after ``evaluate()`` still
+  trains under DDP.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import inspect
 import json
+import logging
 import os
 import warnings
 from typing import Any
 
 import torch
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 """TRL versions whose seams and math trl_ext was tested against (pyproject.toml pins the first)."""
@@ -92,6 +98,102 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
         return config_cls(**values)
 
 
+# ------------------------------------------------------------------------------------------------ resume options
+STATE_FILE = "trl_ext_state.json"
+RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
+
+RESUME_OPTIONS = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed")
+"""Options every trainer's resume depends on: which rows each process reads at each step (the number of processes,
+batch size and accumulation place the data loader's position; ``seed``/``data_seed`` its order)."""
+
+GRPO_RESUME_OPTIONS = ("steps_per_generation", "num_iterations", "num_generations", "generation_batch_size")
+"""Added for GRPO-style configs (those that have them): the shape of the buffered rollout and where the run stopped in
+its cycle (``_step``), which the checkpoint restores."""
+
+LIBRARY_START_OVER = "train without resume_from_checkpoint (into a new output_dir to keep these checkpoints)"
+"""How to start over instead of resuming, said by :class:`ResumeMismatchError` in library use."""
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint cannot be continued exactly with the options given now.
+
+    Attributes:
+        checkpoint: the checkpoint folder.
+        changes: ``[(option, value in the checkpoint, value now), ...]``.
+    """
+
+    def __init__(self, checkpoint: str, changes: list[tuple[str, Any, Any]], how_to_start_over: str = LIBRARY_START_OVER):
+        self.checkpoint, self.changes = checkpoint, changes
+        listed = "; ".join(f"{name} was {old!r}, now {new!r}" for name, old, new in changes)
+        super().__init__(
+            f"cannot resume from {checkpoint}: it was written with other options, and the run would not continue "
+            f"where it stopped: {listed}. Resume with the checkpoint's values, or start over: {how_to_start_over}"
+        )
+
+
+def resume_options(args: Any) -> dict[str, Any]:
+    """The values of the options a resume must keep (:data:`RESUME_OPTIONS`, plus :data:`GRPO_RESUME_OPTIONS` for a
+    config that has them), as saved with each checkpoint; ``num_processes`` is ``args.world_size``. With
+    ``auto_find_batch_size`` the batch size is left out (transformers restores the one it found)."""
+    names = [*RESUME_OPTIONS, *(name for name in GRPO_RESUME_OPTIONS if hasattr(args, name))]
+    if getattr(args, "auto_find_batch_size", False):
+        names.remove("per_device_train_batch_size")
+    return {name: args.world_size if name == "num_processes" else getattr(args, name) for name in names}
+
+
+def _options_from_files(checkpoint: str, args: Any) -> dict[str, Any]:
+    """What an older checkpoint (no saved options) still tells: its number of processes (one per-process state or
+    RNG file each) and the per-device batch size in ``trainer_state.json`` (as transformers reads it)."""
+    found: dict[str, Any] = {}
+    ranks = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.format("*"))) or glob.glob(os.path.join(checkpoint, "rng_state_*.pth"))
+    if ranks:
+        found["num_processes"] = len(ranks)
+    elif os.path.exists(os.path.join(checkpoint, "rng_state.pth")):
+        found["num_processes"] = 1
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            batch = json.load(f).get("train_batch_size")
+    except (OSError, ValueError):
+        batch = None
+    if batch is not None and not getattr(args, "auto_find_batch_size", False):
+        found["per_device_train_batch_size"] = batch // max(1, args.n_gpu)
+    return found
+
+
+def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_over: str = LIBRARY_START_OVER) -> None:
+    """Refuse to resume ``checkpoint`` with options that would not continue it exactly.
+
+    Compares :func:`resume_options` of ``args`` with those saved in the checkpoint's ``trl_ext_state.json``.
+    Options that may change on resume (logging, saving, ``report_to``, output paths, evaluation, ``max_steps``) are
+    not compared. A checkpoint of an older trl_ext, which did not save them, is checked for what its files still
+    tell (the number of processes and the per-device batch size), and one warning names the options left unchecked.
+
+    Raises:
+        ResumeMismatchError: naming each option that differs with its value in the checkpoint and now, and how to
+            start over (``how_to_start_over``; the recipes say a new ``--output_dir`` or ``--overwrite_output_dir``).
+    """
+    checkpoint = os.fspath(checkpoint)
+    now = resume_options(args)
+    try:
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            saved = json.load(f).get("resume_options")
+    except (OSError, ValueError):  # no such folder, or not a trl_ext checkpoint: resuming says so
+        return  # (Trainer.train, TrainerMixin._load_optimizer_and_scheduler)
+    older = saved is None
+    if older:
+        saved = _options_from_files(checkpoint, args)
+    changes = [(name, saved[name], value) for name, value in now.items() if name in saved and saved[name] != value]
+    if changes:
+        raise ResumeMismatchError(checkpoint, changes, how_to_start_over)
+    unchecked = [name for name in now if name not in saved]
+    if older and unchecked:
+        logger.warning(
+            "%s was written by an older trl_ext that did not save its options: checked %s only; resume with the %s it "
+            "was written with, or the run will not continue exactly", checkpoint, ", ".join(saved) or "nothing",
+            ", ".join(unchecked),
+        )
+
+
 # Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
 TRAINER_MIXIN_SEAMS = {
     "train": ("resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
@@ -106,7 +208,9 @@ class TrainerMixin:
     """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
 
     Checkpoints: saves ``_checkpoint_state()`` with each checkpoint and gives it back to
-    ``_restore_checkpoint_state`` on resume.
+    ``_restore_checkpoint_state`` on resume. The options a resume depends on (:func:`resume_options`) are saved
+    beside it, and ``train(resume_from_checkpoint=...)`` raises :class:`ResumeMismatchError` before any step when
+    they differ now (:func:`check_resume_options`).
 
     The state shared by all processes goes to ``trl_ext_state.json`` (written by the main process); a trainer whose
     processes hold different state (GRPO's buffered rollout) returns it from ``_checkpoint_rank_state()``, saved by
@@ -123,11 +227,17 @@ class TrainerMixin:
     adapter loads on any machine that has that model. See ``save_model`` and ``create_model_card``.
     """
 
-    STATE_FILE = "trl_ext_state.json"
-    RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
+    STATE_FILE = STATE_FILE
+    RANK_STATE_FILE = RANK_STATE_FILE
     has_rank_state = False  # True when _checkpoint_rank_state returns per-process state
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        # Resume refuses options that would not continue the checkpoint exactly, before any model work.
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:  # as Trainer.train: the last checkpoint in output_dir (it raises when there is none)
+            checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        if checkpoint not in (None, False):
+            check_resume_options(checkpoint, self.args)
         # transformers 5 / accelerate 1.x: Trainer.evaluate() before train() prepares the bare model in evaluation
         # mode, which marks it `_is_accelerate_prepared`; train()'s `accelerator.prepare` then returns it without the
         # DistributedDataParallel wrapper, and every process trains its own copy (no gradient all-reduce, different
@@ -143,7 +253,7 @@ class TrainerMixin:
             if "_original_forward" in model.__dict__:  # undo the mixed-precision forward wrapper, re-added by prepare
                 model.forward = model.__dict__.pop("_original_forward")
             self.accelerator._models = [m for m in self.accelerator._models if m is not model]
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """JSON-serializable state of the whole run. Default: upstream's running token count (logged as
@@ -165,7 +275,7 @@ class TrainerMixin:
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             with open(os.path.join(output_dir, self.STATE_FILE), "w") as f:
-                json.dump(self._checkpoint_state(), f)
+                json.dump({**self._checkpoint_state(), "resume_options": resume_options(self.args)}, f)
         if self.has_rank_state:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(self._checkpoint_rank_state(), os.path.join(output_dir, self.RANK_STATE_FILE.format(self.args.process_index)))
