@@ -69,29 +69,39 @@ def loss_and_grads(trainer, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(
-    "ours, upstream",
-    [
-        # GRPO: std-normalized advantages (TRL's eps 1e-4), per-response mean, k3 KL weighted by the ratio
-        (
-            dict(normalize_by_std=True, length_normalization="masked_mean", use_bias_correction_kl=True),
-            dict(scale_rewards="group", loss_type="grpo", use_bias_correction_kl=True),
-        ),
-        # Dr. GRPO: mean baseline only, sum over tokens / max_completion_length, plain k3 KL (the course's)
-        (
-            dict(normalize_by_std=False, length_normalization="masked_normalize"),
-            dict(scale_rewards="none", loss_type="dr_grpo", use_bias_correction_kl=False),
-        ),
-    ],
+GRPO_SETTINGS = (  # GRPO: std-normalized advantages (TRL's eps 1e-4), per-response mean, k3 KL weighted by the ratio
+    dict(normalize_by_std=True, length_normalization="masked_mean", use_bias_correction_kl=True),
+    dict(scale_rewards="group", loss_type="grpo", use_bias_correction_kl=True),
 )
+DR_GRPO_SETTINGS = (  # Dr. GRPO: mean baseline only, sum over tokens / max_completion_length, plain k3 KL (the course's)
+    dict(normalize_by_std=False, length_normalization="masked_normalize"),
+    dict(scale_rewards="none", loss_type="dr_grpo", use_bias_correction_kl=False),
+)
+
+
 # gradient_checkpointing=False: trl_ext shares each prompt's key/value cache (share_prompt_cache) in generation and in
 # the old/reference/policy forwards, upstream does not; True (TRL's default): nothing is shared.
-@pytest.mark.parametrize("gradient_checkpointing", [True, False])
+@pytest.mark.parametrize(
+    "ours, upstream, gradient_checkpointing",
+    [
+        (*GRPO_SETTINGS, True),
+        (*GRPO_SETTINGS, False),
+        (*DR_GRPO_SETTINGS, True),
+        (*DR_GRPO_SETTINGS, False),
+        # TRL's own option names given alone to trl_ext.GRPOConfig mean what they mean upstream
+        (GRPO_SETTINGS[1], GRPO_SETTINGS[1], False),
+        (DR_GRPO_SETTINGS[1], DR_GRPO_SETTINGS[1], False),
+    ],
+)
 def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient_checkpointing, tokenizer, tiny_model_dir, tmp_path):
     model_a = model_b = tiny_model_dir
     shared = dict(beta=0.04, epsilon=0.2, num_iterations=2, gradient_checkpointing=gradient_checkpointing)
     ext = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared)
     ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
+    # whichever names were given, both hold the same setting
+    course = {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}[upstream["loss_type"]], upstream["scale_rewards"] == "group"
+    assert (ext.args.length_normalization, ext.args.normalize_by_std) == course
+    assert (ext.args.loss_type, ext.args.scale_rewards) == (upstream["loss_type"], upstream["scale_rewards"])
     rows_seen = []  # rows of each forward of trl_ext's policy: a 1-row forward is a shared prompt's prefill
     ext.model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].size(0)), with_kwargs=True)
 
@@ -233,25 +243,99 @@ def test_two_training_steps_change_parameters_and_log_metrics(tokenizer, tiny_mo
     assert logs[0]["beta"] == pytest.approx(expected_beta, rel=1e-4)
 
 
-def test_config_rejects_conflicts_and_unsupported_options(tmp_path):
+def test_config_rejects_unsupported_options(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
-    with pytest.raises(ValueError, match="loss_type='dapo' conflicts with length_normalization='masked_mean'"):
+    with pytest.raises(ValueError, match="loss_type='dapo' is not implemented by the course loss"):
         trl_ext.GRPOConfig(loss_type="dapo", **base)
-    with pytest.raises(ValueError, match="scale_rewards='batch' conflicts with normalize_by_std=True"):
+    with pytest.raises(ValueError, match="scale_rewards='batch' is not implemented by the course advantages"):
         trl_ext.GRPOConfig(scale_rewards="batch", **base)
     with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported"):
         trl_ext.GRPOConfig(pg_loss_type="ppo", **base)
+    with pytest.raises(ValueError, match="length_normalization='sum' is not supported"):
+        trl_ext.GRPOConfig(length_normalization="sum", **base)
     with pytest.raises(ValueError, match="importance_sampling_level='sequence' is not supported"):
         trl_ext.GRPOConfig(importance_sampling_level="sequence", **base)
     with pytest.raises(ValueError, match="epsilon_high=0.28 differs from epsilon=0.2"):
         trl_ext.GRPOConfig(epsilon_high=0.28, **base)
     with pytest.raises(ValueError, match="kl_target=0.1 needs beta > 0"):
         trl_ext.GRPOConfig(kl_target=0.1, **base)
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ImportError, match="use_vllm=True needs the 'vllm' package: install the GPU extra"):
-            trl_ext.GRPOConfig(use_vllm=True, **base)
-    config = trl_ext.GRPOConfig(length_normalization="masked_normalize", normalize_by_std=False, **base)
-    assert (config.loss_type, config.scale_rewards) == ("dr_grpo", "none")
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        # nothing given: the course defaults, and TRL's names for them
+        (dict(), ("masked_mean", True, "grpo", "group")),
+        # TRL's names alone, with TRL's meaning (scale_rewards also takes TRL's bools, as text from a command line)
+        (dict(loss_type="dr_grpo"), ("masked_normalize", True, "dr_grpo", "group")),
+        (dict(loss_type="grpo", scale_rewards="none"), ("masked_mean", False, "grpo", "none")),
+        (dict(scale_rewards=False), ("masked_mean", False, "grpo", "none")),
+        (dict(scale_rewards=True), ("masked_mean", True, "grpo", "group")),
+        (dict(scale_rewards="False"), ("masked_mean", False, "grpo", "none")),
+        # the course names alone
+        (dict(length_normalization="masked_normalize", normalize_by_std=False), ("masked_normalize", False, "dr_grpo", "none")),
+        # both names of a setting, agreeing
+        (dict(loss_type="dr_grpo", length_normalization="masked_normalize", scale_rewards="group", normalize_by_std=True),
+         ("masked_normalize", True, "dr_grpo", "group")),
+    ],
+)
+def test_either_name_of_a_setting_decides_it(given, expected, tmp_path):
+    config = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **given)
+    assert (config.length_normalization, config.normalize_by_std, config.loss_type, config.scale_rewards) == expected
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(loss_type="dr_grpo", length_normalization="masked_mean"),
+         "loss_type='dr_grpo' conflicts with length_normalization='masked_mean'.*means length_normalization='masked_normalize'"),
+        (dict(loss_type="grpo", length_normalization="masked_normalize"), "loss_type='grpo' conflicts with length_normalization='masked_normalize'"),
+        (dict(scale_rewards="none", normalize_by_std=True), "scale_rewards='none' conflicts with normalize_by_std=True"),
+        (dict(scale_rewards=False, normalize_by_std=True), "scale_rewards='none' conflicts with normalize_by_std=True"),
+        (dict(scale_rewards="group", normalize_by_std=False), "scale_rewards='group' conflicts with normalize_by_std=False"),
+    ],
+)
+def test_both_names_of_a_setting_given_differently_raise_naming_both(given, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **given)
+
+
+def test_resolved_settings_survive_replace_pickle_and_json(tmp_path):
+    import dataclasses
+    import json
+
+    def settings(c):
+        return c.length_normalization, c.normalize_by_std, c.loss_type, c.scale_rewards
+
+    config = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    # dataclasses.replace passes every field back to __init__ (TRL's generation_batch_size must be reset, as for
+    # trl.GRPOConfig): a value __post_init__ derived is re-derived, not taken as given
+    def replace(c, **changes):
+        return dataclasses.replace(c, generation_batch_size=None, **changes)
+
+    assert settings(replace(config, loss_type="dr_grpo")) == ("masked_normalize", True, "dr_grpo", "group")
+    assert settings(replace(config, length_normalization="masked_normalize")) == ("masked_normalize", True, "dr_grpo", "group")
+    assert settings(replace(config, normalize_by_std=False)) == ("masked_mean", False, "grpo", "none")
+    # normalize_by_std is a bool and cannot tell derived from given: replacing scale_rewards says how to proceed
+    with pytest.raises(ValueError, match="scale_rewards='none' conflicts with normalize_by_std=True.*dataclasses.replace"):
+        replace(config, scale_rewards="none")
+    assert settings(replace(config, scale_rewards="none", normalize_by_std=None)) == ("masked_mean", False, "grpo", "none")
+    dr = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, loss_type="dr_grpo")
+    assert settings(replace(dr, loss_type="grpo")) == ("masked_mean", True, "grpo", "group")
+    with pytest.raises(ValueError, match="loss_type='dr_grpo' conflicts with length_normalization='masked_mean'"):
+        replace(dr, length_normalization="masked_mean")  # loss_type was given: replacing the other name conflicts
+    # checkpoints save the config with torch.save (training_args.bin): loaded back, it is the same and still replaceable
+    torch.save(dr, tmp_path / "training_args.bin")
+    loaded = torch.load(tmp_path / "training_args.bin", weights_only=False)
+    assert settings(loaded) == settings(dr) == ("masked_normalize", True, "dr_grpo", "group")
+    assert settings(replace(loaded, loss_type="grpo")) == ("masked_mean", True, "grpo", "group")
+    # to_dict / JSON: plain strings; a config rebuilt from them has both names given, agreeing
+    saved = json.loads(dr.to_json_string())
+    assert (saved["loss_type"], saved["length_normalization"]) == ("dr_grpo", "masked_normalize")
+    assert all(type(v) is str for v in (dr.to_dict()["loss_type"], dr.to_dict()["length_normalization"]))
+    init = {f.name for f in dataclasses.fields(trl_ext.GRPOConfig) if f.init} - {"generation_batch_size"}
+    rebuilt = trl_ext.GRPOConfig(**{k: getattr(dr, k) if k.endswith("token") else v for k, v in dr.to_dict().items() if k in init})
+    assert settings(rebuilt) == settings(dr)
 
 
 def upstream_fields_equal(converted, upstream, skip=()):
@@ -287,9 +371,9 @@ def test_trainer_accepts_the_upstream_config(loss_type, scale_rewards, length_no
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(), "loss_type='dapo' .* is not implemented by the course loss"),  # upstream's default
-        (dict(loss_type="bnpo"), "loss_type='bnpo' .* is not implemented"),
-        (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' .* is not implemented"),
+        (dict(), "loss_type='dapo' is not implemented by the course loss.*default is 'dapo'"),  # upstream's default
+        (dict(loss_type="bnpo"), "loss_type='bnpo' is not implemented"),
+        (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' is not implemented"),
         (dict(loss_type="grpo", importance_sampling_level="sequence"), "importance_sampling_level='sequence' is not supported"),
         (dict(loss_type="grpo", epsilon_high=0.28), "epsilon_high=0.28 differs from epsilon=0.2"),
     ],
