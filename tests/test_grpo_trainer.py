@@ -346,6 +346,130 @@ def upstream_fields_equal(converted, upstream, skip=()):
             assert getattr(converted, f.name) == getattr(upstream, f.name), f.name
 
 
+# ----- where the rewards come from: as upstream, reward_funcs is optional -----
+
+
+def both_trainers(tokenizer, tmp_path, model, **kwargs):
+    """trl.GRPOTrainer and trl_ext.GRPOTrainer with the same settings (the math of both: GRPO, TRL's eps), built by
+    the factory ``kwargs`` give (no reward_funcs unless given)."""
+    settings = dict(COMMON, beta=0.0, loss_type="grpo", scale_rewards="group", max_steps=1)
+    for cls, config_cls, extra in ((trl.GRPOTrainer, trl.GRPOConfig, {}), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig, dict(advantage_eps=1e-4))):
+        args = config_cls(output_dir=str(tmp_path / cls.__module__), **settings, **extra)
+        yield cls(model=model, args=args, train_dataset=toy_dataset(), processing_class=tokenizer, **kwargs)
+
+
+def test_without_a_reward_source_both_raise_upstreams_error(tokenizer, tiny_model_dir, tmp_path):
+    tok = copy.deepcopy(tokenizer)
+    for cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)):
+        args = config_cls(output_dir=str(tmp_path), **{**COMMON, "loss_type": "grpo"})
+        with pytest.raises(ValueError, match=r"No reward source provided\. Pass `reward_funcs`, or an `environment_factory`"):
+            cls(model=tiny_model_dir, args=args, train_dataset=toy_dataset(), processing_class=tok)
+
+
+def scripted_rollout(prompts, trainer):
+    """A rollout_func (TRL's experimental API): fixed completions, scored by the 'environment' it talks to; the
+    scores travel as an extra field, which upstream hands to the reward functions as a keyword argument."""
+    tok = trainer.processing_class
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    completion_ids = [tok(" " + "x" * (i + 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for i in range(len(prompts))]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None,
+            "env_score": [float(i % 3) for i in range(len(prompts))]}
+
+
+def env_score(completions, env_score, **kwargs):
+    return env_score
+
+
+def test_rewards_from_a_rollout_func_become_the_course_advantages(tokenizer, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    upstream, ours = both_trainers(tok, tmp_path, tiny_model_dir, reward_funcs=env_score, rollout_func=scripted_rollout)
+    batches = []
+    for trainer in (upstream, ours):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        batches.append(trainer._generate_and_score_completions([{"prompt": "Count to 5:"} for _ in range(4)]))
+    # scores 0, 1, 2, 0 in one group: mean 0.75, unbiased std sqrt(11/12)
+    expected = (torch.tensor([0.0, 1.0, 2.0, 0.0]) - 0.75) / (math.sqrt(11 / 12) + 1e-4)
+    torch.testing.assert_close(batches[1]["advantages"], expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(batches[1]["advantages"], batches[0]["advantages"], atol=1e-6, rtol=1e-6)
+    ours.train()
+    assert ours.state.log_history[0]["reward"] == pytest.approx(0.75)
+
+
+class ScoringEnvironment:
+    """An environment that owns its reward (upstream's ``get_reward``): episode n scores n mod 3."""
+
+    episodes = 0
+
+    def reset(self, **kwargs):
+        ScoringEnvironment.episodes += 1
+        self.score = float(ScoringEnvironment.episodes % 3)
+
+    def get_reward(self):
+        return self.score
+
+
+def test_rewards_from_an_environment_alone_become_the_course_advantages(tokenizer, tiny_model, tmp_path, monkeypatch):
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    tok.chat_template = qwen2_5_chat_template  # environments need a template that renders tool calls
+    batches = []
+    for trainer in both_trainers(tok, tmp_path, copy.deepcopy(tiny_model), environment_factory=ScoringEnvironment):
+        assert trainer.reward_func_names == ["ScoringEnvironment"]  # upstream made the environment the reward source
+        ScoringEnvironment.episodes = 0
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        torch.manual_seed(123)
+        batches.append(trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "Count to 5:"}]} for _ in range(4)]))
+        scores = trainer._gathered_rewards[:, 0] if isinstance(trainer, trl_ext.GRPOTrainer) else None
+    assert scores.std() > 0, "the environment should score the group unevenly"
+    expected = F.compute_group_advantages(scores, 4, advantage_eps=1e-4, normalize_by_std=True)
+    torch.testing.assert_close(batches[1]["advantages"], expected)
+    torch.testing.assert_close(batches[1]["advantages"], batches[0]["advantages"], atol=1e-6, rtol=1e-6)
+
+
+# ----- GPU engines: upstream's option checks come first, then whether the package is installed -----
+
+
+def lm_head_lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+
+
+@pytest.mark.parametrize(
+    "options, kwargs, message",
+    [
+        # an adapter on lm_head is refused by upstream whatever the engine
+        (dict(use_vllm=True), dict(peft_config=lm_head_lora()), "Applying a PEFT adapter to `lm_head` is not supported"),
+        (dict(use_liger_kernel=True), dict(peft_config=lm_head_lora()), "Applying a PEFT adapter to `lm_head` is not supported"),
+        # liger's fused cross-entropy would replace the fused LM head
+        (dict(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}), {}, "fused_linear_cross_entropy"),
+    ],
+)
+def test_upstreams_option_checks_speak_before_a_missing_engine(options, kwargs, message, tokenizer, tiny_model_dir, tmp_path):
+    tok = copy.deepcopy(tokenizer)
+    for cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)):
+        args = config_cls(output_dir=str(tmp_path), **{**COMMON, "loss_type": "grpo", **options})
+        with pytest.raises(ValueError, match=message):
+            cls(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok, **kwargs)
+
+
+@pytest.mark.parametrize("flag, module", [("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")])
+def test_a_missing_engine_says_how_to_install_it(flag, module, tokenizer, tiny_model_dir, tmp_path):
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    args = trl_ext.GRPOConfig(output_dir=str(tmp_path), **{**COMMON, flag: True})  # the config alone is fine
+    with pytest.raises(ImportError, match=f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`"):
+        trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(),
+                            processing_class=copy.deepcopy(tokenizer))
+
+
 @pytest.mark.parametrize(
     "loss_type, scale_rewards, length_normalization, normalize_by_std",
     [("grpo", "group", "masked_mean", True), ("dr_grpo", "none", "masked_normalize", False), ("grpo", False, "masked_mean", False)],
