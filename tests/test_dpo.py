@@ -205,6 +205,22 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     assert (trainer.args.pad_token, trainer.args.hub_token, trainer.beta) == (tokenizer.eos_token, "hf_secret", 0.3)
 
 
+def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
+    # upstream's DPOTrainer fails on them (AttributeError: model_init_kwargs); trl_ext converts them as
+    # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields (beta 0.1, sigmoid)
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), **CPU_TEST_ARGS, per_device_train_batch_size=3, learning_rate=1e-3)
+    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
+                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
+    assert (trainer.args.learning_rate, trainer.beta) == (1e-3, trl.DPOConfig.beta)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
 def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path):
     pairs = copy.deepcopy(PAIRS)
     pairs["rejected"][2] = pairs["chosen"][2]

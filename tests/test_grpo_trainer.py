@@ -346,6 +346,15 @@ def upstream_fields_equal(converted, upstream, skip=()):
             assert getattr(converted, f.name) == getattr(upstream, f.name), f.name
 
 
+def test_plain_training_arguments_become_a_config_with_the_course_defaults(tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=3e-4, hub_token="hf_secret")
+    config = trl_ext.GRPOConfig.from_upstream(args)
+    assert (config.learning_rate, config.hub_token, config.num_generations) == (3e-4, "hf_secret", trl.GRPOConfig.num_generations)
+    assert (config.length_normalization, config.normalize_by_std, config.loss_type, config.scale_rewards) == ("masked_mean", True, "grpo", "group")
+
+
 # ----- where the rewards come from: as upstream, reward_funcs is optional -----
 
 

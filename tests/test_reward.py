@@ -89,6 +89,22 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     assert (trainer.args.pad_token, trainer.args.hub_token) == (tokenizer.pad_token, "hf_secret")
 
 
+def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
+    # upstream's RewardTrainer fails on them (AttributeError: model_init_kwargs); trl_ext converts them as
+    # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=1e-3)
+    trainer = RewardTrainer(model=reward_model(tokenizer), args=args, train_dataset=Dataset.from_dict(PAIRS),
+                            processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, RewardConfig) and trainer.args.learning_rate == 1e-3
+    assert (trainer.args.max_length, trainer.args.skip_invalid_pairs) == (trl.RewardConfig.max_length, False)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
 def test_margin_changes_the_loss_as_the_formula_says(tokenizer, tmp_path):
     model, dataset = reward_model(tokenizer), Dataset.from_dict({**PAIRS, "margin": MARGINS})
     ours = make(RewardTrainer, RewardConfig, model, tokenizer, tmp_path, dataset)

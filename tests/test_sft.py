@@ -263,6 +263,40 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tiny_model,
     assert trainer.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
 
 
+def test_plain_training_arguments_are_converted_as_upstream_converts_them_and_train(tokenizer, tiny_model, tmp_path):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS})
+
+    def training_arguments():  # one each: transformers' Trainer keeps state on its args
+        return TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=3e-4, hub_token="hf_secret")
+
+    ours = SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
+                      processing_class=copy.deepcopy(tokenizer))
+    upstream = trl.SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
+                              processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(ours.args, SFTConfig)
+    # every field as upstream's conversion has it: TrainingArguments' values, SFTConfig's defaults for its own fields
+    for field in dataclasses.fields(trl.SFTConfig):
+        if field.init:
+            assert getattr(ours.args, field.name) == getattr(upstream.args, field.name), field.name
+    assert (ours.args.learning_rate, ours.args.hub_token, ours.args.max_length) == (3e-4, "hf_secret", trl.SFTConfig.max_length)
+    assert ours.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours.train()
+    assert math.isfinite(ours.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in ours.model.named_parameters())
+
+
+def test_the_config_of_another_trainer_is_refused_naming_its_fields(tiny_model, tmp_path):
+    with pytest.raises(TypeError, match=r"args must be a SFTConfig, a trl.SFTConfig or a transformers.TrainingArguments, got a DPOConfig with fields SFTConfig does not have: .*beta"):
+        SFTTrainer(model=tiny_model, args=trl.DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True))
+    with pytest.raises(TypeError, match="got dict"):
+        SFTTrainer(model=tiny_model, args={"output_dir": str(tmp_path)})
+
+
 def test_formatting_func_trains_every_token_of_the_formatted_text(tokenizer, tiny_model, tmp_path):
     dataset = Dataset.from_dict({"question": ["Add 2 and 3.", "Name a colour."], "answer": ["5", "Blue."]})
 
