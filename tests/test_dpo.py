@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -219,6 +219,19 @@ def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
     trainer.train()
     assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_rows_with_tool_calls_train_with_upstreams_loss(tokenizer, tmp_path):
+    # two pairs (tool calls + results; a tool call as the rejected turn) keep the vocab-wide log-probs of these long rows cheap
+    dataset, tok = jsonl_dataset(tmp_path / "tools.jsonl", TOOL_ROWS[:2]), tool_calling_tokenizer(tokenizer)
+    ours, upstream = make(DPOTrainer, DPOConfig, tok, tmp_path, dataset), make(trl.DPOTrainer, trl.DPOConfig, tok, tmp_path, dataset)
+    assert ours.uses_course_loss
+    batch = first_batch(ours)
+    assert torch.equal(batch["input_ids"], first_batch(upstream)["input_ids"])
+    assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["chosen_ids"])
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    assert math.isfinite(loss.item()) and loss.requires_grad
 
 
 def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path):

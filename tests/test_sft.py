@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -295,6 +295,22 @@ def test_the_config_of_another_trainer_is_refused_naming_its_fields(tiny_model, 
         SFTTrainer(model=tiny_model, args=trl.DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True))
     with pytest.raises(TypeError, match="got dict"):
         SFTTrainer(model=tiny_model, args={"output_dir": str(tmp_path)})
+
+
+@pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
+def test_conversations_with_tool_calls_train_with_upstreams_loss(shape, tokenizer, tiny_model, tmp_path):
+    rows = [{"messages": r["prompt"] + r["chosen"]} if shape == "messages" else {"prompt": r["prompt"], "completion": r["chosen"]}
+            for r in TOOL_ROWS[:2]]
+    dataset = jsonl_dataset(tmp_path / "tools.jsonl", [{**row, "tools": r["tools"]} for row, r in zip(rows, TOOL_ROWS)])
+    tok = tool_calling_tokenizer(tokenizer)
+    ours, upstream = make(SFTTrainer, SFTConfig, tiny_model, tok, tmp_path, dataset), make(trl.SFTTrainer, trl.SFTConfig, tiny_model, tok, tmp_path, dataset)
+    assert ours.train_dataset["input_ids"] == upstream.train_dataset["input_ids"]
+    assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["input_ids"])
+    batch = first_batch(ours)
+    assert torch.equal(batch["labels"], first_batch(upstream)["labels"])
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    assert math.isfinite(loss.item()) and loss.requires_grad
 
 
 def test_formatting_func_trains_every_token_of_the_formatted_text(tokenizer, tiny_model, tmp_path):
