@@ -67,6 +67,16 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
         settings(["--config", str(user)])
 
 
+@pytest.mark.parametrize("flag, module", [("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")])
+def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module):
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    with pytest.raises(RecipeError, match=f"--{flag} true needs the '{module}' package: install the GPU extra"):
+        grpo_math.parse_args([f"--{flag}", "true"])
+
+
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
     user = tmp_path / "typo.yaml"
     user.write_text("max_step: 3\n")

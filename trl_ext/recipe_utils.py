@@ -34,6 +34,7 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -121,6 +122,10 @@ def check_flags(values: Mapping[str, Any]) -> None:
     for name, (ok, expected) in FLAG_CHECKS.items():
         if name in values and values[name] is not None and not ok(values[name]):
             raise RecipeError(f"--{name} {values[name]}: expected {expected}")
+    for flag, module in (("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")):
+        # the trainer checks this too, after upstream's option checks; a recipe stops before loading the model
+        if values.get(flag) and importlib.util.find_spec(module) is None:
+            raise RecipeError(f"--{flag} true needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`")
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # mirrors trl.GRPOConfig.__post_init__ (TRL 1.16), which reports the derived generation_batch_size instead
         processes = int(os.environ.get("WORLD_SIZE", "1"))
