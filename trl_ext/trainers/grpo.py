@@ -252,18 +252,21 @@ class GRPOConfig(trl.GRPOConfig):
             ValueError: a TRL value the course math does not implement (named), or both names given with
                 different meanings (both named).
         """
-        options = [name for pair in self.UPSTREAM_OPTIONS.items() for name in (pair[0], pair[1][0])]
+        options = [*self.UPSTREAM_OPTIONS, *(course_name for course_name, *_ in self.UPSTREAM_OPTIONS.values())]
         replayed = any(isinstance(getattr(self, name), _Derived) for name in options)
         for upstream_name, (course_name, meaning, default) in self.UPSTREAM_OPTIONS.items():
-            upstream, course = (None if isinstance(v, _Derived) else v for v in (getattr(self, upstream_name), getattr(self, course_name)))
+            upstream, course = (
+                None if isinstance(value, _Derived) else value
+                for value in (getattr(self, upstream_name), getattr(self, course_name))
+            )
             if upstream_name == "scale_rewards" and str(upstream).lower() in ("true", "false"):  # TRL's bools (CLI: text)
                 upstream = "group" if str(upstream).lower() == "true" else "none"
             if upstream is not None and upstream not in meaning:
                 raise ValueError(_UPSTREAM_REFUSALS[upstream_name].format(value=upstream))
             if upstream is not None and course is not None and meaning[upstream] != course:
                 hint = (
-                    f" (dataclasses.replace passes {course_name} again: replace {course_name} instead, or pass "
-                    f"{course_name}=None with {upstream_name})" if replayed else ""
+                    " (dataclasses.replace passes every field again: to change this setting give its new value under "
+                    "one name and None under the other)" if replayed else ""
                 )
                 raise ValueError(
                     f"{upstream_name}={upstream!r} conflicts with {course_name}={course!r}: {upstream_name} is TRL's "
@@ -274,7 +277,9 @@ class GRPOConfig(trl.GRPOConfig):
             if course is None and isinstance(value, str):
                 value = _Derived(value)
             setattr(self, course_name, value)
-            setattr(self, upstream_name, upstream if upstream is not None else _Derived(next(k for k, v in meaning.items() if v == value)))
+            if upstream is None:
+                upstream = _Derived(next(key for key, course_value in meaning.items() if course_value == value))
+            setattr(self, upstream_name, upstream)
 
     def to_dict(self) -> dict[str, Any]:
         # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
