@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe, param_digest
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param_digest, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -203,6 +203,35 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
         if field.init:
             assert getattr(trainer.args, field.name) == getattr(args, field.name), field.name
     assert (trainer.args.pad_token, trainer.args.hub_token, trainer.beta) == (tokenizer.eos_token, "hf_secret", 0.3)
+
+
+def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
+    # upstream's DPOTrainer fails on them (AttributeError: model_init_kwargs); trl_ext converts them as
+    # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields (beta 0.1, sigmoid)
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), **CPU_TEST_ARGS, per_device_train_batch_size=3, learning_rate=1e-3)
+    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
+                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
+    assert (trainer.args.learning_rate, trainer.beta) == (1e-3, trl.DPOConfig.beta)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_rows_with_tool_calls_train_with_upstreams_loss(tokenizer, tmp_path):
+    # two pairs (tool calls + results; a tool call as the rejected turn) keep the vocab-wide log-probs of these long rows cheap
+    dataset, tok = jsonl_dataset(tmp_path / "tools.jsonl", TOOL_ROWS[:2]), tool_calling_tokenizer(tokenizer)
+    ours, upstream = make(DPOTrainer, DPOConfig, tok, tmp_path, dataset), make(trl.DPOTrainer, trl.DPOConfig, tok, tmp_path, dataset)
+    assert ours.uses_course_loss
+    batch = first_batch(ours)
+    assert torch.equal(batch["input_ids"], first_batch(upstream)["input_ids"])
+    assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["chosen_ids"])
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    assert math.isfinite(loss.item()) and loss.requires_grad
 
 
 def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path):

@@ -21,7 +21,9 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 
 * ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
   not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
-  recipe's defaults underneath instead of the dataclasses' bare defaults).
+  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of a course setting counts as
+  that setting (``GRPOConfig.UPSTREAM_OPTIONS``): ``--loss_type dr_grpo`` replaces a file's ``length_normalization``,
+  a file's ``scale_rewards`` replaces the defaults' ``normalize_by_std``; one layer that sets both must agree.
 * A folder that holds a finished run (``metrics.json``) or an unfinished run's checkpoints is never silently reused:
   the recipe refuses unless ``--overwrite_output_dir`` (delete that run's outputs first) or
   ``--resume_from_checkpoint`` (continue it) is given.
@@ -32,6 +34,7 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -129,6 +132,10 @@ def check_flags(values: Mapping[str, Any]) -> None:
     for name, (ok, expected) in FLAG_CHECKS.items():
         if name in values and values[name] is not None and not ok(values[name]):
             raise RecipeError(f"--{name} {values[name]}: expected {expected}")
+    for flag, module in (("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")):
+        # the trainer checks this too, after upstream's option checks; a recipe stops before loading the model
+        if values.get(flag) and importlib.util.find_spec(module) is None:
+            raise RecipeError(f"--{flag} true needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`")
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # mirrors trl.GRPOConfig.__post_init__ (TRL 1.16), which reports the derived generation_batch_size instead
         processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -244,8 +251,23 @@ def parse_recipe_args(
     """
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(dataclass_types, default_config, doc)
+    # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
+    # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
+    same_setting: dict[str, set[str]] = {}
+    for dtype in dataclass_types:
+        for upstream_name, (course_name, *_) in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
+            same_setting.setdefault(upstream_name, set()).add(course_name)
+            same_setting.setdefault(course_name, set()).add(upstream_name)
+
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
+
+    def drop_other_names(layer_keys: set[str]) -> None:
+        for key in layer_keys:
+            for other in same_setting.get(key, ()):
+                if other not in layer_keys:
+                    merged.pop(other, None)
+
     for path in ([default_config] if default_config else []) + paths:
         layer = _read_yaml(path)
         env = layer.pop("env", {}) or {}
@@ -253,8 +275,10 @@ def parse_recipe_args(
             raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
         for key, value in env.items():  # TRL's `env:` block
             os.environ[key] = str(value)
+        drop_other_names(set(layer))
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
+    drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:
         keys = sorted({item[2:] for item in unknown[::2]})

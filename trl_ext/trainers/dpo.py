@@ -135,7 +135,8 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
     Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
-    `trl.DPOConfig` (fields copied by value, then checked as a `trl_ext.DPOConfig`). Each checkpoint also holds the
+    `trl.DPOConfig` or a plain `transformers.TrainingArguments` (fields copied by value, the others keep their
+    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each checkpoint also holds the
     running token count behind `num_tokens`.
 
     The reference model, when `ref_model` is not given: a model passed as an object (not PEFT, no `peft_config`)

@@ -4,7 +4,7 @@
   overrides or calls (a "seam") still exists with the parameters trl_ext expects. A renamed seam would otherwise
   leave our override uncalled and upstream's math running with no error.
 - ``config_from_upstream``: builds a trl_ext config from an upstream one (``trl.SFTConfig`` -> ``trl_ext.SFTConfig``
-  ...) field by field, with the same values.
+  ...) or a plain ``transformers.TrainingArguments``, field by field, with the same values.
 - ``TrainerMixin``: trainer state that changes during training (the adaptive KL ``beta``, counters, the rollout
   buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its adaptive
   entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``, ``_load_optimizer_and_scheduler``
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import trl
+from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -76,20 +77,30 @@ def check_upstream(upstream_cls: type, seams: dict[str, tuple[str, ...]]) -> Non
 
 
 def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
-    """A ``config_cls`` (a trl_ext config) with every init field of ``args`` (its upstream base) copied by value.
+    """A ``config_cls`` (a trl_ext config) with every init field of ``args`` copied by value.
 
-    Fields are read with ``getattr`` (``TrainingArguments.to_dict()`` would mask every ``*_token`` field);
-    trl_ext-only fields keep their defaults unless given in ``overrides``, which also replace copied values.
+    ``args`` is ``config_cls``'s upstream base (``trl.SFTConfig`` for ``trl_ext.SFTConfig``, ...) or a plain
+    ``transformers.TrainingArguments``, which ``trl.SFTTrainer`` converts the same way (its own fields then keep the
+    upstream config's defaults). Fields are read with ``getattr`` (``TrainingArguments.to_dict()`` would mask every
+    ``*_token`` field); fields ``args`` does not have -- trl_ext's own, and the upstream config's for a plain
+    ``TrainingArguments`` -- keep ``config_cls``'s defaults unless given in ``overrides``, which also replace copied
+    values.
 
     Raises:
-        TypeError: when ``args`` is not an instance of one of ``config_cls``'s upstream bases.
+        TypeError: when ``args`` is not a ``TrainingArguments``, or has fields ``config_cls`` lacks (the config of
+            another trainer, e.g. a ``trl.DPOConfig`` given to the SFT trainer); the message names them.
     """
-    if not isinstance(args, config_cls.__mro__[1]):
-        raise TypeError(
-            f"args must be a {config_cls.__name__} or a {config_cls.__mro__[1].__module__}."
-            f"{config_cls.__mro__[1].__name__}, got {type(args).__name__}"
-        )
+    base = config_cls.__mro__[1]
+    expected = f"args must be a {config_cls.__name__}, a {base.__module__.split('.')[0]}.{base.__name__} or a transformers.TrainingArguments"
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"{expected}, got {type(args).__name__}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config_cls) if f.init})
+    if unknown:
+        raise TypeError(
+            f"{expected}, got a {type(args).__name__} with fields {config_cls.__name__} does not have: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
     values.update(overrides)
     with warnings.catch_warnings():
         # a deprecated option (e.g. DPOConfig's pad_token) already warned when the user built `args`; not twice
