@@ -541,6 +541,18 @@ def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tin
     assert abs(per_step - beta2) > 1e-3
 
 
+def test_adaptive_beta_stays_when_a_rollout_has_no_trained_token(tokenizer, tiny_model_dir, tmp_path):
+    # a random tiny model never samples EOS in 8 tokens: with mask_truncated_completions every completion is masked,
+    # so no KL is measured; treating the empty rollout as KL 0 would shrink beta by 1 - 0.2 * 4 / horizon per rollout
+    beta0, target, horizon = 0.1, 1e-3, 8
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, max_steps=2,
+                           beta=beta0, kl_target=target, kl_horizon=horizon, mask_truncated_completions=True)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["completions/clipped_ratio"] for entry in logs] == [1.0, 1.0]  # every completion truncated
+    assert [entry["beta"] for entry in logs] == [beta0, beta0]
+
+
 @pytest.mark.parametrize("pg_loss_type", ["no_baseline", "reinforce_with_baseline"])
 @pytest.mark.parametrize("reuse", [dict(num_iterations=2), dict(steps_per_generation=2)])
 def test_on_policy_losses_refuse_stale_samples(pg_loss_type, reuse, tmp_path):

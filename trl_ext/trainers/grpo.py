@@ -652,6 +652,8 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self._kl_window.zero_()
             if self.accelerator.sync_gradients:
                 for total, count in self._finished_rollout_kl:
+                    if count.item() == 0:  # no trained token in the rollout (all masked): no KL measured, beta stays
+                        continue
                     self.beta = F.adaptive_kl_coefficient(
                         self.beta, (total / count.clamp(min=1.0)).item(), self.args.kl_target, self.args.kl_horizon,
                         self.args.generation_batch_size,
