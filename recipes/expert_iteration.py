@@ -52,6 +52,7 @@ from trl_ext.recipe_utils import (
     parse_recipe_args,
     recipe_main,
     user_input,
+    write_model_card,
 )
 from trl_ext.rewards import completion_text
 from trl_ext.runtime import name_loaded_weights
@@ -277,6 +278,8 @@ def main(script_args, training_args, model_args, speed=None):
     with run.phase("save"):
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        write_model_card(trl_ext.SFTTrainer, out, model_args.model_name_or_path,
+                         script_args.dataset_name or "generated arithmetic")
     metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": steps[-1]["accuracy"],

@@ -11,7 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import copy  # noqa: E402
 import hashlib  # noqa: E402
+import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -157,6 +159,50 @@ def load_recipe(name):
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
+
+
+# Preference rows with tool calls, in the shape of TRL's toolcall preference data (trl-internal-testing/toolcall):
+# assistant turns that call tools carry no content, tool results are messages of their own, a `tools` column.
+START_TIMER = {"type": "function", "function": {"name": "start_timer", "description": "Starts a timer.", "parameters": {
+    "type": "object", "properties": {"duration": {"type": "integer", "description": "Seconds."}}, "required": ["duration"]}}}
+GET_TIME = {"type": "function", "function": {"name": "get_current_time", "description": "The time in a place.", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string", "description": "A city."}}, "required": ["location"]}}}
+
+
+def call(name, arguments):
+    return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+TOOL_ROWS = [
+    {"prompt": [{"role": "user", "content": "Set a timer for 10 minutes."}],
+     "chosen": [call("start_timer", {"duration": 600}), {"role": "tool", "name": "start_timer", "content": "600"},
+                {"role": "assistant", "content": "Timer set for 10 minutes."}],
+     "rejected": [{"role": "assistant", "content": "I cannot set timers."}], "tools": [START_TIMER]},
+    {"prompt": [{"role": "user", "content": "What time is it in Tokyo?"}],
+     "chosen": [call("get_current_time", '{"location": "Tokyo"}'), {"role": "tool", "name": "get_current_time", "content": "06:22"},
+                {"role": "assistant", "content": "It is 06:22 in Tokyo."}],
+     "rejected": [call("start_timer", {"duration": 1})], "tools": [START_TIMER, GET_TIME]},
+    {"prompt": [{"role": "user", "content": "Time in Paris?"}],
+     "chosen": [call("get_current_time", {"location": "Paris"})],
+     "rejected": [{"role": "assistant", "content": "No idea."}], "tools": [GET_TIME]},
+]
+
+
+def jsonl_dataset(path, rows):
+    """``rows`` written to ``path`` as JSON lines and read back with datasets' json loader, as a user's file is
+    (messages of different shapes keep their own keys: a tool call has no 'content')."""
+    from datasets import load_dataset
+
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return load_dataset("json", data_files=str(path), split="train")
+
+
+def tool_calling_tokenizer(tokenizer):
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = qwen2_5_chat_template  # renders tool calls and tool results (the embedded one cannot)
+    return tok
 
 
 # Training arguments every tiny-model trainer test shares: one CPU step, no saving, no reporting.

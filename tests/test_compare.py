@@ -67,7 +67,7 @@ def test_parse_arms_presets_mappings_and_json():
         ([{"preset": "course"}], "mapping with a 'name'"),
         (["trl", "trl"], r"repeated: \['trl'\]"),
         ([{"name": "u", "trainer": "trl", "loss_type": "grpo"}], r"missing \['scale_rewards', 'beta', 'epsilon'\]"),
-        ([{"name": "o", "preset": "course", "loss_type": "dr_grpo"}], "derived from length_normalization"),
+        ([{"name": "o", "preset": "course", "loss_type": "dr_grpo"}], "TRL.s names for length_normalization"),
         ([{"name": "o", "normalise_by_std": False}], r"\['normalise_by_std'\] are not fields"),
         ([{"name": "u", "trainer": "trl", "normalize_by_std": False}], "are not fields of trl"),
         ([{"name": "a b"}], "without spaces"),

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param_digest, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -205,6 +205,35 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     assert (trainer.args.pad_token, trainer.args.hub_token, trainer.beta) == (tokenizer.eos_token, "hf_secret", 0.3)
 
 
+def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
+    # upstream's DPOTrainer fails on them (AttributeError: model_init_kwargs); trl_ext converts them as
+    # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields (beta 0.1, sigmoid)
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), **CPU_TEST_ARGS, per_device_train_batch_size=3, learning_rate=1e-3)
+    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
+                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
+    assert (trainer.args.learning_rate, trainer.beta) == (1e-3, trl.DPOConfig.beta)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_rows_with_tool_calls_train_with_upstreams_loss(tokenizer, tmp_path):
+    # two pairs (tool calls + results; a tool call as the rejected turn) keep the vocab-wide log-probs of these long rows cheap
+    dataset, tok = jsonl_dataset(tmp_path / "tools.jsonl", TOOL_ROWS[:2]), tool_calling_tokenizer(tokenizer)
+    ours, upstream = make(DPOTrainer, DPOConfig, tok, tmp_path, dataset), make(trl.DPOTrainer, trl.DPOConfig, tok, tmp_path, dataset)
+    assert ours.uses_course_loss
+    batch = first_batch(ours)
+    assert torch.equal(batch["input_ids"], first_batch(upstream)["input_ids"])
+    assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["chosen_ids"])
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    assert math.isfinite(loss.item()) and loss.requires_grad
+
+
 def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path):
     pairs = copy.deepcopy(PAIRS)
     pairs["rejected"][2] = pairs["chosen"][2]
@@ -255,3 +284,87 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tmp_path):
     before = saved["before"]
     assert before["preference_accuracy"] == 0.0 and before["reward_margin"] == 0.0  # policy == reference
     assert before["dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the reference model
+def _losses(trainer) -> list[float]:
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _in_memory(tokenizer, tmp_path, name, **kwargs):
+    """A trainer on a model built in memory (config._name_or_path is ""), trained 2 steps of 3 pairs each."""
+    model = kwargs.pop("model", None) or tiny_model_for_tests(tokenizer, seed=1)
+    assert model.config._name_or_path == ""
+    args = DPOConfig(output_dir=str(tmp_path / name), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
+    dataset = Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()})
+    return DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), **kwargs)
+
+
+def test_a_model_built_in_memory_gets_a_frozen_copy_as_its_reference(tokenizer, tmp_path):
+    # upstream reloads the reference from model.config._name_or_path, "" here: "Repo id must use alphanumeric chars"
+    implicit = _in_memory(tokenizer, tmp_path, "implicit")
+    model, reference = implicit.model, implicit.ref_model
+    assert reference is not None and reference is not model and not reference.training
+    assert all(not p.requires_grad for p in reference.parameters())
+    before = param_digest(model)
+    assert param_digest(reference) == before  # the policy as passed
+    explicit = _in_memory(tokenizer, tmp_path, "explicit", ref_model=copy.deepcopy(tiny_model_for_tests(tokenizer, seed=1)))
+    got, expected = _losses(implicit), _losses(explicit)
+    assert got[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0: h = 0, loss = log 2
+    assert got == expected and len(got) == 2 and got[1] != got[0]
+    assert param_digest(implicit.ref_model) == before != param_digest(implicit.model)  # frozen while the policy trains
+
+
+def test_the_copy_equals_upstreams_reference_loaded_from_the_model_path(tokenizer, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    runs = []
+    for cls, config_cls in ((DPOTrainer, DPOConfig), (trl.DPOTrainer, trl.DPOConfig)):
+        args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
+        runs.append(cls(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args,
+                        train_dataset=Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()}),
+                        processing_class=copy.deepcopy(tokenizer)))
+    ours, upstream = (_losses(trainer) for trainer in runs)
+    assert ours == pytest.approx(upstream, abs=1e-6) and ours[0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_peft_keeps_the_adapter_disabled_base_as_reference(tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with_config = _in_memory(tokenizer, tmp_path, "config", peft_config=LoraConfig(**lora))
+    wrapped = _in_memory(tokenizer, tmp_path, "wrapped",
+                         model=get_peft_model(tiny_model_for_tests(tokenizer, seed=1), LoraConfig(**lora)))
+    for trainer in (with_config, wrapped):
+        assert trainer.ref_model is None  # upstream's choice: the base model with the adapters disabled
+        losses = _losses(trainer)
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # LoRA B starts at 0: policy == base
+
+
+def test_token_metrics_of_a_batch_without_completion_tokens_are_not_logged(tokenizer, tmp_path):
+    """A micro-batch whose completions were all truncated away has no token to average entropy, logits/* and
+    mean_token_accuracy over: nothing is logged for it (upstream logs 0.0, which log() would average in), and the
+    logged value is that of the batches with tokens."""
+    trainer = make(DPOTrainer, DPOConfig, tokenizer, tmp_path)
+    batch = first_batch(trainer)
+    token_keys = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+    empty = dict(batch, completion_mask=torch.zeros_like(batch["completion_mask"]))
+    trainer.compute_loss(trainer.model, dict(empty))
+    assert not any(trainer._metrics["train"].get(key) for key in token_keys)
+    assert len(trainer._metrics["train"]["rewards/chosen"]) == 1  # sequence-level metrics still logged (sums are 0)
+    trainer.log({})
+    assert not set(token_keys) & set(trainer.state.log_history[-1])
+
+    trainer.compute_loss(trainer.model, dict(batch))
+    with_tokens = {key: trainer._metrics["train"][key][-1] for key in token_keys}
+    trainer.compute_loss(trainer.model, dict(empty))
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    assert {key: logged[key] for key in token_keys} == with_tokens
+    # entropy by hand: the policy's mean entropy over the completion tokens (positions predicting them)
+    with torch.no_grad():
+        logits = tiny_model_for_tests(tokenizer, seed=1)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    entropy = torch.distributions.Categorical(logits=logits[:, :-1].float()).entropy()
+    mask = batch["completion_mask"][:, 1:].float()
+    assert with_tokens["entropy"] == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-4)

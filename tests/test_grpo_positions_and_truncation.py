@@ -142,3 +142,54 @@ def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, token
     assert empty.item() == 0.0
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_average(tokenizer, tiny_model_dir, tmp_path):
+    """Every completion masked (all truncated): entropy, kl, clip_ratio/* and ratio/* have nothing to average. They
+    are NaN (as upstream's nanmin/nanmax give for clip_ratio/low_min and high_max), never 0 or the float extremes
+    +-3.4e38, and upstream's log() leaves them out of the logging window: the logged value is that of the step with
+    tokens alone, and None when no step had any."""
+    import math
+
+    trainer = make_trainer(  # beta > 0: a reference model, loaded from a directory
+        str(tiny_model_dir), tokenizer, tmp_path, pg_loss_type="grpo_clip", beta=0.04, mask_truncated_completions=True,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    prompt_ids, prompt_mask = left_padded([[101, 102, 103], [201, 202, 203]], tokenizer.pad_token_id)
+    completion_ids = torch.tensor([[301, 302, tokenizer.eos_token_id, tokenizer.pad_token_id], [401, 402, 403, 404]])
+    # old/reference log-probs set so every ratio is e^0.1 and every k3 KL is e^-0.1 + 0.1 - 1 (no model needed)
+    with torch.no_grad():
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        logits = trainer.model(input_ids=ids, attention_mask=torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)).logits
+        logp = torch.log_softmax(logits[:, -5:-1].float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    inputs = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), advantages=torch.tensor([1.0, -1.0]),
+        old_per_token_logps=logp - 0.1, ref_per_token_logps=logp - 0.1,
+    )
+    keys = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "clip_ratio/low_min", "clip_ratio/high_max", "ratio/mean", "ratio/min", "ratio/max")
+
+    trainer._compute_loss(trainer.model, dict(inputs, completion_mask=torch.zeros(2, 4, dtype=torch.long)))
+    metrics = trainer._metrics["train"]
+    assert all(math.isnan(metrics[key][-1]) for key in keys), {key: metrics[key][-1] for key in keys}
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    assert all(logged[key] is None for key in keys), {key: logged[key] for key in keys}
+
+    # one step with tokens, one without, in the same logging window: the logged values are the first step's
+    trainer._compute_loss(trainer.model, dict(inputs))
+    trainer._compute_loss(trainer.model, dict(inputs, completion_mask=torch.zeros(2, 4, dtype=torch.long)))
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    ratio, kl = math.exp(0.1), math.exp(-0.1) + 0.1 - 1  # k3 = e^(ref - logp) - (ref - logp) - 1, ref - logp = -0.1
+    assert logged["ratio/mean"] == pytest.approx(ratio, rel=1e-5)
+    assert logged["ratio/min"] == pytest.approx(ratio, rel=1e-5) and logged["ratio/max"] == pytest.approx(ratio, rel=1e-5)
+    assert logged["kl"] == pytest.approx(kl, rel=1e-4)
+    # e^0.1 = 1.105 is inside [0.8, 1.2]: nothing clipped, in the 7 trained tokens and in each row
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"):
+        assert logged[key] == 0.0, key
+    entropy = torch.distributions.Categorical(logits=logits[:, -5:-1].float()).entropy()
+    expected_entropy = (entropy[0, :3].sum() + entropy[1].sum()) / 7
+    assert logged["entropy"] == pytest.approx(expected_entropy.item(), rel=1e-4)

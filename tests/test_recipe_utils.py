@@ -44,6 +44,44 @@ def test_user_config_is_layered_over_the_recipe_defaults_and_flags_win(tmp_path)
     assert script_args.instruction == CPU_DEFAULTS["instruction"]
 
 
+def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
+    def settings(argv):
+        args = grpo_math.parse_args(argv)[1]
+        return args.length_normalization, args.normalize_by_std, args.loss_type, args.scale_rewards
+
+    # the recipe's defaults set the course names (length_normalization: masked_mean, normalize_by_std: true)
+    assert (CPU_DEFAULTS["length_normalization"], CPU_DEFAULTS["normalize_by_std"]) == ("masked_mean", True)
+    assert settings([]) == ("masked_mean", True, "grpo", "group")
+    # a flag with TRL's name beats the files, as any flag does (either spelling of a flag)
+    assert settings(["--loss_type", "dr_grpo"]) == ("masked_normalize", True, "dr_grpo", "group")
+    assert settings(["--loss_type=dr_grpo", "--scale_rewards", "false"]) == ("masked_normalize", False, "dr_grpo", "none")
+    # a --config file with TRL's name beats the recipe's defaults; a flag with the course name beats that file
+    user = tmp_path / "mine.yaml"
+    user.write_text("loss_type: dr_grpo\nscale_rewards: none\n")
+    assert settings(["--config", str(user)]) == ("masked_normalize", False, "dr_grpo", "none")
+    assert settings(["--config", str(user), "--length_normalization", "masked_mean"]) == ("masked_mean", False, "grpo", "none")
+    # both names in one layer are both given: they must agree
+    with pytest.raises(RecipeError, match="loss_type='dr_grpo' conflicts with length_normalization='masked_mean'"):
+        settings(["--loss_type", "dr_grpo", "--length_normalization", "masked_mean"])
+    user.write_text("loss_type: dr_grpo\nlength_normalization: masked_mean\n")
+    with pytest.raises(RecipeError, match="loss_type='dr_grpo' conflicts with length_normalization='masked_mean'"):
+        settings(["--config", str(user)])
+
+
+@pytest.mark.parametrize("flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")])
+def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what):
+    # one message, from the recipes' collected checks (trl_ext.GRPOTrainer's own check, after upstream's option
+    # checks, is for library users: tests/test_grpo_trainer.py)
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.parse_args([f"--{flag}", "true"])
+    assert str(err.value) == (f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
+                              "extra on a CUDA machine")
+
+
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
     user = tmp_path / "typo.yaml"
     user.write_text("max_step: 3\n")
@@ -494,11 +532,9 @@ def cpu_user(monkeypatch, tmp_path):
 
 
 def _offline_model(name):
-    from trl_ext.models import DEFAULT_MODEL
-
     return (f"--model_name_or_path {name}: no such local folder (if it is a recipe's output, run that recipe first), "
             "and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it where the Hub is reachable, "
-            f"or pass a local model folder or {DEFAULT_MODEL}")
+            "or pass a local model folder or --model_name_or_path embedded (the embedded SmolLM2-135M-Instruct)")
 
 
 def _offline_dataset(name):

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -89,6 +89,22 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     assert (trainer.args.pad_token, trainer.args.hub_token) == (tokenizer.pad_token, "hf_secret")
 
 
+def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
+    # upstream's RewardTrainer fails on them (AttributeError: model_init_kwargs); trl_ext converts them as
+    # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=1e-3)
+    trainer = RewardTrainer(model=reward_model(tokenizer), args=args, train_dataset=Dataset.from_dict(PAIRS),
+                            processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(trainer.args, RewardConfig) and trainer.args.learning_rate == 1e-3
+    assert (trainer.args.max_length, trainer.args.skip_invalid_pairs) == (trl.RewardConfig.max_length, False)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
 def test_margin_changes_the_loss_as_the_formula_says(tokenizer, tmp_path):
     model, dataset = reward_model(tokenizer), Dataset.from_dict({**PAIRS, "margin": MARGINS})
     ours = make(RewardTrainer, RewardConfig, model, tokenizer, tmp_path, dataset)
@@ -137,6 +153,44 @@ def test_invalid_rows_name_the_row_or_are_skipped_with_a_count(tokenizer, tmp_pa
     assert len(trainer.train_dataset) == 2
 
 
+# ----- conversations with tool calls (TRL's toolcall preference data, tests/conftest.py) -----
+
+
+def test_rows_with_tool_calls_train_with_upstreams_loss(tokenizer, tmp_path):
+    dataset = jsonl_dataset(tmp_path / "tools.jsonl", TOOL_ROWS)
+    assert "content" not in dataset[0]["chosen"][0] and dataset[0]["chosen"][0]["tool_calls"]
+    tok, model = tool_calling_tokenizer(tokenizer), reward_model(tokenizer)
+    ours = make(RewardTrainer, RewardConfig, model, tok, tmp_path, dataset)
+    upstream = make(trl.RewardTrainer, trl.RewardConfig, model, tok, tmp_path, dataset)
+    assert ours.train_dataset["chosen_ids"] == upstream.train_dataset["chosen_ids"]
+    rendered = tok.decode(ours.train_dataset[0]["chosen_ids"])
+    assert '<tool_call>\n{"name": "start_timer", "arguments": {"duration": 600}}' in rendered  # the call
+    assert '<tools>\n{"type": "function", "function": {"name": "start_timer"' in rendered  # the row's tools column
+    batch = first_batch(ours)
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    expected, _, _ = independent_bt(model, batch, [0.0] * 3)
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours.train()
+    assert math.isfinite(ours.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in ours.model.named_parameters())
+
+
+def test_tool_call_rows_are_checked_like_any_other(tmp_path):
+    from trl_ext.data.preferences import check_preference_dataset
+
+    rows = copy.deepcopy(TOOL_ROWS)
+    rows[1]["chosen"][1] = {"name": "get_current_time", "content": "06:22"}  # a message without a role: no template can place it
+    rows[2]["rejected"] = copy.deepcopy(rows[2]["chosen"])  # the same tool call twice: no preference
+    dataset = jsonl_dataset(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 1: field 'chosen' message 1 is \{'name': 'get_current_time', 'content': '06:22'\}"):
+        check_preference_dataset(dataset)
+    with pytest.warns(UserWarning, match=r"skipped 2 invalid preference row\(s\) \(rows \[1, 2\]\)"):
+        kept = check_preference_dataset(dataset, skip_invalid=True)
+    assert kept["prompt"] == [rows[0]["prompt"]]
+
+
 # ----- preference files -----
 
 
@@ -156,6 +210,14 @@ GOOD = {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}
         ({**GOOD, "rejected": "Paris."}, r"row 1 \(line 2\): fields 'chosen' and 'rejected' are identical"),
         ({**GOOD, "margin": "big"}, r"row 1 \(line 2\): field 'margin' is 'big'"),
         ({**GOOD, "chosen": 7}, r"row 1 \(line 2\): field 'chosen' is int"),
+        # what TRL fails on too: a message without a role, a string prompt joined to a conversation
+        ({**GOOD, "chosen": [{"role": "assistant", "content": "Paris."}, {"content": "Lyon."}]},
+         r"row 1 \(line 2\): field 'chosen' message 1 is \{'content': 'Lyon.'\}; expected .* a string 'role'"),
+        ({**GOOD, "chosen": []}, r"row 1 \(line 2\): field 'chosen' is an empty list"),
+        ({**GOOD, "chosen": [{"role": "assistant", "content": "Paris."}], "rejected": [{"role": "assistant", "content": "Lyon."}]},
+         r"row 1 \(line 2\): field 'prompt' is a string but 'chosen' is a conversation"),
+        ({**GOOD, "prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": " "}],
+          "rejected": [{"role": "assistant", "content": "Lyon."}]}, r"row 1 \(line 2\): field 'chosen' is empty"),
     ],
 )
 def test_preference_file_errors_name_file_row_and_field(tmp_path, bad, message):
@@ -176,7 +238,9 @@ def test_preference_dataset_margins_and_chat_format(tmp_path):
     assert chat[0]["chosen"] == [{"role": "assistant", "content": "Paris."}]
     plain = write_jsonl(tmp_path / "plain.jsonl", [GOOD])
     assert "margin" not in load_preference_dataset(plain).column_names
-    mixed = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, {**GOOD, "prompt": [{"role": "user", "content": "Hi"}]}])
+    chat_row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello."}],
+                "rejected": [{"role": "assistant", "content": "Go away."}]}
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, chat_row])
     with pytest.raises(ValueError, match="valid row 1 has a conversational prompt"):
         load_preference_rows(mixed)
 

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import CPU_TEST_ARGS, load_recipe
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
 from datasets import Dataset
@@ -261,6 +261,56 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tiny_model,
             assert getattr(trainer.args, field.name) == getattr(args, field.name), field.name
     assert (trainer.args.eos_token, trainer.args.hub_token) == (tokenizer.eos_token, "hf_secret")
     assert trainer.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
+
+
+def test_plain_training_arguments_are_converted_as_upstream_converts_them_and_train(tokenizer, tiny_model, tmp_path):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS})
+
+    def training_arguments():  # one each: transformers' Trainer keeps state on its args
+        return TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=3e-4, hub_token="hf_secret")
+
+    ours = SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
+                      processing_class=copy.deepcopy(tokenizer))
+    upstream = trl.SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
+                              processing_class=copy.deepcopy(tokenizer))
+    assert isinstance(ours.args, SFTConfig)
+    # every field as upstream's conversion has it: TrainingArguments' values, SFTConfig's defaults for its own fields
+    for field in dataclasses.fields(trl.SFTConfig):
+        if field.init:
+            assert getattr(ours.args, field.name) == getattr(upstream.args, field.name), field.name
+    assert (ours.args.learning_rate, ours.args.hub_token, ours.args.max_length) == (3e-4, "hf_secret", trl.SFTConfig.max_length)
+    assert ours.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
+    before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    ours.train()
+    assert math.isfinite(ours.state.log_history[-1]["train_loss"])
+    assert any(not torch.equal(before[n], p) for n, p in ours.model.named_parameters())
+
+
+def test_the_config_of_another_trainer_is_refused_naming_its_fields(tiny_model, tmp_path):
+    with pytest.raises(TypeError, match=r"args must be a SFTConfig, a trl.SFTConfig or a transformers.TrainingArguments, got a DPOConfig with fields SFTConfig does not have: .*beta"):
+        SFTTrainer(model=tiny_model, args=trl.DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True))
+    with pytest.raises(TypeError, match="got dict"):
+        SFTTrainer(model=tiny_model, args={"output_dir": str(tmp_path)})
+
+
+@pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
+def test_conversations_with_tool_calls_train_with_upstreams_loss(shape, tokenizer, tiny_model, tmp_path):
+    rows = [{"messages": r["prompt"] + r["chosen"]} if shape == "messages" else {"prompt": r["prompt"], "completion": r["chosen"]}
+            for r in TOOL_ROWS[:2]]
+    dataset = jsonl_dataset(tmp_path / "tools.jsonl", [{**row, "tools": r["tools"]} for row, r in zip(rows, TOOL_ROWS)])
+    tok = tool_calling_tokenizer(tokenizer)
+    ours, upstream = make(SFTTrainer, SFTConfig, tiny_model, tok, tmp_path, dataset), make(trl.SFTTrainer, trl.SFTConfig, tiny_model, tok, tmp_path, dataset)
+    assert ours.train_dataset["input_ids"] == upstream.train_dataset["input_ids"]
+    assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["input_ids"])
+    batch = first_batch(ours)
+    assert torch.equal(batch["labels"], first_batch(upstream)["labels"])
+    loss = ours.compute_loss(ours.model, dict(batch))
+    assert loss.item() == pytest.approx(upstream.compute_loss(upstream.model, dict(batch)).item(), abs=1e-6)
+    assert math.isfinite(loss.item()) and loss.requires_grad
 
 
 def test_formatting_func_trains_every_token_of_the_formatted_text(tokenizer, tiny_model, tmp_path):

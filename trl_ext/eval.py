@@ -44,7 +44,8 @@ def parse_gsm8k_response(model_output: str) -> str | None:
     """The last number in ``model_output`` as a string, or ``None`` when it holds no number (course supplement).
 
     Uses :func:`trl_ext.rewards.extract_last_number`: thousands commas removed (``"1,234"`` -> ``"1234"``), a
-    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``).
+    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``),
+    scientific notation written out (``"1.5e3"``, ``"2.5 × 10^3"`` -> ``"1500"``, ``"2500"``).
     """
     return extract_last_number(model_output)
 
@@ -234,6 +235,7 @@ def load_eval_model(
         see :func:`resolve_backend`.
     """
     from trl_ext.models import (
+        is_embedded,
         load_model_and_tokenizer,
         load_tokenizer,
         resolve_model_name_or_path,
@@ -247,7 +249,7 @@ def load_eval_model(
         dtype = model_args.dtype if model_args.dtype not in (None, "auto") else "auto"
         llm = LLM(
             model=resolve_model_name_or_path(model_args.model_name_or_path),
-            revision=None if model_args.model_name_or_path is None else model_args.model_revision,
+            revision=None if is_embedded(model_args.model_name_or_path) else model_args.model_revision,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,

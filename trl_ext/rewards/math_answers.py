@@ -16,7 +16,7 @@ reach math-verify.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from trl_ext.rewards.adapters import as_trl_reward
 from trl_ext.rewards.verify_worker import verify_in_worker
@@ -30,8 +30,24 @@ call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERI
 # "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part; or a
 # decimal written without its leading zero (".25", not after a word character or a dot). A trailing "." ("42.")
 # is not part of the number.
-_NUMBER_RE = re.compile(r"(?:(?<![\w)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
-_PLAIN_NUMBER_RE = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+_MANTISSA = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)"
+# Scientific notation, tried before the plain number at each place:
+#   * E notation "1.5e3", "1.5E-3", "2e+6": the mantissa does not follow a word character or a dot and the exponent
+#     is followed by neither a word character nor ".digit", so "the3e5", "3e5a" (hex), "3eggs" and "3e" stay plain;
+#   * a power of ten "1.5 \times 10^{3}", "2.5 × 10^3", "2.5x10^3", "1.5\cdot 10^{-3}", "3*10**4", "6.02·10²³"
+#     (LaTeX spaces allowed around the sign), and "10^3" alone (1000; other powers such as "2^10" are not evaluated).
+# Exponents have at most 6 digits.
+_SPACE = r"(?:[^\S\n]|\\[,;:! ]|~)*"  # spaces within a line, LaTeX spaces
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻", "0123456789+-")
+_NUMBER_BODY = (
+    rf"(?<![\w.])(?P<e_mantissa>{_MANTISSA})[eE](?P<e>[+-]?\d{{1,6}})(?!\w|\.\d)"
+    rf"|(?:(?P<x_mantissa>{_MANTISSA}){_SPACE}(?:\\times|\\cdot|[×·⋅*xX]){_SPACE}|(?<![\w.]))"
+    rf"10(?:{_SPACE}(?:\^|\*\*){_SPACE}(?:\{{\s*(?P<braced>[+-]?\d{{1,6}})\s*\}}|(?P<bare>[+-]?\d{{1,6}})(?!\d|\.\d))"
+    rf"|(?P<sup>[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]{{1,6}}))"
+    rf"|{_MANTISSA}"
+)
+_NUMBER_RE = re.compile(rf"(?P<sign>(?<![\w)\]])-)?(?:{_NUMBER_BODY})")
+_WHOLE_NUMBER_RE = re.compile(rf"(?P<sign>-)?(?:{_NUMBER_BODY})")
 
 # LaTeX thousands separators between a digit and a group of exactly three digits: a comma, braced or not, followed
 # by LaTeX spaces ("12{,}345", "12,\!345", "12,\,345"), or LaTeX spaces alone ("12\,345" thin space, "12\!345",
@@ -64,6 +80,23 @@ def _plain_number(match: str) -> str:
         return "0" + number
     return "-0" + number[1:] if number.startswith("-.") else number
 
+
+def _number_value(match: re.Match) -> tuple[str, Decimal]:
+    """A match of ``_NUMBER_RE``/``_WHOLE_NUMBER_RE`` as (normalized text, value).
+
+    Plain numbers keep their digits (:func:`_plain_number`); scientific ones are written out ("2.5 × 10^3" ->
+    "2500", "1.5e-3" -> "0.0015"), or in E notation when the value has more than 100 digits before or after the
+    point ("1e500" -> "1e+500"), so no huge string is ever built.
+    """
+    exponent = match["e"] or match["braced"] or match["bare"] or (match["sup"] or "").translate(_SUPERSCRIPTS)
+    if not exponent:
+        text = _plain_number(match.group(0))
+        return text, Decimal(text)
+    mantissa = (match["e_mantissa"] or match["x_mantissa"] or "1").replace(",", "")
+    value = Decimal(f"{'-' if match['sign'] else ''}{mantissa}E{int(exponent)}")
+    return (format(value, "f") if abs(value.adjusted()) <= 100 else format(value, "e")), value
+
+
 _ZERO = {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}
 
 
@@ -75,7 +108,10 @@ def extract_last_number(text: str) -> str | None:
     "12345", see :func:`normalize_number_text`); a sentence-final dot is not part of the number ("42." -> "42"); a
     leading minus is kept ("-7") unless it follows a word character or closing bracket ("5-3" -> "3"); the Unicode
     minus "\u2212" counts as "-"; decimals are kept as written ("3.50"), a missing leading zero is added
-    (".25" -> "0.25").
+    (".25" -> "0.25"). Scientific notation is one number, written out: "1.5e3", "1.5E3", "1.5 \\times 10^{3}"
+    -> "1500"; "2.5 × 10^3", "2.5x10^3" -> "2500"; "1.5\\cdot 10^{-3}" -> "0.0015"; "10^3" -> "1000" (E notation where
+    the mantissa does not follow a letter and nothing but punctuation follows the exponent: "the3e5", "3e5a",
+    "3eggs" stay plain; other powers such as "2^10" are not evaluated).
 
     Args:
         text: free text, e.g. a model response.
@@ -83,26 +119,22 @@ def extract_last_number(text: str) -> str | None:
     Returns:
         The number as a string, e.g. ``extract_last_number("The answer is 1,234.") == "1234"``, or ``None``.
     """
-    matches = _NUMBER_RE.findall(normalize_number_text(text))
-    if not matches:
-        return None
-    return _plain_number(matches[-1])
+    last = None
+    for last in _NUMBER_RE.finditer(normalize_number_text(text)):
+        pass
+    return None if last is None else _number_value(last)[0]
 
 
 def to_decimal(text: str) -> Decimal | None:
-    """Parse a whole string as a plain decimal number ("72", "-3.50", "1,234", "42.", ".25"); ``None`` if it is not one.
+    """Parse a whole string as a decimal number ("72", "-3.50", "1,234", "42.", ".25"); ``None`` if it is not one.
 
     LaTeX thousands separators and decimal points are read as plain ones (``"3{,}000"``, ``"3,\\!000"``,
-    ``"3\\,000"`` -> 3000; see :func:`normalize_number_text`). Surrounding whitespace and a trailing dot are
-    ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
+    ``"3\\,000"`` -> 3000; see :func:`normalize_number_text`), and scientific notation as its value (``"1.5e3"``,
+    ``"1.5 \\times 10^{3}"``, ``"2.5 × 10^3"``, ``"10^{-2}"``; see :func:`extract_last_number`). Surrounding
+    whitespace and a trailing dot are ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
     """
-    s = normalize_number_text(text.strip()).removesuffix(".")
-    if not _PLAIN_NUMBER_RE.fullmatch(s):
-        return None
-    try:
-        return Decimal(s.replace(",", ""))
-    except InvalidOperation:  # pragma: no cover - the regex only lets valid decimals through
-        return None
+    match = _WHOLE_NUMBER_RE.fullmatch(normalize_number_text(text.strip()).removesuffix("."))
+    return None if match is None else _number_value(match)[1]
 
 
 def parse_gsm8k_ground_truth(answer_field: str) -> str:
@@ -122,9 +154,10 @@ def parse_gsm8k_ground_truth(answer_field: str) -> str:
             f"expected a GSM8K answer ending in '#### <number>', found no '####' in {answer_field[-80:]!r}"
         )
     final = answer_field.rsplit("####", 1)[1].strip()
-    if to_decimal(final) is None:
+    match = _WHOLE_NUMBER_RE.fullmatch(normalize_number_text(final).removesuffix("."))
+    if match is None:
         raise ValueError(f"expected a number after '####', got {final!r}")
-    return _plain_number(normalize_number_text(final).removesuffix("."))
+    return _number_value(match)[0]
 
 
 def numbers_equal(a: str, b: str) -> bool:
@@ -292,8 +325,8 @@ def extract_math_answer(text: str) -> str | None:
 def grade_math_answer(answer: str, ground_truth: str) -> bool:
     """True when ``answer`` is mathematically equivalent to ``ground_truth``.
 
-    Checks in order: equal strings after stripping; equal values when both are plain numbers (``"3.50"`` vs
-    ``"3.5"``); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
+    Checks in order: equal strings after stripping; equal values when both are numbers (``"3.50"`` vs ``"3.5"``,
+    ``"1.5e3"`` vs ``"1500"``, see :func:`to_decimal`); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
     equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``), in a worker process bounded by
     :data:`MATH_VERIFY_TIMEOUT_S` seconds. Parse or comparison failures, expressions too large to evaluate (e.g.
     ``9^{9^{9^{9}}}``, ``(10^{10^{10}})!``) and timeouts count as not equivalent. Safe to call from any thread.
@@ -310,8 +343,20 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
     a, g = to_decimal(answer), to_decimal(ground_truth)
     if a is not None and g is not None:
         return a == g
-    # math-verify reads "3\,000" as 3*000: give it the plain numbers
-    return verify_in_worker(normalize_number_text(ground_truth), normalize_number_text(answer), MATH_VERIFY_TIMEOUT_S)
+    # math-verify reads "3\,000" as 3*000 and "1.5e3" as 1.5*e*3: give it the numbers' values
+    return verify_in_worker(_verify_text(ground_truth, g), _verify_text(answer, a), MATH_VERIFY_TIMEOUT_S)
+
+
+def _verify_text(text: str, value: Decimal | None) -> str:
+    """What math-verify is given for one side: a number (see :func:`to_decimal`) as its plain value ("1.5e3" ->
+    "1500"; beyond 100 digits "15 \\times 10^{499}", which math-verify reads as a power), other text with its
+    LaTeX number separators made plain (:func:`normalize_number_text`)."""
+    if value is None:
+        return normalize_number_text(text)
+    if abs(value.adjusted()) <= 100:
+        return format(value, "f")
+    sign, digits, exponent = value.as_tuple()
+    return f"{'-' if sign else ''}{''.join(map(str, digits))} \\times 10^{{{exponent}}}"
 
 
 def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:

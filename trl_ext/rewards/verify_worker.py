@@ -21,7 +21,11 @@ Two guards run inside the worker before ``verify``:
 
 Workers are pooled (one per thread grading at the same time) and reused, and cache their parses; ``math_verify``'s
 own signal timeouts are off inside them (the caller's limit replaces them) and its "Timeout is disabled" warning is
-silenced there, so nothing is printed per call. POSIX only (``fork``, Unix sockets passed with ``socket.send_fds``).
+silenced there, so nothing is printed per call. The pool belongs to one process: a process forked from it (a
+``multiprocessing`` pool, dataloader workers, a user's reward code) drops the inherited sockets without touching
+them (``os.register_at_fork``, and a pid check for forks that bypass it) and starts its own zygote, so two processes
+never read each other's verdicts. A worker found dead (killed, crashed) is replaced. POSIX only (``fork``, Unix
+sockets passed with ``socket.send_fds``).
 """
 
 from __future__ import annotations
@@ -206,6 +210,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in a worker process
 
 
 # ------------------------------------------------------------------------------------------------ caller side
+TIMED_OUT, DIED = "timed out", "died"
+"""The two ways a request ends without a verdict (see ``_Worker.request``)."""
+
 class _Zygote:
     """The child process that has imported math-verify and forks workers on request."""
 
@@ -267,30 +274,31 @@ class _Worker:
         except (OSError, ValueError, IndexError):
             return None
 
-    def request(self, gold: str, pred: str, timeout: float) -> bool | None:
-        """The worker's verdict, or None when it spent ``timeout`` seconds on it (or died).
+    def request(self, gold: str, pred: str, timeout: float, deadline: float) -> bool | str:
+        """The worker's verdict; ``TIMED_OUT`` when it spent ``timeout`` seconds on it or ``deadline``
+        (``time.monotonic()``) passed; ``DIED`` when it ended without answering (killed from outside, crashed).
 
         The budget is the worker's CPU time where it can be read (Linux), so that a machine loaded by other work
-        does not turn slow ordinary answers into wrong ones, with a wall-clock cap of ``WALL_FACTOR * timeout``;
-        elsewhere it is wall time. On an idle machine both are the same ~``timeout`` seconds.
+        does not turn slow ordinary answers into wrong ones, capped by the wall-clock ``deadline``; elsewhere it is
+        wall time. On an idle machine both are the same ~``timeout`` seconds.
         """
         try:
             self.stream.write(json.dumps({"gold": gold, "pred": pred}) + "\n")
             self.stream.flush()
             start_wall, start_cpu = time.monotonic(), self.cpu_seconds()
             while True:
-                wall = time.monotonic() - start_wall
+                now = time.monotonic()
                 cpu = self.cpu_seconds()
-                used = wall if start_cpu is None or cpu is None else cpu - start_cpu
-                if used >= timeout or wall >= WALL_FACTOR * timeout:
-                    return None
-                wait = min(max(timeout - used, 0.02), WALL_FACTOR * timeout - wall)
+                used = now - start_wall if start_cpu is None or cpu is None else cpu - start_cpu
+                if used >= timeout or now >= deadline:
+                    return TIMED_OUT
+                wait = min(max(timeout - used, 0.02), deadline - now)
                 readable, _, _ = select.select([self.sock], [], [], wait)
                 if readable:
                     line = self.stream.readline()
-                    return bool(json.loads(line)["ok"]) if line else None
-        except OSError:
-            return None
+                    return bool(json.loads(line)["ok"]) if line else DIED
+        except (OSError, ValueError, KeyError):  # a broken pipe, or a partial line from a worker killed mid-write
+            return DIED
 
     def kill(self) -> None:
         import signal
@@ -306,7 +314,39 @@ class _Worker:
 _idle: list[_Worker] = []
 _lock = threading.Lock()
 _zygote: _Zygote | None = None
+_owner_pid = os.getpid()
 _stats = {"timeouts": 0}
+
+
+def _close_inherited(sock) -> None:
+    """Close this process's copy of an inherited socket: no flush, no shutdown, no kill, so the parent's end and
+    the worker it talks to are untouched (the socket object forgets its descriptor, so nothing closes it twice)."""
+    try:
+        os.close(sock.detach())
+    except OSError:
+        pass
+
+
+def _forget_parent_workers() -> None:
+    """In a forked child: drop the workers and zygote inherited from the parent and start with none of its own.
+
+    A fork copies the parent's pool, whose sockets lead to the parent's worker processes; a child writing to them
+    would read the parent's answers (and the parent the child's). Runs after ``os.fork`` (``os.register_at_fork``)
+    and, for forks that bypass Python's hooks, when a call finds ``os.getpid()`` changed. The lock is replaced too:
+    another thread of the parent may have held it at the moment of the fork.
+    """
+    global _idle, _lock, _zygote, _owner_pid
+    inherited, zygote = _idle, _zygote
+    _idle, _lock, _zygote, _owner_pid = [], threading.Lock(), None, os.getpid()
+    _stats["timeouts"] = 0
+    for worker in inherited:
+        _close_inherited(worker.sock)
+    if zygote is not None:
+        _close_inherited(zygote.control)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_workers)
 
 
 def _new_worker() -> _Worker:
@@ -322,22 +362,41 @@ def _new_worker() -> _Worker:
     raise RuntimeError("could not fork a math-verify worker process")
 
 
+def _idle_worker() -> _Worker | None:
+    """A pooled worker that is still alive, or None. An idle worker never writes, so a readable socket means it
+    died (killed from outside, out of memory): it is dropped and the next one tried."""
+    while True:
+        with _lock:
+            if not _idle:
+                return None
+            worker = _idle.pop()
+        readable, _, _ = select.select([worker.sock], [], [], 0)
+        if not readable:
+            return worker
+        worker.kill()
+
+
 def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
     """True when math-verify shows ``pred`` equivalent to ``gold`` within ``timeout`` seconds (see ``_Worker.request``).
 
     Runs ``math_verify.parse`` on both (LaTeX first, then plain expression) and ``math_verify.verify(gold, pred)`` in
-    a pooled worker process (see the module docstring). Thread-safe; each concurrent caller uses its own worker.
-    The first call starts the zygote process (imports math-verify: a few seconds); later workers are forks of it.
+    a pooled worker process (see the module docstring). Thread-safe: each concurrent caller uses its own worker.
+    Fork-safe: a process forked from this one (a ``multiprocessing`` pool, dataloader workers) never uses the
+    parent's workers; its first call starts its own zygote. A worker that died (killed from outside, crashed) is
+    replaced, and a request it was answering is sent once more to a fresh worker within the same time limit.
+    The first call in a process starts the zygote process (imports math-verify: a few seconds, not counted in the
+    limit); later workers are forks of it (milliseconds).
 
     Args:
         gold: reference answer text (LaTeX or plain).
         pred: predicted answer text.
         timeout: limit in seconds (> 0): CPU time of the worker on Linux, wall time elsewhere, and never more than
-            ``WALL_FACTOR * timeout`` of wall time; on expiry the worker is killed (a fresh fork replaces it) and the
-            result is False.
+            ``WALL_FACTOR * timeout`` of wall time in all; on expiry the worker is killed (a fresh fork replaces
+            it) and the result is False.
 
     Returns:
-        The verdict; False on a parse failure, an expression over the size bound, or a timeout.
+        The verdict; False on a parse failure, an expression over the size bound, a timeout, or a worker that died
+        twice on this answer.
 
     Raises:
         ValueError: ``timeout`` <= 0.
@@ -345,19 +404,26 @@ def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
     """
     if not timeout > 0:
         raise ValueError(f"timeout={timeout!r}; expected seconds > 0")
-    with _lock:
-        worker = _idle.pop() if _idle else None
-    if worker is None:
-        worker = _new_worker()
-    verdict = worker.request(gold, pred, timeout)
-    if verdict is None:  # too slow or dead
-        worker.kill()
+    if os.getpid() != _owner_pid:  # forked by a path that skipped os.register_at_fork (a fork() from C)
+        _forget_parent_workers()
+    wall_left = WALL_FACTOR * timeout  # grading time only: starting a worker is not counted
+    for attempt in range(2):
+        worker = _idle_worker() or _new_worker()
+        start = time.monotonic()
+        verdict = worker.request(gold, pred, timeout, start + wall_left)
+        wall_left -= time.monotonic() - start
+        if verdict is DIED and attempt == 0 and wall_left > 0:
+            worker.kill()  # killed from outside while grading: a fresh fork answers in the time that is left
+            continue
+        if verdict is TIMED_OUT or verdict is DIED:
+            worker.kill()
+            with _lock:
+                _stats["timeouts"] += verdict is TIMED_OUT
+            return False
         with _lock:
-            _stats["timeouts"] += 1
-        return False
-    with _lock:
-        _idle.append(worker)
-    return verdict
+            _idle.append(worker)
+        return verdict
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def timeouts() -> int:
@@ -368,6 +434,9 @@ def timeouts() -> int:
 @atexit.register
 def _shutdown() -> None:
     global _zygote
+    if os.getpid() != _owner_pid:  # a forked child exiting: the workers it sees are its parent's
+        _forget_parent_workers()
+        return
     with _lock:
         workers, _idle[:] = list(_idle), []
         zygote, _zygote = _zygote, None

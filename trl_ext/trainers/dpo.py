@@ -18,6 +18,10 @@ logit over the vocabulary), `mean_token_accuracy` (fraction of chosen completion
 
 from __future__ import annotations
 
+import copy
+import inspect
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +33,8 @@ from trl_ext.data.preferences import check_preference_dataset
 from trl_ext.data.prompts import strip_leading_bos_columns
 
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
+logger = logging.getLogger(__name__)
 
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
@@ -95,12 +101,50 @@ class DPOConfig(trl.DPOConfig):
             )
 
 
+def _frozen_reference(model: Any, args: DPOConfig, peft_config: Any) -> Any:
+    """The reference model trl_ext.DPOTrainer builds when none is given: a frozen copy of `model`, or None where
+    upstream's own choice stands (see `DPOTrainer`).
+
+    Raises:
+        ValueError: upstream would load the reference from `model.config._name_or_path` and that is empty (a model
+            built in memory under DeepSpeed ZeRO-3 or quantized); the message says to pass `ref_model`.
+    """
+    from accelerate.utils import is_peft_model
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if isinstance(model, str) or is_peft_model(model) or peft_config is not None:
+        return None  # loaded by name like the policy, or the adapter-disabled base
+    fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    if args.precompute_ref_log_probs and not fsdp:
+        return None  # upstream computes the reference log-probs with the policy before training
+    quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+    if is_deepspeed_zero3_enabled() or quantized:  # partitioned / quantized weights: no plain copy
+        if not getattr(model.config, "_name_or_path", ""):
+            raise ValueError(
+                "DPOTrainer: the model has no name_or_path to load the reference model from "
+                f"({'DeepSpeed ZeRO-3' if not quantized else 'a quantized model'} cannot be copied); pass ref_model"
+            )
+        return None
+    logger.info("DPOTrainer: no ref_model given; the reference is a frozen copy of the model as passed.")
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
 class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
     Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
-    `trl.DPOConfig` (fields copied by value, then checked as a `trl_ext.DPOConfig`). Each checkpoint also holds the
+    `trl.DPOConfig` or a plain `transformers.TrainingArguments` (fields copied by value, the others keep their
+    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each checkpoint also holds the
     running token count behind `num_tokens`.
+
+    The reference model, when `ref_model` is not given: a model passed as an object (not PEFT, no `peft_config`)
+    gets a frozen deep copy of itself as it is passed -- the DPO reference is the policy before training -- where
+    upstream reloads the weights from `model.config._name_or_path` (which fails for a model built in memory, and
+    silently differs from the policy for one whose weights were changed after loading). A PEFT model (or
+    `peft_config`) keeps upstream's reference, the base model with the adapters disabled; a model given by name,
+    `precompute_ref_log_probs` (outside FSDP), DeepSpeed ZeRO-3 and a quantized model keep upstream's behaviour too.
 
     Raises:
         ValueError: `label_smoothing` > 0 with "sigmoid" combined with other loss types or upstream extensions
@@ -120,6 +164,11 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
             args = DPOConfig(f"{name.split('/')[-1]}-DPO")
         elif not isinstance(args, DPOConfig):
             args = config_from_upstream(DPOConfig, args)
+        if ref_model is None:
+            peft_config = inspect.signature(trl.DPOTrainer.__init__).bind(
+                self, model, ref_model, args, *pos_args, **kwargs
+            ).arguments.get("peft_config")
+            ref_model = _frozen_reference(model, args, peft_config)
         super().__init__(model, ref_model, args, *pos_args, **kwargs)
         self.uses_course_loss = (
             self.loss_types == ["sigmoid"]
@@ -174,7 +223,10 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
         with torch.no_grad():
             entropy_sum = gather((outputs.entropy[:, -seq_len:] * shift_completion_mask).sum()).sum()
             total_tokens = gather(shift_completion_mask.sum()).sum()
-            self._metrics[mode]["entropy"].append((entropy_sum / total_tokens).item() if total_tokens > 0 else 0.0)
+            # A token mean over no completion token (all truncated away, on every process) is not logged; upstream
+            # logs 0.0 there, which its log() would average into the logging window as if it were a value.
+            if total_tokens > 0:
+                self._metrics[mode]["entropy"].append((entropy_sum / total_tokens).item())
             if mode == "train":
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // self._tp_size
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
@@ -200,7 +252,8 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
                 ("mean_token_accuracy", chosen_is_top1.float(), chosen_mask),
             ):
                 total, count = gather(values[keep].sum()).sum().item(), gather(keep.sum()).sum().item()
-                self._metrics[mode][name].append(total / count if count > 0 else 0.0)
+                if count > 0:
+                    self._metrics[mode][name].append(total / count)
 
         if return_outputs:  # deprecated upstream: the fused head builds no logits, so they take an extra forward
             with torch.no_grad():

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import trl
+from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
@@ -87,8 +89,11 @@ _SEAMS = {
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
 
-    ``loss_type`` and ``scale_rewards`` are derived from ``length_normalization`` and ``normalize_by_std`` (leave
-    them unset; a conflicting value raises). ``epsilon`` is the GRPO-Clip ``cliprange``; ``beta`` the KL weight.
+    TRL's ``loss_type`` and ``scale_rewards`` are other names for ``length_normalization`` and
+    ``normalize_by_std`` and keep TRL's meaning (``UPSTREAM_OPTIONS``): give either name of a setting; the other is
+    derived in ``__post_init__`` (neither: the course default, masked_mean and True), and both given must agree. A
+    TRL value the course math does not implement raises, naming it. ``epsilon`` is the GRPO-Clip ``cliprange``;
+    ``beta`` the KL weight.
     """
 
     pg_loss_type: str = field(
@@ -104,19 +109,22 @@ class GRPOConfig(trl.GRPOConfig):
         default=1e-6,
         metadata={"help": "Added to the group std before dividing (default 1e-6; TRL hard-codes 1e-4). >= 0."},
     )
-    normalize_by_std: bool = field(
-        default=True,
+    normalize_by_std: bool | None = field(
+        default=None,
         metadata={
-            "help": "Divide the group-centred reward by the group's unbiased std + advantage_eps (default True, GRPO). "
-            "False keeps only the mean baseline (Dr. GRPO). Sets TRL's scale_rewards to 'group' or 'none'."
+            "help": "Divide the group-centred reward by the group's unbiased std + advantage_eps (True, GRPO) or keep "
+            "only the mean baseline (False, Dr. GRPO). Unset (None, the default): what TRL's scale_rewards says when "
+            "it is given ('group'/True -> True, 'none'/False -> False), else True. After construction it holds the "
+            "value in use."
         },
     )
-    length_normalization: str = field(
-        default="masked_mean",
+    length_normalization: str | None = field(
+        default=None,
         metadata={
-            "help": "How per-token losses become one loss per response: 'masked_mean' (default, mean over the response "
-            "tokens) or 'masked_normalize' (sum divided by max_completion_length, Dr. GRPO). Sets TRL's loss_type to "
-            "'grpo' or 'dr_grpo'."
+            "help": "How per-token losses become one loss per response: 'masked_mean' (mean over the response tokens) "
+            "or 'masked_normalize' (sum divided by max_completion_length, Dr. GRPO). Unset (None, the default): what "
+            "TRL's loss_type says when it is given ('grpo' -> 'masked_mean', 'dr_grpo' -> 'masked_normalize'), else "
+            "'masked_mean'. After construction it holds the value in use."
         },
     )
     kl_estimator: str = field(
@@ -177,12 +185,28 @@ class GRPOConfig(trl.GRPOConfig):
     )
     loss_type: str | None = field(
         default=None,
-        metadata={"help": "Derived from length_normalization ('grpo' or 'dr_grpo'); leave unset."},
+        metadata={
+            "help": "TRL's name for length_normalization, with TRL's meaning: 'grpo' (= 'masked_mean') or 'dr_grpo' "
+            "(= 'masked_normalize'); TRL's other loss types ('dapo', TRL's default, 'bnpo', 'cispo', 'sapo', 'luspo', "
+            "'vespo') are not the course loss and raise. Give this or length_normalization (both: they must agree). "
+            "Unset (None, the default): derived from length_normalization."
+        },
     )
     scale_rewards: str | None = field(
         default=None,
-        metadata={"help": "Derived from normalize_by_std ('group' or 'none'); leave unset."},
+        metadata={
+            "help": "TRL's name for normalize_by_std, with TRL's meaning: 'group' or True (= True), 'none' or False "
+            "(= False); 'batch' (std over the whole batch) is not the course advantage and raises. Give this or "
+            "normalize_by_std (both: they must agree). Unset (None, the default): derived from normalize_by_std."
+        },
     )
+
+    # Options that name the same setting: TRL's name -> (the course field, TRL value -> course value, course default).
+    # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.recipe_utils).
+    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, dict[Any, Any], Any]]] = {
+        "loss_type": ("length_normalization", {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}, "masked_mean"),
+        "scale_rewards": ("normalize_by_std", {"group": True, "none": False}, True),
+    }
 
     def __post_init__(self):
         choices = {
@@ -191,23 +215,11 @@ class GRPOConfig(trl.GRPOConfig):
             "kl_estimator": F.KL_ESTIMATORS,
         }
         for name, allowed in choices.items():
-            F._check_choice(name, getattr(self, name), allowed)
+            if getattr(self, name) is not None:  # None: unset, resolved below
+                F._check_choice(name, getattr(self, name), allowed)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
-        derived = {
-            "loss_type": {"masked_mean": "grpo", "masked_normalize": "dr_grpo"}[self.length_normalization],
-            "scale_rewards": "group" if self.normalize_by_std else "none",
-        }
-        source = {"loss_type": "length_normalization", "scale_rewards": "normalize_by_std"}
-        for name, value in derived.items():
-            given = getattr(self, name)
-            given = {True: "group", False: "none"}.get(given, given) if name == "scale_rewards" else given
-            if given not in (None, value):
-                raise ValueError(
-                    f"{name}={given!r} conflicts with {source[name]}={getattr(self, source[name])!r}, which implies "
-                    f"{name}={value!r}; set {source[name]} instead of {name}"
-                )
-            setattr(self, name, value)
+        self._resolve_upstream_options()
         for name, (off, why) in _UNSUPPORTED.items():
             if getattr(self, name) != off:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}")
@@ -215,9 +227,6 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(
                 f"epsilon_high={self.epsilon_high} differs from epsilon={self.epsilon}; GRPO-Clip clips symmetrically"
             )
-        for flag, module in (("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")):
-            if getattr(self, flag) and importlib.util.find_spec(module) is None:
-                raise ImportError(f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`")
         if self.kl_target is not None and not (self.beta > 0 and self.kl_target > 0 and self.kl_horizon > 0):
             raise ValueError(
                 f"kl_target={self.kl_target} needs beta > 0 (the starting coefficient), kl_target > 0 and "
@@ -234,62 +243,130 @@ class GRPOConfig(trl.GRPOConfig):
                 "off-policy-corrected loss such as pg_loss_type='grpo_clip'."
             )
 
+    def _resolve_upstream_options(self) -> None:
+        """Resolve each course field together with TRL's name for it (``UPSTREAM_OPTIONS``): the one given decides
+        the other (with TRL's meaning), neither given gives the course default, both given must agree. A value an
+        earlier ``__post_init__`` derived (a ``_Derived``, carried over by ``dataclasses.replace``) counts as not
+        given, so ``replace(config, loss_type="dr_grpo")`` re-derives ``length_normalization``.
+
+        Raises:
+            ValueError: a TRL value the course math does not implement (named), or both names given with
+                different meanings (both named).
+        """
+        options = [*self.UPSTREAM_OPTIONS, *(course_name for course_name, *_ in self.UPSTREAM_OPTIONS.values())]
+        replayed = any(isinstance(getattr(self, name), _Derived) for name in options)
+        for upstream_name, (course_name, meaning, default) in self.UPSTREAM_OPTIONS.items():
+            upstream, course = (
+                None if isinstance(value, _Derived) else value
+                for value in (getattr(self, upstream_name), getattr(self, course_name))
+            )
+            if upstream_name == "scale_rewards" and str(upstream).lower() in ("true", "false"):  # TRL's bools (CLI: text)
+                upstream = "group" if str(upstream).lower() == "true" else "none"
+            if upstream is not None and upstream not in meaning:
+                raise ValueError(_UPSTREAM_REFUSALS[upstream_name].format(value=upstream))
+            if upstream is not None and course is not None and meaning[upstream] != course:
+                hint = (
+                    " (dataclasses.replace passes every field again: to change this setting give its new value under "
+                    "one name and None under the other)" if replayed else ""
+                )
+                raise ValueError(
+                    f"{upstream_name}={upstream!r} conflicts with {course_name}={course!r}: {upstream_name} is TRL's "
+                    f"name for {course_name}, and {upstream_name}={upstream!r} means {course_name}="
+                    f"{meaning[upstream]!r}; give one of the two{hint}"
+                )
+            value = course if course is not None else meaning[upstream] if upstream is not None else default
+            if course is None and isinstance(value, str):
+                value = _Derived(value)
+            setattr(self, course_name, value)
+            if upstream is None:
+                upstream = _Derived(next(key for key, course_value in meaning.items() if course_value == value))
+            setattr(self, upstream_name, upstream)
+
+    def to_dict(self) -> dict[str, Any]:
+        # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
+        return {k: str(v) if isinstance(v, _Derived) else v for k, v in super().to_dict().items()}
+
     @classmethod
-    def from_upstream(cls, args: trl.GRPOConfig) -> GRPOConfig:
-        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig``: every field copied by value,
-        ``loss_type`` mapped to ``length_normalization`` and ``scale_rewards`` to ``normalize_by_std`` (``beta``,
-        ``epsilon`` and ``use_bias_correction_kl`` are shared fields and keep upstream's values).
+    def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:
+        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig`` (or a plain
+        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type`` and ``scale_rewards``
+        keep their meaning: they decide ``length_normalization`` and ``normalize_by_std`` (``UPSTREAM_OPTIONS``);
+        ``beta``, ``epsilon`` and ``use_bias_correction_kl`` are shared fields and keep upstream's values.
 
         Raises:
             ValueError: where upstream asks for math the course loss does not implement (``loss_type`` other than
-                'grpo'/'dr_grpo', ``scale_rewards='batch'``, and whatever ``__post_init__`` rejects).
+                'grpo'/'dr_grpo' -- upstream's default 'dapo' included --, ``scale_rewards='batch'``, and whatever
+                else ``__post_init__`` rejects).
         """
-        lengths = {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}
-        scales = {"group": True, "none": False}
-        if args.loss_type not in lengths:
-            raise ValueError(
-                f"loss_type={args.loss_type!r} (trl.GRPOConfig; upstream's default is 'dapo') is not implemented by the "
-                "course loss; trl_ext.GRPOTrainer supports loss_type='grpo' (mean over each response's tokens, "
-                "length_normalization='masked_mean') and 'dr_grpo' (sum / max_completion_length, 'masked_normalize')"
-            )
-        if args.scale_rewards not in scales:
-            raise ValueError(
-                f"scale_rewards={args.scale_rewards!r} (trl.GRPOConfig) is not implemented by the course advantages; "
-                "trl_ext.GRPOTrainer supports 'group' (normalize_by_std=True) and 'none' (normalize_by_std=False)"
-            )
-        return config_from_upstream(
-            cls,
-            args,
-            length_normalization=lengths[args.loss_type],
-            normalize_by_std=scales[args.scale_rewards],
-            generation_batch_size=None,  # derived from steps_per_generation by upstream's __post_init__
-        )
+        # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
+        return config_from_upstream(cls, args, generation_batch_size=None)
+
+
+def _missing_engine(flag: str, module: str) -> str:
+    return f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`"
+
+
+class _Derived(str):
+    """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
+    course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
+    ``dataclasses.replace`` passes every field back to ``__init__``; this type is how the new config knows that the
+    value was derived, not given."""
+
+    __slots__ = ()
+
+
+_UPSTREAM_REFUSALS = {
+    "loss_type": "loss_type={value!r} is not implemented by the course loss; trl_ext.GRPOTrainer supports TRL's "
+    "loss_type='grpo' (= length_normalization='masked_mean', the mean over each response's tokens) and 'dr_grpo' "
+    "(= 'masked_normalize', the sum over tokens / max_completion_length). trl.GRPOConfig's default is 'dapo': an "
+    "upstream config must set one of the two.",
+    "scale_rewards": "scale_rewards={value!r} is not implemented by the course advantages; trl_ext.GRPOTrainer "
+    "supports TRL's scale_rewards='group' or True (= normalize_by_std=True) and 'none' or False "
+    "(= normalize_by_std=False).",
+}
 
 
 class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
-    converted by ``GRPOConfig.from_upstream``. Metrics keep TRL's names (``reward``, ``entropy``, ``kl``,
+    (or plain ``transformers.TrainingArguments``) converted by ``GRPOConfig.from_upstream``. As upstream,
+    ``reward_funcs`` may be left out when an ``environment_factory``'s environments score the completions
+    (``get_reward``); with no reward source at all upstream raises its own error. Rewards from any source (reward
+    functions, reward models, environments; a ``rollout_func``'s extra fields reach the reward functions as
+    keyword arguments) become the course's advantages. Metrics keep TRL's names (``reward``, ``entropy``, ``kl``,
     ``clip_ratio/*``, ``completions/*``) and add ``beta`` when it adapts. Each checkpoint holds, besides TRL's
     files, ``beta``, the adaptive controller's KL window, the micro-batch counter and this process's buffered
     rollout, so that a resumed run continues the interrupted one exactly.
 
     Raises:
-        TypeError: ``args`` is neither config class. ValueError: see ``GRPOConfig.from_upstream``. RuntimeError: the
-        installed TRL is untested or lacks a seam this trainer overrides (``trl_ext.trainers.upstream``).
+        TypeError: ``args`` is not a ``TrainingArguments``. ValueError: see ``GRPOConfig.from_upstream``, and
+        whatever ``trl.GRPOTrainer`` raises (no reward source, ...). ImportError: ``use_vllm`` or
+        ``use_liger_kernel`` without the package (after upstream's own option checks). RuntimeError: the installed
+        TRL is untested or lacks a seam this trainer overrides (``trl_ext.trainers.upstream``).
     """
 
     has_rank_state = True
 
-    def __init__(self, model: Any, reward_funcs: Any, args: trl.GRPOConfig | None = None, *pos_args: Any, **kwargs: Any):
+    def __init__(
+        self, model: Any, reward_funcs: Any = None, args: trl.GRPOConfig | None = None, *pos_args: Any, **kwargs: Any
+    ):
         check_upstream(trl.GRPOTrainer, _SEAMS)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         elif not isinstance(args, GRPOConfig):
             args = GRPOConfig.from_upstream(args)
-        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        # Upstream checks its options first (PEFT on lm_head, data, loss settings, ...) and imports vLLM last; a
+        # missing engine is reported after those checks, with how to install it here.
+        try:
+            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        except ImportError as err:
+            if args.use_vllm and "vllm" in str(err).lower() and importlib.util.find_spec("vllm") is None:
+                raise ImportError(_missing_engine("use_vllm", "vllm")) from err
+            raise
+        if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:  # upstream: only at train()
+            raise ImportError(_missing_engine("use_liger_kernel", "liger_kernel"))
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
@@ -511,18 +588,23 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         return per_token_logps, entropies, None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
+        # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
+        # mask_truncated_completions) is NaN, as upstream's nanmin/nanmax give for clip_ratio/low_min and
+        # high_max; upstream's log() leaves NaN out of the logging window's average and logs None when nothing is
+        # left. (Upstream TRL 1.16 logs 0.0 for its masked means there, which would pull the window's average down.)
         def global_masked_sum_count(x):
             local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
             return self.accelerator.reduce(local, reduction="sum")
 
         def global_masked_mean(x):
             total, count = global_masked_sum_count(x).tolist()
-            return total / max(count, 1.0)
+            return total / count if count > 0 else math.nan
 
         self._metrics[mode]["entropy"].append(global_masked_mean(entropies))
         if per_token_kl is not None:
             kl_sum_count = global_masked_sum_count(per_token_kl.detach())
-            self._metrics[mode]["kl"].append(kl_sum_count[0].item() / max(kl_sum_count[1].item(), 1.0))
+            total, count = kl_sum_count.tolist()
+            self._metrics[mode]["kl"].append(total / count if count > 0 else math.nan)
             if mode == "train" and self.args.kl_target is not None:
                 self._update_adaptive_beta(kl_sum_count.cpu())
         if "clipped" in pg_metadata:
@@ -541,12 +623,14 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_sequence_means(clipped & positive)).item())
         if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
             ratio = pg_metadata["ratio"]
-            self._metrics[mode]["ratio/mean"].append(global_masked_mean(ratio))
-            big = torch.finfo(ratio.dtype).max
-            local = torch.stack([torch.where(mask.bool(), ratio, big).min().neg(), torch.where(mask.bool(), ratio, -big).max()])
+            mean = global_masked_mean(ratio)
+            self._metrics[mode]["ratio/mean"].append(mean)
+            # a process without response tokens contributes -inf to both maxima (it has no ratio to report)
+            local = torch.stack([torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()])
             low, high = self.accelerator.reduce(local, reduction="max").tolist() if self.accelerator.num_processes > 1 else local.tolist()
-            self._metrics[mode]["ratio/min"].append(-low)
-            self._metrics[mode]["ratio/max"].append(high)
+            empty = math.isnan(mean)  # no response token on any process
+            self._metrics[mode]["ratio/min"].append(math.nan if empty else -low)
+            self._metrics[mode]["ratio/max"].append(math.nan if empty else high)
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
         """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time
@@ -568,6 +652,8 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self._kl_window.zero_()
             if self.accelerator.sync_gradients:
                 for total, count in self._finished_rollout_kl:
+                    if count.item() == 0:  # no trained token in the rollout (all masked): no KL measured, beta stays
+                        continue
                     self.beta = F.adaptive_kl_coefficient(
                         self.beta, (total / count.clamp(min=1.0)).item(), self.args.kl_target, self.args.kl_horizon,
                         self.args.generation_batch_size,

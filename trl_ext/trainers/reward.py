@@ -55,7 +55,9 @@ class RewardConfig(trl.RewardConfig):
 class RewardTrainer(TrainerMixin, trl.RewardTrainer):
     """`trl.RewardTrainer` whose loss is `trl_ext.functional.bradley_terry_loss` on one scalar reward per sequence.
 
-    Takes everything `trl.RewardTrainer` takes; `args` may also be a `trl.RewardConfig` (fields copied by value).
+    Takes everything `trl.RewardTrainer` takes; `args` may also be a `trl.RewardConfig` or a plain
+    `transformers.TrainingArguments` (fields copied by value, the others keep their defaults, as `trl.SFTTrainer`
+    converts TrainingArguments; upstream's RewardTrainer fails on them).
     Each checkpoint also holds the running token count behind `num_tokens`.
 
     Raises:

@@ -178,8 +178,8 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
     and labels never cross documents) is supported for the CE; it merges rows, so it cannot carry the per-row unsafe
     responses and is refused when they would be penalized.
 
-    `args` is a `trl_ext.SFTConfig`, or a `trl.SFTConfig` (every field copied with its value; the trl_ext fields
-    keep their defaults). Each checkpoint also holds the running token count behind `num_tokens`.
+    `args` is a `trl_ext.SFTConfig`, or a `trl.SFTConfig` or plain `transformers.TrainingArguments` (converted as
+    upstream converts the latter: every field copied with its value; the fields it lacks keep their defaults). Each checkpoint also holds the running token count behind `num_tokens`.
 
     Raises:
         ValueError: packing with an `unsafe_completion` column and a positive `safety_penalty_weight`; a banned

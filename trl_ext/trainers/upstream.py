@@ -4,25 +4,32 @@
   overrides or calls (a "seam") still exists with the parameters trl_ext expects. A renamed seam would otherwise
   leave our override uncalled and upstream's math running with no error.
 - ``config_from_upstream``: builds a trl_ext config from an upstream one (``trl.SFTConfig`` -> ``trl_ext.SFTConfig``
-  ...) field by field, with the same values.
+  ...) or a plain ``transformers.TrainingArguments``, field by field, with the same values.
 - ``TrainerMixin``: trainer state that changes during training (the adaptive KL ``beta``, counters, the rollout
   buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its adaptive
   entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``, ``_load_optimizer_and_scheduler``
-  reads it back); and ``train()`` after ``evaluate()`` still trains under DDP.
+  reads it back); the options a resume depends on are saved too, and ``train(resume_from_checkpoint=...)`` refuses
+  a run whose options differ (``check_resume_options``) before any step; and ``train()`` after ``evaluate()`` still
+  trains under DDP.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import inspect
 import json
+import logging
 import os
 import warnings
 from typing import Any
 
 import torch
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
 """TRL versions whose seams and math trl_ext was tested against (pyproject.toml pins the first)."""
@@ -70,22 +77,132 @@ def check_upstream(upstream_cls: type, seams: dict[str, tuple[str, ...]]) -> Non
 
 
 def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
-    """A ``config_cls`` (a trl_ext config) with every init field of ``args`` (its upstream base) copied by value.
+    """A ``config_cls`` (a trl_ext config) with every init field of ``args`` copied by value.
 
-    Fields are read with ``getattr`` (``TrainingArguments.to_dict()`` would mask every ``*_token`` field);
-    trl_ext-only fields keep their defaults unless given in ``overrides``, which also replace copied values.
+    ``args`` is ``config_cls``'s upstream base (``trl.SFTConfig`` for ``trl_ext.SFTConfig``, ...) or a plain
+    ``transformers.TrainingArguments``, which ``trl.SFTTrainer`` converts the same way (its own fields then keep the
+    upstream config's defaults). Fields are read with ``getattr`` (``TrainingArguments.to_dict()`` would mask every
+    ``*_token`` field); fields ``args`` does not have -- trl_ext's own, and the upstream config's for a plain
+    ``TrainingArguments`` -- keep ``config_cls``'s defaults unless given in ``overrides``, which also replace copied
+    values.
 
     Raises:
-        TypeError: when ``args`` is not an instance of one of ``config_cls``'s upstream bases.
+        TypeError: when ``args`` is not a ``TrainingArguments``, or has fields ``config_cls`` lacks (the config of
+            another trainer, e.g. a ``trl.DPOConfig`` given to the SFT trainer); the message names them.
     """
-    if not isinstance(args, config_cls.__mro__[1]):
-        raise TypeError(
-            f"args must be a {config_cls.__name__} or a {config_cls.__mro__[1].__module__}."
-            f"{config_cls.__mro__[1].__name__}, got {type(args).__name__}"
-        )
+    base = config_cls.__mro__[1]
+    expected = f"args must be a {config_cls.__name__}, a {base.__module__.split('.')[0]}.{base.__name__} or a transformers.TrainingArguments"
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"{expected}, got {type(args).__name__}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config_cls) if f.init})
+    if unknown:
+        raise TypeError(
+            f"{expected}, got a {type(args).__name__} with fields {config_cls.__name__} does not have: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
     values.update(overrides)
-    return config_cls(**values)
+    with warnings.catch_warnings():
+        # a deprecated option (e.g. DPOConfig's pad_token) already warned when the user built `args`; not twice
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return config_cls(**values)
+
+
+# ------------------------------------------------------------------------------------------------ resume options
+STATE_FILE = "trl_ext_state.json"
+RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
+
+RESUME_OPTIONS = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed")
+"""Options every trainer's resume depends on: which rows each process reads at each step (the number of processes,
+batch size and accumulation place the data loader's position; ``seed``/``data_seed`` its order)."""
+
+GRPO_RESUME_OPTIONS = ("steps_per_generation", "num_iterations", "num_generations", "generation_batch_size")
+"""Added for GRPO-style configs (those that have them): the shape of the buffered rollout and where the run stopped in
+its cycle (``_step``), which the checkpoint restores."""
+
+LIBRARY_START_OVER = "train without resume_from_checkpoint (into a new output_dir to keep these checkpoints)"
+"""How to start over instead of resuming, said by :class:`ResumeMismatchError` in library use."""
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint cannot be continued exactly with the options given now.
+
+    Attributes:
+        checkpoint: the checkpoint folder.
+        changes: ``[(option, value in the checkpoint, value now), ...]``.
+    """
+
+    def __init__(self, checkpoint: str, changes: list[tuple[str, Any, Any]], how_to_start_over: str = LIBRARY_START_OVER):
+        self.checkpoint, self.changes = checkpoint, changes
+        listed = "; ".join(f"{name} was {old!r}, now {new!r}" for name, old, new in changes)
+        super().__init__(
+            f"cannot resume from {checkpoint}: it was written with other options, and the run would not continue "
+            f"where it stopped: {listed}. Resume with the checkpoint's values, or start over: {how_to_start_over}"
+        )
+
+
+def resume_options(args: Any) -> dict[str, Any]:
+    """The values of the options a resume must keep (:data:`RESUME_OPTIONS`, plus :data:`GRPO_RESUME_OPTIONS` for a
+    config that has them), as saved with each checkpoint; ``num_processes`` is ``args.world_size``. With
+    ``auto_find_batch_size`` the batch size is left out (transformers restores the one it found)."""
+    names = [*RESUME_OPTIONS, *(name for name in GRPO_RESUME_OPTIONS if hasattr(args, name))]
+    if getattr(args, "auto_find_batch_size", False):
+        names.remove("per_device_train_batch_size")
+    return {name: args.world_size if name == "num_processes" else getattr(args, name) for name in names}
+
+
+def _options_from_files(checkpoint: str, args: Any) -> dict[str, Any]:
+    """What an older checkpoint (no saved options) still tells: its number of processes (one per-process state or
+    RNG file each) and the per-device batch size in ``trainer_state.json`` (as transformers reads it)."""
+    found: dict[str, Any] = {}
+    ranks = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.format("*"))) or glob.glob(os.path.join(checkpoint, "rng_state_*.pth"))
+    if ranks:
+        found["num_processes"] = len(ranks)
+    elif os.path.exists(os.path.join(checkpoint, "rng_state.pth")):
+        found["num_processes"] = 1
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            batch = json.load(f).get("train_batch_size")
+    except (OSError, ValueError):
+        batch = None
+    if batch is not None and not getattr(args, "auto_find_batch_size", False):
+        found["per_device_train_batch_size"] = batch // max(1, args.n_gpu)
+    return found
+
+
+def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_over: str = LIBRARY_START_OVER) -> None:
+    """Refuse to resume ``checkpoint`` with options that would not continue it exactly.
+
+    Compares :func:`resume_options` of ``args`` with those saved in the checkpoint's ``trl_ext_state.json``.
+    Options that may change on resume (logging, saving, ``report_to``, output paths, evaluation, ``max_steps``) are
+    not compared. A checkpoint of an older trl_ext, which did not save them, is checked for what its files still
+    tell (the number of processes and the per-device batch size), and one warning names the options left unchecked.
+
+    Raises:
+        ResumeMismatchError: naming each option that differs with its value in the checkpoint and now, and how to
+            start over (``how_to_start_over``; the recipes say a new ``--output_dir`` or ``--overwrite_output_dir``).
+    """
+    checkpoint = os.fspath(checkpoint)
+    now = resume_options(args)
+    try:
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            saved = json.load(f).get("resume_options")
+    except (OSError, ValueError):  # no such folder, or not a trl_ext checkpoint: resuming says so
+        return  # (Trainer.train, TrainerMixin._load_optimizer_and_scheduler)
+    older = saved is None
+    if older:
+        saved = _options_from_files(checkpoint, args)
+    changes = [(name, saved[name], value) for name, value in now.items() if name in saved and saved[name] != value]
+    if changes:
+        raise ResumeMismatchError(checkpoint, changes, how_to_start_over)
+    unchecked = [name for name in now if name not in saved]
+    if older and unchecked:
+        logger.warning(
+            "%s was written by an older trl_ext that did not save its options: checked %s only; resume with the %s it "
+            "was written with, or the run will not continue exactly", checkpoint, ", ".join(saved) or "nothing",
+            ", ".join(unchecked),
+        )
 
 
 # Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
@@ -93,6 +210,8 @@ TRAINER_MIXIN_SEAMS = {
     "train": ("resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
     "_save_checkpoint": ("model", "trial"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
+    "save_model": ("output_dir", "_internal_call"),
+    "create_model_card": ("model_name", "dataset_name", "tags"),
 }
 
 
@@ -100,7 +219,9 @@ class TrainerMixin:
     """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
 
     Checkpoints: saves ``_checkpoint_state()`` with each checkpoint and gives it back to
-    ``_restore_checkpoint_state`` on resume.
+    ``_restore_checkpoint_state`` on resume. The options a resume depends on (:func:`resume_options`) are saved
+    beside it, and ``train(resume_from_checkpoint=...)`` raises :class:`ResumeMismatchError` before any step when
+    they differ now (:func:`check_resume_options`).
 
     The state shared by all processes goes to ``trl_ext_state.json`` (written by the main process); a trainer whose
     processes hold different state (GRPO's buffered rollout) returns it from ``_checkpoint_rank_state()``, saved by
@@ -110,13 +231,24 @@ class TrainerMixin:
 
     Several processes: ``train()`` after ``evaluate()`` (a recipe's before-training evaluation) wraps the model in
     DDP; see ``train``.
+
+    Portable outputs: what a save writes (the final model and every checkpoint: adapter_config.json, the adapter's
+    README, TRL's model card) names the real base model, ``trl_ext.models.base_model_id`` -- the Hub id
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` for the embedded model instead of its local cache folder, so a LoRA
+    adapter loads on any machine that has that model. See ``save_model`` and ``create_model_card``.
     """
 
-    STATE_FILE = "trl_ext_state.json"
-    RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
+    STATE_FILE = STATE_FILE
+    RANK_STATE_FILE = RANK_STATE_FILE
     has_rank_state = False  # True when _checkpoint_rank_state returns per-process state
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        # Resume refuses options that would not continue the checkpoint exactly, before any model work.
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:  # as Trainer.train: the last checkpoint in output_dir (it raises when there is none)
+            checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        if checkpoint not in (None, False):
+            check_resume_options(checkpoint, self.args)
         # transformers 5 / accelerate 1.x: Trainer.evaluate() before train() prepares the bare model in evaluation
         # mode, which marks it `_is_accelerate_prepared`; train()'s `accelerator.prepare` then returns it without the
         # DistributedDataParallel wrapper, and every process trains its own copy (no gradient all-reduce, different
@@ -132,7 +264,7 @@ class TrainerMixin:
             if "_original_forward" in model.__dict__:  # undo the mixed-precision forward wrapper, re-added by prepare
                 model.forward = model.__dict__.pop("_original_forward")
             self.accelerator._models = [m for m in self.accelerator._models if m is not model]
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """JSON-serializable state of the whole run. Default: upstream's running token count (logged as
@@ -154,7 +286,7 @@ class TrainerMixin:
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             with open(os.path.join(output_dir, self.STATE_FILE), "w") as f:
-                json.dump(self._checkpoint_state(), f)
+                json.dump({**self._checkpoint_state(), "resume_options": resume_options(self.args)}, f)
         if self.has_rank_state:
             os.makedirs(output_dir, exist_ok=True)
             torch.save(self._checkpoint_rank_state(), os.path.join(output_dir, self.RANK_STATE_FILE.format(self.args.process_index)))
@@ -180,3 +312,25 @@ class TrainerMixin:
                     "trl_ext; resume with the same number of processes"
                 )
             self._restore_checkpoint_rank_state(torch.load(rank_path, map_location="cpu", weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        # checkpoints come here too (transformers' _save_checkpoint calls save_model)
+        from trl_ext.models import name_base_model
+
+        result = super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            name_base_model(output_dir if output_dir is not None else self.args.output_dir)
+        return result
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        # TRL 1.16 BaseTrainer.create_model_card names config._name_or_path as the base model, or none for a local
+        # folder (the embedded model's cache); name the model base_model_id gives instead, for the card alone
+        from trl_ext.models import base_model_id
+
+        config = self.model.config
+        loaded_from = config._name_or_path
+        config._name_or_path = base_model_id(loaded_from) if loaded_from else loaded_from
+        try:
+            return super().create_model_card(model_name, dataset_name, tags)
+        finally:
+            config._name_or_path = loaded_from
