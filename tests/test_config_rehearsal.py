@@ -2,7 +2,7 @@
 evaluation) with the config's own values, so a mistake in a config file fails here rather than on a rented GPU.
 
 Each run is ``recipes/<recipe>.py --config <file>`` started the way the command line starts it (its ``__main__``
-block, in this process to share the imports: about 100 s for all 17 on 2 idle cores), plus only the flags
+block, in this process to share the imports: a few minutes for all 17 on 2 cores), plus only the flags
 ``stand_ins.allowed_overrides`` derives from the config file itself -- :func:`assert_config_kept` then checks, on the
 run's recorded configuration, that every other option of the file ran with the file's value:
 
