@@ -29,19 +29,22 @@ from grpo_math import (  # the math recipe's data options and loaders
     REWARDS,
     MathScriptArguments,
     load_data,
+    train_source,
 )
 
 from trl_ext.recipe_utils import (
+    COMPARISON_HELP,
     RecipeError,
     RecipeRun,
     add_provenance,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     recipe_main,
     refuse_comparison_resume,
     user_input,
 )
-from trl_ext.compare import parse_arms, run_comparison, write_comparison
+from trl_ext.compare import arm_config, parse_arms, run_comparison, write_comparison
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.experiment import write_recipe_record
@@ -74,6 +77,10 @@ def main(script_args, training_args, model_args, command=None, speed=None):
         arms = parse_arms(script_args.arms)
     with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         train, test, reward_name = load_data(script_args)
+    for arm in arms:  # each arm's own batch sizes
+        with user_input(f"--arms {arm.name}: "):
+            config = arm_config(training_args, arm)
+        check_fills_one_step(len(train), config, f"{train_source(script_args, test)}, arm {arm.name}", "prompts")
     state = PartialState()
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     train_reward, eval_reward = REWARDS[reward_name]
@@ -124,7 +131,7 @@ def main(script_args, training_args, model_args, command=None, speed=None):
 
 
 def parse_args(argv=None):
-    return parse_recipe_args((CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+    return parse_recipe_args((CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, COMPARISON_HELP)
 
 
 if __name__ == "__main__":

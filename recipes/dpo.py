@@ -29,6 +29,7 @@ from trl_ext.models import load_model_and_tokenizer
 from trl_ext.recipe_utils import (
     RecipeArguments,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     file_digest,
     parse_recipe_args,
@@ -84,6 +85,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
             train = load_pairs(script_args.train_file, script_args)
         with user_input("--test_file: "):
             test = load_pairs(script_args.test_file, script_args)
+    check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
     with run.phase("load_model"):
         model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     trainer = DPOTrainer(
@@ -136,7 +138,7 @@ def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: Mod
     )
     write_recipe_record(output_dir, "DPO", script_args, training_args, model_args)
     console.print(
-        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step, train_seconds)}. "
         f"Wrote {output_dir / 'metrics.json'}"
     )
     return report

@@ -32,7 +32,6 @@ from trl_ext.recipe_utils import (
     recipe_main,
     user_input,
 )
-from trl_ext.experiment import write_recipe_record
 
 REWARD_FNS = {
     "gsm8k": rewards.gsm8k_reward_fn,  # last number in the response; also grades generated arithmetic

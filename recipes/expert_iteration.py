@@ -47,6 +47,7 @@ from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer
 from trl_ext.recipe_utils import (
     RecipeError,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     recipe_main,
@@ -54,8 +55,15 @@ from trl_ext.recipe_utils import (
     write_model_card,
 )
 from trl_ext.rewards import completion_text
+from trl_ext.runtime import name_loaded_weights
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "expert_iteration_cpu.yaml"
+HELP = {  # inherited trl_ext.SFTConfig options this recipe treats its own way
+    "resume_from_checkpoint": "Refused: expert iteration keeps no checkpoints (each EI step's SFT is a fresh trainer), "
+    "so it cannot be resumed.",
+    "max_steps": "Refused (leave it unset): the SFT of each EI step runs --sft_epochs epochs over its kept samples.",
+    "num_train_epochs": "Not read: set from --sft_epochs.",
+}
 
 
 @dataclass
@@ -192,8 +200,14 @@ def main(script_args, training_args, model_args, speed=None):
             f"--n_ei_steps {script_args.n_ei_steps} x --ei_batch_size {script_args.ei_batch_size} = {needed} questions, "
             f"but the training split has {len(train)}; lower one of them or use more training problems"
         )
+    # each EI step's SFT trains on at most every sample of the step (all kept): too few for one batch trains nothing
+    samples = script_args.ei_batch_size * script_args.num_generations
+    check_fills_one_step(samples, training_args, f"--ei_batch_size {script_args.ei_batch_size} x --num_generations "
+                         f"{script_args.num_generations} (an EI step's SFT set if every sample is kept)", "samples")
     with run.phase("load_model"):
         model, tokenizer, _ = load_model_and_tokenizer(model_args)
+    if speed:  # --dtype auto: the checkpoint's own dtype, known now
+        speed["precision"] = name_loaded_weights(speed["precision"], training_args, model_args.dtype, model)
     model.to(state.device)
     evaluate = lambda desc: evaluate_math(  # noqa: E731
         model, tokenizer, test, eval_reward, script_args.max_completion_length, script_args.eval_batch_size, desc, disable_progress=True
@@ -311,7 +325,7 @@ def main(script_args, training_args, model_args, speed=None):
 
 
 def parse_args(argv=None):
-    return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+    return parse_recipe_args((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, HELP)
 
 
 if __name__ == "__main__":

@@ -46,17 +46,19 @@ from pathlib import Path
 
 import trl
 from accelerate import PartialState
-from grpo_math import REWARDS, MathScriptArguments, load_data  # the math recipe's data options and loaders
+from grpo_math import REWARDS, MathScriptArguments, load_data, train_source  # the math recipe's data options and loaders
 
-from trl_ext.compare import Task, parse_arms, run_comparison, write_comparison
+from trl_ext.compare import Task, arm_config, parse_arms, run_comparison, write_comparison
 from trl_ext.compare.monitoring import binomial_standard_error
 from trl_ext.eval import evaluate_math
-from trl_ext.experiment import config_hyperparameters, git_state, write_experiment_record
+from trl_ext.experiment import git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
 from trl_ext.recipe_utils import (
+    COMPARISON_HELP,
     RecipeError,
     RecipeRun,
     add_provenance,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     recipe_main,
@@ -257,6 +259,10 @@ def main(script_args, training_args, model_args, command=None, speed=None):
     with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         base_data = load_task_data(script_args)
         prompt_data = {t: load_task_data(script_args, t) for t in ("r1_zero", "question_only")} if "prompt" in names else {}
+    for name in names:  # every arm's own batch sizes (the off-policy arms generate several train batches at once)
+        for arm in parse_arms(experiment_arms(name, script_args, training_args)):
+            source = f"{train_source(script_args, base_data[2])}, experiment {name}, arm {arm.name}"
+            check_fills_one_step(len(base_data[1]), arm_config(training_args, arm), source, "prompts")
     with run.phase("load_tokenizer"):
         tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     base_task, base_description = make_task(script_args, tokenizer, training_args, base_data)
@@ -336,7 +342,7 @@ def write_report(out: Path, written: list, missing: list, command: str) -> Path:
 
 
 def parse_args(argv=None):
-    return parse_recipe_args((AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+    return parse_recipe_args((AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, COMPARISON_HELP)
 
 
 if __name__ == "__main__":

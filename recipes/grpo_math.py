@@ -32,6 +32,7 @@ from trl_ext.recipe_utils import (
     RecipeArguments,
     RecipeError,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     plot_curves,
@@ -44,6 +45,7 @@ from trl_ext.eval import evaluate_math
 from trl_ext.models import load_model, load_model_and_tokenizer
 from trl_ext.experiment import write_recipe_record
 from trl_ext.profiling import PhaseTimer, StepProfiler, format_breakdown, time_breakdown
+from trl_ext.runtime import name_loaded_weights
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 # reward name -> (TRL reward function for training, course reward_fn for evaluation)
@@ -135,6 +137,16 @@ def load_data(script_args, tokenizer=None):
     return train, test, name
 
 
+def train_source(script_args, test) -> str:
+    """Where the training prompts come from, in the user's flags (for messages)."""
+    if script_args.dataset_name is None:
+        return f"--num_train_problems {script_args.num_train_problems}"
+    if Path(script_args.dataset_name).is_file():
+        held_out = f"{len(test)} row{'s' if len(test) != 1 else ''}"
+        return f"--dataset_name {script_args.dataset_name} (its last {held_out} held out for evaluation)"
+    return f"--dataset_name {script_args.dataset_name} (split {script_args.dataset_train_split})"
+
+
 def main(script_args, training_args, model_args, speed=None):
     # everything that can be checked without the model comes first: folder, checkpoint, options, data
     wall_start = time.perf_counter()
@@ -147,6 +159,7 @@ def main(script_args, training_args, model_args, speed=None):
     check_model_options(model_args)
     with run.phase("load_data"), user_input("--dataset_name: " if script_args.dataset_name else ""):
         train, test, reward_name = load_data(script_args)
+    check_fills_one_step(len(train), training_args, train_source(script_args, test), "prompts")
     train_reward, eval_reward = REWARDS[reward_name]
     model_name = model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct"
 
@@ -154,6 +167,8 @@ def main(script_args, training_args, model_args, speed=None):
     console = Console(soft_wrap=True)
     with run.phase("load_model"), timer.phase("model_load"):
         model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
+    if speed:  # --dtype auto: the checkpoint's own dtype, known now
+        speed["precision"] = name_loaded_weights(speed["precision"], training_args, model_args.dtype, model)
     max_new_tokens = training_args.max_completion_length
 
     def evaluate(m, desc):
@@ -221,7 +236,8 @@ def main(script_args, training_args, model_args, speed=None):
         "model": model_name,
         "dataset": dataset,
         "reward": reward_name,
-        "runtime": speed or {},
+        "runtime": {**(speed or {}), "processes": state.num_processes,
+                    "distributed_type": str(trainer.accelerator.distributed_type)},  # FSDP shows here, not in PartialState
         "time_breakdown": time_breakdown(timer, time.perf_counter() - wall_start),
         "log_history": trainer.state.log_history,
     }
@@ -235,7 +251,7 @@ def main(script_args, training_args, model_args, speed=None):
     table.add_row("after", f"{after['accuracy']:.1%}", f"{after['format_rate']:.1%}")
     console.print(table)
     console.print(
-        f"{steps} step{'s' if steps != 1 else ''} in {metrics['train_seconds']:.0f} s; gain {after['accuracy'] - before['accuracy']:+.1%}. "
+        f"{run.steps_summary(steps, metrics['train_seconds'])}; gain {after['accuracy'] - before['accuracy']:+.1%}. "
         f"Example after: {after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})",
         markup=False,
     )
@@ -244,7 +260,7 @@ def main(script_args, training_args, model_args, speed=None):
     speed = metrics["runtime"]
     console.print(
         f"Where the {metrics['time_breakdown']['total']:.0f} s went"
-        + (f" ({speed['threads']} threads, {speed['precision']})" if speed else "") + ":\n"
+        + (f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else "") + ":\n"
         + format_breakdown(metrics["time_breakdown"]),
         markup=False,
     )

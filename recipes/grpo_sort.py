@@ -33,17 +33,19 @@ import trl
 from accelerate import PartialState
 
 from trl_ext.recipe_utils import (
+    COMPARISON_HELP,
     RecipeArguments,
     RecipeError,
     RecipeRun,
     add_provenance,
+    check_fills_one_step,
     check_model_options,
     parse_recipe_args,
     recipe_main,
     refuse_comparison_resume,
     user_input,
 )
-from trl_ext.compare import parse_arms, run_comparison, write_comparison
+from trl_ext.compare import arm_config, parse_arms, run_comparison, write_comparison
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.eval import evaluate_math
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer, load_tokenizer
@@ -109,6 +111,10 @@ def main(script_args, training_args, model_args, command=None):
     data = dict(num_numbers=script_args.num_numbers, high=script_args.max_number, instruction=script_args.instruction)
     train = make_sorting_dataset(script_args.num_train_problems, seed=0, split="train", **data)
     test = make_sorting_dataset(script_args.num_eval, seed=1, split="test", **data)
+    for arm in arms:  # each arm's own batch sizes
+        with user_input(f"--arms {arm.name}: "):
+            config = arm_config(training_args, arm)
+        check_fills_one_step(len(train), config, f"--num_train_problems {script_args.num_train_problems}, arm {arm.name}", "prompts")
     tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     eval_fn = partial(
         evaluate_math,
@@ -162,7 +168,7 @@ def main(script_args, training_args, model_args, command=None):
 
 
 def parse_args(argv=None):
-    return parse_recipe_args((SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+    return parse_recipe_args((SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, COMPARISON_HELP)
 
 
 if __name__ == "__main__":

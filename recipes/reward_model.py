@@ -29,6 +29,7 @@ from trl_ext.models import load_tokenizer, resolve_model_name_or_path
 from trl_ext.recipe_utils import (
     RecipeArguments,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     file_digest,
     parse_recipe_args,
@@ -87,6 +88,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
             train = load_pairs(script_args.train_file, script_args)
         with user_input("--test_file: "):
             test = load_pairs(script_args.test_file, script_args)
+    check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
     model_path = resolve_model_name_or_path(model_args.model_name_or_path)  # embedded model -> local checkpoint
     training_args.model_init_kwargs = {
         **(training_args.model_init_kwargs or {}),
@@ -144,7 +146,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
     )
     write_recipe_record(output_dir, "Bradley-Terry reward model", script_args, training_args, model_args)
     console.print(
-        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} pairs in {train_seconds:.0f} s. "
+        f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step, train_seconds)}. "
         f"Wrote the model and metrics.json to {output_dir}"
     )
     return report

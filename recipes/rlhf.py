@@ -34,6 +34,7 @@ from trl_ext.recipe_utils import (  # noqa: E402
     RecipeArguments,
     RecipeError,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     file_digest,
     parse_recipe_args,
@@ -101,6 +102,7 @@ def main(script_args, training_args, model_args):
             train_prompts = prompts_from(script_args.train_file)
         with user_input("--test_file: "):
             test_prompts = prompts_from(script_args.test_file)
+    check_fills_one_step(len(train_prompts), training_args, f"--train_file {script_args.train_file} (unique prompts)", "prompts")
     console = Console(soft_wrap=True)
     out = Path(training_args.output_dir)
     with run.phase("reward_model"):
@@ -165,7 +167,7 @@ def main(script_args, training_args, model_args):
     write_recipe_record(out, "RLHF: reward model, then GRPO with an adaptive KL coefficient", script_args, training_args, model_args)
     console.print(
         f"reward-model score on {len(test_prompts)} held-out prompts: {before:.3f} -> {after:.3f}; "
-        f"KL {metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {metrics['train_steps']} steps. "
+        f"KL {metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {run.steps_summary(metrics['train_steps'], run.phase_seconds['train'])}. "
         f"Wrote {out / 'metrics.json'} and {out / 'rlhf.png'}",
         markup=False,
     )

@@ -34,6 +34,7 @@ from trl_ext.models import load_model_and_tokenizer
 from trl_ext.recipe_utils import (
     RecipeArguments,
     RecipeRun,
+    check_fills_one_step,
     check_model_options,
     file_digest,
     parse_recipe_args,
@@ -103,6 +104,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         with user_input("--test_file: "):
             test_rows = load_instruction_rows(script_args.test_file, script_args.skip_bad_rows)
             test = load_instruction_dataset(script_args.test_file, script_args.prompt_format, script_args.skip_bad_rows)
+    check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "rows")
     with run.phase("load_model"):
         model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
     trainer = SFTTrainer(
@@ -152,7 +154,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
         run=run,
     )
     console.print(
-        f"{train_output.global_step} step{'s' if train_output.global_step != 1 else ''} on {len(train)} rows in {train_seconds:.0f} s. Safety prompts after:"
+        f"Trained on {len(train)} rows: {run.steps_summary(train_output.global_step, train_seconds)}. Safety prompts after:"
     )
     for sample in after["samples_safety"][:2]:
         console.print(f"  {sample['instruction']!r} -> {sample['answer'][:80]!r}", markup=False)

@@ -98,6 +98,46 @@ def param_digest(model) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen_stand_in(tmp_path_factory) -> str:
+    """A tiny Qwen2 model + Qwen2 tokenizer (tests/stand_ins.py), taught to answer R1-Zero prompts; saved once."""
+    from stand_ins import gsm8k_rows, math_lighteval_rows, qwen2_model, qwen2_tokenizer, response, teach
+
+    from trl_ext.data.prompts import R1_ZERO_TEMPLATE
+
+    questions = [r["question"] for r in gsm8k_rows(64, seed=123)]
+    prompts = [R1_ZERO_TEMPLATE.format(question=q) for q in questions]
+    tokenizer = qwen2_tokenizer(prompts + [response(a) for a in ("4", "5")] + [r["solution"] for r in math_lighteval_rows(4)])
+    model = qwen2_model(tokenizer)
+    teach(model, tokenizer, prompts)
+    path = tmp_path_factory.mktemp("qwen2_stand_in")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama_stand_in(tmp_path_factory, tokenizer) -> str:
+    """The embedded model's stand-in: a tiny random Llama with the embedded SmolLM2 tokenizer, saved once."""
+    path = tmp_path_factory.mktemp("llama_stand_in")
+    tiny_model_for_tests(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def hub_has_every_repo(monkeypatch):
+    """Parse configs that name Hub models and datasets (the GPU configs) on this offline machine: the recipes' source
+    checks (trl_ext.recipe_utils.model_source_problem / dataset_source_problem) are told the Hub has every repository.
+    Nothing is downloaded; loading such a model or dataset would still fail."""
+    from trl_ext import recipe_utils
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(recipe_utils, "_hub_check", lambda name, repo_type: None)
+    monkeypatch.setattr(recipe_utils, "_SOURCE_CACHE", {})
+
+
+@pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """Local float32 checkpoint of the embedded model, converted from the GGUF on first use (about 30 s).
 

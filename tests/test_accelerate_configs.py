@@ -140,3 +140,79 @@ def test_aliases_are_relative_symlinks_to_one_file(alias):
     assert path.is_symlink()
     assert os.readlink(path) == ALIASES[alias]  # relative, so it survives a clone anywhere
     assert path.resolve() == (CONFIG_DIR / ALIASES[alias]).resolve()
+
+
+# ------------------------------------------------------------------------------------------- launched on CPU
+# Each launch config that can start on a CPU machine runs recipes/grpo_math.py for one optimizer step through
+# `accelerate launch`, with the recipe flags of the command in the file's own header plus the rehearsal's CPU flags
+# (tests/stand_ins.py: allowed_overrides); launcher flag: --num_processes 2 where the file says 8 (one process per GPU).
+# config -> (launcher flags, recipe --config, the header's recipe flags, expected processes, expected distributed type)
+CPU_LAUNCHES = {
+    "single_process.yaml": ([], None, [], 1, "NO"),  # the README's main job, on the CPU defaults
+    "single_gpu_lora.yaml": ([], "grpo_math_gsm8k.yaml", ["--use_peft", "--lora_target_modules", "all-linear"], 1, "NO"),
+    "multi_gpu_ddp.yaml": (["--num_processes", "2"], "grpo_math_gsm8k.yaml",
+                           ["--use_peft", "--lora_target_modules", "all-linear"], 2, "MULTI_CPU"),
+}
+LAUNCHED_ELSEWHERE = {"cpu_2proc.yaml": "tests/test_distributed.py, tests/test_distributed_sft.py"}
+NOT_ON_CPU = {  # and why (docs/scaling.md says the same)
+    "deepspeed_zero3.yaml": "DeepSpeed is in the gpu extra only and needs a CUDA accelerator",
+    "multi_gpu_fsdp2.yaml": "accelerate enables FSDP only on GPU-type devices; on CPU it starts but runs plain DDP",
+}
+
+
+def test_every_config_is_launched_on_cpu_or_said_not_to_be():
+    # the two aliases are the same files as single_gpu_lora.yaml and multi_gpu_fsdp2.yaml
+    assert set(CPU_LAUNCHES) | set(LAUNCHED_ELSEWHERE) | set(NOT_ON_CPU) | set(ALIASES) == set(EXPECTED)
+    scaling = (CONFIG_DIR.parent / "docs" / "scaling.md").read_text()
+    assert all(name in scaling for name in NOT_ON_CPU)
+
+
+def test_an_fsdp_launch_on_the_cpu_is_said_to_run_plain_data_parallel(capsys):
+    # accelerate's AcceleratorState turns FSDP on only for GPU-type multi-process runs (MULTI_GPU, MULTI_XPU, ...);
+    # a CPU run under the FSDP config's launch environment (measured: 2 processes) trains as MULTI_CPU
+    from conftest import load_recipe
+
+    _, env = launch_env(CONFIG_DIR / "multi_gpu_fsdp2.yaml")
+    grpo_math = load_recipe("grpo_math")
+    with patch_environment(**env):
+        grpo_math.parse_args(["--max_steps", "1"])  # the CPU defaults: use_cpu true
+    assert capsys.readouterr().err == (
+        "note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
+        "data parallelism, every process holding the whole model\n"
+    )
+    grpo_math.parse_args(["--max_steps", "1"])  # no FSDP launch: no note
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CPU_LAUNCHES))
+def test_config_launches_the_recipe_on_cpu(name, tmp_path, qwen_stand_in, llama_stand_in):
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+    from stand_ins import HUB_DATASETS, allowed_overrides, write_jsonl
+
+    launcher, recipe_config, header_flags, processes, distributed = CPU_LAUNCHES[name]
+    out = tmp_path / "out"
+    if recipe_config is None:
+        config, argv = yaml.safe_load((CONFIG_DIR.parent / "recipes" / "configs" / "grpo_math_cpu.yaml").read_text()), []
+        flags = allowed_overrides(config, "grpo_math", llama_stand_in, None, out)
+    else:
+        path = CONFIG_DIR.parent / "recipes" / "configs" / recipe_config
+        config, argv = yaml.safe_load(path.read_text()), ["--config", str(path)]
+        data = write_jsonl(tmp_path / "data.jsonl", HUB_DATASETS[config["dataset_name"]](40))
+        flags = allowed_overrides(config, "grpo_math", qwen_stand_in, str(data), out)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG_DIR / name), *launcher,
+               str(CONFIG_DIR.parent / "recipes" / "grpo_math.py"), *argv, *header_flags, *flags, "--report_to", "none",
+               "--log_completions", "false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train_steps"] == 1
+    assert metrics["runtime"]["processes"] == processes
+    assert metrics["runtime"]["distributed_type"] == f"DistributedType.{distributed}"
+    if "--use_peft" in header_flags:  # the LoRA adapter is what was saved
+        assert (out / "adapter_config.json").is_file()

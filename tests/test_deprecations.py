@@ -13,7 +13,7 @@ import trl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream, expert_iteration and grpo_ablations import grpo_math
 CONFIGS = sorted(p.name for p in (ROOT / "recipes" / "configs").glob("*.yaml"))
-CPU_FLAGS = {"--bf16": "false", "--use_cpu": "true", "--use_vllm": "false"}  # what a GPU config needs on a CPU
+CPU_FLAGS = {"--bf16": "false", "--use_cpu": "true", "--use_vllm": "false", "--backend": "hf"}  # what a GPU config needs on a CPU
 
 
 def _recipe_of(config: str) -> str:
@@ -25,7 +25,7 @@ def _recipe_of(config: str) -> str:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_every_bundled_config_parses_without_a_deprecation_warning(config):
+def test_every_bundled_config_parses_without_a_deprecation_warning(config, hub_has_every_repo):
     module = load_recipe(_recipe_of(config))
     argv = ["--config", str(ROOT / "recipes" / "configs" / config), *_cpu_flags(module)]
     with warnings.catch_warnings():
@@ -45,7 +45,7 @@ def _cpu_flags(module) -> list[str]:
     return [part for flag, value in CPU_FLAGS.items() if f"{flag} " in shown.getvalue() for part in (flag, value)]
 
 
-def test_gpu_configs_that_ask_for_activation_checkpointing_get_it():
+def test_gpu_configs_that_ask_for_activation_checkpointing_get_it(hub_has_every_repo):
     # expert_iteration_math.yaml said `gradient_checkpointing: true` over a CPU default that sets
     # `activation_checkpointing: false`; transformers then kept the new name's False, silently
     for recipe, config in (("expert_iteration", "expert_iteration_math.yaml"), ("grpo_ablations", "grpo_ablations_math.yaml"),

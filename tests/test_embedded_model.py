@@ -73,8 +73,10 @@ def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recip
 def test_embedded_selects_the_embedded_model_over_a_config_that_names_another(monkeypatch, tmp_path):
     grpo_math = load_recipe("grpo_math")
     config = ROOT / "recipes" / "configs" / "grpo_math_gsm8k.yaml"
+    data = tmp_path / "gsm8k.jsonl"  # the config's Hub dataset is not reachable offline (the recipe checks it too)
+    data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
     _, _, model_args = grpo_math.parse_args(["--config", str(config), "--use_vllm", "false", "--bf16", "false",
-                                             "--model_name_or_path", "embedded"])
+                                             "--model_name_or_path", "embedded", "--dataset_name", str(data)])
     assert model_args.model_name_or_path == "embedded"
     check_model_source(model_args.model_name_or_path)  # no Hub lookup: HF_HUB_OFFLINE is set in the tests
     monkeypatch.setattr(models, "ensure_embedded_model", lambda: tmp_path / "converted")

@@ -91,7 +91,7 @@ def test_bad_options_fail_fast():
 
 
 @pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
-def test_gpu_configs_hold_the_handout_hyperparameters(config):
+def test_gpu_configs_hold_the_handout_hyperparameters(config, hub_has_every_repo):
     assert yaml.safe_load((grpo_ablations.DEFAULT_CONFIG.parent / config).read_text())["use_vllm"] is True
     script_args, training_args, model_args = parse_ablations(config=config)
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and script_args.template == "r1_zero"
@@ -101,7 +101,7 @@ def test_gpu_configs_hold_the_handout_hyperparameters(config):
     assert (training_args.adam_beta1, training_args.adam_beta2) == (0.9, 0.95)
 
 
-def test_expert_iteration_configs_parse():
+def test_expert_iteration_configs_parse(hub_has_every_repo):
     script_args, training_args, model_args = expert_iteration.parse_args([])
     assert model_args.model_name_or_path is None and script_args.num_eval == 200  # the main job's held-out set
     assert training_args.completion_only_loss and training_args.max_grad_norm == 1.0
@@ -120,7 +120,7 @@ def test_expert_iteration_configs_parse():
 
 
 @pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
-def test_gpu_ablation_configs_switch_the_cpu_off(config):
+def test_gpu_ablation_configs_switch_the_cpu_off(config, hub_has_every_repo):
     _, training_args, _ = grpo_ablations.parse_args(
         ["--config", str(grpo_ablations.DEFAULT_CONFIG.parent / config), "--bf16", "false", "--use_vllm", "false"]
     )

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,10 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
     assert b["resumed_from"] == str(cut / "checkpoint-2") and b["reused"] == ["eval_before"]
     assert "eval_before" in b["phase_seconds"] and b["phase_seconds"]["eval_before"] < 1.0  # read, not generated
     assert b["train_steps"] == a["train_steps"] == 4
+    # the summaries count each process's own steps: 4, and 2 after resuming from step 2
+    assert re.search(r"^4 steps in \d+ s; gain", proc.stdout, re.M)
+    assert re.search(r"^2 steps in \d+ s \(resumed from step 2; 4 in all\); gain", resumed.stdout, re.M)
+    assert b["resumed_from_step"] == 2 and a["resumed_from_step"] == 0
     for key in ("accuracy_before", "accuracy_after", "format_rate_after"):
         assert b[key] == a[key], key
     wa, wb = load_file(straight / "model.safetensors"), load_file(cut / "model.safetensors")

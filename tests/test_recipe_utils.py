@@ -3,6 +3,7 @@ output-folder rules, resume resolution, the cached before-evaluation, metrics.js
 "options, folder, data, then the model" in every recipe (checked by making the model loader explode)."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -67,14 +68,18 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
         settings(["--config", str(user)])
 
 
-@pytest.mark.parametrize("flag, module", [("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")])
-def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module):
+@pytest.mark.parametrize("flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")])
+def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what):
+    # one message, from the recipes' collected checks (trl_ext.GRPOTrainer's own check, after upstream's option
+    # checks, is for library users: tests/test_grpo_trainer.py)
     import importlib.util
 
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
-    with pytest.raises(RecipeError, match=f"--{flag} true needs the '{module}' package: install the GPU extra"):
+    with pytest.raises(RecipeError) as err:
         grpo_math.parse_args([f"--{flag}", "true"])
+    assert str(err.value) == (f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
+                              "extra on a CUDA machine")
 
 
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
@@ -161,15 +166,15 @@ def test_recipe_main_applies_speed_defaults_to_the_training_args_before_main(mon
 
     seen = []
 
-    def fake_apply(training_args, argv=None, default_config=None):
-        seen.append((training_args, default_config))
+    def fake_apply(training_args, argv=None, default_config=None, dtype="float32"):
+        seen.append((training_args, default_config, dtype))
         training_args["threads_set"] = True  # main must see the arguments after the defaults were applied
         return {"threads": 2, "threads_source": "default", "precision": "fp32", "cores": 2}
 
     monkeypatch.setattr(trl_ext.runtime, "apply_speed_defaults", fake_apply)
-    script, training, model = object(), {}, object()
+    script, training, model = object(), {}, trl.ModelConfig(dtype="bfloat16")
     got = recipe_main(lambda *a, **kw: (a, kw), lambda: (script, training, model), speed_defaults="cpu.yaml", command="c")
-    assert seen == [(training, "cpu.yaml")]
+    assert seen == [(training, "cpu.yaml", "bfloat16")]  # the model's dtype, for the precision label
     assert got == ((script, {"threads_set": True}, model), {"command": "c", "speed": fake_apply({}, None)})
     # without speed_defaults nothing is applied and main gets no speed argument
     assert recipe_main(lambda *a, **kw: kw, lambda: (script, training, model)) == {}
@@ -461,7 +466,7 @@ EVAL_KEYS = ("heldout_ce_loss", "safety_penalty", "heldout_total_loss", "refusal
     ],
 )
 def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_before_evaluation(
-    tmp_path, monkeypatch, recipe, trainer, loaders
+    tmp_path, monkeypatch, capsys, recipe, trainer, loaders
 ):
     module = load_recipe(recipe)
     evaluations = []
@@ -479,16 +484,290 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
     out = tmp_path / "out"
     module.main(*module.parse_args(["--output_dir", str(out)]))
     assert FakeTrainer.resumed_from == [None] and len(evaluations) == 2  # before and after
+    assert re.search(r": 4 steps in \d+ s\. ", " ".join(capsys.readouterr().out.split()))  # FakeTrainer ends at step 4
     # the run is cut after its checkpoint at step 3 (no metrics.json), then resumed from the command line
     (out / "metrics.json").unlink()
     for step in (2, 3):
         (out / f"checkpoint-{step}").mkdir()
-        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (out / "checkpoint-4").mkdir()  # cut short by the kill: no trainer_state.json, skipped
     module.main(*module.parse_args(["--output_dir", str(out), "--resume_from_checkpoint", "true"]))
     assert FakeTrainer.resumed_from == [None, str(out / "checkpoint-3")]
+    # the summary counts the one step this process trained, not the 4 of the model
+    assert re.search(r": 1 step in \d+ s \(resumed from step 3; 4 in all\)\. ", " ".join(capsys.readouterr().out.split()))
     assert len(evaluations) == 3  # only the evaluation after training ran again
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["before"][EVAL_KEYS[0] if recipe == "sft_instruct" else ("preference_accuracy" if recipe == "dpo" else "pairwise_accuracy")] == 0.25
     assert metrics["after"]["bt_loss" if recipe == "reward_model" else "logp_chosen" if recipe == "dpo" else "safety_penalty"] == 0.75
     assert metrics["reused"] == ["eval_before"] and metrics["resumed_from"] == str(out / "checkpoint-3")
+    assert metrics["resumed_from_step"] == 3 and metrics["train_steps"] == 4
+
+
+# ------------------------------------------------------------------------------------------- every problem at once
+GPU_ONLY_PACKAGES = ("vllm", "bitsandbytes", "flash_attn", "liger_kernel")
+
+
+@pytest.fixture
+def cpu_user(monkeypatch, tmp_path):
+    """This machine as a CPU user without the gpu extra and without Hub access sees it, whatever the test machine has:
+    no CUDA, no GPU-only package, HF_HUB_OFFLINE set, empty Hugging Face caches."""
+    import importlib.util
+
+    import datasets.config
+    import huggingface_hub.constants
+    import torch
+    import transformers.utils
+
+    from trl_ext import recipe_utils
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name in GPU_ONLY_PACKAGES else real(name, *a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setattr(recipe_utils, "_SOURCE_CACHE", {})
+
+
+def _offline_model(name):
+    return (f"--model_name_or_path {name}: no such local folder (if it is a recipe's output, run that recipe first), "
+            "and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it where the Hub is reachable, "
+            "or pass a local model folder or --model_name_or_path embedded (the embedded SmolLM2-135M-Instruct)")
+
+
+def _offline_dataset(name):
+    return (f"--dataset_name {name}: not a local file, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); "
+            "download it where the Hub is reachable, or pass a local .jsonl/.json/.parquet file with the same columns")
+
+
+VLLM_MISSING = ("--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a "
+                "CUDA machine")
+BF16_NO_GPU = ("--bf16 true: bf16 training needs a GPU that supports it (no CUDA GPU here); pass `--bf16 false` or "
+               "`--use_cpu true`")
+
+
+def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_nothing(cpu_user, capsys, monkeypatch):
+    import signal
+
+    import datasets
+
+    monkeypatch.setattr(grpo_math, "load_model_and_tokenizer", _explode)
+    monkeypatch.setattr(datasets, "load_dataset", _explode)
+    config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_gsm8k.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        recipe_main(grpo_math.main, lambda: grpo_math.parse_args(["--config", config]))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # recipe_main installed the recipe's handler
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: 4 problems with the options (found before loading any model):\n"
+        f"  {VLLM_MISSING}\n  {BF16_NO_GPU}\n  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}\n"
+        f"  {_offline_dataset('openai/gsm8k')}\n"
+    )
+
+
+def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
+    # three problems, each fixed by the flag its message names; the fourth flag points at local stand-ins
+    config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_math.yaml")
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "solution": "$\\boxed{2}$"}) + "\n")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.parse_args(["--config", config, "--dataset_name", str(data)])
+    assert str(err.value).splitlines()[1:] == [f"  {VLLM_MISSING}", f"  {BF16_NO_GPU}",
+                                               f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}"]
+    with pytest.raises(RecipeError) as err:
+        grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
+    assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)
+    with pytest.raises(RecipeError) as err:  # one problem left: one line, no count
+        grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"])
+    assert str(err.value) == _offline_model("Qwen/Qwen2.5-Math-1.5B")
+    _, training_args, _ = grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false",
+                                                "--bf16", "false", "--model_name_or_path", str(tmp_path)])
+    assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
+
+
+@pytest.mark.parametrize(
+    "recipe, flags, message",
+    [
+        ("eval_math", ["--backend", "vllm"],
+         "--backend vllm: vLLM is not installed here; pass `--backend hf`, or install the gpu extra on a CUDA machine"),
+        ("sft_instruct", ["--use_liger_kernel", "true"], "--use_liger_kernel true: liger-kernel is not installed here; "
+         "pass `--use_liger_kernel false`, or install the gpu extra on a CUDA machine"),
+        ("dpo", ["--load_in_4bit", "true"], "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; "
+         "pass `--load_in_4bit false`, or install the gpu extra on a CUDA machine"),
+        ("reward_model", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2: "
+         "flash-attention is not installed here; pass `--attn_implementation sdpa`, or install the gpu extra on a CUDA "
+         "machine"),
+        ("rlhf", ["--bf16_full_eval", "true", "--use_cpu", "false"], "--bf16_full_eval true: bf16 training needs a GPU "
+         "that supports it (no CUDA GPU here); pass `--bf16 false` or `--use_cpu true`"),
+        ("expert_iteration", ["--use_vllm", "true"], VLLM_MISSING),
+        ("grpo_sort", ["--use_vllm", "true"], VLLM_MISSING),
+        ("sft_instruct", ["--train_file", "nope.jsonl"], "--train_file nope.jsonl: no such file"),
+        ("eval_math", ["--dataset_name", "data/gsm8k_test.jsonl"], "--dataset_name data/gsm8k_test.jsonl: no such file"),
+        ("compare_upstream", ["--dataset_name", "openai/gsm8k"], _offline_dataset("openai/gsm8k")),
+        ("rlhf", ["--reward_model_path", "outputs/rm"], "--reward_model_path outputs/rm: no such folder"),
+    ],
+)
+def test_each_problem_names_the_flag_that_fixes_it(cpu_user, monkeypatch, tmp_path, recipe, flags, message):
+    monkeypatch.chdir(tmp_path)
+    module = load_recipe(recipe)
+    with pytest.raises(RecipeError) as err:
+        module.parse_args(flags)
+    assert str(err.value) == message
+
+
+def test_an_unreachable_hub_dataset_is_one_request_and_one_line(cpu_user, monkeypatch):
+    import datasets
+    from huggingface_hub import HfApi
+
+    calls = []
+
+    def unreachable(self, repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(HfApi, "repo_info", unreachable)
+    monkeypatch.setattr(datasets, "load_dataset", _explode)  # datasets would retry for most of a minute
+    with pytest.raises(RecipeError) as err:
+        grpo_math.parse_args(["--dataset_name", "openai/gsm8k"])
+    assert str(err.value) == (
+        "--dataset_name openai/gsm8k: not a local file, and the Hugging Face Hub is unreachable (ConnectionError); "
+        "download it where the Hub is reachable, or pass a local .jsonl/.json/.parquet file with the same columns"
+    )
+    assert calls == [("openai/gsm8k", {"repo_type": "dataset", "timeout": 10})]
+
+
+def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp_path):
+    # the CPU defaults say activation_checkpointing: false; transformers would let that beat the old name silently
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("gradient_checkpointing: true\n")
+    for argv in (["--config", str(mine)], ["--gradient_checkpointing", "true"], ["--gradient_checkpointing=true"]):
+        _, training_args, _ = grpo_math.parse_args(argv)
+        assert training_args.activation_checkpointing is True and training_args.gradient_checkpointing is True
+
+
+# ------------------------------------------------------------------------------------------- --help says what runs
+RECIPES = ("grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort", "compare_upstream",
+           "expert_iteration", "grpo_ablations")
+OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir"}  # uv's, pip's and tensorboard's, in examples
+REFUSED = {  # inherited options a recipe refuses, whose help must say so
+    "compare_upstream": ["resume_from_checkpoint"], "grpo_sort": ["resume_from_checkpoint"],
+    "grpo_ablations": ["resume_from_checkpoint"], "expert_iteration": ["resume_from_checkpoint", "max_steps"],
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, tmp_path):
+    import re
+
+    from trl_ext import recipe_utils
+
+    module = load_recipe(recipe)
+    parsers = []
+    real = recipe_utils.build_parser
+    monkeypatch.setattr(recipe_utils, "build_parser", lambda *a, **k: parsers.append(real(*a, **k)) or parsers[-1])
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = parsers[0]._option_string_actions
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", text))
+    assert mentioned - set(options) - OTHER_PROGRAMS_FLAGS == set()
+    resumable = "--resume_from_checkpoint" in options and recipe not in REFUSED
+    assert ("--resume_from_checkpoint true" in options["--overwrite_output_dir"].help) == resumable
+    for name in REFUSED.get(recipe, []):
+        assert options[f"--{name}"].help.startswith("Refused")
+        with pytest.raises(RecipeError, match="cannot be resumed" if name == "resume_from_checkpoint" else "--max_steps"):
+            flags = {"resume_from_checkpoint": ["--resume_from_checkpoint", "true"], "max_steps": ["--max_steps", "2"]}
+            module.main(*module.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
+
+
+# ------------------------------------------------------------------------------------------- no silent empty run
+DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+TOO_FEW = "cannot fill one generation batch of {n} prompts ({c} completions = --per_device_train_batch_size {b} x 1 process(es) x {a}, in groups of --num_generations {g}), so TRL would train 0 steps; use at least {n} training prompts, or lower --per_device_train_batch_size or {w}"
+DROP_LAST = "cannot fill one batch of {n} (--per_device_train_batch_size {n} x 1 process(es)) with --dataloader_drop_last true, so the trainer would train 0 steps; use at least {n} training {u}, lower --per_device_train_batch_size, or pass --dataloader_drop_last false"
+
+
+def _gsm8k_file(tmp_path, rows):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(rows)))
+    return path
+
+
+@pytest.mark.parametrize("recipe", ["grpo_math", "compare_upstream", "grpo_ablations", "grpo_sort", "rlhf", "sft_instruct",
+                                    "dpo", "reward_model", "expert_iteration"])
+def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_work(recipe, tmp_path, monkeypatch):
+    module = load_recipe(recipe)
+    for name in ("load_model_and_tokenizer", "load_model", "load_tokenizer", "resolve_model_name_or_path",
+                 "train_reward_model", "run_comparison"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, _explode)
+    out = ["--output_dir", str(tmp_path / "out")]
+    # the GRPO configs' batch geometry: 8 completions per device x 32 accumulation steps, in groups of 8 = 32 prompts
+    gpu_sized = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "32", "--num_generations", "8"]
+    geometry = dict(n=32, c=256, b=8, a="--gradient_accumulation_steps 32", g=8, w="--gradient_accumulation_steps")
+    if recipe in ("grpo_math", "compare_upstream", "grpo_ablations"):
+        data = _gsm8k_file(tmp_path, 10)  # 8 training rows, the last 2 held out
+        flags = ["--dataset_name", str(data), *gpu_sized]
+        source = f"--dataset_name {data} (its last 2 rows held out for evaluation)"
+        source += {"grpo_math": "", "compare_upstream": ", arm trl", "grpo_ablations": ", experiment baselines, arm no_baseline"}[recipe]
+        expected = f"{source}: 8 training prompts " + TOO_FEW.format(**geometry)
+    elif recipe == "grpo_sort":
+        flags = ["--num_train_problems", "1"]  # 16 completions per step in groups of 8: 2 prompts
+        expected = "--num_train_problems 1, arm raw: 1 training prompt " + TOO_FEW.format(
+            n=2, c=16, b=16, a="--gradient_accumulation_steps 1", g=8, w="--gradient_accumulation_steps")
+    elif recipe == "rlhf":
+        flags = ["--per_device_train_batch_size", "16", "--steps_per_generation", "16", "--num_generations", "4"]
+        expected = f"--train_file {DATA / 'preferences_train.jsonl'} (unique prompts): 54 training prompts " + TOO_FEW.format(
+            n=64, c=256, b=16, a="--steps_per_generation 16", g=4, w="--steps_per_generation")
+    elif recipe == "expert_iteration":  # (its too-few-questions check: tests/test_recipe_experiments.py)
+        flags = ["--ei_batch_size", "2", "--num_generations", "4", "--per_device_train_batch_size", "16",
+                 "--dataloader_drop_last", "true"]  # at most 2 x 4 = 8 kept samples per SFT, batches of 16 dropped
+        expected = ("--ei_batch_size 2 x --num_generations 4 (an EI step's SFT set if every sample is kept): 8 training "
+                    "samples " + DROP_LAST.format(n=16, u="samples"))
+    else:
+        unit, rows, name = ("rows", 45, "instructions_train.jsonl") if recipe == "sft_instruct" else ("pairs", 54, "preferences_train.jsonl")
+        flags = ["--dataloader_drop_last", "true", "--per_device_train_batch_size", "64"]
+        expected = f"--train_file {DATA / name}: {rows} training {unit} " + DROP_LAST.format(n=64, u=unit)
+        if recipe == "sft_instruct":
+            monkeypatch.setattr(module, "SFTTrainer", _explode)
+        else:
+            monkeypatch.setattr(module, {"dpo": "DPOTrainer", "reward_model": "RewardTrainer"}[recipe], _explode)
+    with pytest.raises(RecipeError) as err:
+        module.main(*module.parse_args([*flags, *out]))
+    assert str(err.value) == expected
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_model, tokenizer, tmp_path):
+    # the oracle: the trainers themselves, one row below and at the boundary check_fills_one_step computes
+    from datasets import Dataset
+
+    import trl_ext
+    from conftest import CPU_TEST_ARGS, length_mod5_reward
+    from trl_ext.recipe_utils import check_fills_one_step
+
+    common = {**CPU_TEST_ARGS, "max_steps": 2, "output_dir": str(tmp_path)}
+    if kind == "grpo":  # 4 completions per device x 2 accumulation steps in groups of 2: 4 prompts per step
+        args = trl_ext.GRPOConfig(**common, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                  num_generations=2, max_completion_length=3)
+    else:  # one batch of 4 rows, the last incomplete batch dropped
+        args = trl_ext.SFTConfig(**common, per_device_train_batch_size=4, dataloader_drop_last=True)
+    needed = 4
+    for rows in (needed - 1, needed):
+        if rows < needed:
+            with pytest.raises(RecipeError, match="so (TRL|the trainer) would train 0 steps"):
+                check_fills_one_step(rows, args, "--train_file x")
+        else:
+            check_fills_one_step(rows, args, "--train_file x")  # passes
+        if kind == "grpo":
+            data = Dataset.from_dict({"prompt": [f"{i} + {i} =" for i in range(rows)]})
+            trainer = trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=length_mod5_reward, args=args, train_dataset=data,
+                                          processing_class=tokenizer)
+        else:
+            data = Dataset.from_dict({"prompt": [f"{i} + {i} =" for i in range(rows)], "completion": [f" {2 * i}" for i in range(rows)]})
+            trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
+        assert trainer.train().global_step == (0 if rows < needed else 2)

@@ -171,4 +171,41 @@ def test_enable_cpu_bf16_only_when_ours_to_enable():
     assert runtime.enable_cpu_bf16(args, user_set=True, has_bf16=True) == "fp32"
     assert not args.bf16 and not args.cast_lm_head_to_fp32
     args = _args(bf16=True)  # the user said bf16 on a CPU without bf16 instructions: kept
-    assert runtime.enable_cpu_bf16(args, user_set=True, has_bf16=False) == "bf16" and args.bf16
+    assert runtime.enable_cpu_bf16(args, user_set=True, has_bf16=False) == "bf16 autocast, fp32 weights" and args.bf16
+
+
+@pytest.mark.parametrize(
+    "bf16, dtype, label",
+    [
+        (False, "float32", "fp32"),
+        (False, None, "checkpoint-dtype weights, no autocast"),  # transformers 5 loads None/"auto" as stored
+        (False, "auto", "checkpoint-dtype weights, no autocast"),
+        (False, "bfloat16", "bf16 weights, no autocast"),  # dtype: bfloat16 with --bf16 false trains in bf16, not fp32
+        (True, "bfloat16", "bf16 autocast, bf16 weights"),
+        (True, "float32", "bf16 autocast, fp32 weights"),
+        (False, torch.float16, "fp16 weights, no autocast"),
+    ],
+)
+def test_the_precision_label_names_the_weights_dtype_and_the_autocast(bf16, dtype, label):
+    args = _args(bf16=bf16)
+    assert runtime.precision_label(args, dtype) == label
+    assert runtime.enable_cpu_bf16(args, user_set=True, dtype=dtype) == label
+    assert runtime.enable_cpu_bf16(_args(bf16=False), user_set=False, has_bf16=False, dtype="bfloat16") == (
+        "bf16 weights, no autocast (default: no bf16 instructions)")
+
+
+@pytest.mark.parametrize(
+    "requested, loaded, bf16, label",
+    [
+        ("auto", torch.bfloat16, False, "bf16 weights, no autocast (GPU)"),  # a bf16 checkpoint such as Qwen2.5-Math
+        (None, torch.float32, False, "fp32 (GPU)"),
+        ("auto", torch.bfloat16, True, "bf16 autocast, bf16 weights (GPU)"),
+        ("bfloat16", torch.bfloat16, False, "bf16 weights, no autocast (GPU)"),  # named already: unchanged
+    ],
+)
+def test_the_loaded_weights_dtype_replaces_checkpoint_dtype(requested, loaded, bf16, label, tiny_model):
+    args = _args(bf16=bf16)
+    made = runtime.precision_label(args, requested) + " (GPU)"  # as enable_cpu_bf16 labels a GPU run
+    model = tiny_model.to(loaded)
+    assert runtime.name_loaded_weights(made, args, requested, model) == label
+    assert runtime.name_loaded_weights("something else", args, requested, model) == "something else"

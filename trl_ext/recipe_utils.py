@@ -15,7 +15,10 @@ A recipe reads top to bottom as::
     run.write_metrics(metrics)               # + command, resolved configs, library versions, phase times
 
 and ends with ``if __name__ == "__main__": recipe_main(main, parse_recipe_args(...))``, which turns a
-:class:`RecipeError` (bad flag, data or folder) into one ``error: ...`` line and installs the Ctrl-C handler.
+:class:`RecipeError` (bad flag, data or folder) into an ``error: ...`` message and installs the Ctrl-C handler.
+:func:`parse_recipe_args` checks everything that needs no model (flag values, what this machine can run, which
+models, datasets and files it can reach) and reports every problem it finds at once, each naming the flag that
+fixes it; :func:`check_fills_one_step` refuses a training set from which the trainer would take no batch.
 
 Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
 
@@ -122,20 +125,17 @@ FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_flags(values: Mapping[str, Any]) -> None:
-    """Check the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's grouping rule.
-
-    Raises:
-        RecipeError: naming the flag, its value and what is expected; for GRPO's grouping, the flags that set the
-            number of completions per generation step and which ones to change.
-    """
-    for name, (ok, expected) in FLAG_CHECKS.items():
-        if name in values and values[name] is not None and not ok(values[name]):
-            raise RecipeError(f"--{name} {values[name]}: expected {expected}")
-    for flag, module in (("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")):
-        # the trainer checks this too, after upstream's option checks; a recipe stops before loading the model
-        if values.get(flag) and importlib.util.find_spec(module) is None:
-            raise RecipeError(f"--{flag} true needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`")
+def flag_problems(values: Mapping[str, Any]) -> list[str]:
+    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's
+    grouping rule, one message each, naming the flag, its value and what is expected (for GRPO's grouping, the flags
+    that set the number of completions per generation step and which ones to change)."""
+    problems = [
+        f"--{name} {values[name]}: expected {expected}"
+        for name, (ok, expected) in FLAG_CHECKS.items()
+        if name in values and values[name] is not None and not ok(values[name])
+    ]
+    if problems:  # the grouping rule below divides by values this list already refused
+        return problems
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # mirrors trl.GRPOConfig.__post_init__ (TRL 1.16), which reports the derived generation_batch_size instead
         processes = int(os.environ.get("WORLD_SIZE", "1"))
@@ -151,10 +151,93 @@ def check_flags(values: Mapping[str, Any]) -> None:
                 f"{which} {steps}"
             )
         if total % values["num_generations"]:
-            raise RecipeError(
+            problems.append(
                 f"--num_generations {values['num_generations']} must divide the completions generated per step, "
                 f"{total} = {how}; change --num_generations or --per_device_train_batch_size"
             )
+    return problems
+
+
+def check_flags(values: Mapping[str, Any]) -> None:
+    """Raise :func:`flag_problems` as one :class:`RecipeError` (see :func:`raise_problems`)."""
+    raise_problems(flag_problems(values))
+
+
+def raise_problems(problems: Sequence[str]) -> None:
+    """Nothing for no problems; else one :class:`RecipeError` holding them all: the problem itself when there is one,
+    else a count and one indented line per problem (``recipe_main`` prints it after ``error:``)."""
+    if len(problems) == 1:
+        raise RecipeError(problems[0])
+    if problems:
+        raise RecipeError(
+            f"{len(problems)} problems with the options (found before loading any model):\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _offline(*names: str) -> bool:
+    return any(os.environ.get(n, "0").lower() in ("1", "true", "yes", "on") for n in names)
+
+
+def _gpu_fix(flag: str, fix: str, what: str, package: str | None) -> str | None:
+    """The problem of a GPU-only option on this machine (``package`` missing or no CUDA GPU), or None."""
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"{flag}: {what} is not installed here; pass `{fix}`, or install the gpu extra on a CUDA machine"
+    if not _cuda():
+        return f"{flag}: {what} needs a CUDA GPU (torch.cuda.is_available() is False); pass `{fix}`"
+    return None
+
+
+def device_problems(values: Mapping[str, Any]) -> list[str]:
+    """What the options ask of this machine and it cannot do, each naming the flag that fixes it: vLLM (``use_vllm``,
+    eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``), 4/8-bit loading and
+    flash-attention without their packages or a CUDA GPU."""
+    problems = []
+    if values.get("use_vllm"):
+        problems.append(_gpu_fix("--use_vllm true", "--use_vllm false", "vLLM", "vllm"))
+    if values.get("backend") == "vllm":
+        problems.append(_gpu_fix("--backend vllm", "--backend hf", "vLLM", "vllm"))
+    if values.get("use_liger_kernel"):
+        problems.append(_gpu_fix("--use_liger_kernel true", "--use_liger_kernel false", "liger-kernel", "liger_kernel"))
+    if (values.get("bf16") or values.get("bf16_full_eval")) and not values.get("use_cpu"):
+        from transformers.utils import is_torch_bf16_gpu_available
+
+        if not is_torch_bf16_gpu_available():
+            flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
+            why = "this GPU has no bf16 (Ampere or newer)" if _cuda() else "no CUDA GPU here"
+            problems.append(f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or "
+                            "`--use_cpu true`")
+    if values.get("load_in_4bit") and values.get("load_in_8bit"):
+        problems.append("--load_in_4bit true and --load_in_8bit true: set at most one")
+    for bits in ("4", "8"):
+        if values.get(f"load_in_{bits}bit"):
+            problems.append(_gpu_fix(f"--load_in_{bits}bit true", f"--load_in_{bits}bit false",
+                                     f"{bits}-bit loading (bitsandbytes)", "bitsandbytes"))
+    if values.get("attn_implementation") == "flash_attention_2":
+        problems.append(_gpu_fix("--attn_implementation flash_attention_2", "--attn_implementation sdpa",
+                                 "flash-attention", "flash_attn"))
+    return [p for p in problems if p]
+
+
+def source_problems(values: Mapping[str, Any]) -> list[str]:
+    """Where the options name models, datasets and files this machine cannot reach: ``model_name_or_path``
+    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist) and
+    ``reward_model_path`` (a local folder)."""
+    problems = [model_source_problem(values.get("model_name_or_path"))]
+    if "dataset_name" in values:
+        problems.append(dataset_source_problem(values.get("dataset_name")))
+    for name, value in values.items():
+        if name.endswith("_file") and isinstance(value, str) and value and not Path(value).is_file():
+            problems.append(f"--{name} {value}: no such file")
+    if values.get("reward_model_path") and not Path(values["reward_model_path"]).is_dir():
+        problems.append(f"--reward_model_path {values['reward_model_path']}: no such folder")
+    return [p for p in problems if p]
 
 
 def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
@@ -190,9 +273,28 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_parser(dataclass_types: Sequence[type], default_config: str | Path | None, doc: str | None) -> trl.TrlParser:
+DEPRECATED_ALIASES = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+}
+"""transformers 5 option names kept as aliases -> their new names. transformers reads an alias only when the new
+name is unset, so an alias in a ``--config`` file or on the command line would silently lose to the new name in the
+recipe's defaults (``activation_checkpointing: false``); the parser reads each alias as its new name instead."""
+
+
+def build_parser(
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None,
+    doc: str | None,
+    help_overrides: Mapping[str, str] | None = None,
+) -> trl.TrlParser:
     """A ``trl.TrlParser`` whose ``--help`` starts with the recipe's usage (``doc``), ``--config`` and the recipe's
-    own options, and says where the TRL/transformers options that follow come from."""
+    own options, and says where the TRL/transformers options that follow come from.
+
+    ``help_overrides`` (option name -> help text) replaces the help of inherited options the recipe treats its own
+    way (refuses, or sets from another option), so that ``--help`` describes the flags the recipe really takes. A
+    recipe without ``--resume_from_checkpoint`` (or that overrides its help) gets an ``--overwrite_output_dir`` help
+    that does not offer resuming."""
     import argparse
 
     # one help group per class, titled with its name (HfArgumentParser groups a class with _argument_group_name);
@@ -223,7 +325,21 @@ def build_parser(dataclass_types: Sequence[type], default_config: str | Path | N
     for action in parser._actions:  # trl.ModelConfig's help does not know the embedded model
         if action.dest == "model_name_or_path":
             action.help = (f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP)
+    options = parser._option_string_actions
+    overrides = dict(help_overrides or {})
+    if "--overwrite_output_dir" in options and ("--resume_from_checkpoint" not in options or "resume_from_checkpoint" in overrides):
+        overrides.setdefault("overwrite_output_dir", OVERWRITE_HELP_NO_RESUME)
+    for name, text in overrides.items():
+        if f"--{name}" not in options:
+            raise ValueError(f"help_overrides names --{name}, which this recipe does not have")
+        options[f"--{name}"].help = text
     return parser
+
+
+OVERWRITE_HELP_NO_RESUME = (
+    "Replace a finished run in --output_dir (delete its results first). Without it the recipe refuses, so results "
+    "are never lost. This recipe cannot be resumed."
+)
 
 
 def parse_recipe_args(
@@ -231,8 +347,16 @@ def parse_recipe_args(
     default_config: str | Path | None,
     argv: Sequence[str] | None = None,
     doc: str | None = None,
+    help_overrides: Mapping[str, str] | None = None,
 ) -> tuple:
-    """Parse a recipe's flags: recipe defaults (``default_config``) < ``--config`` file < command-line flags.
+    """Parse a recipe's flags: recipe defaults (``default_config``) < ``--config`` file < command-line flags; then
+    check everything that can be checked before a model loads and report every problem at once.
+
+    The checks, each problem naming the flag that fixes it: options unknown to every class (naming the file), flag
+    values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
+    a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
+    (:func:`source_problems`) and whatever a config class itself rejects (its ``__post_init__``; run with the
+    options above switched off, so its own objections are found in the same pass).
 
     Args:
         dataclass_types: the recipe's argument classes, its own first (e.g. ``(ScriptArguments, GRPOConfig,
@@ -240,17 +364,19 @@ def parse_recipe_args(
         default_config: the recipe's default YAML (None: the dataclasses' defaults).
         argv: flags (default ``sys.argv[1:]``).
         doc: the recipe's usage text, shown first by ``--help`` (pass the module's ``__doc__``).
+        help_overrides: see :func:`build_parser`.
 
     Returns:
         one instance per dataclass type, in order.
 
     Raises:
-        RecipeError: a missing or malformed config file, an option unknown to every class (naming the file), a
-            flag value outside its range (:func:`check_flags`) or a value a config class rejects.
+        RecipeError: a missing or malformed config file; else all the problems above together
+            (:func:`raise_problems`).
         SystemExit: ``--help``, or argparse's own errors (unknown flag, wrong type), as in every TRL script.
     """
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser(dataclass_types, default_config, doc)
+    parser = build_parser(dataclass_types, default_config, doc, help_overrides)
+    options = parser._option_string_actions
     # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
     # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
     same_setting: dict[str, set[str]] = {}
@@ -275,37 +401,59 @@ def parse_recipe_args(
             raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
         for key, value in env.items():  # TRL's `env:` block
             os.environ[key] = str(value)
+        layer = {DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
+                 for k, v in layer.items()}
         drop_other_names(set(layer))
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
     drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
+    problems = []
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:
         keys = sorted({item[2:] for item in unknown[::2]})
-        raise RecipeError(
-            "unknown option(s) " + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
-            + "; see --help for the options of this recipe"
-        )
+        problems.append("unknown option(s) " + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
+                        + "; see --help for the options of this recipe")
     if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
         import torch
 
         if torch.cuda.is_available():
             print(f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
                   "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.", file=sys.stderr)
-    # mirrors transformers.HfArgumentParser.parse_args_into_dataclasses, with the flag checks before construction
+    for alias, name in DEPRECATED_ALIASES.items():  # the command line's aliases, read as their new names
+        if f"--{name}" in options:
+            args = [f"--{name}" if a == f"--{alias}" else a.replace(f"--{alias}=", f"--{name}=", 1) for a in args]
+    # mirrors transformers.HfArgumentParser.parse_args_into_dataclasses, with the checks before construction
     namespace, remaining = parser.parse_known_args(args=args)
     if remaining:
         parser.error(f"unrecognized arguments: {' '.join(remaining)}")
     values = vars(namespace)
     values.pop("config", None)
-    check_flags(values)
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and "use_cpu" in values and (values["use_cpu"] or not _cuda()) and _is_main_process():
+        print("note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
+              "data parallelism, every process holding the whole model", file=sys.stderr)
+    flagged = flag_problems(values)
+    problems += flagged
+    devices = device_problems(values)
+    problems += devices + source_problems(values)
+    # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
+    constructed = dict(values)
+    if devices:
+        constructed.update({k: False for k in ("use_vllm", "use_liger_kernel", "bf16", "bf16_full_eval",
+                                                "load_in_4bit", "load_in_8bit") if k in values})
+        if values.get("backend") == "vllm":
+            constructed["backend"] = "hf"
+        if values.get("attn_implementation") == "flash_attention_2":
+            constructed["attn_implementation"] = None
     outputs = []
     for dtype in dataclass_types:
         keys = {f.name for f in dataclasses.fields(dtype) if f.init}
         try:
-            outputs.append(dtype(**{k: v for k, v in values.items() if k in keys}))
-        except ValueError as err:
-            raise RecipeError(f"invalid options for {dtype.__name__}: {err}") from None
+            outputs.append(dtype(**{k: v for k, v in constructed.items() if k in keys}))
+        except (ValueError, ImportError) as err:
+            if not any(f"--{k} " in p for p in flagged for k in keys):  # else it objects to a value named above
+                problems.append(f"invalid options for {dtype.__name__}: {err}")
+    raise_problems(problems)
     return tuple(outputs)
 
 
@@ -392,45 +540,168 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
     return str(path)
 
 
-def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
-    """Fail fast when a model is neither the embedded one, a local folder, nor a Hub id this machine can reach.
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""Suffixes of the local dataset files the math recipes read (``trl_ext.data.math_datasets.LOCAL_FORMATS``)."""
 
-    Checks the local Hugging Face cache first (works offline), then asks the Hub whether the repository exists.
+_SOURCE_CACHE: dict[tuple, str | None] = {}  # (kind, name, offline) -> problem: one Hub query per name and process
 
-    Raises:
-        RecipeError: naming the flag and the path, and that a local folder has to be produced first; an empty
-            name (naming ``--model_name_or_path embedded``); the embedded model's package missing (how to get it).
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def _hub_check(name: str, repo_type: str) -> str | None:
+    """None when the Hub has ``name``; else why not (``"not found"`` or ``"unreachable (ConnectError)"``). One
+    request with a 10 s timeout, no retries."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
+    except RepositoryNotFoundError:
+        return "not found"
+    except Exception as err:  # no network, proxy, DNS, gated repository...: say so instead of retrying later
+        return f"unreachable ({type(err).__name__})"
+    return None
+
+
+def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_path") -> str | None:
+    """Why a model is neither the embedded one, a local folder, nor a Hub id this machine can reach; None when it is.
+
+    Checks the local Hugging Face cache first (works offline, ``HF_HUB_OFFLINE`` respected), then asks the Hub once
+    (10 s timeout, no retries) whether the repository exists; the answer is remembered for the process.
+    The embedded model (None, ``embedded`` or its full name) is fine when its package is installed; an empty name is
+    a problem (naming ``--model_name_or_path embedded``), and so is the embedded model's package missing (how to get it).
     """
     from trl_ext.models import embedded_gguf_path, is_embedded
 
-    if name_or_path is not None and not name_or_path.strip():
-        raise RecipeError(
-            f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
-            "embedded SmolLM2-135M-Instruct"
-        )
+    if name_or_path is not None and not str(name_or_path).strip():
+        return (f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
+                "embedded SmolLM2-135M-Instruct")
     if is_embedded(name_or_path):
         try:
             embedded_gguf_path()
         except FileNotFoundError as err:
-            raise RecipeError(f"{flag} {name_or_path or EMBEDDED_ALIAS}: {err}") from None
-        return
+            return f"{flag} {name_or_path or EMBEDDED_ALIAS}: {err}"
+        return None
     if Path(name_or_path).exists():
-        return
-    from huggingface_hub import repo_exists, try_to_load_from_cache
-
+        return None
+    name_or_path = str(name_or_path)
     local = f"{flag} {name_or_path}: no such local folder (if it is a recipe's output, run that recipe first)"
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise RecipeError(local)
-    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
-        return
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise RecipeError(f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set)")
-    try:
-        exists = repo_exists(name_or_path)
-    except Exception as err:  # no network, proxy, ...: say so instead of failing later inside from_pretrained
-        raise RecipeError(f"{local}, and the Hugging Face Hub could not be reached ({type(err).__name__})") from None
-    if not exists:
-        raise RecipeError(f"{local}, nor a model on the Hugging Face Hub")
+    if _looks_local(name_or_path):
+        return local
+    key = ("model", name_or_path, _offline("HF_HUB_OFFLINE"))
+    if key not in _SOURCE_CACHE:
+        from huggingface_hub import try_to_load_from_cache
+
+        alternative = (f"; download it where the Hub is reachable, or pass a local model folder or {flag} "
+                       f"{EMBEDDED_ALIAS} (the embedded SmolLM2-135M-Instruct)")
+        if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            _SOURCE_CACHE[key] = None
+        elif key[2]:
+            _SOURCE_CACHE[key] = f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
+        else:
+            hub = _hub_check(name_or_path, "model")
+            _SOURCE_CACHE[key] = hub and (
+                f"{local}, nor a model on the Hugging Face Hub" if hub == "not found"
+                else f"{local}, and the Hugging Face Hub is {hub}{alternative}"
+            )
+    return _SOURCE_CACHE[key]
+
+
+def _dataset_cached(name: str) -> bool:
+    """Whether ``datasets`` can load hub dataset ``name`` offline: its files in the Hub cache, or a prepared copy in
+    the ``datasets`` cache."""
+    from datasets.config import HF_DATASETS_CACHE
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    hub = Path(HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "snapshots"
+    prepared = Path(HF_DATASETS_CACHE) / name.replace("/", "___")
+    return (hub.is_dir() and any(hub.iterdir())) or prepared.is_dir()
+
+
+def dataset_source_problem(name: str | None, flag: str = "--dataset_name") -> str | None:
+    """Why a dataset is neither a local file nor a Hub dataset this machine can load; None when it is (or is unset).
+
+    A name ending in .jsonl/.json/.parquet, or a path, must be an existing file. A Hub id must be in the local cache,
+    or -- unless ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set -- answer one Hub request (10 s timeout, no
+    retries: ``datasets`` itself would retry for most of a minute, then print a long traceback).
+    """
+    if name is None or Path(name).exists():
+        return None  # unset (generated data), or an existing path: the loader reads it and names what is wrong
+    name = str(name)
+    if name.lower().endswith(LOCAL_DATA_SUFFIXES) or _looks_local(name):
+        return f"{flag} {name}: no such file"
+    key = ("dataset", name, _offline("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if key not in _SOURCE_CACHE:
+        alternative = (f"; download it where the Hub is reachable, or pass a local {'/'.join(LOCAL_DATA_SUFFIXES)} "
+                       "file with the same columns")
+        local = f"{flag} {name}: not a local file"
+        if _dataset_cached(name):
+            _SOURCE_CACHE[key] = None
+        elif key[2]:
+            _SOURCE_CACHE[key] = f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
+        else:
+            hub = _hub_check(name, "dataset")
+            _SOURCE_CACHE[key] = hub and (
+                f"{local}, nor a dataset on the Hugging Face Hub" if hub == "not found"
+                else f"{local}, and the Hugging Face Hub is {hub}{alternative}"
+            )
+    return _SOURCE_CACHE[key]
+
+
+def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
+    """Raise :func:`model_source_problem` as a :class:`RecipeError`, if any."""
+    raise_problems([p for p in [model_source_problem(name_or_path, flag)] if p])
+
+
+def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str = "rows") -> None:
+    """Refuse, before any model work, a training set from which the trainer would take no batch at all: it would
+    train 0 steps and exit 0 after evaluating before and after (transformers only says "There seems not to be a
+    single sample in your epoch_iterator").
+
+    * GRPO (``training_args`` has ``num_generations``): TRL's sampler hands out whole generation batches of
+      ``generation_batch_size / num_generations`` prompts (``generation_batch_size`` = ``per_device_train_batch_size``
+      x processes x ``steps_per_generation``, which defaults to ``gradient_accumulation_steps``) and drops an
+      incomplete one, so fewer prompts than one generation batch train 0 steps.
+    * SFT, DPO, reward (transformers' dataloader): a last incomplete batch or accumulation window still makes an
+      optimizer step, so only ``dataloader_drop_last`` with fewer rows than one batch on every process
+      (``per_device_train_batch_size`` x processes) trains 0 steps.
+
+    ``max_steps`` does not help: with 0 batches per epoch transformers stops at step 0 whatever the budget.
+
+    Args:
+        rows: training examples (prompts for GRPO).
+        training_args: the trainer's config.
+        source: what the rows come from, as the user set it (``"--train_file x.jsonl"``).
+        unit: what a row is called in the message (``"rows"``, ``"pairs"``, ``"prompts"``).
+
+    Raises:
+        RecipeError: naming the numbers and the flags that change them.
+    """
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    batch = training_args.per_device_train_batch_size
+    have = f"{rows} training {unit[:-1] if rows == 1 and unit.endswith('s') else unit}"
+    if getattr(training_args, "num_generations", None):
+        steps = training_args.steps_per_generation or training_args.gradient_accumulation_steps
+        completions = batch * processes * steps
+        needed = completions // training_args.num_generations
+        if rows < needed:
+            which = ("--gradient_accumulation_steps" if steps == training_args.gradient_accumulation_steps
+                     else "--steps_per_generation")
+            raise RecipeError(
+                f"{source}: {have} cannot fill one generation batch of {needed} prompts ({completions} "
+                f"completions = --per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}, in "
+                f"groups of --num_generations {training_args.num_generations}), so TRL would train 0 steps; use at "
+                f"least {needed} training prompts, or lower --per_device_train_batch_size or {which}"
+            )
+    elif training_args.dataloader_drop_last and rows < batch * processes:
+        raise RecipeError(
+            f"{source}: {have} cannot fill one batch of {batch * processes} (--per_device_train_batch_size "
+            f"{batch} x {processes} process(es)) with --dataloader_drop_last true, so the trainer would train 0 steps; "
+            f"use at least {batch * processes} training {unit}, lower --per_device_train_batch_size, or pass "
+            "--dataloader_drop_last false"
+        )
 
 
 def file_digest(path: str | Path) -> str:
@@ -553,6 +824,7 @@ class RecipeRun:
 
     Attributes:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
+        resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
 
     Raises:
@@ -570,6 +842,9 @@ class RecipeRun:
         training_args = self.configs.get("training_args")
         if self.resume_from_checkpoint is not None and isinstance(training_args, TrainingArguments):
             check_resume(self.resume_from_checkpoint, training_args)
+        # read now: save_total_limit may delete that checkpoint once this run saves a newer one
+        self.resumed_step = 0 if self.resume_from_checkpoint is None else int(json.loads(
+            (Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
         self.phase_seconds: dict[str, float] = {}
         self.reused: list[str] = []
         self.started = time.time()
@@ -585,6 +860,13 @@ class RecipeRun:
     @property
     def resuming(self) -> bool:
         return self.resume_from_checkpoint is not None
+
+    def steps_summary(self, global_step: int, seconds: float) -> str:
+        """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`),
+        ``"(resumed from step 1; 3 in all)"`` added on resume."""
+        done = global_step - self.resumed_step
+        text = f"{done} step{'s' if done != 1 else ''} in {seconds:.0f} s"
+        return text + (f" (resumed from step {self.resumed_step}; {global_step} in all)" if self.resuming else "")
 
     @contextmanager
     def phase(self, name: str):
@@ -616,7 +898,8 @@ class RecipeRun:
 
     def provenance(self) -> dict[str, Any]:
         """``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,
-        ``resumed_from`` and ``reused``: the keys :meth:`write_metrics` adds."""
+        ``resumed_from`` (the checkpoint), ``resumed_from_step`` (its step; 0 when not resuming) and ``reused``: the keys
+        :meth:`write_metrics` adds."""
         return {
             "recipe": self.name,
             "command": shlex.join(sys.argv),
@@ -624,6 +907,7 @@ class RecipeRun:
             "versions": library_versions(),
             "phase_seconds": {**self.phase_seconds, "total": round(time.time() - self.started, 3)},
             "resumed_from": self.resume_from_checkpoint,
+            "resumed_from_step": self.resumed_step,
             "reused": self.reused,
         }
 
@@ -744,11 +1028,21 @@ def recipe_main(
         if speed_defaults is not None:
             from trl_ext.runtime import apply_speed_defaults
 
-            main_kwargs["speed"] = apply_speed_defaults(args[1], default_config=speed_defaults)
+            dtype = getattr(args[2], "dtype", "float32") if len(args) > 2 else "float32"  # the ModelConfig's
+            main_kwargs["speed"] = apply_speed_defaults(args[1], default_config=speed_defaults, dtype=dtype)
         return main(*args, **main_kwargs)
     except (RecipeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+COMPARISON_HELP = {
+    "resume_from_checkpoint": "Refused: a comparison trains every arm from scratch, so there is nothing to resume "
+    "(--overwrite_output_dir replaces an earlier comparison in the same --output_dir).",
+    "max_steps": "Optimizer steps of every arm (>= 1: the arms are compared at one fixed step budget).",
+}
+"""``help_overrides`` of the comparison recipes (compare_upstream, grpo_sort, grpo_ablations): the inherited options
+they treat their own way."""
 
 
 def refuse_comparison_resume(training_args: Any) -> None:

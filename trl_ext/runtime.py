@@ -196,7 +196,44 @@ def precision_set_by_user(argv: Sequence[str] | None = None, config_path: str | 
     return False
 
 
-def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None) -> str:
+_WEIGHT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def precision_label(training_args: Any, dtype: Any = "float32") -> str:
+    """What a run computes in, from its autocast (``bf16``/``fp16`` of ``training_args``) and its weights' ``dtype``
+    (``trl.ModelConfig.dtype``: "float32", "bfloat16", "float16", "auto"/None = the checkpoint's own, or a
+    ``torch.dtype``): ``"fp32"``, ``"bf16 autocast, fp32 weights"``, ``"bf16 weights, no autocast"``,
+    ``"bf16 autocast, bf16 weights"``, ...
+
+    bf16 weights with ``--bf16 false`` train in bf16 without autocast: the label says so rather than "fp32".
+    """
+    name = str(dtype).replace("torch.", "") if dtype is not None else "auto"
+    weights = _WEIGHT_NAMES.get(name, "checkpoint-dtype" if name == "auto" else name)
+    autocast = "bf16" if getattr(training_args, "bf16", False) else "fp16" if getattr(training_args, "fp16", False) else None
+    if autocast is None:
+        return "fp32" if weights == "fp32" else f"{weights} weights, no autocast"
+    return f"{autocast} autocast, {weights} weights"
+
+
+def name_loaded_weights(precision: str, training_args: Any, requested_dtype: Any, model: Any) -> str:
+    """``precision`` (a label from :func:`apply_speed_defaults`, made before the model loaded) with the weights' dtype
+    the model really has: ``--dtype auto`` (or None) loads each checkpoint in its own dtype, e.g. bf16 for
+    Qwen2.5-Math, so ``"checkpoint-dtype weights, no autocast (GPU)"`` becomes ``"bf16 weights, no autocast (GPU)"``.
+    Labels made for an explicit dtype come back unchanged, and so does a label made elsewhere.
+
+    Args:
+        precision: the label (``speed["precision"]``).
+        training_args: the run's ``TrainingArguments`` (its ``bf16``/``fp16``).
+        requested_dtype: ``trl.ModelConfig.dtype``, as passed to :func:`apply_speed_defaults`.
+        model: the loaded model (its ``dtype``).
+    """
+    before = precision_label(training_args, requested_dtype)
+    if not precision.startswith(before):
+        return precision
+    return precision_label(training_args, getattr(model, "dtype", requested_dtype)) + precision[len(before):]
+
+
+def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None, dtype: Any = "float32") -> str:
     """On a CPU run whose precision the user did not set: bf16 autocast where the CPU has bf16 instructions, else fp32.
 
     (TRL's ``GRPOConfig`` defaults to ``bf16=True`` whatever the CPU; without bf16 instructions that is emulated and
@@ -209,25 +246,31 @@ def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None
         training_args: a ``TrainingArguments`` (e.g. ``trl.GRPOConfig``), changed in place.
         user_set: the user gave ``--bf16``/``--fp16`` or a config with them (:func:`precision_set_by_user`).
         has_bf16: override :func:`cpu_has_bf16` (tests).
+        dtype: the model's weights (``trl.ModelConfig.dtype``), for the label.
 
     Returns:
-        what the run uses: ``"bf16 autocast (default: CPU has bf16 instructions)"``, ``"fp32 (default: no bf16
-        instructions)"``, ``"bf16"``/``"fp16"``/``"fp32"`` (the user's), or ``"unchanged (GPU)"``.
+        what the run uses, as :func:`precision_label` (e.g. ``"fp32"``, ``"bf16 weights, no autocast"``), followed by
+        ``" (default: CPU has bf16 instructions)"`` / ``" (default: no bf16 instructions)"`` when chosen here, or
+        ``" (GPU)"`` when a GPU is used (nothing changed).
     """
     if not getattr(training_args, "use_cpu", False) and torch.cuda.is_available():
-        return "unchanged (GPU)"
+        return f"{precision_label(training_args, dtype)} (GPU)"
     if user_set:
-        return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+        return precision_label(training_args, dtype)
     bf16 = cpu_has_bf16() if has_bf16 is None else has_bf16
     training_args.bf16, training_args.fp16 = bf16, False
     training_args.mixed_precision = "bf16" if bf16 else "no"
     if bf16 and hasattr(training_args, "cast_lm_head_to_fp32"):
         training_args.cast_lm_head_to_fp32 = True
-    return "bf16 autocast (default: CPU has bf16 instructions)" if bf16 else "fp32 (default: no bf16 instructions)"
+    why = "CPU has bf16 instructions" if bf16 else "no bf16 instructions"
+    return f"{precision_label(training_args, dtype)} (default: {why})"
 
 
 def apply_speed_defaults(
-    training_args: Any, argv: Sequence[str] | None = None, default_config: str | os.PathLike | None = None
+    training_args: Any,
+    argv: Sequence[str] | None = None,
+    default_config: str | os.PathLike | None = None,
+    dtype: Any = "float32",
 ) -> dict[str, Any]:
     """The recipes' one call: :func:`configure_cpu_threads` and :func:`enable_cpu_bf16`; returns what was chosen.
 
@@ -235,6 +278,7 @@ def apply_speed_defaults(
         training_args: the parsed ``TrainingArguments``, changed in place.
         argv: the recipe's command line (default ``sys.argv[1:]``).
         default_config: the config the recipe reads when ``argv`` has no ``--config``.
+        dtype: the model's weights (``trl.ModelConfig.dtype``), named in ``precision``.
 
     Returns:
         ``{"threads", "threads_source", "precision", "cores"}``, for ``metrics.json``.
@@ -242,7 +286,7 @@ def apply_speed_defaults(
     argv = list(sys.argv[1:] if argv is None else argv)
     config = None if "--config" in argv else default_config
     threads = configure_cpu_threads()
-    precision = enable_cpu_bf16(training_args, user_set=precision_set_by_user(argv, config))
+    precision = enable_cpu_bf16(training_args, user_set=precision_set_by_user(argv, config), dtype=dtype)
     return {
         "threads": threads["threads"],
         "threads_source": threads["source"],
