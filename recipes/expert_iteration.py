@@ -40,7 +40,7 @@ from datasets import Dataset
 from grpo_math import REWARDS, MathScriptArguments, load_data  # the math recipe's data options and loaders
 
 import trl_ext
-from trl_ext import functional as F
+from trl_ext import course as C
 from trl_ext.eval import evaluate_math
 from trl_ext.experiment import git_state, write_experiment_record
 from trl_ext.models import DEFAULT_MODEL, load_model_and_tokenizer
@@ -132,7 +132,7 @@ def mean_response_entropy(model, prompt_ids, completion_ids, pad_token_id, batch
             ids[i, : len(seq)] = torch.tensor(seq)
             attention[i, : len(seq)] = 1
             response[i, len(p) - 1 : len(seq) - 1] = True  # labels that are response tokens
-        out = F.get_response_log_probs(
+        out = C.get_response_log_probs(
             model, ids[:, :-1].to(device), ids[:, 1:].to(device), return_token_entropy=True, attention_mask=attention[:, :-1].to(device)
         )
         entropy = out["token_entropy"].cpu()

@@ -13,7 +13,7 @@ import torch
 import trl
 from datasets import Dataset
 
-from trl_ext import functional as F
+from trl_ext import course as C
 from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -126,7 +126,7 @@ def test_trainer_loss_equals_per_instance_dpo_loss(tokenizer, tmp_path):
     prompt, chosen, rejected = PAIRS["prompt"][0], PAIRS["chosen"][0], PAIRS["rejected"][0]
     prompt_len = int((batch["completion_mask"][0] == 0).sum())
     assert batch["input_ids"][0, :prompt_len].tolist() == tokenizer(prompt)["input_ids"]  # same tokens both ways
-    expected = F.per_instance_dpo_loss(
+    expected = C.per_instance_dpo_loss(
         tiny_model_for_tests(tokenizer, seed=1),
         tiny_model_for_tests(tokenizer, seed=2),
         tokenizer,

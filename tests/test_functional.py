@@ -22,31 +22,6 @@ class CharTokenizer:
 # ---------------------------------------------------------------- tokenize_prompt_and_output
 
 
-def test_tokenize_prompt_and_output_shifts_pads_and_masks_by_hand():
-    out = F.tokenize_prompt_and_output(["ab", "a"], ["cde", "b"], CharTokenizer())
-    a, b, c, d, e = (ord(x) for x in "abcde")
-    # row 0: full = a b c d e ; row 1: full = a b pad pad pad
-    assert out["input_ids"].tolist() == [[a, b, c, d], [a, b, 0, 0]]
-    assert out["labels"].tolist() == [[b, c, d, e], [b, 0, 0, 0]]
-    assert out["response_mask"].tolist() == [[False, True, True, True], [True, False, False, False]]
-
-
-def test_tokenize_prompt_and_output_with_real_tokenizer(tokenizer):
-    prompts, outputs = ["What is 2 + 3?", "Hi"], [" 5", " Hello there, friend."]
-    out = F.tokenize_prompt_and_output(prompts, outputs, tokenizer)
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        p_ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        o_ids = tokenizer(o, add_special_tokens=False)["input_ids"]
-        assert out["labels"][i][out["response_mask"][i]].tolist() == o_ids
-        assert out["input_ids"][i, : len(p_ids)].tolist() == p_ids
-    assert out["input_ids"].shape == out["labels"].shape == out["response_mask"].shape
-
-
-def test_tokenize_prompt_and_output_rejects_mismatched_lists():
-    with pytest.raises(ValueError, match="output_strs has 1"):
-        F.tokenize_prompt_and_output(["a", "b"], ["c"], CharTokenizer())
-
-
 # ---------------------------------------------------------------- entropy and log-probs
 
 
@@ -73,28 +48,6 @@ def test_entropy_finite_in_low_precision(dtype):
     assert h.dtype == dtype and torch.isfinite(h).all()
     assert h[0].item() == pytest.approx(0.0, abs=1e-3)
     assert h[1].float().item() == pytest.approx(math.log(4), abs=2e-2)
-
-
-class TableLM(torch.nn.Module):
-    """A 'language model' whose logits depend only on the current token: logits = table[token]."""
-
-    def __init__(self, table):
-        super().__init__()
-        self.table = torch.nn.Parameter(table)
-
-    def forward(self, input_ids, attention_mask=None):
-        return type("Out", (), {"logits": self.table[input_ids]})()
-
-
-def test_get_response_log_probs_by_hand():
-    # token 0 -> probs (0.5, 0.25, 0.25); token 1 -> (0.1, 0.6, 0.3)
-    table = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [1 / 3, 1 / 3, 1 / 3]]).log()
-    model = TableLM(table)
-    out = F.get_response_log_probs(model, torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), return_token_entropy=True)
-    torch.testing.assert_close(out["log_probs"], torch.tensor([[math.log(0.25), math.log(0.3)]]))
-    h0 = -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25))
-    h1 = -(0.1 * math.log(0.1) + 0.6 * math.log(0.6) + 0.3 * math.log(0.3))
-    torch.testing.assert_close(out["token_entropy"], torch.tensor([[h0, h1]]))
 
 
 # ---------------------------------------------------------------- masked reductions
@@ -151,38 +104,6 @@ def test_masked_mean_ignores_masked_values(rows):
 # ---------------------------------------------------------------- group-normalized rewards
 
 
-def make_reward_fn(table):
-    """reward_fn that looks each response up in a dict of reward values."""
-
-    def reward_fn(response, ground_truth):
-        return {"reward": table[response], "format_reward": 1.0, "answer_reward": table[response]}
-
-    return reward_fn
-
-
-def test_group_normalized_rewards_by_hand():
-    # group 1 rewards [1, 2, 3, 6]: mean 3, centred [-2, -1, 0, 3], unbiased var 14/3
-    # group 2 rewards [0, 0, 0, 1]: mean 1/4, centred [-1/4]*3 + [3/4], var (3/16 + 9/16) / 3 = 1/4 -> std 1/2
-    rewards = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 6.0, "z": 0.0, "o": 1.0}
-    responses = list("abcd") + list("zzzo")
-    adv, raw, meta = F.compute_group_normalized_rewards(
-        make_reward_fn(rewards), responses, ["gt"] * 8, group_size=4, advantage_eps=1e-6, normalize_by_std=True
-    )
-    std1 = math.sqrt(14 / 3)
-    expected = [-2 / (std1 + 1e-6), -1 / (std1 + 1e-6), 0.0, 3 / (std1 + 1e-6)] + [-0.25 / 0.500001] * 3 + [0.75 / 0.500001]
-    assert adv.tolist() == pytest.approx(expected, abs=1e-6)
-    assert raw.tolist() == [1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 0.0, 1.0]
-    assert meta["reward_mean"] == pytest.approx(13 / 8)
-    assert meta["reward_max"] == 6.0 and meta["reward_min"] == 0.0
-    assert meta["reward_std"] == pytest.approx(torch.tensor([1.0, 2, 3, 6, 0, 0, 0, 1]).std().item())
-    assert meta["format_reward_mean"] == 1.0 and meta["answer_reward_mean"] == pytest.approx(13 / 8)
-
-    adv_raw, _, _ = F.compute_group_normalized_rewards(
-        make_reward_fn(rewards), responses, ["gt"] * 8, group_size=4, advantage_eps=1e-6, normalize_by_std=False
-    )
-    assert adv_raw.tolist() == pytest.approx([-2, -1, 0, 3, -0.25, -0.25, -0.25, 0.75])
-
-
 def test_group_advantages_agree_with_torch_std():
     torch.manual_seed(1)
     r = torch.rand(12)
@@ -202,38 +123,6 @@ def test_nearly_equal_rewards_give_finite_advantages():
     adv = F.compute_group_advantages(torch.tensor([1.0, 1.00001]), group_size=2, advantage_eps=1e-6)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == pytest.approx([-0.62, 0.62], abs=0.005)
-
-
-def test_none_and_nan_rewards_are_excluded_and_counted():
-    # valid rewards [1, 0, 1]: mean 2/3, centred [1/3, -2/3, 1/3], unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3
-    table = {"good": 1.0, "bad": 0.0, "none": None, "nan": math.nan}
-    fn = make_reward_fn(table)
-    with pytest.warns(UserWarning, match="2 of 8 rewards were None or NaN"):
-        adv, raw, meta = F.compute_group_normalized_rewards(
-            fn, ["good", "none", "bad", "good", "nan", "bad", "bad", "bad"], ["x"] * 8, 4, 1e-6, True
-        )
-    s = math.sqrt(1 / 3) + 1e-6
-    assert adv[:4].tolist() == pytest.approx([(1 / 3) / s, 0.0, (-2 / 3) / s, (1 / 3) / s], abs=1e-6)
-    assert adv[4:].tolist() == [0.0] * 4  # NaN row gets 0; the rest are equal bads
-    assert math.isnan(raw[1].item()) and math.isnan(raw[4].item())
-    assert meta["num_excluded"] == 2 and meta["reward_mean"] == pytest.approx(2 / 6)
-
-
-def test_group_normalized_rewards_errors_name_the_argument():
-    fn = make_reward_fn({"a": 1.0})
-    with pytest.raises(ValueError, match="not divisible by group_size=2"):
-        F.compute_group_normalized_rewards(fn, ["a"] * 3, ["x"] * 3, 2, 1e-6, True)
-    with pytest.raises(ValueError, match="group_size=1 with normalize_by_std=True"):
-        F.compute_group_normalized_rewards(fn, ["a"] * 3, ["x"] * 3, 1, 1e-6, True)
-    with pytest.raises(ValueError, match="repeated_ground_truths has 2"):
-        F.compute_group_normalized_rewards(fn, ["a"] * 4, ["x"] * 2, 2, 1e-6, True)
-    with pytest.raises(ValueError, match="reward_fn returned 1.0 for rollout 0"):
-        F.compute_group_normalized_rewards(lambda r, g: 1.0, ["a"] * 2, ["x"] * 2, 2, 1e-6, True)
-    with pytest.raises(ValueError, match="'reward' key"):
-        F.compute_group_normalized_rewards(lambda r, g: {"score": 1.0}, ["a"] * 2, ["x"] * 2, 2, 1e-6, True)
-    # group_size 1 is fine without std normalization: advantages are all 0
-    adv, _, _ = F.compute_group_normalized_rewards(fn, ["a"] * 3, ["x"] * 3, 1, 1e-6, False)
-    assert adv.tolist() == [0.0] * 3
 
 
 @settings(max_examples=50, deadline=None)
@@ -318,52 +207,6 @@ def test_policy_gradient_loss_dispatch_and_errors():
 # ---------------------------------------------------------------- train steps
 
 
-def test_grpo_microbatch_train_step_value_gradient_and_accumulation():
-    # no_baseline with reward -1 makes the per-token loss equal to the log-probs: [[2,2,0,0],[1,1,1,1]]
-    logp = torch.tensor([[2.0, 2.0, math.nan, math.nan], [1.0, 1.0, 1.0, 1.0]], requires_grad=True)
-    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
-    rewards = torch.tensor([[-1.0], [-1.0]])
-    loss, _ = F.grpo_microbatch_train_step(logp, mask, 2, "no_baseline", raw_rewards=rewards)
-    assert loss.item() == pytest.approx(0.75)  # 1.5 / 2 accumulation steps
-    # d loss / d logp: row 0 -> 1/2 (per-example mean) * 1/2 (batch) * 1/2 (accum); row 1 -> 1/4 * 1/2 * 1/2
-    expected = torch.tensor([[0.125, 0.125, 0.0, 0.0], [0.0625] * 4])
-    torch.testing.assert_close(logp.grad, expected)
-    F.grpo_microbatch_train_step(logp, mask, 2, "no_baseline", raw_rewards=rewards)
-    torch.testing.assert_close(logp.grad, 2 * expected)
-
-    logp.grad = None
-    loss, _ = F.grpo_microbatch_train_step(
-        logp, mask, 1, "no_baseline", raw_rewards=rewards, length_normalization="masked_normalize", normalize_constant=4
-    )
-    assert loss.item() == pytest.approx(1.0)
-    torch.testing.assert_close(logp.grad, torch.tensor([[0.125, 0.125, 0.0, 0.0], [0.125] * 4]))
-
-
-def test_grpo_microbatch_train_step_errors():
-    logp = torch.zeros(2, 3, requires_grad=True)
-    with pytest.raises(ValueError, match=r"response_mask rows \[1\] have no response token"):
-        F.grpo_microbatch_train_step(logp, torch.tensor([[1, 0, 0], [0, 0, 0]]), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1))
-    with pytest.raises(ValueError, match="response_mask has shape"):
-        F.grpo_microbatch_train_step(logp, torch.ones(2, 4), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1))
-    with pytest.raises(ValueError, match="needs normalize_constant"):
-        F.grpo_microbatch_train_step(
-            logp, torch.ones(2, 3), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1), length_normalization="masked_normalize"
-        )
-    with pytest.raises(ValueError, match="length_normalization='token_mean'"):
-        F.grpo_microbatch_train_step(logp, torch.ones(2, 3), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1), length_normalization="token_mean")
-
-
-def test_sft_microbatch_train_step_by_hand():
-    # row 0: -(-2 - 3) = 5 over response tokens; row 1: 1 ; / normalize_constant 2 -> [2.5, 0.5]; mean 1.5; / 3 accum
-    logp = torch.tensor([[-1.0, -2.0, -3.0], [-9.0, -1.0, math.nan]], requires_grad=True)
-    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
-    loss, meta = F.sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=3, normalize_constant=2.0)
-    assert loss.item() == pytest.approx(0.5)
-    assert meta["nll_per_example"].tolist() == pytest.approx([2.5, 0.5])
-    g = -1 / 2 / 2 / 3  # d/dlogp: -1 (NLL) / constant / batch / accum
-    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, g, g], [0.0, g, 0.0]]))
-
-
 # ---------------------------------------------------------------- KL and GAE
 
 
@@ -397,25 +240,23 @@ def test_k3_and_k2_never_negative(logp, ref):
         assert F.compute_kl(torch.tensor([logp]), torch.tensor([ref]), estimator).item() >= 0.0
 
 
-def test_gae_by_hand():
-    # delta = 1 + 0.99 * 0.5 - 0.5 = 0.995 ; A2 = 0.995 ; A1 = 0.995 + 0.9405 * 0.995 = 1.9307975
-    # A0 = 0.995 + 0.9405 * 1.9307975 = 0.995 + 1.81591504875 = 2.81091504875
-    adv = F.compute_gae(torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64), torch.tensor([0.5] * 4, dtype=torch.float64))
-    assert adv.tolist() == pytest.approx([2.81091504875, 1.9307975, 0.995])
-    # gamma = lam = 1: return-to-go + V_T - V_t = [3, 2, 1]
-    assert F.compute_gae(torch.ones(3), torch.full((4,), 0.5), gamma=1.0, lam=1.0).tolist() == pytest.approx([3.0, 2.0, 1.0])
-    # batched rows agree with the 1-D call
-    batch = F.compute_gae(torch.ones(2, 3), torch.full((2, 4), 0.5))
-    assert batch[1].tolist() == pytest.approx([2.81091504875, 1.9307975, 0.995], abs=1e-6)
-    with pytest.raises(ValueError, match="expected values to be"):
-        F.compute_gae(torch.ones(3), torch.ones(3))
-
-
 def test_compute_grpo_loss_empty_rows_count_as_zero_when_allowed():
     # TRL's convention for rows masked out entirely (mask_truncated_completions): they add 0 but count in the mean
     loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    assert F.compute_grpo_loss(loss, mask, allow_empty_rows=True).item() == pytest.approx(1.0)  # (2 + 0) / 2
+    assert F.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(1.0)  # (2 + 0) / 2
+
+
+def test_compute_grpo_loss_empty_rows_is_one_named_option():
+    loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
+    mask = torch.tensor([[1, 1], [0, 0]])
+    with pytest.raises(ValueError, match=r"rows \[1\] have no response token"):  # the default, "raise"
+        F.compute_grpo_loss(loss, mask)
+    assert F.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(2.0)  # row 0 alone: (3 + 1) / 2
+    # masked_normalize is defined on an empty row under the default: sum 0 / 2, counted in the mean -> (4/2 + 0) / 2
+    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"empty_rows='keep' is not supported; expected one of 'raise', 'zero', 'drop'"):
+        F.compute_grpo_loss(loss, mask, empty_rows="keep")
 
 
 def test_adaptive_kl_coefficient_by_hand():

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from trl_ext import functional as F
-from trl_ext.models import tiny_model_for_tests
 
 
 def softplus(x: float) -> float:
@@ -111,54 +110,6 @@ def test_dpo_rejects_mismatched_shapes():
 
 
 # ----- per-instance DPO -----
-
-
-def summed_response_logp(model, tokenizer, prompt: str, response: str) -> float:
-    """Independent reference: full forward, log-softmax, sum over the response tokens and the appended EOS."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = torch.tensor([prompt_ids + response_ids])
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
-    return sum(log_probs[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(response_ids))
-
-
-def test_per_instance_dpo_loss_matches_an_independent_computation(tokenizer):
-    policy, ref = tiny_model_for_tests(tokenizer, seed=1), tiny_model_for_tests(tokenizer, seed=2)
-    prompt, chosen, rejected = "Question: what is 2 + 2?\nAnswer:", " 4", " five, I think"
-    h = (
-        summed_response_logp(policy, tokenizer, prompt, chosen) - summed_response_logp(ref, tokenizer, prompt, chosen)
-    ) - (
-        summed_response_logp(policy, tokenizer, prompt, rejected)
-        - summed_response_logp(ref, tokenizer, prompt, rejected)
-    )
-    for eps in (0.0, 0.1):
-        loss = F.per_instance_dpo_loss(policy, ref, tokenizer, 0.1, prompt, chosen, rejected, label_smoothing=eps)
-        expected = (1 - eps) * softplus(-0.1 * h) + eps * softplus(0.1 * h)
-        assert loss.item() == pytest.approx(expected, abs=1e-5)
-    loss.backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
-    assert all(p.grad is None for p in ref.parameters())
-
-
-def test_per_instance_dpo_loss_is_log2_when_policy_is_the_reference(tokenizer):
-    model = tiny_model_for_tests(tokenizer)
-    loss = F.per_instance_dpo_loss(model, model, tokenizer, 0.1, "Hi.\n", "Hello!", "Go away.")
-    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
-
-
-@pytest.mark.parametrize(
-    "chosen, rejected, match",
-    [
-        ("", "No.", "response_chosen is empty"),
-        ("Yes.", "", "response_rejected is empty"),
-        ("Same.", "Same.", "identical"),
-    ],
-)
-def test_per_instance_dpo_loss_rejects_bad_pairs(tokenizer, chosen, rejected, match):
-    model = tiny_model_for_tests(tokenizer)
-    with pytest.raises(ValueError, match=match):
-        F.per_instance_dpo_loss(model, model, tokenizer, 0.1, "Prompt:", chosen, rejected)
 
 
 # ----- unlikelihood -----

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trl_ext
+from trl_ext import course as C
 from trl_ext import functional as F
 
 from conftest import length_mod5_reward
@@ -45,7 +46,7 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     mask = torch.tensor([[1, 1, 0]])
     per_token, _ = F.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]), old_log_probs=old)
     assert per_token[0, :2].tolist() == pytest.approx([-2 * RATIO] * 2, rel=1e-6)
-    loss, meta = F.grpo_microbatch_train_step(
+    loss, meta = C.grpo_microbatch_train_step(
         logp, mask, 2, "grpo_no_clip", advantages=torch.tensor([[2.0]]), old_log_probs=old
     )
     assert loss.item() == pytest.approx(-RATIO, rel=1e-6)

@@ -89,21 +89,21 @@ def test_generation_and_log_prob_pass_use_the_same_positions(model_kind, tokeniz
 def test_rows_without_trained_tokens_leave_the_batch_mean():
     loss = torch.ones(2, 5, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])  # A: 3 tokens; B: truncated and masked
-    assert F.compute_grpo_loss(loss, mask, drop_empty_rows=True).item() == pytest.approx(1.0)
-    assert F.compute_grpo_loss(loss, mask, allow_empty_rows=True).item() == pytest.approx(0.5)  # upstream's dilution
+    assert F.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(1.0)
+    assert F.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(0.5)  # upstream's dilution
     # masked_normalize: mean over the remaining rows of sum / max_completion_length = 3 / 5
-    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 5, drop_empty_rows=True).item() == pytest.approx(0.6)
+    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 5, empty_rows="drop").item() == pytest.approx(0.6)
     three = torch.tensor([[2.0, 2.0, 0.0], [1.0, 3.0, 5.0], [7.0, 7.0, 7.0]])
     three_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     # rows: mean 2 and mean 3 -> 2.5; sums 4 and 9 over 3 -> (4/3 + 3) / 2
-    assert F.compute_grpo_loss(three, three_mask, drop_empty_rows=True).item() == pytest.approx(2.5)
-    assert F.compute_grpo_loss(three, three_mask, "masked_normalize", 3, drop_empty_rows=True).item() == pytest.approx(
+    assert F.compute_grpo_loss(three, three_mask, empty_rows="drop").item() == pytest.approx(2.5)
+    assert F.compute_grpo_loss(three, three_mask, "masked_normalize", 3, empty_rows="drop").item() == pytest.approx(
         (4 / 3 + 3) / 2
     )
     # every row masked: 0 with finite (zero) gradients, for both normalizations
     for normalization, constant in (("masked_mean", None), ("masked_normalize", 5)):
         x = torch.full((2, 5), 3.0, requires_grad=True)
-        total = F.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, drop_empty_rows=True)
+        total = F.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, empty_rows="drop")
         total.backward()
         assert total.item() == 0.0
         assert torch.equal(x.grad, torch.zeros(2, 5))

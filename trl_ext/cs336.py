@@ -6,9 +6,11 @@ with
     from trl_ext.cs336 import *  # noqa: F401,F403
 
 and ``uv run pytest`` in the course repository runs its test suite against trl_ext. Every function here has the
-course's name and arguments and delegates to ``trl_ext.functional`` (the math), ``trl_ext.eval`` (the parsers) or
-``trl_ext.data`` (batching); only the packed SFT dataset and the Alpaca template of the supplement live here, because
-their exact layout is the course's convention rather than a trl_ext one.
+course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run), ``trl_ext.course``
+(the course-only helpers, which this module also re-exports under their own names, e.g.
+``trl_ext.cs336.grpo_microbatch_train_step``), ``trl_ext.eval`` (the parsers) or ``trl_ext.data`` (batching); only
+the packed SFT dataset and the Alpaca template of the supplement live here, because their exact layout is the course's
+convention rather than a trl_ext one.
 
 Sources: CS336 spring 2025, assignment 5 handout ("Alignment and Reasoning RL") and its supplement ("Safety
 Alignment, Instruction Tuning and RLHF"); argument names follow their ``tests/adapters.py``.
@@ -26,12 +28,31 @@ from typing import Any, Literal
 
 import torch
 
+from trl_ext import course as C
+from trl_ext.course import (
+    compute_gae,
+    compute_group_normalized_rewards,
+    get_response_log_probs,
+    grpo_microbatch_train_step,
+    per_instance_dpo_loss,
+    sft_microbatch_train_step,
+    tokenize_prompt_and_output,
+)
 from trl_ext import functional as F
 from trl_ext.data.instructions import iterate_batches
 from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 
 __all__ = [
     "ALPACA_TEMPLATE",
+    # the course-only helpers of trl_ext.course, under their own names
+    "compute_gae",
+    "compute_group_normalized_rewards",
+    "get_response_log_probs",
+    "grpo_microbatch_train_step",
+    "per_instance_dpo_loss",
+    "sft_microbatch_train_step",
+    "tokenize_prompt_and_output",
+    # the adapters of the course's tests/adapters.py
     "PackedSFTDataset",
     "get_packed_sft_dataset",
     "run_compute_entropy",
@@ -60,8 +81,8 @@ ALPACA_TEMPLATE = (
 
 # ------------------------------------------------------------------------------------------- handout, section 4
 def run_tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer: Any) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1): :func:`trl_ext.functional.tokenize_prompt_and_output`."""
-    return F.tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
+    """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1): :func:`trl_ext.course.tokenize_prompt_and_output`."""
+    return C.tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
 
 
 def run_compute_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -72,8 +93,8 @@ def run_compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 def run_get_response_log_probs(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool
 ) -> dict[str, torch.Tensor]:
-    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``: :func:`trl_ext.functional.get_response_log_probs`."""
-    return F.get_response_log_probs(model, input_ids, labels, return_token_entropy)
+    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``: :func:`trl_ext.course.get_response_log_probs`."""
+    return C.get_response_log_probs(model, input_ids, labels, return_token_entropy)
 
 
 def run_masked_normalize(
@@ -89,9 +110,9 @@ def run_sft_microbatch_train_step(
     gradient_accumulation_steps: int,
     normalize_constant: float | None = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One SFT microbatch backward: :func:`trl_ext.functional.sft_microbatch_train_step` (``None`` constant = 1.0)."""
+    """One SFT microbatch backward: :func:`trl_ext.course.sft_microbatch_train_step` (``None`` constant = 1.0)."""
     constant = 1.0 if normalize_constant is None else normalize_constant
-    return F.sft_microbatch_train_step(policy_log_probs, response_mask, gradient_accumulation_steps, constant)
+    return C.sft_microbatch_train_step(policy_log_probs, response_mask, gradient_accumulation_steps, constant)
 
 
 # ------------------------------------------------------------------------------------------- handout, section 7
@@ -103,8 +124,8 @@ def run_compute_group_normalized_rewards(
     advantage_eps: float,
     normalize_by_std: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """``(advantages (N,), raw_rewards (N,), metadata)``: :func:`trl_ext.functional.compute_group_normalized_rewards`."""
-    return F.compute_group_normalized_rewards(
+    """``(advantages (N,), raw_rewards (N,), metadata)``: :func:`trl_ext.course.compute_group_normalized_rewards`."""
+    return C.compute_group_normalized_rewards(
         reward_fn, rollout_responses, repeated_ground_truths, group_size, advantage_eps, normalize_by_std
     )
 
@@ -151,8 +172,8 @@ def run_grpo_microbatch_train_step(
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One GRPO microbatch backward with masked_mean length normalization (the handout's):
-    :func:`trl_ext.functional.grpo_microbatch_train_step`."""
-    return F.grpo_microbatch_train_step(
+    :func:`trl_ext.course.grpo_microbatch_train_step`."""
+    return C.grpo_microbatch_train_step(
         policy_log_probs, response_mask, gradient_accumulation_steps, loss_type, raw_rewards, advantages,
         old_log_probs, cliprange,
     )
@@ -275,6 +296,6 @@ def run_compute_per_instance_dpo_loss(
 ) -> torch.Tensor:
     """DPO loss of one pair with the supplement's Alpaca formatting: the prompt is :data:`ALPACA_TEMPLATE` up to
     ``"### Response:\\n"``, each response follows it and ends with EOS; then
-    :func:`trl_ext.functional.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
+    :func:`trl_ext.course.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
     rendered = ALPACA_TEMPLATE.format(instruction=prompt, response="")
-    return F.per_instance_dpo_loss(lm, lm_ref, tokenizer, beta, rendered, response_chosen, response_rejected)
+    return C.per_instance_dpo_loss(lm, lm_ref, tokenizer, beta, rendered, response_chosen, response_rejected)

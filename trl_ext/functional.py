@@ -1,8 +1,15 @@
-"""The course math of trl_ext as pure torch functions: no trainer state, no I/O.
+"""The course math the trainers run, as pure torch functions on tensors: no model, no tokenizer, no backward, no I/O.
 
-Every formula the trainers use lives here, written so it can be checked line by line against
-Stanford CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement
-"Safety Alignment, Instruction Tuning and RLHF"). Section names in the docstrings refer to that handout.
+Every formula a trl_ext trainer executes lives here, written so it can be checked line by line against Stanford
+CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement "Safety Alignment,
+Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what:
+``GRPOTrainer`` -- ``compute_group_advantages``, ``compute_policy_gradient_loss`` (and the three losses it
+dispatches to), ``compute_kl``, ``compute_grpo_loss``, ``masked_mean``/``masked_normalize``, ``compute_entropy``,
+``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``;
+``SFTTrainer`` -- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The handout's helpers that take a model
+or a tokenizer or call ``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
+``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``, ``compute_gae``)
+are in ``trl_ext.course``, re-exported by ``trl_ext.cs336``.
 
 Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
 Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a
@@ -12,37 +19,32 @@ numerator or a denominator, even when it holds NaN or inf.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "tokenize_prompt_and_output",
     "compute_entropy",
-    "get_response_log_probs",
     "masked_mean",
     "masked_normalize",
     "compute_group_advantages",
-    "compute_group_normalized_rewards",
     "compute_naive_policy_gradient_loss",
     "compute_grpo_clip_loss",
     "compute_grpo_no_clip_loss",
     "compute_policy_gradient_loss",
     "compute_grpo_loss",
-    "grpo_microbatch_train_step",
-    "sft_microbatch_train_step",
     "compute_kl",
     "adaptive_kl_coefficient",
-    "compute_gae",
 ]
 
 PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip")
 OFF_POLICY_PG_LOSS_TYPES = ("grpo_clip", "grpo_no_clip")
 """Loss types that use old_log_probs (the importance ratio), so they stay correct when rollouts are reused."""
 LENGTH_NORMALIZATIONS = ("masked_mean", "masked_normalize")
+EMPTY_ROWS = ("raise", "zero", "drop")
+"""What ``compute_grpo_loss`` does with a row that has no response token."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -57,54 +59,8 @@ def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Tokenization, log-probs, entropy  (handout section 4.2, "SFT helper methods")
+# Entropy  (handout section 4.2, "SFT helper methods")
 # --------------------------------------------------------------------------------------------------------------
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: Sequence[str], output_strs: Sequence[str], tokenizer: Any
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs separately, concatenate, pad, and build the response mask.
-
-    Each prompt and output is tokenized on its own (``add_special_tokens=False``: render any BOS or chat markup
-    into the prompt string yourself), so a token never straddles the prompt/output boundary. The concatenations
-    are right-padded with ``tokenizer.pad_token_id`` to the longest length ``L``.
-
-    Args:
-        prompt_strs: B prompt strings.
-        output_strs: B output (response) strings, aligned with ``prompt_strs``.
-        tokenizer: a Hugging Face tokenizer with a pad token.
-
-    Returns:
-        dict with three (B, L-1) tensors:
-        ``input_ids`` (long): the concatenation without its last token;
-        ``labels`` (long): the concatenation without its first token (the next-token targets);
-        ``response_mask`` (bool): True where the label is an output token, False on prompt and padding.
-
-    Raises:
-        ValueError: when the two lists differ in length, are empty, or the tokenizer has no pad token.
-
-    Source: CS336 A5 handout, section 4.2 (``tokenize_prompt_and_output``).
-    """
-    if len(prompt_strs) != len(output_strs):
-        raise ValueError(
-            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}; expected one output per prompt"
-        )
-    if len(prompt_strs) == 0:
-        raise ValueError("prompt_strs is empty; expected at least one prompt")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("tokenizer has no pad_token_id; set tokenizer.pad_token before tokenizing")
-    prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
-    lengths = [len(p) + len(o) for p, o in zip(prompt_ids, output_ids)]
-    max_len = max(lengths)
-    batch = len(prompt_ids)
-    full = torch.full((batch, max_len), tokenizer.pad_token_id, dtype=torch.long)
-    is_output = torch.zeros((batch, max_len), dtype=torch.bool)
-    for i, (p, o) in enumerate(zip(prompt_ids, output_ids)):
-        full[i, : len(p) + len(o)] = torch.tensor(p + o, dtype=torch.long)
-        is_output[i, len(p) : len(p) + len(o)] = True
-    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": is_output[:, 1:]}
 
 
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -127,41 +83,6 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     p = log_p.exp()
     plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
     return (-plogp.sum(dim=-1)).to(logits.dtype)
-
-
-def get_response_log_probs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    return_token_entropy: bool = False,
-    attention_mask: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token conditional log-probabilities log p(labels_t | input_ids_{<=t}) under a causal LM.
-
-    Args:
-        model: a causal LM whose forward returns ``.logits`` of shape (B, T, V).
-        input_ids: (B, T) long.
-        labels: (B, T) long, the next-token targets (see ``tokenize_prompt_and_output``).
-        return_token_entropy: also return the entropy of each next-token distribution.
-        attention_mask: optional (B, T); passed to the model when given.
-
-    Returns:
-        dict with ``log_probs`` (B, T) float32 and, when asked, ``token_entropy`` (B, T) float32.
-        No masking is applied: mask with the response mask afterwards.
-
-    Raises:
-        ValueError: when ``input_ids`` and ``labels`` differ in shape.
-
-    Source: CS336 A5 handout, section 4.2 (``get_response_log_probs``).
-    """
-    _check_same_shape("input_ids", input_ids, "labels", labels)
-    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-    logits = model(input_ids=input_ids, **kwargs).logits.float()
-    log_probs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        out["token_entropy"] = compute_entropy(logits)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,80 +212,6 @@ def compute_group_advantages(
         variance = (centred**2).sum(dim=1, keepdim=True) / (n_valid - 1).clamp(min=1)
         advantages = centred / (variance.sqrt() + advantage_eps)
     return advantages.reshape(-1).to(torch.float32)
-
-
-def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, str], dict[str, float]],
-    rollout_responses: Sequence[str],
-    repeated_ground_truths: Sequence[str],
-    group_size: int,
-    advantage_eps: float,
-    normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Score every rollout with ``reward_fn`` and normalize the rewards within each group.
-
-    Args:
-        reward_fn: ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``;
-            ``reward`` is required, the other two are optional. A ``reward`` of None or NaN marks the rollout as
-            unscorable: it is excluded from its group's statistics, gets advantage 0, and a warning counts them.
-        rollout_responses: N responses, in consecutive groups of ``group_size`` per prompt.
-        repeated_ground_truths: N ground truths, each repeated ``group_size`` times.
-        group_size: rollouts per prompt.
-        advantage_eps: added to the group std before dividing.
-        normalize_by_std: divide by the group std (see ``compute_group_advantages``).
-
-    Returns:
-        ``(advantages (N,), raw_rewards (N,), metadata)``: float32 tensors (raw rewards keep NaN for unscorable
-        rollouts); metadata holds ``reward_mean``, ``reward_std`` (unbiased), ``reward_max``, ``reward_min`` over
-        scorable rollouts, ``format_reward_mean`` and ``answer_reward_mean`` (over rollouts that reported them),
-        and ``num_excluded``.
-
-    Raises:
-        ValueError: when the two lists differ in length, N is not divisible by ``group_size``, ``group_size`` < 2
-        with ``normalize_by_std``, or ``reward_fn`` returns something other than a dict with a ``reward`` key.
-
-    Source: CS336 A5 handout, section 7.2 (``compute_group_normalized_rewards``), equation 28.
-    """
-    if len(rollout_responses) != len(repeated_ground_truths):
-        raise ValueError(
-            f"rollout_responses has {len(rollout_responses)} items but repeated_ground_truths has "
-            f"{len(repeated_ground_truths)}; expected one ground truth per response"
-        )
-    rewards: list[float] = []
-    parts: dict[str, list[float]] = {"format_reward": [], "answer_reward": []}
-    for i, (response, truth) in enumerate(zip(rollout_responses, repeated_ground_truths)):
-        scores = reward_fn(response, truth)
-        if not isinstance(scores, dict) or "reward" not in scores:
-            raise ValueError(
-                f"reward_fn returned {scores!r} for rollout {i}; expected a dict with a 'reward' key "
-                "(and optionally 'format_reward', 'answer_reward')"
-            )
-        reward = scores["reward"]
-        rewards.append(math.nan if reward is None else float(reward))
-        for key, values in parts.items():
-            if scores.get(key) is not None:
-                values.append(float(scores[key]))
-    raw_rewards = torch.tensor(rewards, dtype=torch.float32)
-    advantages = compute_group_advantages(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    valid = raw_rewards[~torch.isnan(raw_rewards)]
-    num_excluded = len(rewards) - valid.numel()
-    if num_excluded:
-        warnings.warn(
-            f"{num_excluded} of {len(rewards)} rewards were None or NaN; they were excluded from their group's "
-            "mean and std and given advantage 0",
-            stacklevel=2,
-        )
-    nan = float("nan")
-    metadata = {
-        "reward_mean": valid.mean().item() if valid.numel() else nan,
-        "reward_std": valid.std().item() if valid.numel() > 1 else nan,
-        "reward_max": valid.max().item() if valid.numel() else nan,
-        "reward_min": valid.min().item() if valid.numel() else nan,
-        "format_reward_mean": sum(parts["format_reward"]) / len(parts["format_reward"]) if parts["format_reward"] else nan,
-        "answer_reward_mean": sum(parts["answer_reward"]) / len(parts["answer_reward"]) if parts["answer_reward"] else nan,
-        "num_excluded": num_excluded,
-    }
-    return advantages, raw_rewards, metadata
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -525,8 +372,7 @@ def compute_grpo_loss(
     response_mask: torch.Tensor,
     length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
     normalize_constant: float | None = None,
-    allow_empty_rows: bool = False,
-    drop_empty_rows: bool = False,
+    empty_rows: Literal["raise", "zero", "drop"] = "raise",
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch.
 
@@ -540,27 +386,30 @@ def compute_grpo_loss(
         response_mask: (B, T), 1 on response tokens.
         length_normalization: ``"masked_mean"`` (default) or ``"masked_normalize"``.
         normalize_constant: the divisor for ``"masked_normalize"`` (required there, ignored otherwise).
-        allow_empty_rows: with ``masked_mean``, let a row with no response token contribute 0 (it still counts in
-            the batch mean, as in TRL, where such rows come from ``mask_truncated_completions``) instead of raising.
-        drop_empty_rows: a row with no response token leaves the batch mean: the loss is the mean, over the rows with
-            at least one response token, of their ``masked_mean`` (or sum / ``normalize_constant``); 0 with zero
-            (finite) gradients when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches this way, so that
-            rows masked by ``mask_truncated_completions`` do not dilute the loss. Overrides ``allow_empty_rows``.
+        empty_rows: what a row with no response token (e.g. one masked by ``mask_truncated_completions``) does:
+            ``"raise"`` (default) -- with ``masked_mean`` its mean is undefined, so a ValueError names the rows
+            (``masked_normalize`` is defined there: the row contributes 0 and counts in the batch mean);
+            ``"zero"`` -- it contributes 0 and still counts in the batch mean (TRL's ``grpo`` loss);
+            ``"drop"`` -- it leaves the batch mean: the loss is the mean, over the rows with at least one response
+            token, of their ``masked_mean`` (or sum / ``normalize_constant``), and 0 with zero (finite) gradients
+            when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches with ``"drop"``, so masked rows do not
+            dilute the loss.
 
     Returns:
         0-d tensor.
 
     Raises:
-        ValueError: on a shape mismatch, an unknown ``length_normalization``, a missing ``normalize_constant``,
-        or (for ``masked_mean``, unless ``allow_empty_rows``) a row with no response token, whose mean would be
-        NaN; the row is named.
+        ValueError: on a shape mismatch, an unknown ``length_normalization`` or ``empty_rows``, a missing
+        ``normalize_constant``, or (``masked_mean`` with ``empty_rows="raise"``) a row with no response token,
+        whose mean would be NaN; the row is named.
 
     Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
     discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``.
     """
     _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
     _check_choice("length_normalization", length_normalization, LENGTH_NORMALIZATIONS)
-    if drop_empty_rows:
+    _check_choice("empty_rows", empty_rows, EMPTY_ROWS)
+    if empty_rows == "drop":
         if length_normalization == "masked_normalize" and normalize_constant is None:
             raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
         tokens = response_mask.sum(dim=-1)
@@ -569,7 +418,7 @@ def compute_grpo_loss(
         return per_example.sum() / (tokens > 0).sum().clamp(min=1)
     if length_normalization == "masked_mean":
         empty = response_mask.sum(dim=-1) == 0
-        if empty.any() and not allow_empty_rows:
+        if empty.any() and empty_rows == "raise":
             raise ValueError(
                 f"response_mask rows {empty.nonzero().flatten().tolist()} have no response token; masked_mean over "
                 "them is undefined (expected at least one 1 per row)"
@@ -582,89 +431,8 @@ def compute_grpo_loss(
     return per_example.mean()
 
 
-def grpo_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"],
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | None = None,
-    length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
-    normalize_constant: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward-and-backward of one GRPO microbatch.
-
-    per-token loss (``compute_policy_gradient_loss``) -> per-example length normalization and batch mean
-    (``compute_grpo_loss``) -> divided by ``gradient_accumulation_steps`` -> ``backward()``. Calling it repeatedly
-    without zeroing gradients accumulates them as PyTorch does.
-
-    Args:
-        policy_log_probs: (B, T), requires grad.
-        response_mask: (B, T).
-        gradient_accumulation_steps: microbatches per optimizer step (>= 1).
-        loss_type, raw_rewards, advantages, old_log_probs, cliprange: see ``compute_policy_gradient_loss``.
-        length_normalization, normalize_constant: see ``compute_grpo_loss``.
-
-    Returns:
-        ``(loss, metadata)``: the 0-d loss that was back-propagated (already divided by the accumulation steps,
-        detached) and the loss function's metadata.
-
-    Raises:
-        ValueError: as ``compute_policy_gradient_loss`` and ``compute_grpo_loss``, and for
-        ``gradient_accumulation_steps`` < 1.
-
-    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``).
-    """
-    if gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
-    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
-    )
-    loss = compute_grpo_loss(per_token_loss, response_mask, length_normalization, normalize_constant)
-    loss = loss / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), metadata
-
-
-def sft_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    normalize_constant: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward-and-backward of one SFT microbatch: negative log-likelihood of the response tokens.
-
-    Per example, the sum of -log p over response tokens divided by ``normalize_constant``
-    (``masked_normalize``); then the mean over the batch; divided by ``gradient_accumulation_steps``;
-    ``backward()``.
-
-    Args:
-        policy_log_probs: (B, T), requires grad.
-        response_mask: (B, T), 1 on response tokens.
-        gradient_accumulation_steps: microbatches per optimizer step (>= 1).
-        normalize_constant: divisor of each example's summed NLL (default 1.0).
-
-    Returns:
-        ``(loss, metadata)``: the back-propagated 0-d loss (detached) and ``{"nll_per_example": (B,)}``.
-
-    Raises:
-        ValueError: on a shape mismatch, ``gradient_accumulation_steps`` < 1, or ``normalize_constant`` = 0.
-
-    Source: CS336 A5 handout, section 4.2 (``sft_microbatch_train_step``).
-    """
-    if gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
-    per_example = masked_normalize(-policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
-    loss = per_example.mean() / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), {"nll_per_example": per_example.detach()}
-
-
 # --------------------------------------------------------------------------------------------------------------
-# KL estimators and GAE
+# KL estimators and the adaptive KL coefficient
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -736,45 +504,6 @@ def adaptive_kl_coefficient(
             raise ValueError(f"{name}={value!r}; expected a positive number")
     error = min(max(measured_kl / kl_target - 1.0, -0.2), 0.2)
     return beta * (1.0 + error * n_steps / kl_horizon)
-
-
-def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, gamma: float = 0.99, lam: float = 0.95
-) -> torch.Tensor:
-    """Generalized advantage estimation.
-
-    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}, with A_T = 0, i.e.
-    A_t = sum_{l >= 0} (gamma * lam)^l * delta_{t+l}. ``values[..., T]`` is the bootstrap value of the state after
-    the last reward (0 for a terminal state).
-
-    Args:
-        rewards: (..., T) rewards.
-        values: (..., T + 1) value estimates, same leading dimensions.
-        gamma: discount factor in [0, 1] (default 0.99).
-        lam: GAE lambda in [0, 1] (default 0.95); lam = 1 gives Monte-Carlo returns minus V, lam = 0 the TD error.
-
-    Returns:
-        (..., T) advantages, float like ``rewards``, no gradient.
-
-    Raises:
-        ValueError: when ``values`` is not one step longer than ``rewards`` or the leading shapes differ.
-
-    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation".
-    """
-    if values.shape[:-1] != rewards.shape[:-1] or values.shape[-1] != rewards.shape[-1] + 1:
-        raise ValueError(
-            f"values has shape {tuple(values.shape)} and rewards {tuple(rewards.shape)}; "
-            "expected values to be (..., T + 1) for rewards (..., T)"
-        )
-    rewards = rewards.detach()
-    values = values.detach().to(rewards.dtype)
-    deltas = rewards + gamma * values[..., 1:] - values[..., :-1]
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[..., 0])
-    for t in range(rewards.shape[-1] - 1, -1, -1):
-        running = deltas[..., t] + gamma * lam * running
-        advantages[..., t] = running
-    return advantages
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -891,68 +620,6 @@ def dpo_loss(
     return losses.mean()
 
 
-def per_instance_dpo_loss(
-    lm: torch.nn.Module,
-    lm_ref: torch.nn.Module,
-    tokenizer: Any,
-    beta: float,
-    prompt: str,
-    response_chosen: str,
-    response_rejected: str,
-    label_smoothing: float = 0.0,
-) -> torch.Tensor:
-    """DPO loss of one preference pair, straight from two causal LMs (the course supplement's helper).
-
-    Both responses are rendered after the same ``prompt`` string (apply any template or chat markup to it first),
-    with the tokenizer's EOS appended (unless the response already ends with it); prompt and response are tokenized
-    separately (``tokenize_prompt_and_output``), so the prompt tokens are identical in both sequences. The summed
-    log-probs over the response tokens only (EOS included) under ``lm`` and ``lm_ref`` go into ``dpo_loss``. The
-    reference runs under ``torch.no_grad``; gradients flow into ``lm``.
-
-    Args:
-        lm: the policy, a causal LM whose forward returns ``.logits``.
-        lm_ref: the frozen reference LM (may sit on another device).
-        tokenizer: tokenizer of both models, with ``eos_token`` and ``pad_token_id``.
-        beta: DPO beta (> 0).
-        prompt: the rendered prompt.
-        response_chosen: the preferred response (without EOS).
-        response_rejected: the dispreferred response.
-        label_smoothing: cDPO eps (default 0.0), see ``dpo_loss``.
-
-    Returns:
-        0-d tensor (on ``lm``'s device).
-
-    Raises:
-        ValueError: when a response is empty, the two responses are identical (h would be 0 whatever the models),
-        the tokenizer has no EOS token, or as ``dpo_loss``.
-
-    Source: CS336 A5 supplement (``compute_per_instance_dpo_loss``); Rafailov et al. 2023.
-    """
-    for name, response in (("response_chosen", response_chosen), ("response_rejected", response_rejected)):
-        if not response:
-            raise ValueError(f"{name} is empty; expected a non-empty response string")
-    if response_chosen == response_rejected:
-        raise ValueError(
-            "response_chosen and response_rejected are identical; a preference pair needs two different responses"
-        )
-    eos = tokenizer.eos_token
-    if eos is None:
-        raise ValueError("tokenizer has no eos_token; the responses must end with EOS")
-    outputs = [r if r.endswith(eos) else r + eos for r in (response_chosen, response_rejected)]
-    batch = tokenize_prompt_and_output([prompt, prompt], outputs, tokenizer)
-
-    def summed_response_logps(model: torch.nn.Module) -> torch.Tensor:
-        device = next(model.parameters()).device
-        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]
-        return masked_normalize(log_probs, batch["response_mask"].to(device), dim=-1)
-
-    policy = summed_response_logps(lm)
-    with torch.no_grad():
-        ref = summed_response_logps(lm_ref).to(policy.device)
-    return dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], beta, label_smoothing)
-
-
 def _neg_log1mexp(log_p: torch.Tensor, min_one_minus_p: float) -> torch.Tensor:
     """-log(max(1 - p, min_one_minus_p)) from log p, without forming 1 - p when p is near 1 or near 0."""
     x = log_p.float().clamp(max=math.log1p(-min_one_minus_p))
@@ -1038,7 +705,6 @@ def banned_token_unlikelihood_loss(
 __all__ += [
     "bradley_terry_loss",
     "dpo_loss",
-    "per_instance_dpo_loss",
     "unlikelihood_loss",
     "banned_token_unlikelihood_loss",
 ]

@@ -539,7 +539,7 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             mask,
             self.args.length_normalization,
             normalize_constant=self.max_completion_length,
-            drop_empty_rows=True,  # rows masked by mask_truncated_completions leave the mean (upstream: count as 0)
+            empty_rows="drop",  # rows masked by mask_truncated_completions leave the mean (upstream: "zero")
         )
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
