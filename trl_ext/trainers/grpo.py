@@ -43,11 +43,15 @@ from trl.trainer.utils import nanmax, nanmin
 from .. import functional as F
 from ..data.prompts import strip_leading_bos
 from ..shared_prompts import (
+    SavingsDecision,
     accepts_position_ids,
+    announce,
     cache_argument,
     forward_with_shared_prompts,
     generate_with_shared_prompts,
     position_ids_from_attention_mask,
+    savings_decision,
+    training_noise,
 )
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
@@ -375,6 +379,16 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self._share_prompts = self.args.share_prompt_cache and not sharded
         self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
+        if self._share_prompts or self._skip_zero_advantage:
+            # Exact or off, per model (trl_ext.shared_prompts.savings_decision): one log line names what is off and why.
+            decision, noise = savings_decision(self.model), training_noise(self.model)
+            decision = SavingsDecision(
+                share_prompts=(decision.share_prompts or noise) if self._share_prompts else None,
+                skip_rows=(decision.skip_rows or noise) if self._skip_zero_advantage else None,
+            )
+            announce(self.model, decision)
+            self._share_prompts = self._share_prompts and decision.share_prompts is None
+            self._skip_zero_advantage = self._skip_zero_advantage and decision.skip_rows is None
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
