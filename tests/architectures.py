@@ -83,3 +83,52 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model.train()
+
+
+def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str]]:
+    """(architecture, prompt sharing, zero-row skipping) for ``FAST`` and every other causal-LM type: "on", the
+    reason a saving is off, or why the generic tiny config could not build the model."""
+    import os
+    import signal
+
+    from trl_ext.shared_prompts import savings_decision, training_noise
+
+    rows = []
+    names = list(FAST) + [t for t in all_causal_lm_types() if t not in {n.split(":")[0] for n in FAST}]
+    for name in names:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # each model in a child: a model that allocates too much or hangs cannot stop the table
+            os.close(read)
+            signal.alarm(120)
+            try:
+                model = tiny_model(name, vocab_size)
+                decision = savings_decision(model)
+                noise = training_noise(model)
+                row = (decision.share_prompts or noise or "on", decision.skip_rows or noise or "on")
+            except BaseException as err:  # noqa: BLE001
+                row = (f"not built: {type(err).__name__}: {str(err)[:80]}", "")
+            os.write(write, "\t".join(row).replace("\n", " ").encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        os.waitpid(pid, 0)
+        share, _, skip = text.partition("\t") if text else ("not built: the process was killed", "", "")
+        rows.append((name, share, skip))
+    return rows
+
+
+if __name__ == "__main__":
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    logging.getLogger("trl_ext").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    print("| architecture | share_prompt_cache | skip_zero_advantage_rows |\n|---|---|---|")
+    for name, share, skip in decision_table():
+        print(f"| {name} | {share} | {skip} |", flush=True)

@@ -53,6 +53,7 @@ from ..shared_prompts import (
     savings_decision,
     training_noise,
 )
+from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -175,7 +176,10 @@ class GRPOConfig(trl.GRPOConfig):
             "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
             "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
             "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
-            "ranks must run the same forwards). Set False to run TRL's unshared forwards."
+            "ranks must run the same forwards), and wherever it cannot be exact for the model, decided once per "
+            "model and said in one log line (trl_ext.shared_prompts.savings_decision: length-dependent RoPE, "
+            "caches that cannot be indexed by row such as linear-attention/SSM layers, active dropout, ...) or for a "
+            "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
         },
     )
     skip_zero_advantage_rows: bool = field(
@@ -184,7 +188,28 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
             "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective)."
+            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor where a "
+            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Dynamic sampling (DAPO, Yu et al. 2025): keep drawing extra generation rounds of new prompt "
+            "groups until every process's generation batch holds only groups with a gradient (rewards not all "
+            "equal; for pg_loss_type='no_baseline', raw rewards not all 0, since an all-equal nonzero group still "
+            "has a gradient there), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
+            "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
+            "seeded permutation of the training set (position saved with each checkpoint). Logs "
+            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted. Needs per_device_train_batch_size x "
+            "steps_per_generation to be a multiple of num_generations. Default False (TRL's behaviour)."
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "With dynamic_sampling: most generation rounds per generation batch, the first included "
+            "(default 4; like verl's max_num_gen_batches). Each extra round costs one full generation."
         },
     )
     loss_type: str | None = field(
@@ -330,7 +355,7 @@ _UPSTREAM_REFUSALS = {
 }
 
 
-class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -371,6 +396,8 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             raise
         if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:  # upstream: only at train()
             raise ImportError(_missing_engine("use_liger_kernel", "liger_kernel"))
+        if args.dynamic_sampling:
+            self._check_dynamic_sampling()
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
@@ -395,6 +422,7 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             **super()._checkpoint_state(),
+            "dynamic_sampling": None if self._dynamic_state is None else self._dynamic_state.as_dict(),
             "beta": self.beta,
             "kl_window": self._kl_window.tolist(),
             "step": self._step,  # upstream's micro-batch counter: where in the rollout cycle the run stopped
@@ -402,6 +430,8 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
     def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         super()._restore_checkpoint_state(state)
+        if state.get("dynamic_sampling") is not None and self._dynamic_state is not None:
+            self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
         self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
         self._step = state["step"]
@@ -426,8 +456,10 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         self._gathered_rewards = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+    def _generate_and_score_round(self, inputs):
+        # One generation round: upstream generates and scores, then the course advantages replace upstream's.
+        # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
+        output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
         rewards_per_func = self._gathered_rewards
         # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
