@@ -284,29 +284,52 @@ def _rope_types(config: Any) -> set[str]:
     return types
 
 
-FUNCTIONAL_NOISE_FIELDS = ("attention_dropout", "router_jitter_noise")
-"""Config fields that transformers' models apply as functional dropout or noise in training (no Dropout module)."""
+def _noise_sources(model: Any) -> list[str]:
+    """Dropout modules with p > 0 and config fields naming a dropout or jitter rate > 0: what can make a forward
+    random in training (used to word ``training_noise``'s reason)."""
+    sources = [f"{name} p={module.p:g}" for name, module in _base_model(model).named_modules()
+               if isinstance(module, torch.nn.Dropout) and module.p > 0][:1]
+    for config in _configs(model):
+        for key, value in vars(config).items():
+            if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                sources.append(f"config.{key}={value:g}")
+    return sources
 
 
 def training_noise(model: Any) -> str | None:
-    """Why ``model``'s training forward is random (active dropout or router jitter), or None.
+    """Why ``model``'s training forward is random (dropout, router jitter, ...), or None.
 
-    Under dropout, a shared prompt would share one dropout mask across its rows and a separately run batch of rows
-    would draw other masks than the plain forward: neither saving can give the plain path's numbers. Checked at use
-    (TRL's ``disable_dropout=True`` sets the Dropout modules to 0 and keeps the savings).
+    Measured, not guessed: the probe batch runs twice in training mode, without gradient and with the random state
+    saved and restored around it (the run's random numbers are untouched); outputs that differ mean noise. Functional
+    dropout from a config field (e.g. OPT's ``config.dropout``) counts too, which TRL's ``disable_dropout`` (it
+    zeroes Dropout modules) does not turn off. Under noise, a shared prompt would share one dropout mask across its
+    rows and a separately run batch would draw other masks than the plain forward: neither saving can give the plain
+    path's numbers.
 
     Returns:
-        e.g. ``"transformer.h.0.attn.attn_dropout p=0.1"`` or ``"config.attention_dropout=0.1"``; None without noise.
+        e.g. ``"the training forward is random (config.dropout=0.1)"``; None when two training forwards agree.
     """
-    for name, module in _base_model(model).named_modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            return f"dropout is active in training ({name} p={module.p:g}; disable_dropout=True keeps the saving)"
-    for config in _configs(model):
-        for key in FUNCTIONAL_NOISE_FIELDS:
-            value = getattr(config, key, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                return f"config.{key}={value:g} makes the training forward random"
-    return None
+    try:
+        parameter = next(model.parameters())
+    except (StopIteration, AttributeError):
+        return None
+    ids, mask = _probe_batch(model, parameter.device)
+    was_training = model.training
+    devices = [parameter.device] if parameter.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.train()
+            first = model(input_ids=ids, attention_mask=mask).logits
+            second = model(input_ids=ids, attention_mask=mask).logits
+    except Exception:  # noqa: BLE001 -- the sharing probe reports a model that cannot run this batch
+        return None
+    finally:
+        model.train(was_training)
+    if torch.equal(first, second):
+        return None
+    sources = _noise_sources(model)
+    where = "; ".join(sources) if sources else "dropout or noise in train mode"
+    return f"the training forward is random ({where}; disable_dropout=True keeps the saving where Dropout modules are the cause)"
 
 
 def static_sharing_blocker(model: Any) -> str | None:
