@@ -75,6 +75,7 @@ EXPERIMENTS = (  # the order of --experiment all: the reference arm first, reuse
     "off_policy",
     "clip_ablation",
     "prompt",
+    "dynamic_sampling",
 )
 REFERENCE = {
     "trainer": "trl_ext",
@@ -182,6 +183,8 @@ def experiment_arms(name: str, script_args: AblationArguments, training_args) ->
             off_policy_arm(f"grpo_clip_{s}", s, training_args, "grpo_clip", script_args.cliprange),
             off_policy_arm(f"grpo_no_clip_{s}", s, training_args, "grpo_no_clip", script_args.cliprange),
         ]
+    if name == "dynamic_sampling":  # DAPO: extra rounds until every group of the batch has unequal rewards
+        return [{**ref, "name": "dynamic_sampling_off"}, {**ref, "name": "dynamic_sampling_on", "dynamic_sampling": True}]
     if name == "prompt":
         return [{**ref, "name": "r1_zero", "task": "r1_zero"}, {**ref, "name": "question_only", "task": "question_only"}]
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")

@@ -29,15 +29,24 @@ TOKENIZER_DIR_ENV = "TRL_EXT_TEST_TOKENIZER_DIR"
 machine: scripts/fetch_gpu_wheels.sh exports them to .gpu_wheels/tokenizer and scripts/gpu_check.sh sets this)."""
 
 
+LONG_TAIL_ENV = "TRL_EXT_ARCHITECTURE_LONG_TAIL"
+"""Set to 1 to run the `long_tail` architecture matrix (every causal-LM architecture of transformers; ~30 minutes)."""
+
 GPU_TESTS_ON_CPU_ENV = "TRL_EXT_GPU_TESTS_ON_CPU"
 """Set to 1 to run the `gpu` tests on the CPU instead of skipping them (checks their logic where no GPU is lent)."""
 
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `gpu` when torch sees no CUDA device (scripts/gpu_check.sh runs them on a GPU machine),
-    unless `$TRL_EXT_GPU_TESTS_ON_CPU` is 1."""
+    unless `$TRL_EXT_GPU_TESTS_ON_CPU` is 1; skip the `long_tail` architecture matrix unless
+    `$TRL_EXT_ARCHITECTURE_LONG_TAIL` is 1."""
     import torch
 
+    if os.environ.get(LONG_TAIL_ENV) != "1":
+        skip_tail = pytest.mark.skip(reason=f"long_tail: set {LONG_TAIL_ENV}=1 to run every architecture (~30 minutes)")
+        for item in items:
+            if "long_tail" in item.keywords:
+                item.add_marker(skip_tail)
     if torch.cuda.is_available() or os.environ.get(GPU_TESTS_ON_CPU_ENV) == "1":
         return
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device (torch.cuda.is_available() is False)")

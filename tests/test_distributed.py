@@ -7,7 +7,7 @@ temporary directory, for 2 GRPO steps. Recording hooks, test-only:
 - the recipe's training reward (``trl_ext.rewards.arithmetic_reward``, which is always 0 on a random model) is
   replaced by a deterministic reward that varies, ``len(completion) % 5``, and logs the prompts, completions and
   rewards of each call -- TRL calls it on each rank with that rank's slice of the batch;
-- ``GRPOTrainer._generate_and_score_completions`` is wrapped to write, per rank, one JSON line per completion:
+- ``GRPOTrainer._generate_and_score_round`` (one generation round) is wrapped to write, per rank, one JSON line per completion:
   (call, rank, local index, prompt, completion, reward, advantage this rank trains on);
 - ``GRPOTrainer.train`` is wrapped to write, per rank, the distributed state and a digest of the final weights.
 
@@ -65,13 +65,13 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
     trl_ext.rewards.arithmetic_reward = recording_reward  # read by the recipe's REWARDS table when it runs
 
     trainer_cls = trl_ext.GRPOTrainer
-    generate_and_score = trainer_cls._generate_and_score_completions
+    generate_and_score = trainer_cls._generate_and_score_round  # one generation round (dynamic sampling may draw several)
     train = trainer_cls.train
     call_count = {"n": 0}
 
     def recording_generate_and_score(self, inputs):
         output = generate_and_score(self, inputs)
-        (call,) = reward_calls  # exactly one reward call per generation batch on this rank
+        (call,) = reward_calls  # exactly one reward call per generation round on this rank
         reward_calls.clear()
         rank = self.accelerator.process_index
         advantages = output["advantages"].tolist()
@@ -101,7 +101,7 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
         (record_dir / f"rank{state.process_index}_final.json").write_text(json.dumps(final))
         return result
 
-    trainer_cls._generate_and_score_completions = recording_generate_and_score
+    trainer_cls._generate_and_score_round = recording_generate_and_score
     trainer_cls.train = recording_train
     sys.argv = [str(RECIPE), *recipe_argv]
     runpy.run_path(str(RECIPE), run_name="__main__")
@@ -134,7 +134,10 @@ def hand_group_advantages(rewards: list[float], eps: float) -> list[float]:
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, tokenizer):
     """Launch the recipe on 2 CPU processes once; return (work dir, initial weight digest, completed process)."""
-    work = tmp_path_factory.mktemp("two_proc")
+    return launch_two_processes(tmp_path_factory.mktemp("two_proc"), tokenizer)
+
+
+def launch_two_processes(work, tokenizer, per_device_batch=PER_DEVICE_BATCH, extra=()):
     model_dir, out_dir, record_dir = work / "tiny", work / "out", work / "records"
     record_dir.mkdir()
     model = tiny_model_for_tests(tokenizer, seed=0)
@@ -144,7 +147,7 @@ def two_process_run(tmp_path_factory, tokenizer):
         "--model_name_or_path", str(model_dir),
         "--output_dir", str(out_dir),
         "--max_steps", str(MAX_STEPS),
-        "--per_device_train_batch_size", str(PER_DEVICE_BATCH),
+        "--per_device_train_batch_size", str(per_device_batch),
         "--num_generations", str(NUM_GENERATIONS),
         "--max_completion_length", "8",
         "--num_train_problems", "24",
@@ -156,6 +159,7 @@ def two_process_run(tmp_path_factory, tokenizer):
         "--save_strategy", "no",
         "--report_to", "none",
         "--seed", "0",
+        *extra,
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -255,3 +259,19 @@ def test_saved_model_loads_with_trained_weights(two_process_run):
     assert metrics["train_steps"] == MAX_STEPS
     assert metrics["n_eval"] == 4
     assert (out / "eval_before.jsonl").is_file() and (out / "eval_after.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_two_processes_keeps_the_ranks_identical(tmp_path, tokenizer):
+    """Dynamic sampling draws extra rounds while any rank lacks informative groups: both ranks draw the same number
+    of rounds (the same collectives) and end with identical weights."""
+    work, initial_digest, proc = launch_two_processes(
+        tmp_path, tokenizer, per_device_batch=4, extra=("--dynamic_sampling", "true", "--max_sampling_rounds", "3")
+    )
+    finals = [json.loads((work / "records" / f"rank{r}_final.json").read_text()) for r in range(NUM_PROCESSES)]
+    assert finals[0]["global_step"] == finals[1]["global_step"] == MAX_STEPS
+    assert finals[0]["param_digest"] == finals[1]["param_digest"] != initial_digest
+    records = read_records(work / "records")
+    # every rank drew the same rounds (at least one per step), 4 completions each
+    assert len(records[0]) == len(records[1]) >= MAX_STEPS * 4 and len(records[0]) % 4 == 0
+    assert sorted({r["call"] for r in records[0]}) == sorted({r["call"] for r in records[1]})

@@ -40,6 +40,7 @@ def test_every_experiment_changes_one_thing_from_the_reference():
         "off_policy": ["on_policy_1x1", "grpo_clip_2x1", "grpo_clip_2x2"],
         "clip_ablation": ["grpo_clip_2x2", "grpo_no_clip_2x2"],
         "prompt": ["r1_zero", "question_only"],
+        "dynamic_sampling": ["dynamic_sampling_off", "dynamic_sampling_on"],
     }
     no_baseline, rwb = arms_of("baselines", script_args, training_args)
     assert rwb.settings == ref and no_baseline.settings == {**ref, "pg_loss_type": "no_baseline"}
@@ -52,6 +53,8 @@ def test_every_experiment_changes_one_thing_from_the_reference():
     clip, no_clip = arms_of("clip_ablation", script_args, training_args)
     assert clip.settings == e2k2.settings and no_clip.settings == {**e2k2.settings, "pg_loss_type": "grpo_no_clip"}
     assert [a.task for a in arms_of("prompt", script_args, training_args)] == ["r1_zero", "question_only"]
+    off, on = arms_of("dynamic_sampling", script_args, training_args)
+    assert off.settings == ref and on.settings == {**ref, "dynamic_sampling": True}
 
 
 def test_arms_shared_between_experiments_have_one_key():
@@ -60,10 +63,10 @@ def test_arms_shared_between_experiments_have_one_key():
     reference = key("baselines", 1)
     # the reference arm under four more names, and on-policy GRPO-Clip (ratio 1: the same gradient)
     assert reference == key("std_normalization", 0) == key("length_normalization", 0) == key("learning_rate", 1)
-    assert reference == key("off_policy", 0)
+    assert reference == key("off_policy", 0) == key("dynamic_sampling", 0)
     assert key("off_policy", 2) == key("clip_ablation", 0)
     keys = {arm_key(a, training_args) for e in grpo_ablations.EXPERIMENTS for a in arms_of(e, script_args, training_args)}
-    assert len(keys) == 11  # what --experiment all trains
+    assert len(keys) == 12  # what --experiment all trains
 
 
 def test_run_comparison_reuses_a_cached_arm_without_training(tmp_path):

@@ -94,12 +94,20 @@ def resume_args(output_dir, max_steps, save_steps, **overrides):
 # ----- GRPO -----
 
 
+def constant_for_two_prompts(prompts, completions, **kwargs):
+    """length_mod5_reward, except 'Count to 3:' to 'Count to 5:' always get 1: their groups carry no gradient."""
+    varied = length_mod5_reward(completions)
+    return [1.0 if p.startswith(("Count to 3:", "Count to 4:", "Count to 5:")) else r for p, r in zip(prompts, varied)]
+
+
 @pytest.mark.parametrize(
     "options",
     [
         pytest.param(dict(beta=0.04), id="fixed-beta"),
         # k = 3 falls inside the second rollout cycle (steps 3-4 train on one rollout twice)
         pytest.param(dict(beta=0.08, kl_target=0.001, kl_horizon=40, num_iterations=2), id="adaptive-beta-2-iterations"),
+        # extra rounds draw from trl_ext's own permutation: its position is in the checkpoint (step 4 generates after it)
+        pytest.param(dict(beta=0.0, dynamic_sampling=True, max_sampling_rounds=3), id="dynamic-sampling"),
     ],
 )
 def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
@@ -113,7 +121,8 @@ def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
                           learning_rate=1e-2, temperature=1.5),
             **options,
         )
-        return trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args,
+        reward = constant_for_two_prompts if options.get("dynamic_sampling") else length_mod5_reward
+        return trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=args,
                                    train_dataset=dataset, processing_class=tok, callbacks=callbacks)
 
     straight, state = check_resume(build, tmp_path, max_steps=4, stop_at=3)
@@ -124,6 +133,10 @@ def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
         assert state["step"] == 3 and state["kl_window"][1] > 0  # step 3 was the rollout's first pass
     else:
         assert state["beta"] == options["beta"]
+    if options.get("dynamic_sampling"):
+        # step 4, after the resume, drew an extra round: from the sampler position the checkpoint restored
+        assert logs[3]["dynamic_sampling/rounds"] > 1, [entry["dynamic_sampling/rounds"] for entry in logs]
+        assert state["dynamic_sampling"]["position"] + state["dynamic_sampling"]["epoch"] * 4 >= 1
 
 
 # ----- SFT with unsafe rows -----

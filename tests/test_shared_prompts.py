@@ -157,6 +157,7 @@ def test_generation_with_shared_prefill_gives_the_same_tokens(model, tokenizer, 
     with torch.no_grad():
         torch.manual_seed(7)
         plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        shared_prompts.savings_decision(model)  # the once-per-model probe runs first, outside the recorded forwards
         prefills = []
         handle = model.register_forward_pre_hook(lambda m, a, kw: prefills.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
         generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), use_positions=True)

@@ -71,3 +71,24 @@ def test_an_untested_trl_version_fails_unless_allowed(monkeypatch):
 
 def test_installed_trl_is_the_pinned_one():
     assert trl.__version__ in upstream.TESTED_TRL_VERSIONS
+
+
+def test_grpo_module_docstrings_list_exactly_the_upstream_methods_each_class_overrides():
+    import trl
+
+    import trl_ext.grpo_speed as speed
+    import trl_ext.trainers.dynamic_sampling as dynamic
+    import trl_ext.trainers.grpo as grpo
+    from trl_ext.trainers.upstream import TrainerMixin
+
+    def overrides(cls):
+        return {name for name in vars(cls) if callable(getattr(trl.GRPOTrainer, name, None))}
+
+    upstream_named = overrides(grpo.GRPOTrainer) - set(vars(TrainerMixin))  # the checkpoint hooks are TrainerMixin's
+    assert upstream_named == {"__init__", "_calculate_rewards", "_tokenize_prompts", "_compute_loss", "training_step"}
+    assert overrides(speed.GRPOSpeedMixin) == {"_generate_single_turn", "_get_per_token_logps_and_entropies"}
+    assert overrides(dynamic.DynamicSamplingMixin) == {"_generate_and_score_completions"}
+    for name in upstream_named | overrides(dynamic.DynamicSamplingMixin):
+        assert f"``{name}``" in grpo.__doc__, name
+    for name in overrides(speed.GRPOSpeedMixin):
+        assert f"``{name}``" in speed.__doc__ and f"``{name}``" in grpo.__doc__, name

@@ -9,14 +9,43 @@ the sum over its rows, which autograd forms through the index), up to float roun
 
 Both helpers fall back to the plain call when nothing is shared (every prompt distinct, a one-token prompt) or the
 model returns no cache (e.g. gradient checkpointing turns ``use_cache`` off).
+
+Exact or off, decided per model (``savings_decision``, once per model object) and per generation call
+(``generation_blocker``): sharing is turned off, with one log line saying why, for a model whose cached forward
+transformers computes differently from the full forward (``CACHED_FORWARD_BUGS``), for length-dependent rotary
+embeddings (``rope_type`` dynamic-NTK or LongRoPE: the prompt alone would pick another frequency table than the full
+sequence), for active dropout (a shared prompt would share one dropout mask across its rows), and for any model on
+which a small probe -- a shared against a plain forward and greedy generation of a few tokens -- raises or
+disagrees (linear-attention, state-space and hybrid caches that cannot be indexed by row, for instance); and for a
+generation call with options sharing cannot honour (beam search, several sequences per prompt, a cache
+implementation, ``use_cache=False``, chunked prefill, assisted generation). ``skip_zero_advantage_rows`` (GRPO),
+which runs the rows without gradient as a separate batch, is off where one row's outputs depend on the others in the
+batch (probed) or dropout is active.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger("trl_ext")
+
+CACHED_FORWARD_BUGS = {
+    "mpt": "MPT's ALiBi bias in transformers ignores the cache offset: from the second new token on, generation given "
+    "a prefix cache is 0.07-0.22 logits away from the full forward",
+}
+"""Architectures (``config.model_type``) whose cached forward transformers computes wrongly; sharing is off there."""
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope", "su")
+"""``rope_type`` values whose frequencies depend on the sequence length: dynamic-NTK (and its variants) and
+LongRoPE (Phi-3 long context; ``su`` is its old name)."""
+
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest |log-prob difference| the probe accepts between shared and plain; 5e-2 for half-precision weights."""
 
 
 def group_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +203,9 @@ def forward_with_shared_prompts(
     return model(input_ids=input_ids[:, split:], attention_mask=attention_mask, **extra, **{cache_name: cache}, **kwargs)
 
 
-def generate_with_shared_prompts(generate: Callable, model: Callable, cache_name: str, use_positions: bool):
+def generate_with_shared_prompts(
+    generate: Callable, model: Callable, cache_name: str, use_positions: bool, *, check_model: bool = True
+):
     """Wrap ``model.generate`` so each distinct prompt is prefilled once and its cache indexed into every row.
 
     Only text prompts are handled (``input_ids``, ``attention_mask``, ``generation_config`` and generation options
@@ -182,16 +213,25 @@ def generate_with_shared_prompts(generate: Callable, model: Callable, cache_name
     static cache go to ``generate`` unchanged. Prefill positions follow generation's
     rule (cumsum of the mask - 1) when ``use_positions``; generation then continues from the last prompt token, so
     sampling draws the same random numbers in the same order as without the cache.
+
+    Exact or off: with ``check_model`` (default) a model on which sharing is not exact (``savings_decision``) and a
+    call whose options sharing cannot honour (``generation_blocker``) run the plain ``generate``, each announced in
+    one log line.
     """
     def wrapped(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         call = dict(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
         config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-        cache_impl = getattr(config, "cache_implementation", None)  # e.g. a model whose defaults ask for a static cache
-        model_inputs = [k for k, v in kwargs.items() if torch.is_tensor(v) or k in ("cache", "past_key_values", "cache_implementation")]
-        if (
-            model_inputs or input_ids is None or attention_mask is None or input_ids.size(1) < 2
-            or cache_impl not in (None, "dynamic")
-        ):
+        model_inputs = [k for k, v in kwargs.items() if torch.is_tensor(v) or k in ("cache", "past_key_values")]
+        if model_inputs or input_ids is None or attention_mask is None or input_ids.size(1) < 2:
+            return generate(**call)
+        blocker = generation_blocker(config, kwargs)
+        if blocker is None and check_model:
+            reason = savings_decision(model).share_prompts or (training_noise(model) if model.training else None)
+            if reason is not None:
+                announce(model, SavingsDecision(share_prompts=reason), ("prompt sharing in generation", ""))
+                return generate(**call)
+        if blocker is not None:
+            announce(model, SavingsDecision(share_prompts=f"this generate call has {blocker}"), ("prompt sharing in generation", ""))
             return generate(**call)
         prefix_ids, prefix_mask = input_ids[:, :-1], attention_mask[:, :-1]
         positions = position_ids_from_attention_mask(prefix_mask) if use_positions else None
@@ -202,3 +242,261 @@ def generate_with_shared_prompts(generate: Callable, model: Callable, cache_name
         return generate(**call, **{cache_name: cache})
 
     return wrapped
+
+
+# -- exact or off ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavingsDecision:
+    """What the speed savings may do on one model: ``None`` where a saving is exact, else why it is off.
+
+    Attributes:
+        share_prompts: reason ``share_prompt_cache`` (and evaluation's prefix sharing) is off, or None.
+        skip_rows: reason ``skip_zero_advantage_rows`` is off, or None.
+    """
+
+    share_prompts: str | None = None
+    skip_rows: str | None = None
+
+
+def _base_model(model: Any) -> Any:
+    base = getattr(model, "module", model)
+    return base.get_base_model() if hasattr(base, "get_base_model") else base
+
+
+def _configs(model: Any) -> list[Any]:
+    config = getattr(_base_model(model), "config", None)
+    if config is None:
+        return []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [config] if text is config else [config, text]
+
+
+def _rope_types(config: Any) -> set[str]:
+    types = set()
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, name, None)
+        values = value.values() if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()) else [value]
+        for params in values:  # per-layer-type parameters (e.g. Gemma 3: {"full_attention": {...}, ...}) or one dict
+            if isinstance(params, dict):
+                types.add(str(params.get("rope_type", params.get("type", "default"))))
+    return types
+
+
+def _noise_sources(model: Any) -> list[str]:
+    """Dropout modules with p > 0 and config fields naming a dropout or jitter rate > 0: what can make a forward
+    random in training (used to word ``training_noise``'s reason)."""
+    sources = [f"{name} p={module.p:g}" for name, module in _base_model(model).named_modules()
+               if isinstance(module, torch.nn.Dropout) and module.p > 0][:1]
+    for config in _configs(model):
+        for key, value in vars(config).items():
+            if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                sources.append(f"config.{key}={value:g}")
+    return sources
+
+
+def training_noise(model: Any) -> str | None:
+    """Why ``model``'s training forward is random (dropout, router jitter, ...), or None.
+
+    Measured, not guessed: the probe batch runs twice in training mode, without gradient and with the random state
+    saved and restored around it (the run's random numbers are untouched); outputs that differ mean noise. Functional
+    dropout from a config field (e.g. OPT's ``config.dropout``) counts too, which TRL's ``disable_dropout`` (it
+    zeroes Dropout modules) does not turn off. Under noise, a shared prompt would share one dropout mask across its
+    rows and a separately run batch would draw other masks than the plain forward: neither saving can give the plain
+    path's numbers.
+
+    Returns:
+        e.g. ``"the training forward is random (config.dropout=0.1)"``; None when two training forwards agree.
+    """
+    try:
+        parameter = next(model.parameters())
+    except (StopIteration, AttributeError):
+        return None
+    ids, mask = _probe_batch(model, parameter.device)
+    was_training = model.training
+    devices = [parameter.device] if parameter.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.train()
+            first = model(input_ids=ids, attention_mask=mask).logits
+            second = model(input_ids=ids, attention_mask=mask).logits
+    except Exception:  # noqa: BLE001 -- the sharing probe reports a model that cannot run this batch
+        return None
+    finally:
+        model.train(was_training)
+    if torch.equal(first, second):
+        return None
+    sources = _noise_sources(model)
+    where = "; ".join(sources) if sources else "dropout or noise in train mode"
+    return f"the training forward is random ({where}; disable_dropout=True keeps the saving where Dropout modules are the cause)"
+
+
+def static_sharing_blocker(model: Any) -> str | None:
+    """Why sharing cannot be exact for ``model`` from its configuration alone (no forward run), or None.
+
+    Checks ``CACHED_FORWARD_BUGS`` and ``LENGTH_DEPENDENT_ROPE`` on the model's config and its text config.
+    """
+    for config in _configs(model):
+        model_type = getattr(config, "model_type", None)
+        if model_type in CACHED_FORWARD_BUGS:
+            return f"{model_type}: {CACHED_FORWARD_BUGS[model_type]}"
+        dependent = sorted(t for t in _rope_types(config) if t.startswith("dynamic") or t in LENGTH_DEPENDENT_ROPE)
+        if dependent:
+            return (
+                f"rope_type {dependent[0]!r} depends on the sequence length: the prompt alone would use other "
+                "rotary frequencies than the full sequence"
+            )
+    return None
+
+
+def _probe_batch(model: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows: prompt A twice and a shorter, left-padded prompt B, each followed by 3 completion tokens."""
+    vocab = next((getattr(c, "vocab_size", None) for c in reversed(_configs(model)) if getattr(c, "vocab_size", None)), 64)
+    low, high = min(4, vocab - 1), vocab
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(low, high, (5,), generator=g), torch.randint(low, high, (3,), generator=g)
+    completions = torch.randint(low, high, (3, 3), generator=g)
+    pad = torch.full((2,), low, dtype=torch.long)
+    prompts = torch.stack([a, a, torch.cat([pad, b])])
+    ids = torch.cat([prompts, completions], dim=1)
+    mask = torch.ones_like(ids)
+    mask[2, :2] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _probe(model: Any, share_probe: bool = True) -> tuple[str | None, str | None]:
+    """Run sharing and row-splitting on a tiny batch against the plain computation; (share reason, skip reason)."""
+    base = _base_model(model)
+    try:
+        parameter = next(model.parameters())
+    except (StopIteration, AttributeError):
+        return "the model has no parameters to probe", "the model has no parameters to probe"
+    tolerance = PROBE_TOLERANCE.get(parameter.dtype, 5e-2)
+    ids, mask = _probe_batch(model, parameter.device)
+    positions = position_ids_from_attention_mask(mask) if accepts_position_ids(model) else None
+    extra = {} if positions is None else {"position_ids": positions}
+    was_training = model.training
+    model.eval()
+    share, skip = None, None
+    try:
+        with torch.no_grad():
+            plain = _log_probs(model(input_ids=ids, attention_mask=mask, **extra).logits)
+            try:  # the rows without gradient run as a batch of their own: a row must not depend on the others
+                alone = _log_probs(model(input_ids=ids[2:], attention_mask=mask[2:], **{k: v[2:] for k, v in extra.items()}).logits)
+                gap = (alone[0, 2:] - plain[2, 2:]).abs().max().item()
+                if not gap <= tolerance:
+                    skip = f"a row's log-probs depend on the other rows of its batch (probe: {gap:.2g} apart)"
+            except Exception as err:  # noqa: BLE001 -- any failure means: not exact here
+                skip = f"the row-split probe failed ({type(err).__name__}: {str(err)[:120]})"
+            try:
+                if not share_probe:
+                    return None, skip
+                shared = forward_with_shared_prompts(model, 5, ids, mask, positions, cache_name=cache_argument(model))
+                kept = shared.logits.size(1)  # T - 4, or T where no cache came back and the plain forward ran
+                gap = (_log_probs(shared.logits) - plain[:, -kept:]).abs().max().item()
+                if not gap <= tolerance:
+                    share = f"the shared-prompt forward is {gap:.2g} away from the plain forward (probe)"
+                elif hasattr(base, "generate"):
+                    share = _probe_generation(model, ids[:, :5], mask[:, :5], tolerance)
+            except Exception as err:  # noqa: BLE001
+                share = f"the shared-prompt probe failed ({type(err).__name__}: {str(err)[:120]})"
+    finally:
+        model.train(was_training)
+    return share, skip
+
+
+def _probe_generation(model: Any, ids: torch.Tensor, mask: torch.Tensor, tolerance: float) -> str | None:
+    options = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    config = getattr(model, "generation_config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None or isinstance(pad, list):
+        options["pad_token_id"] = int(ids[2, 0])
+    if generation_blocker(config, options) is not None:  # the model's own defaults (e.g. use_cache=False): never shared
+        return None
+    plain = model.generate(input_ids=ids, attention_mask=mask, **options)
+    wrapped = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model), check_model=False)
+    shared = wrapped(input_ids=ids, attention_mask=mask, **options)
+    if not torch.equal(plain.sequences, shared.sequences):
+        return "greedy generation with a shared prompt cache picked other tokens than without it (probe)"
+    gap = max((_log_probs(a) - _log_probs(b)).abs().max().item() for a, b in zip(plain.logits, shared.logits))
+    if not gap <= tolerance:
+        return f"generation with a shared prompt cache is {gap:.2g} away from plain generation (probe)"
+    return None
+
+
+def savings_decision(model: Any) -> SavingsDecision:
+    """Decide, once per model object, whether prompt sharing and zero-row skipping are exact on ``model``.
+
+    Static checks first (``static_sharing_blocker``), then the probe: on a 3-row batch of random
+    tokens (two rows share a prompt, one is left-padded; eval mode, no gradient, ~8 positions, so well under a second
+    on a 135M model) the shared-prompt forward and a 3-token greedy generation are compared with the plain ones, and
+    one row's forward alone with the same row inside the batch; an exception or a difference above
+    ``PROBE_TOLERANCE`` turns the saving off. The decision is cached on the underlying model. Training noise
+    (``training_noise``) is checked separately, at use, since it changes with ``train()``/``eval()`` and dropout.
+
+    Returns:
+        ``SavingsDecision`` with the reason each saving is off (None where it is exact).
+    """
+    base = _base_model(model)
+    cached = base.__dict__.get("_trl_ext_savings")
+    if cached is not None:
+        return cached
+    share = static_sharing_blocker(model)
+    share_probe, skip_probe = _probe(model, share_probe=share is None)
+    decision = SavingsDecision(share_prompts=share or share_probe, skip_rows=skip_probe)
+    base.__dict__["_trl_ext_savings"] = decision
+    return decision
+
+
+_announced: set[tuple[int, str]] = set()
+
+
+def announce(model: Any, decision: SavingsDecision, names: tuple[str, str] = ("share_prompt_cache", "skip_zero_advantage_rows")) -> str | None:
+    """Log, once per model and message, one line naming the savings that are off for ``model`` and why.
+
+    Returns:
+        The line (None when every saving is on).
+    """
+    parts = [f"{name} off: {reason}" for name, reason in zip(names, (decision.share_prompts, decision.skip_rows)) if name and reason]
+    if not parts:
+        return None
+    model_type = getattr(getattr(_base_model(model), "config", None), "model_type", type(_base_model(model)).__name__)
+    line = f"trl_ext speed savings on {model_type}: " + "; ".join(parts) + " (plain computation used, same numbers as upstream)"
+    key = (id(_base_model(model)), line)
+    if key not in _announced:
+        _announced.add(key)
+        logger.warning(line)
+    return line
+
+
+def generation_blocker(generation_config: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why one ``generate`` call cannot prefill shared prompts, from its options, or None.
+
+    Beam search and several sequences per prompt reorder or expand the cache rows; a ``cache_implementation`` (static,
+    offloaded, even ``"dynamic"``) cannot be combined with a cache passed in; ``use_cache=False`` keeps none; chunked
+    prefill and assisted generation (``assistant_model``, ``prompt_lookup_num_tokens``) prefill their own way.
+    """
+    def option(name, default=None):
+        if name in kwargs:
+            return kwargs[name]
+        return getattr(generation_config, name, default) if generation_config is not None else default
+
+    if (option("num_beams", 1) or 1) > 1:
+        return f"num_beams={option('num_beams')}"
+    if (option("num_return_sequences", 1) or 1) > 1:
+        return f"num_return_sequences={option('num_return_sequences')}"
+    if option("cache_implementation") is not None:
+        return f"cache_implementation={option('cache_implementation')!r}"
+    if option("use_cache", True) is False:
+        return "use_cache=False"
+    if option("prefill_chunk_size") is not None:
+        return f"prefill_chunk_size={option('prefill_chunk_size')}"
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
+        if option(name) is not None:
+            return f"{name} (assisted generation)"
+    return None

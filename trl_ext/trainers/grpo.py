@@ -1,27 +1,25 @@
 """GRPO with the course's advantages, loss and KL, everything else from ``trl.GRPOTrainer``.
 
-Two seams in TRL 1.16 are swapped, nothing else:
+``GRPOTrainer`` overrides these upstream methods (TRL 1.16), and no others:
 
-- advantages: ``_calculate_rewards`` returns the rewards of every process's completions (gathered); we keep them,
-  let upstream ``_generate_and_score_completions`` run, then replace its ``advantages`` with
-  ``functional.compute_group_advantages`` (or the raw rewards for ``pg_loss_type="no_baseline"``), sliced for
-  this process;
-- loss: ``_compute_loss`` is rebuilt from ``functional.compute_policy_gradient_loss``, ``functional.compute_kl``
-  and ``functional.compute_grpo_loss``; log-probs and entropies still come from upstream
-  ``_get_per_token_logps_and_entropies``.
+- ``__init__``: converts a ``trl.GRPOConfig``/``TrainingArguments`` (``GRPOConfig.from_upstream``), checks the seams
+  below still exist upstream (``check_upstream``), reports a missing vLLM/liger after upstream's own checks;
+- ``_calculate_rewards``: keeps the rewards of every process's completions (gathered) for the advantages;
+- ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
+  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with
+  ``functional.compute_group_advantages`` (or the raw rewards for ``pg_loss_type="no_baseline"``), sliced for this
+  process; with ``dynamic_sampling``, several rounds until the batch holds groups with a gradient;
+- ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
+  (one BOS, as ``trl_ext.eval`` sees it);
+- ``_compute_loss``: the course loss from ``functional.compute_policy_gradient_loss``, ``compute_kl`` and
+  ``compute_grpo_loss`` (a row with no trained token leaves the batch mean; upstream's ``grpo`` counts it as 0);
+- ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
+- the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
+  micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
 
-Speed (issue 11): with ``share_prompt_cache`` (default) each distinct prompt of a batch runs once and its key/value
-cache serves all of its completions, in transformers generation (``_generate_single_turn`` shadows ``generate`` for
-the call) and in the log-prob forward/backward (``_get_per_token_logps_and_entropies``); see
-``trl_ext.shared_prompts``. With ``skip_zero_advantage_rows`` (default, beta 0) ``_compute_loss`` runs rows whose
-advantage is exactly 0 without gradient: their loss and gradient are exactly 0, their values still feed the metrics.
-Same values up to float rounding.
-
-Two small hooks keep the inputs right (issue 10): ``_tokenize_prompts`` drops the BOS text of a plain-text prompt
-already rendered with a BOS-writing template (one BOS, as ``trl_ext.eval`` sees it), and
-``_get_per_token_logps_and_entropies`` passes generation's position ids (left padding with absolute positions). A
-row with no trained token (``mask_truncated_completions``) leaves the batch mean; upstream's ``grpo`` loss counts it
-as 0.
+The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
+``_get_per_token_logps_and_entropies`` (prompt-cache sharing, generation's position ids) and supplies the
+zero-advantage row skipping ``_compute_loss`` calls; each is on only where it is exact for the model.
 
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
@@ -30,7 +28,6 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -42,13 +39,8 @@ from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional as F
 from ..data.prompts import strip_leading_bos
-from ..shared_prompts import (
-    accepts_position_ids,
-    cache_argument,
-    forward_with_shared_prompts,
-    generate_with_shared_prompts,
-    position_ids_from_attention_mask,
-)
+from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
+from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
@@ -171,7 +163,10 @@ class GRPOConfig(trl.GRPOConfig):
             "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
             "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
             "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
-            "ranks must run the same forwards). Set False to run TRL's unshared forwards."
+            "ranks must run the same forwards), and wherever it cannot be exact for the model, decided once per "
+            "model and said in one log line (trl_ext.shared_prompts.savings_decision: length-dependent RoPE, "
+            "caches that cannot be indexed by row such as linear-attention/SSM layers, active dropout, ...) or for a "
+            "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
         },
     )
     skip_zero_advantage_rows: bool = field(
@@ -180,7 +175,28 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
             "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective)."
+            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor where a "
+            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Dynamic sampling (DAPO, Yu et al. 2025): keep drawing extra generation rounds of new prompt "
+            "groups until every process's generation batch holds only groups with a gradient (rewards not all "
+            "equal; for pg_loss_type='no_baseline', raw rewards not all 0, since an all-equal nonzero group still "
+            "has a gradient there), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
+            "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
+            "seeded permutation of the training set (position saved with each checkpoint). Logs "
+            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted. Needs per_device_train_batch_size x "
+            "steps_per_generation to be a multiple of num_generations. Default False (TRL's behaviour)."
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "With dynamic_sampling: most generation rounds per generation batch, the first included "
+            "(default 4; like verl's max_num_gen_batches). Each extra round costs one full generation."
         },
     )
     loss_type: str | None = field(
@@ -326,7 +342,7 @@ _UPSTREAM_REFUSALS = {
 }
 
 
-class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -367,20 +383,19 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
             raise
         if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:  # upstream: only at train()
             raise ImportError(_missing_engine("use_liger_kernel", "liger_kernel"))
+        if args.dynamic_sampling:
+            self._check_dynamic_sampling()
         self._gathered_rewards: torch.Tensor | None = None
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
-        # Parameter-sharding setups gather parameters in every forward, collectively: all ranks must run the same
-        # forwards, which data-dependent sharing or skipping would break.
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        self._share_prompts = self.args.share_prompt_cache and not sharded
-        self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
+        self._decide_speed_paths()
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
             **super()._checkpoint_state(),
+            "dynamic_sampling": None if self._dynamic_state is None else self._dynamic_state.as_dict(),
             "beta": self.beta,
             "kl_window": self._kl_window.tolist(),
             "step": self._step,  # upstream's micro-batch counter: where in the rollout cycle the run stopped
@@ -388,6 +403,8 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
     def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         super()._restore_checkpoint_state(state)
+        if state.get("dynamic_sampling") is not None and self._dynamic_state is not None:
+            self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
         self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
         self._step = state["step"]
@@ -412,8 +429,10 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
         self._gathered_rewards = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+    def _generate_and_score_round(self, inputs):
+        # One generation round: upstream generates and scores, then the course advantages replace upstream's.
+        # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
+        output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
         rewards_per_func = self._gathered_rewards
         # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
@@ -448,58 +467,13 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
     # -- loss ---------------------------------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
-        # later than in generation, which derives them from the attention mask
-        # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
-        # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
-        # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
-        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
-        unwrapped = self.accelerator.unwrap_model(model)
-        if any(kwargs.get(key) is not None for key in _FORWARD_KEYS) or not accepts_position_ids(unwrapped):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
-        # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
-        # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
-        share = self._share_prompts and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
-        cache_name = cache_argument(unwrapped) if share else None
-        prompt_length = input_ids.size(1) - logits_to_keep
-
-        def forward_with_positions(**inputs):
-            inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
-            if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
-                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, **inputs)
-            return model(**inputs)
-
-        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-
-    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
-        # transformers generation: prefill each distinct prompt once (share_prompt_cache). Upstream calls
-        # `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
-        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
-        # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
-        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        if self.use_vllm or not self._share_prompts or not hasattr(unwrapped, "generate"):
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        own = unwrapped.__dict__.get("generate")
-        unwrapped.generate = generate_with_shared_prompts(
-            unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
-        )
-        try:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        finally:
-            if own is None:
-                del unwrapped.generate
-            else:
-                unwrapped.generate = own
-
     def _compute_loss(self, model, inputs):
         # Mirrors trl.GRPOTrainer._compute_loss (TRL 1.16) for the per-token log-probs, then applies the course loss.
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        extra_inputs = {key: inputs.get(key) for key in _FORWARD_KEYS if key in inputs}
+        extra_inputs = {key: inputs.get(key) for key in FORWARD_KEYS if key in inputs}
         zero_rows = self._rows_without_gradient(inputs, extra_inputs)
         if zero_rows is None:
             per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
@@ -550,42 +524,6 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
 
         self._log_loss_metrics(mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None)
         return loss
-
-    def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
-        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``: reward 0)
-        makes every policy-gradient loss of ``functional`` 0 at every token, and with beta = 0 nothing else is
-        added. None when nothing is skipped: an option off, evaluation, beta != 0, multimodal or MoE inputs, or
-        no such row."""
-        if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
-            return None
-        if any(value is not None for value in extra_inputs.values()):
-            return None
-        zero = inputs["advantages"] == 0
-        if not zero.any():
-            return None
-        if zero.all():  # keep one row: the loss must stay connected to the model (and DDP's backward run)
-            zero = zero.clone()
-            zero[0] = False
-        return zero
-
-    def _logps_without_zero_rows(self, model, input_ids, attention_mask, logits_to_keep, zero_rows):
-        """Per-token log-probs and entropies (B, C) as ``_get_per_token_logps_and_entropies`` gives them, with the
-        ``zero_rows`` computed without gradient (their loss is exactly 0; their values feed the metrics). Under DDP
-        that forward runs on the unwrapped module, so every rank makes one wrapped forward, as upstream."""
-        keep = ~zero_rows
-        kept_logps, kept_entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids[keep], attention_mask[keep], logits_to_keep, compute_entropy=True
-        )
-        with torch.no_grad():
-            zero_logps, zero_entropies, _ = self._get_per_token_logps_and_entropies(
-                self.accelerator.unwrap_model(model), input_ids[zero_rows], attention_mask[zero_rows], logits_to_keep,
-                compute_entropy=True,
-            )
-        # rows back in batch order: kept rows first, then the zero rows, permuted by where each came from
-        order = torch.cat([keep.nonzero(), zero_rows.nonzero()]).squeeze(1).argsort()
-        per_token_logps = torch.cat([kept_logps, zero_logps])[order]
-        entropies = torch.cat([kept_entropies.detach(), zero_entropies])[order]
-        return per_token_logps, entropies, None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
         # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
@@ -661,18 +599,3 @@ class GRPOTrainer(TrainerMixin, trl.GRPOTrainer):
                 self._finished_rollout_kl.clear()
                 self._metrics["train"]["beta"].append(self.beta)
         return loss
-
-
-# Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)

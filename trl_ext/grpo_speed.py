@@ -1,0 +1,148 @@
+"""The speed paths of ``trl_ext.GRPOTrainer``, apart from its course seams: same numbers, less compute.
+
+``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO) and overrides:
+
+- ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
+  (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call);
+- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
+  absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
+  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``);
+
+and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
+(``skip_zero_advantage_rows``: with beta 0, rows whose advantage is exactly 0 run without gradient) and
+``_decide_speed_paths``, which turns each saving on only where it is exact for the model (one log line otherwise;
+``trl_ext.shared_prompts.savings_decision``). Measured effect on the main job: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shared_prompts import (
+    SavingsDecision,
+    accepts_position_ids,
+    announce,
+    cache_argument,
+    forward_with_shared_prompts,
+    generate_with_shared_prompts,
+    position_ids_from_attention_mask,
+    savings_decision,
+    training_noise,
+)
+
+# Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
+FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class GRPOSpeedMixin:
+    """Prompt-cache sharing and zero-advantage row skipping for ``trl_ext.GRPOTrainer`` (see the module docstring)."""
+
+    def _decide_speed_paths(self) -> None:
+        """Set ``_share_prompts`` and ``_skip_zero_advantage`` from the config and the model (exact or off)."""
+        # Parameter-sharding setups gather parameters in every forward, collectively: all ranks must run the same
+        # forwards, which data-dependent sharing or skipping would break.
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        self._share_prompts = self.args.share_prompt_cache and not sharded
+        self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
+        if self._share_prompts or self._skip_zero_advantage:
+            # Exact or off, per model (trl_ext.shared_prompts.savings_decision): one log line names what is off and why.
+            decision, noise = savings_decision(self.model), training_noise(self.model)
+            decision = SavingsDecision(
+                share_prompts=(decision.share_prompts or noise) if self._share_prompts else None,
+                skip_rows=(decision.skip_rows or noise) if self._skip_zero_advantage else None,
+            )
+            announce(self.model, decision)
+            self._share_prompts = self._share_prompts and decision.share_prompts is None
+            self._skip_zero_advantage = self._skip_zero_advantage and decision.skip_rows is None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
+        # later than in generation, which derives them from the attention mask
+        # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
+        # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
+        # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
+        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
+        unwrapped = self.accelerator.unwrap_model(model)
+        if any(kwargs.get(key) is not None for key in FORWARD_KEYS) or not accepts_position_ids(unwrapped):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
+        # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
+        # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
+        share = self._share_prompts and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
+        cache_name = cache_argument(unwrapped) if share else None
+        prompt_length = input_ids.size(1) - logits_to_keep
+
+        def forward_with_positions(**inputs):
+            inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
+            if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
+                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, **inputs)
+            return model(**inputs)
+
+        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
+        # transformers generation: prefill each distinct prompt once (share_prompt_cache). Upstream calls
+        # `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
+        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
+        # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        if self.use_vllm or not self._share_prompts or not hasattr(unwrapped, "generate"):
+            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        own = unwrapped.__dict__.get("generate")
+        unwrapped.generate = generate_with_shared_prompts(
+            unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
+        )
+        try:
+            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        finally:
+            if own is None:
+                del unwrapped.generate
+            else:
+                unwrapped.generate = own
+
+    def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
+        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``: reward 0)
+        makes every policy-gradient loss of ``functional`` 0 at every token, and with beta = 0 nothing else is
+        added. None when nothing is skipped: an option off, evaluation, beta != 0, multimodal or MoE inputs, or
+        no such row."""
+        if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
+            return None
+        if any(value is not None for value in extra_inputs.values()):
+            return None
+        zero = inputs["advantages"] == 0
+        if not zero.any():
+            return None
+        if zero.all():  # keep one row: the loss must stay connected to the model (and DDP's backward run)
+            zero = zero.clone()
+            zero[0] = False
+        return zero
+
+    def _logps_without_zero_rows(self, model, input_ids, attention_mask, logits_to_keep, zero_rows):
+        """Per-token log-probs and entropies (B, C) as ``_get_per_token_logps_and_entropies`` gives them, with the
+        ``zero_rows`` computed without gradient (their loss is exactly 0; their values feed the metrics). Under DDP
+        that forward runs on the unwrapped module, so every rank makes one wrapped forward, as upstream."""
+        keep = ~zero_rows
+        kept_logps, kept_entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids[keep], attention_mask[keep], logits_to_keep, compute_entropy=True
+        )
+        with torch.no_grad():
+            zero_logps, zero_entropies, _ = self._get_per_token_logps_and_entropies(
+                self.accelerator.unwrap_model(model), input_ids[zero_rows], attention_mask[zero_rows], logits_to_keep,
+                compute_entropy=True,
+            )
+        # rows back in batch order: kept rows first, then the zero rows, permuted by where each came from
+        order = torch.cat([keep.nonzero(), zero_rows.nonzero()]).squeeze(1).argsort()
+        per_token_logps = torch.cat([kept_logps, zero_logps])[order]
+        entropies = torch.cat([kept_entropies.detach(), zero_entropies])[order]
+        return per_token_logps, entropies, None

@@ -1,0 +1,183 @@
+"""Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): train only on prompt groups that carry a gradient.
+
+A group whose completions all get the same reward has advantage 0 in every row under group normalization: it adds
+nothing to the policy gradient. With ``GRPOConfig.dynamic_sampling`` the trainer draws further prompt groups --
+whole extra generation rounds of the same size, so every process runs the same generation and collectives -- until
+each process holds as many informative groups as its generation batch has groups, or ``max_sampling_rounds`` rounds
+were drawn; then it fills what is missing with the earliest uninformative groups (their rows train nothing and
+``skip_zero_advantage_rows`` skips their backward), so batch shapes never change. Every round's groups come from
+the trainer's own seeded permutation of the training set, whose position is saved with each checkpoint, so a
+resumed run draws the same prompts (``DynamicSamplingState``).
+
+Which groups are informative: for the baselined losses (``reinforce_with_baseline``, ``grpo_clip``,
+``grpo_no_clip``), those whose rewards are not all equal -- DAPO's rule; for ``no_baseline`` (raw rewards as
+advantages) a group of equal *nonzero* rewards still has a gradient, so there only groups whose advantages are all
+exactly 0 are dropped. In both cases: a group is kept if and only if some row's advantage is nonzero.
+
+The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filtering``; TRL has no equivalent
+(huggingface/trl#3708).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which groups of consecutive rows carry a gradient.
+
+    Args:
+        advantages: (N,) per-row advantages, N a multiple of ``group_size``, rows of a group consecutive.
+        group_size: G >= 1.
+
+    Returns:
+        (N // G,) bool: True where some row of the group has a nonzero advantage.
+
+    Raises:
+        ValueError: when N is not a multiple of ``group_size``.
+    """
+    if group_size < 1 or advantages.numel() % group_size:
+        raise ValueError(f"advantages has {advantages.numel()} rows; expected a multiple of group_size={group_size}")
+    return (advantages.view(-1, group_size) != 0).any(dim=1)
+
+
+def select_groups(informative: list[torch.Tensor], wanted: int) -> list[tuple[int, int]]:
+    """The (round, group) pairs a batch of ``wanted`` groups is made of: informative groups in the order drawn, then
+    the earliest uninformative ones when fewer than ``wanted`` were found.
+
+    Args:
+        informative: per round, (groups,) bool from ``informative_groups``.
+        wanted: groups the batch must hold.
+
+    Returns:
+        ``wanted`` pairs (round index, group index within the round), informative first.
+    """
+    good = [(r, g) for r, flags in enumerate(informative) for g in flags.nonzero().flatten().tolist()]
+    rest = [(r, g) for r, flags in enumerate(informative) for g in (~flags).nonzero().flatten().tolist()]
+    return (good + rest)[:wanted]
+
+
+def _align(tensors: list[torch.Tensor], left: bool, value: float) -> list[torch.Tensor]:
+    width = max(t.size(1) for t in tensors)
+    out = []
+    for t in tensors:
+        pad = torch.full((t.size(0), width - t.size(1), *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return out
+
+
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+ROW_KEYS = ("advantages",)
+
+
+def merge_rounds(rounds: list[dict[str, Any]], picks: list[tuple[int, int]], group_size: int, pad_token_id: int) -> dict[str, Any]:
+    """One batch from the picked groups of several rounds' outputs of ``_generate_and_score_completions``.
+
+    Prompt tensors (``prompt_ids``, ``prompt_mask``: left-padded) are padded on the left to the longest round,
+    completion-aligned tensors ((B, C): ids, mask, per-token log-probs, ratios) on the right with 0 (masked out),
+    per-row tensors are concatenated. ``num_items_in_batch`` is left to the caller.
+    """
+    merged: dict[str, Any] = {}
+    for key, first in rounds[0].items():
+        if key == "num_items_in_batch" or not torch.is_tensor(first) or first.dim() == 0:
+            continue
+        parts = []
+        for r, g in picks:
+            parts.append(rounds[r][key][g * group_size : (g + 1) * group_size])
+        if first.dim() >= 2 and key in PROMPT_KEYS:
+            parts = _align(parts, left=True, value=pad_token_id if key == "prompt_ids" else 0)
+        elif first.dim() >= 2:
+            parts = _align(parts, left=False, value=pad_token_id if key == "completion_ids" else 0)
+        merged[key] = torch.cat(parts)
+    return merged
+
+
+@dataclass
+class DynamicSamplingState:
+    """Where the extra rounds' prompts come from: a permutation of the training set drawn from ``seed + epoch``,
+    and the position in it. Saved with each checkpoint (``as_dict``/``from_dict``)."""
+
+    seed: int
+    size: int
+    epoch: int = 0
+    position: int = 0
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` dataset indices (the same on every process), moving to a new permutation at the end."""
+        out: list[int] = []
+        while len(out) < count:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+            chunk = order[self.position : self.position + count - len(out)]
+            out += chunk
+            self.position += len(chunk)
+            if self.position >= self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "size": self.size, "epoch": self.epoch, "position": self.position}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, int]) -> "DynamicSamplingState":
+        return cls(**state)
+
+
+class DynamicSamplingMixin:
+    """Adds dynamic sampling to ``trl_ext.GRPOTrainer``: ``_generate_and_score_completions`` draws rounds through
+    ``_generate_and_score_round`` (the trainer's one-round method) until the batch is informative."""
+
+    _dynamic_state: DynamicSamplingState | None = None
+
+    def _check_dynamic_sampling(self) -> None:
+        args = self.args
+        local_rows = args.per_device_train_batch_size * args.steps_per_generation
+        if local_rows % self.num_generations:
+            raise ValueError(
+                f"dynamic_sampling needs whole groups on each process: per_device_train_batch_size "
+                f"({args.per_device_train_batch_size}) x steps_per_generation ({args.steps_per_generation}) = "
+                f"{local_rows} is not a multiple of num_generations ({self.num_generations})"
+            )
+        if args.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds={args.max_sampling_rounds}; expected >= 1")
+        self._dynamic_state = DynamicSamplingState(seed=args.seed + 1_000_003, size=len(self.train_dataset))
+
+    def _draw_round_inputs(self, local_groups: int) -> list[dict[str, Any]]:
+        """This process's rows of a new round: each of its prompts ``num_generations`` times, as upstream's
+        ``RepeatSampler`` gives them (processes take consecutive slices of the same global draw)."""
+        total = local_groups * self.accelerator.num_processes
+        indices = self._dynamic_state.take(total)
+        mine = indices[self.accelerator.process_index * local_groups : (self.accelerator.process_index + 1) * local_groups]
+        return [self.train_dataset[i] for i in mine for _ in range(self.num_generations)]
+
+    def _generate_and_score_completions(self, inputs):
+        if not (self.args.dynamic_sampling and self.model.training):
+            return self._generate_and_score_round(inputs)
+        group_size = self.num_generations
+        rounds = [self._generate_and_score_round(inputs)]
+        wanted = rounds[0]["completion_ids"].size(0) // group_size
+        found = [informative_groups(rounds[0]["advantages"], group_size)]
+        device = self.accelerator.device
+        while len(rounds) < self.args.max_sampling_rounds:
+            # every process draws again while any process lacks informative groups: the same collective work
+            have = torch.tensor([int(sum(f.sum() for f in found))], device=device)
+            if int(self.accelerator.gather(have).min()) >= wanted:
+                break
+            rounds.append(self._generate_and_score_round(self._draw_round_inputs(wanted)))
+            found.append(informative_groups(rounds[-1]["advantages"], group_size))
+        picks = select_groups(found, wanted)
+        output = merge_rounds(rounds, picks, group_size, self.processing_class.pad_token_id)
+        items = output["completion_mask"].sum()
+        output["num_items_in_batch"] = self.accelerator.gather(items.reshape(1)).sum()
+        counts = torch.tensor(
+            [len(rounds), sum(f.numel() for f in found), sum(int(found[r][g]) for r, g in picks)], device=device, dtype=torch.float
+        )
+        counts = self.accelerator.gather(counts.reshape(1, 3)).view(-1, 3)
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/rounds"].append(counts[:, 0].max().item())
+        metrics["dynamic_sampling/groups_drawn"].append(counts[:, 1].sum().item())
+        metrics["dynamic_sampling/groups_kept"].append(counts[:, 2].sum().item())
+        metrics["dynamic_sampling/groups_wanted"].append(float(wanted * self.accelerator.num_processes))
+        return output
