@@ -124,9 +124,11 @@ def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> Non
 
 
 def even_length_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
-    """Stand-in for the reward that filters expert_iteration_cpu.yaml's samples: 1 for an even number of characters
-    (a random model gets about half), as tests/test_recipe_experiments.py uses."""
-    reward = float(len(response) % 2 == 0)
+    """Stand-in for the reward that filters expert iteration's samples (both configs): 1 when the reference answer has an
+    even character sum. The filter is not what this test checks, so it keeps a fixed share of the questions whatever
+    the tiny bf16 stand-in samples (its near-deterministic responses can all have the same length, which made a
+    response-length rule keep none of 64 samples on some machines)."""
+    reward = float(sum(map(ord, ground_truth)) % 2 == 0)
     return {"reward": reward, "format_reward": 1.0, "answer_reward": reward}
 
 
@@ -160,11 +162,12 @@ def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in,
     if config.get("dataset_name") is not None:
         rows = HUB_DATASETS[config["dataset_name"]](rehearsal.rows)
         data_file = str(write_jsonl(tmp_path / "data.jsonl", rows))
-    if name == "expert_iteration_cpu.yaml":
+    if name.startswith("expert_iteration"):  # a random stand-in solves nothing: a stand-in filter keeps some samples
         monkeypatch.syspath_prepend(str(ROOT / "recipes"))
         import grpo_math  # the module expert_iteration imports its REWARDS table from
 
-        monkeypatch.setitem(grpo_math.REWARDS, "arithmetic", (grpo_math.REWARDS["arithmetic"][0], even_length_reward_fn))
+        for key in list(grpo_math.REWARDS):
+            monkeypatch.setitem(grpo_math.REWARDS, key, (grpo_math.REWARDS[key][0], even_length_reward_fn))
     out = tmp_path / "out"
     flags = allowed_overrides(config, rehearsal.recipe, model_dir, data_file, out, reward_model_dir=llama_stand_in)
     run_recipe(rehearsal.recipe, ["--config", str(CONFIG_DIR / name), *flags], monkeypatch)
