@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 
 import pytest
@@ -57,6 +58,24 @@ def test_the_checkpoint_saves_the_options_resume_depends_on(checkpoint):
         "data_seed": None, "steps_per_generation": 2, "num_iterations": 1, "num_generations": 4,
         "generation_batch_size": 8,  # 4 per device x 1 process x 2 steps per generation
     }
+
+
+def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_complete(tokenizer, tmp_path, monkeypatch):
+    """transformers writes trainer_state.json last; a run killed right after it (what the recipes' resume and
+    ``resume_from_checkpoint=True`` take as a complete checkpoint) must find trl_ext's state already there."""
+    from transformers.trainer_callback import TrainerState
+
+    present = []
+    save_to_json = TrainerState.save_to_json
+
+    def spy(self, json_path):
+        folder = json_path.rsplit("/", 1)[0]
+        present.append(sorted(f for f in os.listdir(folder) if f.startswith("trl_ext")))
+        return save_to_json(self, json_path)
+
+    monkeypatch.setattr(TrainerState, "save_to_json", spy)
+    grpo_trainer(tokenizer, tmp_path, max_steps=2).train()
+    assert present == [["trl_ext_rank_state_0.pt", "trl_ext_state.json"]] * 2
 
 
 @pytest.mark.parametrize(

@@ -282,14 +282,17 @@ class TrainerMixin:
         pass
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        # trl_ext's files go in first: transformers writes trainer_state.json last, and a checkpoint that has it is
+        # complete (what resume_from_checkpoint=True and the recipes pick); written after it, a kill in between left
+        # a "complete" checkpoint that could not be resumed
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(output_dir, exist_ok=True)
         if self.args.should_save:
             with open(os.path.join(output_dir, self.STATE_FILE), "w") as f:
                 json.dump({**self._checkpoint_state(), "resume_options": resume_options(self.args)}, f)
         if self.has_rank_state:
-            os.makedirs(output_dir, exist_ok=True)
             torch.save(self._checkpoint_rank_state(), os.path.join(output_dir, self.RANK_STATE_FILE.format(self.args.process_index)))
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
