@@ -19,8 +19,9 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
 
 import trl_ext
-from trl_ext import models
-from trl_ext.recipe_utils import MODEL_NAME_HELP, RecipeError, check_model_source, recipe_main
+from trl_ext import models, tasks
+from trl_ext.cli import MODEL_NAME_HELP, RecipeError, check_model_source
+from trl_ext.cli import main as recipe_main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream, expert_iteration and grpo_ablations import grpo_math
@@ -62,8 +63,8 @@ def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recip
     assert str(err.value) == EMPTY_NAME
     # a whole recipe: one line on stderr, exit 2, before any data or model work
     grpo_math = load_recipe("grpo_math")
-    for name in ("load_model_and_tokenizer", "load_math_dataset"):
-        monkeypatch.setattr(grpo_math, name, lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(tasks, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
     argv = ["--model_name_or_path", "", "--output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_:
         recipe_main(grpo_math.main, lambda: grpo_math.parse_args(argv))

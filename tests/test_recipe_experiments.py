@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trl_ext.compare import arm_key, parse_arms, run_comparison
-from trl_ext.recipe_utils import RecipeError
+from trl_ext.cli import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))

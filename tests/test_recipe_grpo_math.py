@@ -14,7 +14,8 @@ import trl
 import yaml
 
 import trl_ext
-from trl_ext.recipe_utils import RecipeError
+from trl_ext import tasks
+from trl_ext.cli import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -22,7 +23,7 @@ import grpo_math  # noqa: E402
 
 
 def test_zero_argument_run_uses_the_cpu_config():
-    parser = trl.TrlParser((grpo_math.MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig))
+    parser = trl.TrlParser((tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(["--config", str(grpo_math.DEFAULT_CONFIG)])
     assert model_args.model_name_or_path is None  # the embedded SmolLM2-135M-Instruct
     assert script_args.dataset_name is None and script_args.num_eval >= 200  # generated arithmetic, >= 200 held out
@@ -35,7 +36,7 @@ def test_zero_argument_run_uses_the_cpu_config():
 
 @pytest.mark.parametrize("name", ["grpo_math_math.yaml", "grpo_math_gsm8k.yaml"])
 def test_gpu_configs_parse(name):
-    parser = trl.TrlParser((grpo_math.MathScriptArguments, trl_ext.GRPOConfig, trl.ModelConfig))
+    parser = trl.TrlParser((tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig))
     path = grpo_math.DEFAULT_CONFIG.parent / name
     # bf16 and vLLM need a GPU to validate; everything else is checked as written
     assert yaml.safe_load(path.read_text())["use_vllm"] is True

@@ -1,6 +1,7 @@
-"""What every recipe shares (trl_ext.recipe_utils): config layering, flag errors in the user's words, --help, the
-output-folder rules, resume resolution, the cached before-evaluation, metrics.json provenance, and the order
-"options, folder, data, then the model" in every recipe (checked by making the model loader explode)."""
+"""What every recipe shares, the run lifecycle (trl_ext.cli, trl_ext.run, trl_ext.report): config layering, flag
+errors in the user's words, --help, the output-folder rules, resume resolution, the cached before-evaluation,
+metrics.json provenance, and the order "options, folder, data, then the model" in every recipe (checked by making
+the model loader explode)."""
 
 import json
 import re
@@ -15,15 +16,9 @@ from conftest import load_recipe
 from trl_ext.data import load_math_dataset
 from trl_ext.data.instructions import load_instruction_rows
 from trl_ext.data.preferences import load_preference_rows
-from trl_ext.recipe_utils import (
-    RecipeError,
-    RecipeRun,
-    check_model_source,
-    check_output_dir,
-    recipe_main,
-    resolve_resume,
-    resume_command,
-)
+from trl_ext.cli import RecipeError, check_model_source
+from trl_ext.cli import main as recipe_main
+from trl_ext.run import RecipeRun, check_output_dir, resolve_resume, resume_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # compare_upstream imports grpo_math
 grpo_math = load_recipe("grpo_math")
@@ -124,13 +119,13 @@ def test_valid_grouping_passes():
 
 
 def test_help_starts_with_the_recipe_usage_and_its_own_options():
-    from trl_ext.recipe_utils import build_parser
+    from trl_ext.cli import build_parser
 
     text = build_parser(
         (grpo_math.MathScriptArguments, trl_ext_grpo_config(), trl.ModelConfig), grpo_math.DEFAULT_CONFIG, grpo_math.__doc__
     ).format_help()
     assert text.index("usage:") < text.index("GRPO on math problems") < text.index("  --config FILE")
-    own, trl_group = text.index("recipe options (MathScriptArguments)"), text.index("trl_ext.GRPOConfig options")
+    own, trl_group = text.index("recipe options (MathTaskArguments)"), text.index("trl_ext.GRPOConfig options")
     assert own < text.index("  --dataset_kind") < trl_group < text.index("  --learning_rate")
     assert own < text.index("  --overwrite_output_dir [") < trl_group
     assert "layered over the recipe's default config" in " ".join(text.split())
@@ -338,6 +333,19 @@ def _explode(*args, **kwargs):
     raise ModelLoaded("the model was loaded before the inputs were checked")
 
 
+def _explode_loaders(monkeypatch, module, names):
+    """Make each loader in ``names`` raise, where the recipe reaches it: a name the recipe module holds itself, or
+    the library function it calls (trl_ext.models, trl_ext.eval, trl_ext.tasks and its data generators)."""
+    import trl_ext.eval
+    import trl_ext.models
+    import trl_ext.tasks
+
+    for name in names:
+        for owner in (module, trl_ext.models, trl_ext.eval, trl_ext.tasks):
+            if hasattr(owner, name):
+                monkeypatch.setattr(owner, name, _explode)
+
+
 BAD_LINE = '{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n'
 GOOD_FIRST = {
     "sft_instruct": {"instruction": "Hi", "input": "", "output": "Hello.", "safety_category": "none"},
@@ -369,8 +377,7 @@ def _bad_file(tmp_path, name, text=BAD_LINE):
 )
 def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, recipe, loaders, flags):
     module = load_recipe(recipe)
-    for name in loaders:
-        monkeypatch.setattr(module, name, _explode)
+    _explode_loaders(monkeypatch, module, loaders)
     first = json.dumps(GOOD_FIRST[recipe]) + "\n" if recipe in GOOD_FIRST else BAD_LINE.splitlines()[0] + "\n"
     bad = _bad_file(tmp_path, "bad.jsonl", first + '{"question": oops}\n')
     argv = [f.format(bad=bad) for f in flags] + ["--output_dir", str(tmp_path / "out")]
@@ -382,11 +389,10 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
                                     "compare_upstream", "expert_iteration", "grpo_ablations"])
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
-    for name in ("load_model_and_tokenizer", "load_eval_model", "load_tokenizer", "resolve_model_name_or_path",
-                 "train_reward_model", "load_data", "load_eval_data", "load_pairs", "load_instruction_dataset",
-                 "make_sorting_dataset"):
-        if hasattr(module, name):
-            monkeypatch.setattr(module, name, _explode)
+    _explode_loaders(monkeypatch, module, (
+        "load_model_and_tokenizer", "load_eval_model", "load_tokenizer", "resolve_model_name_or_path", "train_reward_model",
+        "load_data", "load_eval_data", "load_pairs", "load_instruction_dataset", "make_sorting_dataset",
+        "load_math_dataset", "make_arithmetic_dataset"))
     out = tmp_path / "out"
     out.mkdir()
     # grpo_ablations: each experiment's folder (the default experiment is baselines)
@@ -403,8 +409,7 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
 
 
 def test_grpo_math_checks_the_reward_and_the_model_path_before_loading(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo_math, "load_model_and_tokenizer", _explode)
-    monkeypatch.setattr(grpo_math, "load_math_dataset", _explode)
+    _explode_loaders(monkeypatch, grpo_math, ("load_model_and_tokenizer", "load_math_dataset"))
     with pytest.raises(RecipeError, match=r"--reward 'nope' is not supported"):
         grpo_math.main(*grpo_math.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -518,7 +523,7 @@ def cpu_user(monkeypatch, tmp_path):
     import torch
     import transformers.utils
 
-    from trl_ext import recipe_utils
+    from trl_ext import models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -528,7 +533,7 @@ def cpu_user(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    monkeypatch.setattr(recipe_utils, "_SOURCE_CACHE", {})
+    monkeypatch.setattr(models, "_SOURCE_CACHE", {})
 
 
 def _offline_model(name):
@@ -664,12 +669,12 @@ REFUSED = {  # inherited options a recipe refuses, whose help must say so
 def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, tmp_path):
     import re
 
-    from trl_ext import recipe_utils
+    from trl_ext import cli
 
     module = load_recipe(recipe)
     parsers = []
-    real = recipe_utils.build_parser
-    monkeypatch.setattr(recipe_utils, "build_parser", lambda *a, **k: parsers.append(real(*a, **k)) or parsers[-1])
+    real = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda *a, **k: parsers.append(real(*a, **k)) or parsers[-1])
     with pytest.raises(SystemExit):
         module.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -701,10 +706,8 @@ def _gsm8k_file(tmp_path, rows):
                                     "dpo", "reward_model", "expert_iteration"])
 def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_work(recipe, tmp_path, monkeypatch):
     module = load_recipe(recipe)
-    for name in ("load_model_and_tokenizer", "load_model", "load_tokenizer", "resolve_model_name_or_path",
-                 "train_reward_model", "run_comparison"):
-        if hasattr(module, name):
-            monkeypatch.setattr(module, name, _explode)
+    _explode_loaders(monkeypatch, module, ("load_model_and_tokenizer", "load_model", "load_tokenizer",
+                                            "resolve_model_name_or_path", "train_reward_model", "run_comparison"))
     out = ["--output_dir", str(tmp_path / "out")]
     # the GRPO configs' batch geometry: 8 completions per device x 32 accumulation steps, in groups of 8 = 32 prompts
     gpu_sized = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "32", "--num_generations", "8"]
@@ -748,7 +751,7 @@ def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_
 
     import trl_ext
     from conftest import CPU_TEST_ARGS, length_mod5_reward
-    from trl_ext.recipe_utils import check_fills_one_step
+    from trl_ext.cli import check_fills_one_step
 
     common = {**CPU_TEST_ARGS, "max_steps": 2, "output_dir": str(tmp_path)}
     if kind == "grpo":  # 4 completions per device x 2 accumulation steps in groups of 2: 4 prompts per step

@@ -22,7 +22,8 @@ from datasets import Dataset
 
 import trl_ext
 from trl_ext.models import tiny_model_for_tests
-from trl_ext.recipe_utils import RecipeError, RecipeRun
+from trl_ext.cli import RecipeError
+from trl_ext.run import RecipeRun
 from trl_ext.trainers.upstream import ResumeMismatchError
 
 GRPO_OPTIONS = dict(

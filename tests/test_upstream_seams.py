@@ -92,3 +92,32 @@ def test_grpo_module_docstrings_list_exactly_the_upstream_methods_each_class_ove
         assert f"``{name}``" in grpo.__doc__, name
     for name in overrides(speed.GRPOSpeedMixin):
         assert f"``{name}``" in speed.__doc__ and f"``{name}``" in grpo.__doc__, name
+
+
+def test_the_grouping_rule_the_recipes_check_is_upstreams():
+    """``generation_grouping_problem`` (what a recipe reports before any model loads, in the flags a user typed)
+    finds a problem exactly where ``trl.GRPOConfig`` itself refuses, over batch sizes, accumulation, steps per
+    generation, an explicit generation batch and group sizes."""
+    from trl_ext.trainers.grpo import generation_grouping_problem
+
+    checked = refused = 0
+    for batch in (1, 2, 3, 4, 6):
+        for accumulation in (1, 2, 3):
+            for steps, generation_batch in ((None, None), (2, None), (3, None), (None, 12), (None, 24)):
+                if generation_batch is not None and generation_batch % batch:
+                    continue  # upstream's other rule (a whole number of batches), not the grouping one
+                for group in (2, 3, 4, 8):
+                    values = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                                  steps_per_generation=steps, generation_batch_size=generation_batch, num_generations=group)
+                    try:
+                        trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **values)
+                        upstream_refuses = False
+                    except ValueError as err:
+                        upstream_refuses = "num_generations" in str(err)
+                    assert (generation_grouping_problem(values) is not None) == upstream_refuses, values
+                    checked, refused = checked + 1, refused + upstream_refuses
+    assert checked > 200 and 0 < refused < checked
+    assert generation_grouping_problem(dict(per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                                            steps_per_generation=None, num_generations=3)) == (
+        "--num_generations 3 must divide the completions generated per step, 16 = --per_device_train_batch_size 16 "
+        "x 1 process(es) x --gradient_accumulation_steps 1; change --num_generations or --per_device_train_batch_size")

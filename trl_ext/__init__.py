@@ -1,9 +1,17 @@
 """trl_ext: TRL trainers with the exact math of Stanford CS336 assignment 5 (GRPO, SFT, reward models, DPO).
 
-The trainers are imported on first use (``trl_ext.GRPOTrainer``, ``from trl_ext import GRPOConfig``): importing TRL's
-trainers takes ~13 s on a 2-core machine, which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or
-the data and reward modules should not pay.
+The trainers are imported on first use (``trl_ext.GRPOTrainer``, ``from trl_ext import GRPOConfig``), and so are the
+submodules (``trl_ext.models``, ``trl_ext.tasks``...): importing TRL's trainers takes ~13 s on a 2-core machine,
+which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or the data and reward modules should not pay.
+
+The rooms, from the math up (README "Layout"): ``functional`` (what the trainers compute) and ``course`` (the rest of
+the course's API, re-exported by ``cs336``); ``trainers`` (the four TRL subclasses and their configs) with the GRPO
+speed paths in ``grpo_speed``/``shared_prompts``; ``rewards``, ``data`` and ``tasks`` (a task owns its data, reward
+and evaluation); ``models`` (loading, the embedded model); ``eval``; ``compare`` (arms against upstream); and the
+run lifecycle of a recipe: ``cli`` (flags, checks), ``run`` (output folder, resume, signals), ``report`` (results).
 """
+
+import importlib
 
 from . import functional
 
@@ -22,13 +30,21 @@ __all__ = ["functional", *_TRAINERS]
 __version__ = "0.1.0"
 
 
+_SUBMODULES = (
+    "cli", "compare", "course", "cs336", "data", "eval", "grpo_speed", "models", "profiling", "report", "rewards", "run",
+    "runtime", "shared_prompts", "tasks", "trainers",
+)
+
+
 def __getattr__(name: str):
     if name in _TRAINERS:
         from . import trainers
 
         return getattr(trainers, name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'trl_ext' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_TRAINERS))
+    return sorted(set(globals()) | set(_TRAINERS) | set(_SUBMODULES))

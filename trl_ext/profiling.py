@@ -44,20 +44,36 @@ def _sync() -> None:
 
 
 class PhaseTimer:
-    """Accumulated wall seconds per phase, exclusive of nested phases.
+    """Accumulated wall seconds per phase, exclusive of nested phases; and per stage, inclusive.
+
+    A run has two views of its time: the stages a reader follows (``load_model``, ``eval_before``, ``train``; each
+    counts everything inside it: :meth:`stage`, ``stage_seconds``) and the exclusive breakdown that says where the
+    time went (``model_load``, ``evaluation``, ``generation``, ``backward``...; never double counted: :meth:`phase`,
+    ``seconds``). One timer holds both, so ``trl_ext.run.RecipeRun`` and :class:`StepProfiler` write to the same one.
 
     Example::
 
         timer = PhaseTimer()
-        with timer.phase("evaluation"):
+        with timer.stage("eval_before"), timer.phase("evaluation"):
             ...
-        timer.seconds  # {"evaluation": 12.3}
+        timer.seconds        # {"evaluation": 12.3}
+        timer.stage_seconds  # {"eval_before": 12.3}
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.stage_seconds: dict[str, float] = {}
         self._stack: list[list[Any]] = []  # [name, start, seconds spent in nested phases]
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the block as stage ``name``, inclusive of whatever runs inside it; repeated names add up."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

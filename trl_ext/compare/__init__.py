@@ -11,8 +11,9 @@ metrics, so tensorboard/wandb/trackio see it too), wall seconds per optimizer st
 RSS peak on CPU, ``torch.cuda.max_memory_allocated`` on GPU) and generated tokens per second of generation time.
 :func:`write_comparison` writes ``comparison.json``, ``comparison.md`` (a table) and ``comparison.png`` (curves).
 
-Arms may train on a task variant (:class:`Task`: other prompts, rewards and evaluation), and several comparisons
-can share a ``cache`` so an arm that appears in several of them (under different names) trains once.
+Arms train on a :class:`trl_ext.tasks.Task` (an arm may name another task: other prompts, rewards and evaluation),
+and several comparisons can share a ``cache`` so an arm that appears in several of them (under different names)
+trains once.
 
 Modules: :mod:`~trl_ext.compare.arms` (arms, presets, per-arm configs), :mod:`~trl_ext.compare.monitoring` (step
 time, memory, held-out evaluation during training, summaries), :mod:`~trl_ext.compare.run` (running the arms) and
@@ -25,7 +26,7 @@ Used by ``recipes/compare_upstream.py`` (math), ``recipes/grpo_sort.py`` (the le
 from trl_ext.compare.arms import ARM_PRESETS, TRAINERS, UPSTREAM_REQUIRED, Arm, arm_config, arm_key, parse_arms
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, metric_curve, release_memory, summarize_arm
 from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, write_comparison
-from trl_ext.compare.run import Task, run_comparison
+from trl_ext.compare.run import eval_steps, run_comparison
 
 __all__ = [
     "ARM_PRESETS",
@@ -35,10 +36,10 @@ __all__ = [
     "Arm",
     "ArmMonitor",
     "PeakMemory",
-    "Task",
     "arm_config",
     "arm_key",
     "comparison_table",
+    "eval_steps",
     "metric_curve",
     "parse_arms",
     "plot_comparison",

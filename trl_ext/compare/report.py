@@ -143,13 +143,16 @@ def write_comparison(
     title: str = "",
     panels: Sequence[tuple[str, str]] = DEFAULT_PANELS,
     command: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
-    """Write ``comparison.json`` (setup + every arm's summary), ``comparison.md`` (setup, command, table) and
+    """Write ``comparison.json`` (setup + every arm's summary + ``provenance``: the command, configs, versions and
+    phase times of ``trl_ext.run.RecipeRun.provenance``), ``comparison.md`` (setup, command, table) and
     ``comparison.png`` (:func:`plot_comparison`) into ``output_dir``; return their paths."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "comparison.json", "md": out / "comparison.md", "png": out / "comparison.png"}
-    paths["json"].write_text(json.dumps({"setup": dict(setup), "arms": list(results)}, indent=2, default=str))
+    data = {"setup": dict(setup), "arms": list(results), **(provenance or {})}
+    paths["json"].write_text(json.dumps(data, indent=2, default=str))
     md = [f"# {title or 'Comparison'}", ""]
     md += [f"- {k}: {v}" for k, v in setup.items()]
     if command:

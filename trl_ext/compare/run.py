@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
@@ -15,42 +15,30 @@ from trl_ext.profiling import StepProfiler, time_breakdown
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
 
-@dataclasses.dataclass
-class Task:
-    """A variant of a comparison's data, for arms that train on other prompts (e.g. another prompt template).
 
-    Attributes:
-        train_dataset: the training prompts.
-        reward_funcs: TRL reward function(s) for them.
-        eval_fn: ``eval_fn(model) -> dict`` with ``accuracy`` (None: no held-out evaluation).
-        description: one line for reports (e.g. ``"r1_zero prompt, r1_zero reward"``).
-    """
-
-    train_dataset: Any
-    reward_funcs: Any
-    eval_fn: Callable[[Any], Mapping[str, Any]] | None = None
-    description: str = ""
+def eval_steps(max_steps: int, every: int) -> list[int]:
+    """The steps a comparison evaluates at: 0 (before training), every ``every`` steps, and the last."""
+    return sorted({0, max_steps, *range(every, max_steps, every)})
 
 
-def _timed(eval_fn, timer):
-    """``eval_fn`` timed as the ``evaluation`` phase of ``timer`` (None stays None)."""
-    if eval_fn is None:
+def _evaluator(task: Any, tokenizer: Any, timer: Any = None) -> Callable[[Any], Mapping[str, Any]] | None:
+    """``task.evaluate`` of a model (quiet), timed as the ``evaluation`` phase of ``timer``; None without a task."""
+    if task is None or tokenizer is None:
         return None
 
-    def timed(model):
-        with timer.phase("evaluation"):
-            return eval_fn(model)
+    def evaluate(model):
+        with timer.phase("evaluation") if timer is not None else contextlib.nullcontext():
+            return task.evaluate(model, tokenizer, progress=False)
 
-    return timed
+    return evaluate
 
 
 def run_comparison(
     arms: Sequence[Arm],
     base_args: trl.GRPOConfig,
     load_model: Callable[[], tuple[Any, Any, Any]],
-    train_dataset: Any,
-    reward_funcs: Any,
-    eval_fn: Callable[[Any], Mapping[str, Any]] | None = None,
+    task: Any,
+    tokenizer: Any = None,
     eval_steps: Sequence[int] = (),
     curve_keys: Sequence[str] = ("reward", "entropy", "completions/mean_length"),
     log: Callable[[str], None] = print,
@@ -60,11 +48,12 @@ def run_comparison(
 ) -> list[dict[str, Any]]:
     """Train each arm from the same initial model, one after another, and summarize it (:func:`summarize_arm`).
 
-    Every arm gets ``set_seed(base_args.seed)`` before its model is loaded, the same ``train_dataset`` (so the same
-    prompts in the same order), the same ``reward_funcs`` and ``base_args``'s step budget (:func:`arm_config`).
-    When ``eval_fn`` is given and 0 is in ``eval_steps``, the initial model is evaluated once and that result is
-    every arm's step-0 point. An arm with a ``task`` trains on ``tasks[arm.task]``'s prompts and rewards and is
-    evaluated with its ``eval_fn`` (its own step-0 evaluation, once per task).
+    Every arm gets ``set_seed(base_args.seed)`` before its model is loaded, the same ``task.train`` (so the same
+    prompts in the same order), the same ``task.reward_funcs`` and ``base_args``'s step budget (:func:`arm_config`).
+    With a ``tokenizer``, the arms are evaluated on ``task.evaluate`` at ``eval_steps``; when 0 is among them, the
+    initial model is evaluated once and that result is every arm's step-0 point. An arm with a ``task`` trains on
+    ``tasks[arm.task]``'s prompts and rewards and is evaluated on its held-out rows (its own step-0 evaluation, once
+    per task).
 
     Args:
         arms: from :func:`parse_arms`.
@@ -72,13 +61,13 @@ def run_comparison(
         load_model: returns a fresh ``(model, tokenizer, peft_config)``, e.g. ``lambda:
             trl_ext.models.load_model_and_tokenizer(model_args)``. With ``beta > 0`` TRL builds the reference model
             from ``model.config._name_or_path``, which is the checkpoint directory for models loaded that way.
-        train_dataset: the training prompts.
-        reward_funcs: TRL reward function(s); an arm changes their weights through ``reward_weights``.
-        eval_fn: ``eval_fn(model) -> dict`` with ``accuracy`` (and optionally ``format_rate``, ``reward``, ``n``).
-        eval_steps: optimizer steps at which to evaluate (0 = before training).
+        task: a :class:`trl_ext.tasks.Task`: training prompts, TRL reward function(s) (an arm changes their weights
+            through ``reward_weights``) and held-out evaluation.
+        tokenizer: for the held-out evaluations (None: no evaluation).
+        eval_steps: optimizer steps at which to evaluate (0 = before training; :func:`eval_steps`).
         curve_keys: logged metrics kept as curves.
         log: progress printer (main process only).
-        tasks: task name -> :class:`Task`, for arms whose ``task`` is set.
+        tasks: task name -> :class:`trl_ext.tasks.Task`, for arms whose ``task`` is set.
         cache: a dict shared by several calls (several comparisons on the same base config, model and data): an
             arm whose :func:`arm_key` is already in it is not trained again; its summary is reused under the arm's
             name. Step-0 evaluations are cached too.
@@ -95,14 +84,14 @@ def run_comparison(
     missing = sorted({a.task for a in arms if a.task is not None and a.task not in tasks})
     if missing:
         raise ValueError(f"arms use tasks {missing} that are not in tasks (given: {sorted(tasks)})")
-    tasks[None] = Task(train_dataset, reward_funcs, eval_fn)
+    tasks[None] = task
     cache = {} if cache is None else cache
     is_main = PartialState().is_main_process
     log = log if is_main else (lambda message: None)
 
     def initial_eval(task_name):
-        task = tasks[task_name]
-        if task.eval_fn is None or 0 not in eval_steps:
+        evaluate = _evaluator(tasks[task_name], tokenizer)
+        if evaluate is None or 0 not in eval_steps:
             return None
         key = f"initial-eval:{task_name}"
         if key not in cache:
@@ -112,7 +101,7 @@ def run_comparison(
             if is_main:
                 if torch.cuda.is_available():
                     model = model.to("cuda")
-                record = _eval_record(0, task.eval_fn(model))
+                record = _eval_record(0, evaluate(model))
                 log(f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}")
             del model
             release_memory()
@@ -127,7 +116,7 @@ def run_comparison(
             log(f"[{i + 1}/{len(arms)}] arm {arm.name!r}: already trained in this run as {cache[key]['name']!r}, reused")
             results.append(summary)
             continue
-        task = tasks[arm.task]
+        arm_task = tasks[arm.task]
         first_eval = initial_eval(arm.task)
         config = arm_config(base_args, arm)
         log(f"[{i + 1}/{len(arms)}] arm {arm.name!r} ({arm.trainer}{f', task {arm.task}' if arm.task else ''}): {arm.settings}")
@@ -136,14 +125,15 @@ def run_comparison(
         trainer_cls = TRAINERS[arm.trainer][0]
         trainer = trainer_cls(
             model=model,
-            reward_funcs=task.reward_funcs,
+            reward_funcs=arm_task.reward_funcs,
             args=config,
-            train_dataset=task.train_dataset,
+            train_dataset=arm_task.train,
             processing_class=tokenizer,
             peft_config=peft_config,
         )
         profiler = StepProfiler()  # held-out evaluations count as "evaluation", not as training time
-        monitor = ArmMonitor(_timed(task.eval_fn, profiler.timer), [s for s in eval_steps if s > 0]).attach(trainer)
+        evaluate = _evaluator(arm_task, tokenizer, profiler.timer)
+        monitor = ArmMonitor(evaluate, [s for s in eval_steps if s > 0]).attach(trainer)
         profiler.attach(trainer)
         meter = PeakMemory().start()
         start = time.perf_counter()

@@ -280,3 +280,35 @@ def load_math_dataset(
         return Dataset.from_dict(data)
     except (TypeError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError: a column mixes types
         raise ValueError(f"{source}: a column mixes value types across rows ({err})") from None
+
+
+def _dataset_cached(name: str) -> bool:
+    """Whether ``datasets`` can load hub dataset ``name`` offline: its files in the Hub cache, or a prepared copy in
+    the ``datasets`` cache."""
+    from datasets.config import HF_DATASETS_CACHE
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    hub = Path(HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}" / "snapshots"
+    prepared = Path(HF_DATASETS_CACHE) / name.replace("/", "___")
+    return (hub.is_dir() and any(hub.iterdir())) or prepared.is_dir()
+
+
+def dataset_source_problem(name: str | None, flag: str = "--dataset_name") -> str | None:
+    """Why a dataset is neither a local file nor a Hub dataset this machine can load; None when it is (or is unset).
+
+    A name ending in .jsonl/.json/.parquet, or a path, must be an existing file. A Hub id must be in the local cache,
+    or -- unless ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set -- answer one Hub request (10 s timeout, no
+    retries: ``datasets`` itself would retry for most of a minute, then print a long traceback).
+    """
+    from trl_ext.models import hub_source_problem, looks_local
+
+    if name is None or Path(name).exists():
+        return None  # unset (generated data), or an existing path: the loader reads it and names what is wrong
+    name = str(name)
+    if name.lower().endswith(tuple(LOCAL_FORMATS)) or looks_local(name):
+        return f"{flag} {name}: no such file"
+    return hub_source_problem(
+        name, "dataset", f"{flag} {name}: not a local file",
+        f"; download it where the Hub is reachable, or pass a local {'/'.join(LOCAL_FORMATS)} file with the same columns",
+        cached=lambda: _dataset_cached(name), offline_vars=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+    )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,6 +76,36 @@ _SEAMS = {
     "training_step": ("model", "inputs", "num_items_in_batch"),
     **TRAINER_MIXIN_SEAMS,
 }
+
+
+
+def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -> str | None:
+    """Why ``num_generations`` does not divide the completions generated per step, in the flags that set them; or None.
+
+    The rule of ``trl.GRPOConfig.__post_init__`` (TRL 1.16; ``tests/test_upstream_seams.py`` checks that upstream
+    raises exactly where this returns a message): ``generation_batch_size`` -- given, or ``per_device_train_batch_size``
+    x processes x ``steps_per_generation`` (default ``gradient_accumulation_steps``) -- must be a multiple of
+    ``num_generations``. Upstream names the derived ``generation_batch_size``; this names the flags a user typed.
+
+    Args:
+        values: option name -> value (parsed flags, or a config's fields); needs ``num_generations`` and
+            ``per_device_train_batch_size``.
+        processes: the number of training processes (``WORLD_SIZE``).
+    """
+    per_step = values["per_device_train_batch_size"] * processes
+    steps = values.get("steps_per_generation") or values.get("gradient_accumulation_steps") or 1
+    if values.get("generation_batch_size"):
+        total, how = values["generation_batch_size"], f"--generation_batch_size {values['generation_batch_size']}"
+    else:
+        total = per_step * steps
+        which = "--steps_per_generation" if values.get("steps_per_generation") else "--gradient_accumulation_steps"
+        how = f"--per_device_train_batch_size {values['per_device_train_batch_size']} x {processes} process(es) x {which} {steps}"
+    if total % values["num_generations"] == 0:
+        return None
+    return (
+        f"--num_generations {values['num_generations']} must divide the completions generated per step, {total} = "
+        f"{how}; change --num_generations or --per_device_train_batch_size"
+    )
 
 
 @dataclass
@@ -218,7 +249,7 @@ class GRPOConfig(trl.GRPOConfig):
     )
 
     # Options that name the same setting: TRL's name -> (the course field, TRL value -> course value, course default).
-    # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.recipe_utils).
+    # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.cli.parse).
     UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, dict[Any, Any], Any]]] = {
         "loss_type": ("length_normalization", {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}, "masked_mean"),
         "scale_rewards": ("normalize_by_std", {"group": True, "none": False}, True),

@@ -1,11 +1,11 @@
-"""trl_ext.experiment: git provenance, hyperparameters, automatic observations and experiment.md."""
+"""trl_ext.report: git provenance, hyperparameters, automatic observations, experiment.md and the one closing call."""
 
 import dataclasses
 import subprocess
 
 import pytest
 
-from trl_ext.experiment import config_hyperparameters, git_state, observe_training, write_experiment_record
+from trl_ext.report import config_hyperparameters, entropy_collapsed, git_state, observe_training, write_experiment_record
 
 
 def git(cwd, *args):
@@ -87,31 +87,45 @@ def test_write_experiment_record(tmp_path):
     assert "- Something happened." in text and "- Train reward rose from 0.000" in text
 
 
-def test_write_recipe_record_from_metrics_and_from_a_comparison(tmp_path):
+def test_finish_writes_the_record_from_memory_and_metrics_json_last(tmp_path, monkeypatch):
+    """The one report call: experiment.md from the metrics it was given (scalars only; the log feeds the
+    observations), the plots in the folder, then metrics.json with the run's provenance."""
     import json
 
-    from trl_ext.experiment import write_recipe_record
+    from trl_ext import report
+    from trl_ext.run import RecipeRun
 
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.json").write_text(json.dumps({
-        "accuracy_before": 0.09, "accuracy_after": 0.675, "n_eval": 200, "model": "m", "flag": True,
-        "log_history": [log(1, reward=0.1), log(2, reward=0.6)],
-    }))
-    (run / "curves.png").write_bytes(b"\x89PNG")
-    text = write_recipe_record(run, "GRPO", Config(learning_rate=2e-5)).read_text()
+    run = RecipeRun("grpo", tmp_path / "run", {"training_args": Config(learning_rate=2e-5)})
+    (run.output_dir / "curves.png").write_bytes(b"\x89PNG")
+    order = []
+    real_record, real_metrics = report.write_experiment_record, run.write_metrics
+    monkeypatch.setattr(report, "write_experiment_record", lambda *a, **k: order.append("experiment.md") or real_record(*a, **k))
+    monkeypatch.setattr(run, "write_metrics", lambda m: order.append("metrics.json") or real_metrics(m))
+    metrics = {"accuracy_before": 0.09, "accuracy_after": 0.675, "n_eval": 200, "model": "m", "flag": True,
+               "log_history": [log(1, reward=0.1), log(2, reward=0.6)]}
+    report.finish(run, metrics, title="GRPO", log_history=metrics["log_history"], records={"eval_after": [{"a": 1}]})
+    assert order == ["experiment.md", "metrics.json"]  # metrics.json last: it marks a finished run
+    text = (run.output_dir / "experiment.md").read_text()
     assert "| accuracy_before | 0.09 |" in text and "| n_eval | 200 |" in text and "| model | m |" in text
     assert "flag" not in text and "log_history" not in text  # only scalar results; the log feeds the observations
     assert "| learning_rate | 2e-05 |" in text and "![curves](curves.png)" in text
     assert "Train reward rose from 0.100 (first logged steps) to 0.600 (last)" in text
+    saved = json.loads((run.output_dir / "metrics.json").read_text())
+    assert saved["accuracy_after"] == 0.675 and saved["recipe"] == "grpo" and "versions" in saved
+    assert (run.output_dir / "eval_after.jsonl").read_text() == '{"a": 1}\n'
 
-    comparison = tmp_path / "cmp"
-    comparison.mkdir()
+
+def test_comparison_results_one_row_per_arm_and_its_observations():
+    from trl_ext.report import comparison_results
+
     arm = {"name": "course", "final_accuracy": 0.5, "final_accuracy_se": 0.05, "final_reward": 0.4, "train_seconds": 10.0,
            "curves": {"reward": [[1, 0.0], [2, 0.5]], "entropy": [[1, 1.0], [2, 0.9]]}}
-    (comparison / "comparison.json").write_text(json.dumps({"setup": {}, "arms": [arm]}))
-    text = write_recipe_record(comparison, "Compare", command="uv run c").read_text()
-    assert "| course | 0.5 | 5 | 0.4 | 10 |" in text
-    assert "- course: Train reward rose from 0.000" in text and "- course: Entropy went from 1.000 to 0.900" in text
-    with pytest.raises(FileNotFoundError, match="neither metrics.json nor comparison.json"):
-        write_recipe_record(tmp_path / "missing", "x")
+    rows, notes = comparison_results([arm])
+    assert rows == [("course", 0.5, 5.0, 0.4, 10.0)]
+    assert any(n.startswith("course: Train reward rose from 0.000") for n in notes)
+    assert "course: Entropy went from 1.000 to 0.900 nats/token; no collapse." in notes
+
+
+def test_entropy_collapse_rule():
+    assert entropy_collapsed(1.0, 0.09) and entropy_collapsed(1.0, 0.19) and not entropy_collapsed(1.0, 0.21)
+    assert entropy_collapsed(0.4, 0.099) and not entropy_collapsed(0.4, 0.1)

@@ -1,0 +1,592 @@
+"""The command line of a recipe: parse its config, check every option before any model loads, run it.
+
+A recipe is a script of three parts (recipes/grpo_math.py)::
+
+    def parse_args(argv=None):           # defaults YAML < --config FILE < flags; every problem reported at once
+        return cli.parse((MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+    @cli.recipe("grpo_math")             # the run: output folder, resume, Ctrl-C, phases (trl_ext.run.RecipeRun)
+    def main(run, script_args, training_args, model_args, speed=None):
+        ...                              # task -> model -> trainer -> evaluation -> report.finish(run, ...)
+
+    if __name__ == "__main__":
+        cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG)   # RecipeError -> one `error:` line, exit 2
+
+:func:`parse` checks everything that needs no model -- flag values and GRPO's grouping (:func:`flag_problems`), what
+this machine cannot do (:func:`device_problems`: vLLM, bf16, 4/8-bit, flash-attention, liger), models, datasets and
+files it cannot reach (:func:`source_problems`), and whatever a config class itself rejects -- and reports every
+problem at once, each naming the flag that fixes it. :func:`check_fills_one_step` refuses a training set from which
+the trainer would take no batch. The run itself (output folder, resume, signals) is :mod:`trl_ext.run`; the results
+(metrics.json, experiment.md, plots, console table, model card) are :mod:`trl_ext.report`.
+
+Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
+
+* ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
+  not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
+  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of a course setting counts as
+  that setting (``GRPOConfig.UPSTREAM_OPTIONS``): ``--loss_type dr_grpo`` replaces a file's ``length_normalization``,
+  a file's ``scale_rewards`` replaces the defaults' ``normalize_by_std``; one layer that sets both must agree.
+* transformers 5's deprecated option names (``gradient_checkpointing``) are read as their new names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trl
+import yaml
+
+from trl_ext.data.math_datasets import dataset_source_problem
+from trl_ext.models import EMBEDDED_ALIAS, model_source_problem
+
+
+MODEL_NAME_HELP = (
+    f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
+    "config names a model) selects the embedded SmolLM2-135M-Instruct, also over a --config file that names "
+    "another model."
+)
+"""What every recipe's ``--help`` adds to ``--model_name_or_path`` (trl.ModelConfig's own help)."""
+
+
+class RecipeError(ValueError):
+    """Bad user input (a flag, a config file, a data file, an output folder): shown as one line, no traceback."""
+
+
+@dataclass
+class RecipeArguments:
+    """Options every recipe has (mixed into each recipe's own arguments dataclass)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace a finished run (metrics.json) or an unfinished run's checkpoints in --output_dir. "
+            "Without it the recipe refuses, so results are never lost; --resume_from_checkpoint true continues an "
+            "unfinished run instead."
+        },
+    )
+
+
+
+# ------------------------------------------------------------------------------------------- checks
+# flag -> (test on the parsed value, what is expected); applied to whichever of these the recipe has, before any
+# dataclass is built, so the message names the flag the user typed rather than a derived quantity
+FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "learning_rate": (lambda v: v >= 0, ">= 0"),
+    "max_completion_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_prompt_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_length": (lambda v: v is None or v >= 1, ">= 1"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "num_generations": (lambda v: v is None or v >= 2, ">= 2 (GRPO compares completions within a group)"),
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "num_train_epochs": (lambda v: v > 0, "> 0"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "beta": (lambda v: v >= 0, ">= 0"),
+    "logging_steps": (lambda v: v > 0, "> 0"),
+    "save_steps": (lambda v: v > 0, "> 0"),
+    "num_eval": (lambda v: v >= 1, ">= 1"),
+    "eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "num_train_problems": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def flag_problems(values: Mapping[str, Any]) -> list[str]:
+    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's
+    grouping rule, one message each, naming the flag, its value and what is expected (for GRPO's grouping, the flags
+    that set the number of completions per generation step and which ones to change)."""
+    problems = [
+        f"--{name} {values[name]}: expected {expected}"
+        for name, (ok, expected) in FLAG_CHECKS.items()
+        if name in values and values[name] is not None and not ok(values[name])
+    ]
+    if problems:  # the grouping rule below divides by values this list already refused
+        return problems
+    if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
+        from trl_ext.trainers.grpo import generation_grouping_problem  # the rule lives beside the seam check
+
+        problems += [p for p in [generation_grouping_problem(values, int(os.environ.get("WORLD_SIZE", "1")))] if p]
+    return problems
+
+
+def check_flags(values: Mapping[str, Any]) -> None:
+    """Raise :func:`flag_problems` as one :class:`RecipeError` (see :func:`raise_problems`)."""
+    raise_problems(flag_problems(values))
+
+
+def raise_problems(problems: Sequence[str]) -> None:
+    """Nothing for no problems; else one :class:`RecipeError` holding them all: the problem itself when there is one,
+    else a count and one indented line per problem (``recipe_main`` prints it after ``error:``)."""
+    if len(problems) == 1:
+        raise RecipeError(problems[0])
+    if problems:
+        raise RecipeError(
+            f"{len(problems)} problems with the options (found before loading any model):\n"
+            + "\n".join(f"  {p}" for p in problems)
+        )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _gpu_fix(flag: str, fix: str, what: str, package: str | None) -> str | None:
+    """The problem of a GPU-only option on this machine (``package`` missing or no CUDA GPU), or None."""
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"{flag}: {what} is not installed here; pass `{fix}`, or install the gpu extra on a CUDA machine"
+    if not _cuda():
+        return f"{flag}: {what} needs a CUDA GPU (torch.cuda.is_available() is False); pass `{fix}`"
+    return None
+
+
+def device_problems(values: Mapping[str, Any]) -> list[str]:
+    """What the options ask of this machine and it cannot do, each naming the flag that fixes it: vLLM (``use_vllm``,
+    eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``), 4/8-bit loading and
+    flash-attention without their packages or a CUDA GPU."""
+    problems = []
+    if values.get("use_vllm"):
+        problems.append(_gpu_fix("--use_vllm true", "--use_vllm false", "vLLM", "vllm"))
+    if values.get("backend") == "vllm":
+        problems.append(_gpu_fix("--backend vllm", "--backend hf", "vLLM", "vllm"))
+    if values.get("use_liger_kernel"):
+        problems.append(_gpu_fix("--use_liger_kernel true", "--use_liger_kernel false", "liger-kernel", "liger_kernel"))
+    if (values.get("bf16") or values.get("bf16_full_eval")) and not values.get("use_cpu"):
+        from transformers.utils import is_torch_bf16_gpu_available
+
+        if not is_torch_bf16_gpu_available():
+            flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
+            why = "this GPU has no bf16 (Ampere or newer)" if _cuda() else "no CUDA GPU here"
+            problems.append(f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or "
+                            "`--use_cpu true`")
+    if values.get("load_in_4bit") and values.get("load_in_8bit"):
+        problems.append("--load_in_4bit true and --load_in_8bit true: set at most one")
+    for bits in ("4", "8"):
+        if values.get(f"load_in_{bits}bit"):
+            problems.append(_gpu_fix(f"--load_in_{bits}bit true", f"--load_in_{bits}bit false",
+                                     f"{bits}-bit loading (bitsandbytes)", "bitsandbytes"))
+    if values.get("attn_implementation") == "flash_attention_2":
+        problems.append(_gpu_fix("--attn_implementation flash_attention_2", "--attn_implementation sdpa",
+                                 "flash-attention", "flash_attn"))
+    return [p for p in problems if p]
+
+
+def source_problems(values: Mapping[str, Any]) -> list[str]:
+    """Where the options name models, datasets and files this machine cannot reach: ``model_name_or_path``
+    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist) and
+    ``reward_model_path`` (a local folder)."""
+    problems = [model_source_problem(values.get("model_name_or_path"))]
+    if "dataset_name" in values:
+        problems.append(dataset_source_problem(values.get("dataset_name")))
+    for name, value in values.items():
+        if name.endswith("_file") and isinstance(value, str) and value and not Path(value).is_file():
+            problems.append(f"--{name} {value}: no such file")
+    if values.get("reward_model_path") and not Path(values["reward_model_path"]).is_dir():
+        problems.append(f"--reward_model_path {values['reward_model_path']}: no such folder")
+    return [p for p in problems if p]
+
+
+def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str = "rows") -> None:
+    """Refuse, before any model work, a training set from which the trainer would take no batch at all: it would
+    train 0 steps and exit 0 after evaluating before and after (transformers only says "There seems not to be a
+    single sample in your epoch_iterator").
+
+    * GRPO (``training_args`` has ``num_generations``): TRL's sampler hands out whole generation batches of
+      ``generation_batch_size / num_generations`` prompts (``generation_batch_size`` = ``per_device_train_batch_size``
+      x processes x ``steps_per_generation``, which defaults to ``gradient_accumulation_steps``) and drops an
+      incomplete one, so fewer prompts than one generation batch train 0 steps.
+    * SFT, DPO, reward (transformers' dataloader): a last incomplete batch or accumulation window still makes an
+      optimizer step, so only ``dataloader_drop_last`` with fewer rows than one batch on every process
+      (``per_device_train_batch_size`` x processes) trains 0 steps.
+
+    ``max_steps`` does not help: with 0 batches per epoch transformers stops at step 0 whatever the budget.
+
+    Args:
+        rows: training examples (prompts for GRPO).
+        training_args: the trainer's config.
+        source: what the rows come from, as the user set it (``"--train_file x.jsonl"``).
+        unit: what a row is called in the message (``"rows"``, ``"pairs"``, ``"prompts"``).
+
+    Raises:
+        RecipeError: naming the numbers and the flags that change them.
+    """
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    batch = training_args.per_device_train_batch_size
+    have = f"{rows} training {unit[:-1] if rows == 1 and unit.endswith('s') else unit}"
+    if getattr(training_args, "num_generations", None):
+        steps = training_args.steps_per_generation or training_args.gradient_accumulation_steps
+        completions = batch * processes * steps
+        needed = completions // training_args.num_generations
+        if rows < needed:
+            which = ("--gradient_accumulation_steps" if steps == training_args.gradient_accumulation_steps
+                     else "--steps_per_generation")
+            raise RecipeError(
+                f"{source}: {have} cannot fill one generation batch of {needed} prompts ({completions} "
+                f"completions = --per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}, in "
+                f"groups of --num_generations {training_args.num_generations}), so TRL would train 0 steps; use at "
+                f"least {needed} training prompts, or lower --per_device_train_batch_size or {which}"
+            )
+    elif training_args.dataloader_drop_last and rows < batch * processes:
+        raise RecipeError(
+            f"{source}: {have} cannot fill one batch of {batch * processes} (--per_device_train_batch_size "
+            f"{batch} x {processes} process(es)) with --dataloader_drop_last true, so the trainer would train 0 steps; "
+            f"use at least {batch * processes} training {unit}, lower --per_device_train_batch_size, or pass "
+            "--dataloader_drop_last false"
+        )
+
+
+
+
+def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
+    """Raise :func:`model_source_problem` as a :class:`RecipeError`, if any."""
+    raise_problems([p for p in [model_source_problem(name_or_path, flag)] if p])
+
+
+def check_model_options(model_args: Any) -> None:
+    """Model checks that need no model: the backend options (4/8-bit, flash-attention: which extra is missing) and
+    :func:`check_model_source`.
+
+    Raises:
+        RecipeError: with the message of ``trl_ext.models.check_backend_available`` or :func:`check_model_source`.
+    """
+    from trl_ext.models import check_backend_available
+
+    try:
+        check_backend_available(
+            load_in_4bit=model_args.load_in_4bit, load_in_8bit=model_args.load_in_8bit,
+            attn_implementation=model_args.attn_implementation,
+        )
+    except (ImportError, RuntimeError, ValueError) as err:
+        raise RecipeError(str(err)) from None
+    check_model_source(model_args.model_name_or_path)
+
+# ------------------------------------------------------------------------------------------- parsing
+def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
+    """Remove every ``--config PATH`` / ``--config=PATH`` from ``args``; return (the rest, the paths)."""
+    rest, paths, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--config":
+            if i + 1 >= len(args):
+                raise RecipeError("--config needs a YAML file path")
+            paths.append(args[i + 1])
+            i += 2
+        elif args[i].startswith("--config="):
+            paths.append(args[i].split("=", 1)[1])
+            i += 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return rest, paths
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"--config {path}: not valid YAML ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"--config {path}: expected a YAML mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+DEPRECATED_ALIASES = {
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+}
+"""transformers 5 option names kept as aliases -> their new names. transformers reads an alias only when the new
+name is unset, so an alias in a ``--config`` file or on the command line would silently lose to the new name in the
+recipe's defaults (``activation_checkpointing: false``); the parser reads each alias as its new name instead."""
+
+
+def build_parser(
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None,
+    doc: str | None,
+    help_overrides: Mapping[str, str] | None = None,
+) -> trl.TrlParser:
+    """A ``trl.TrlParser`` whose ``--help`` starts with the recipe's usage (``doc``), ``--config`` and the recipe's
+    own options, and says where the TRL/transformers options that follow come from.
+
+    ``help_overrides`` (option name -> help text) replaces the help of inherited options the recipe treats its own
+    way (refuses, or sets from another option), so that ``--help`` describes the flags the recipe really takes. A
+    recipe without ``--resume_from_checkpoint`` (or that overrides its help) gets an ``--overwrite_output_dir`` help
+    that does not offer resuming."""
+    import argparse
+
+    # one help group per class, titled with its name (HfArgumentParser groups a class with _argument_group_name);
+    # subclasses only for the help text: parse_recipe_args builds the original classes
+    def title(i: int, t: type) -> str:  # the first class holds the recipe's own options (tasks' ones included)
+        root = t.__module__.split(".")[0]
+        return f"recipe options ({t.__qualname__})" if i == 0 else f"{root}.{t.__qualname__} options"
+
+    grouped = [type(t.__name__, (t,), {"_argument_group_name": title(i, t)}) for i, t in enumerate(dataclass_types)]
+    parser = trl.TrlParser(
+        grouped, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--config FILE] [--OPTION VALUE ...]",
+        epilog="The first group holds the recipe's own options; the others come from the classes in their titles, "
+        "documented in full by TRL (https://huggingface.co/docs/trl) and transformers (TrainingArguments).",
+    )
+    if default_config:
+        try:
+            shown = os.path.relpath(default_config)
+        except ValueError:
+            shown = str(default_config)
+    if default_config:
+        config_help = (f"YAML file of option: value pairs, layered over the recipe's default config ({shown}): options "
+                       "the file sets replace the defaults, the others keep them; command-line flags override both.")
+    else:
+        config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    for action in parser._actions:  # trl.ModelConfig's help does not know the embedded model
+        if action.dest == "model_name_or_path":
+            action.help = (f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP)
+    options = parser._option_string_actions
+    overrides = dict(help_overrides or {})
+    if "--overwrite_output_dir" in options and ("--resume_from_checkpoint" not in options or "resume_from_checkpoint" in overrides):
+        overrides.setdefault("overwrite_output_dir", OVERWRITE_HELP_NO_RESUME)
+    for name, text in overrides.items():
+        if f"--{name}" not in options:
+            raise ValueError(f"help_overrides names --{name}, which this recipe does not have")
+        options[f"--{name}"].help = text
+    return parser
+
+
+OVERWRITE_HELP_NO_RESUME = (
+    "Replace a finished run in --output_dir (delete its results first). Without it the recipe refuses, so results "
+    "are never lost. This recipe cannot be resumed."
+)
+
+
+def parse(
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None,
+    argv: Sequence[str] | None = None,
+    doc: str | None = None,
+    help_overrides: Mapping[str, str] | None = None,
+) -> tuple:
+    """Parse a recipe's flags: recipe defaults (``default_config``) < ``--config`` file < command-line flags; then
+    check everything that can be checked before a model loads and report every problem at once.
+
+    The checks, each problem naming the flag that fixes it: options unknown to every class (naming the file), flag
+    values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
+    a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
+    (:func:`source_problems`) and whatever a config class itself rejects (its ``__post_init__``; run with the
+    options above switched off, so its own objections are found in the same pass).
+
+    Args:
+        dataclass_types: the recipe's argument classes, its own first (e.g. ``(ScriptArguments, GRPOConfig,
+            ModelConfig)``).
+        default_config: the recipe's default YAML (None: the dataclasses' defaults).
+        argv: flags (default ``sys.argv[1:]``).
+        doc: the recipe's usage text, shown first by ``--help`` (pass the module's ``__doc__``).
+        help_overrides: see :func:`build_parser`.
+
+    Returns:
+        one instance per dataclass type, in order.
+
+    Raises:
+        RecipeError: a missing or malformed config file; else all the problems above together
+            (:func:`raise_problems`).
+        SystemExit: ``--help``, or argparse's own errors (unknown flag, wrong type), as in every TRL script.
+    """
+    args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(dataclass_types, default_config, doc, help_overrides)
+    options = parser._option_string_actions
+    # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
+    # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
+    same_setting: dict[str, set[str]] = {}
+    for dtype in dataclass_types:
+        for upstream_name, (course_name, *_) in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
+            same_setting.setdefault(upstream_name, set()).add(course_name)
+            same_setting.setdefault(course_name, set()).add(upstream_name)
+
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+
+    def drop_other_names(layer_keys: set[str]) -> None:
+        for key in layer_keys:
+            for other in same_setting.get(key, ()):
+                if other not in layer_keys:
+                    merged.pop(other, None)
+
+    for path in ([default_config] if default_config else []) + paths:
+        layer = _read_yaml(path)
+        env = layer.pop("env", {}) or {}
+        if not isinstance(env, dict):
+            raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
+        for key, value in env.items():  # TRL's `env:` block
+            os.environ[key] = str(value)
+        layer = {DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
+                 for k, v in layer.items()}
+        drop_other_names(set(layer))
+        merged.update(layer)
+        source.update(dict.fromkeys(layer, str(path)))
+    drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
+    problems = []
+    unknown = parser.set_defaults_with_config(**merged)
+    if unknown:
+        keys = sorted({item[2:] for item in unknown[::2]})
+        problems.append("unknown option(s) " + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
+                        + "; see --help for the options of this recipe")
+    if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
+        import torch
+
+        if torch.cuda.is_available():
+            print(f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
+                  "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.", file=sys.stderr)
+    for alias, name in DEPRECATED_ALIASES.items():  # the command line's aliases, read as their new names
+        if f"--{name}" in options:
+            args = [f"--{name}" if a == f"--{alias}" else a.replace(f"--{alias}=", f"--{name}=", 1) for a in args]
+    # mirrors transformers.HfArgumentParser.parse_args_into_dataclasses, with the checks before construction
+    namespace, remaining = parser.parse_known_args(args=args)
+    if remaining:
+        parser.error(f"unrecognized arguments: {' '.join(remaining)}")
+    values = vars(namespace)
+    values.pop("config", None)
+    from trl_ext.run import is_main_process
+
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and "use_cpu" in values and (values["use_cpu"] or not _cuda()) and is_main_process():
+        print("note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
+              "data parallelism, every process holding the whole model", file=sys.stderr)
+    flagged = flag_problems(values)
+    problems += flagged
+    devices = device_problems(values)
+    problems += devices + source_problems(values)
+    # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
+    constructed = dict(values)
+    if devices:
+        constructed.update({k: False for k in ("use_vllm", "use_liger_kernel", "bf16", "bf16_full_eval",
+                                                "load_in_4bit", "load_in_8bit") if k in values})
+        if values.get("backend") == "vllm":
+            constructed["backend"] = "hf"
+        if values.get("attn_implementation") == "flash_attention_2":
+            constructed["attn_implementation"] = None
+    outputs = []
+    for dtype in dataclass_types:
+        keys = {f.name for f in dataclasses.fields(dtype) if f.init}
+        try:
+            outputs.append(dtype(**{k: v for k, v in constructed.items() if k in keys}))
+        except (ValueError, ImportError) as err:
+            if not any(f"--{k} " in p for p in flagged for k in keys):  # else it objects to a value named above
+                problems.append(f"invalid options for {dtype.__name__}: {err}")
+    raise_problems(problems)
+    return tuple(outputs)
+
+
+COMPARISON_HELP = {
+    "resume_from_checkpoint": "Refused: a comparison trains every arm from scratch, so there is nothing to resume "
+    "(--overwrite_output_dir replaces an earlier comparison in the same --output_dir).",
+    "max_steps": "Optimizer steps of every arm (>= 1: the arms are compared at one fixed step budget).",
+}
+"""``help_overrides`` of the comparison recipes (compare_upstream, grpo_sort, grpo_ablations): the inherited options
+they treat their own way."""
+
+
+@contextmanager
+def user_input(what: str = ""):
+    """Turn ValueError/FileNotFoundError raised while reading user input (data files, options) into RecipeError."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except (ValueError, FileNotFoundError) as err:
+        raise RecipeError(f"{what}{err}") from None
+
+
+
+# ------------------------------------------------------------------------------------------- running
+def recipe(name: str, *, result_file: str | Callable[..., str] = "metrics.json",
+           not_resumable: tuple[str, str] | None = None):
+    """Decorate a recipe's ``main(run, *configs, **kwargs)``: calling ``main(*configs, **kwargs)`` opens the run first.
+
+    The run is a :class:`trl_ext.run.RecipeRun` named ``name``, in the ``output_dir`` of the first config that has
+    one, with ``--overwrite_output_dir`` from the recipe's :class:`RecipeArguments` and ``--resume_from_checkpoint``
+    from the training config; its configs are recorded under ``main``'s parameter names (``script_args``,
+    ``training_args``, ...). So the output folder, the checkpoint and the options a resume depends on are checked
+    before ``main``'s first line, and every recipe does it the same way.
+
+    Args:
+        name: the recipe's name, recorded in ``metrics.json``.
+        result_file: the file whose presence marks a finished run (``"comparison.json"``), or a function of the
+            configs that returns it.
+        not_resumable: for a recipe that cannot be resumed, (why, what ``--overwrite_output_dir`` replaces):
+            ``--resume_from_checkpoint`` is refused with them (:func:`trl_ext.run.refuse_resume`).
+
+    ``trl_ext.cli.main`` passes ``handle_signals=True`` (Ctrl-C handling of the run); other callers keep theirs.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        names = list(inspect.signature(fn).parameters)[1:]
+
+        @functools.wraps(fn)
+        def opened(*configs: Any, handle_signals: bool = False, **kwargs: Any) -> Any:
+            from trl_ext.run import RecipeRun, refuse_resume
+
+            output_dir = next(c.output_dir for c in configs if hasattr(c, "output_dir"))
+            overwrite = any(c.overwrite_output_dir for c in configs if isinstance(c, RecipeArguments))
+            resume = next((c.resume_from_checkpoint for c in configs if hasattr(c, "resume_from_checkpoint")), None)
+            if not_resumable is not None:
+                refuse_resume(resume, *not_resumable)
+                resume = None
+            run = RecipeRun(
+                name, output_dir, dict(zip(names, configs)), overwrite=overwrite, resume=resume,
+                result_file=result_file(*configs) if callable(result_file) else result_file,
+                handle_signals=handle_signals,
+            )
+            return fn(run, *configs, **kwargs)
+
+        opened.recipe_name = name
+        return opened
+
+    return decorate
+
+
+def main(
+    main: Callable[..., Any],
+    parse: Callable[[], tuple],
+    speed_defaults: str | Path | None = None,
+    **main_kwargs: Any,
+) -> Any:
+    """Run a recipe from the command line: Ctrl-C handling, then ``main(*parse(), **main_kwargs)``; a
+    :class:`RecipeError` (or a missing file) becomes one ``error: ...`` line on stderr and exit status 2.
+
+    With ``speed_defaults`` (the recipe's default config), ``trl_ext.runtime.apply_speed_defaults`` picks threads and
+    CPU precision on the parsed training arguments (the second dataclass) before ``main`` runs -- so before any
+    trainer config is derived from them -- and ``main`` gets what it chose as ``speed=``. A ``main`` decorated with
+    :func:`recipe` gets ``handle_signals=True``: its run handles Ctrl-C from then on.
+    """
+    from trl_ext.run import install_interrupt_handler
+
+    install_interrupt_handler()
+    try:
+        args = parse()
+        if speed_defaults is not None:
+            from trl_ext.runtime import apply_speed_defaults
+
+            dtype = getattr(args[2], "dtype", "float32") if len(args) > 2 else "float32"  # the ModelConfig's
+            main_kwargs["speed"] = apply_speed_defaults(args[1], default_config=speed_defaults, dtype=dtype)
+        if hasattr(main, "recipe_name"):
+            main_kwargs["handle_signals"] = True
+        return main(*args, **main_kwargs)
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

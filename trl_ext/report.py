@@ -1,0 +1,583 @@
+"""The end of a recipe run, in one call: metrics.json, experiment.md, plots, the console table and the model card.
+
+:func:`finish` is what a training or evaluation recipe calls last::
+
+    report.finish(run, metrics, title="GRPO on math problems", trainer=trainer,
+                  table=("before", "after"), ...)
+
+It writes, in this order: per-example records (``eval_before.jsonl``...), the model card (``README.md``, naming
+the real base model), the plot of the training log (``training_curves.png``), ``experiment.md`` (from what it was
+given, never by reading files back) and ``metrics.json`` (the results plus the run's provenance; written last, its
+presence marks a finished run); then it prints the table and the closing lines. :func:`finish_comparison` does the
+same for a comparison of arms (``comparison.json``/``.md``/``.png`` through :mod:`trl_ext.compare.report`).
+
+``experiment.md`` ties a run to the code that made it and says what a reader wants to know first:
+
+- the project's git commit and whether the working tree had uncommitted changes (``dirty``);
+- the hyperparameters that differ from their defaults, plus the important ones whatever their value (learning
+  rate, group size, loss type, normalization, beta, steps, ...), from the run's config dataclasses;
+- a results table (before/after, final reward, time) and the plot(s);
+- automatic observations from the training log (:func:`observe_training`): where the reward rose fastest, whether
+  the entropy collapsed (:func:`entropy_collapsed`), whether completions hit the length limit, gradient-norm
+  spikes, KL growth.
+
+The observations are plain functions of TRL's ``trainer.state.log_history`` and can be called on any run's log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from trl_ext.profiling import format_breakdown
+
+
+IMPORTANT_FIELDS = (
+    "model_name_or_path",
+    "learning_rate",
+    "lr_scheduler_type",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "pg_loss_type",
+    "normalize_by_std",
+    "length_normalization",
+    "advantage_eps",
+    "beta",
+    "epsilon",
+    "num_iterations",
+    "steps_per_generation",
+    "max_grad_norm",
+    "seed",
+)
+"""Config fields always listed in the record (when the config has them), whatever their value."""
+
+
+_NOISE_FIELDS = {"output_dir", "logging_dir", "run_name", "hub_token", "push_to_hub_token", "report_to"}
+
+
+def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the git repository holding ``path`` (default: this
+    package's source tree). ``dirty`` is True when tracked files differ from the commit or untracked files that git
+    does not ignore exist. None where git or the repository is unavailable (e.g. an installed wheel)."""
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit or None, "dirty": bool(status.strip())}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def config_hyperparameters(*configs: Any, important: Sequence[str] = IMPORTANT_FIELDS) -> dict[str, Any]:
+    """The fields of dataclass ``configs`` that differ from their dataclass defaults, plus the ``important`` ones.
+
+    Later configs win on repeated names. Paths and logging plumbing (``output_dir``, ``report_to``, ...) are left
+    out; TRL's derived fields that equal what ``__post_init__`` set are reported as they are.
+
+    Raises:
+        TypeError: an argument that is not a dataclass instance.
+    """
+    out: dict[str, Any] = {}
+    for config in configs:
+        if config is None:
+            continue
+        if not dataclasses.is_dataclass(config) or isinstance(config, type):
+            raise TypeError(f"expected dataclass instances (TRL/transformers configs), got {type(config).__name__}")
+        for f in dataclasses.fields(config):
+            if not f.init or f.name in _NOISE_FIELDS or f.name.startswith("_"):
+                continue
+            value = getattr(config, f.name)
+            default = _default(f)
+            if f.name in important or (default is not dataclasses.MISSING and value != default):
+                out[f.name] = value
+    order = {name: i for i, name in enumerate(important)}
+    return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+# ----------------------------------------------------------------------------------------------- observations
+def _curve(log_history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [
+        (int(e["step"]), float(e[key]))
+        for e in log_history
+        if "step" in e and isinstance(e.get(key), (int, float)) and math.isfinite(e[key])
+    ]
+
+
+def _head_tail_means(values: Sequence[float], k: int) -> tuple[float, float]:
+    k = max(1, min(k, len(values) // 2 or 1))
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def entropy_collapsed(first: float, last: float) -> bool:
+    """Whether the policy's entropy collapsed between two measurements (nats/token): the last is below 0.1, or below
+    a fifth of the first -- the policy became nearly deterministic, so exploration is mostly gone."""
+    return last < 0.1 or last < first / 5
+
+
+def observe_training(
+    log_history: Sequence[Mapping[str, Any]],
+    max_completion_length: int | None = None,
+    reward_key: str = "reward",
+) -> list[str]:
+    """Sentences about a training log (TRL's ``trainer.state.log_history``) that a reader would check first.
+
+    - reward (``reward_key``): first vs last values (mean of up to 3 logged points each) and the window of about a
+      fifth of the run where its running mean rose fastest;
+    - ``loss`` when no reward was logged (SFT, reward models, DPO): first vs last;
+    - ``entropy``: first vs last, and "collapsed" when the last value is below 0.1 nats/token or below a fifth of
+      the first;
+    - completion length: ``completions/clipped_ratio`` (share of completions that hit ``max_completion_length``)
+      above 0.5 at the end, or the mean length within 10% of the limit;
+    - ``grad_norm``: a spike when the largest value exceeds 5x the median;
+    - ``kl``: its last value when logged.
+
+    Returns:
+        A list of sentences (empty for an empty log).
+    """
+    notes: list[str] = []
+    reward = _curve(log_history, reward_key)
+    if len(reward) >= 2:
+        values = [v for _, v in reward]
+        first, last = _head_tail_means(values, 3)
+        window = max(1, len(values) // 5)
+        best_gain, best_at = -math.inf, 0
+        for i in range(len(values) - window):
+            gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(values[max(0, i + 1 - window) : i + 1])
+            if gain > best_gain:
+                best_gain, best_at = gain, i
+        trend = "rose" if last > first else "fell" if last < first else "stayed flat"
+        note = f"Train reward {trend} from {first:.3f} (first logged steps) to {last:.3f} (last)"
+        if best_gain > 0:
+            note += (
+                f"; it rose fastest around steps {reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
+                f" (+{best_gain:.3f} between consecutive {window}-point means)"
+            )
+        notes.append(note + ".")
+    elif not reward:
+        loss = _curve(log_history, "loss")
+        if len(loss) >= 2:
+            first, last = _head_tail_means([v for _, v in loss], 3)
+            notes.append(f"Training loss went from {first:.4f} to {last:.4f} ({last - first:+.4f}).")
+    entropy = _curve(log_history, "entropy")
+    if len(entropy) >= 2:
+        first, last = _head_tail_means([v for _, v in entropy], 3)
+        collapsed = entropy_collapsed(first, last)
+        notes.append(
+            f"Entropy went from {first:.3f} to {last:.3f} nats/token"
+            + ("; it collapsed (the policy became nearly deterministic, so exploration is mostly gone)." if collapsed else "; no collapse.")
+        )
+    clipped = _curve(log_history, "completions/clipped_ratio")
+    mean_length = _curve(log_history, "completions/mean_length")
+    if clipped and clipped[-1][1] > 0.5:
+        notes.append(
+            f"{clipped[-1][1]:.0%} of the last step's completions hit the length limit"
+            + (f" ({max_completion_length} tokens)" if max_completion_length else "")
+            + ": answers are being cut off; raise max_completion_length or reward brevity."
+        )
+    elif mean_length and max_completion_length and mean_length[-1][1] >= 0.9 * max_completion_length:
+        notes.append(f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}.")
+    elif clipped or mean_length:
+        tail = f"mean completion length {mean_length[-1][1]:.1f} tokens" if mean_length else ""
+        share = f"{clipped[-1][1]:.0%} hit the length limit" if clipped else ""
+        notes.append("At the end: " + ", ".join(x for x in (tail, share) if x) + ".")
+    grad = _curve(log_history, "grad_norm")
+    if len(grad) >= 3:
+        values = [v for _, v in grad]
+        median = statistics.median(values)
+        step, peak = max(grad, key=lambda sv: sv[1])
+        if median > 0 and peak > 5 * median:
+            notes.append(f"Gradient norm spiked to {peak:.3g} at step {step} (median {median:.3g}).")
+        else:
+            notes.append(f"Gradient norm stayed within 5x its median {median:.3g} (max {peak:.3g}).")
+    kl = _curve(log_history, "kl")
+    if kl:
+        notes.append(f"KL to the reference ended at {kl[-1][1]:.4f} (step {kl[-1][0]}).")
+    return notes
+
+
+def _history_from_curves(curves: Mapping[str, Sequence[Sequence[float]]]) -> list[dict[str, Any]]:
+    """``{key: [[step, value], ...]}`` (trl_ext.compare summaries) back into log_history-like entries."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for key, points in curves.items():
+        for step, value in points:
+            by_step.setdefault(int(step), {"step": int(step)})[key] = value
+    return [by_step[s] for s in sorted(by_step)]
+
+# ------------------------------------------------------------------------------------------------------ record
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def write_experiment_record(
+    output_dir: str | os.PathLike,
+    title: str,
+    *,
+    configs: Sequence[Any] = (),
+    hyperparameters: Mapping[str, Any] | None = None,
+    results: Mapping[str, Any] | Sequence[Sequence[Any]] = (),
+    results_header: Sequence[str] = ("metric", "value"),
+    plots: Sequence[str | os.PathLike] = (),
+    observations: Sequence[str] = (),
+    log_history: Sequence[Mapping[str, Any]] | None = None,
+    max_completion_length: int | None = None,
+    command: str | None = None,
+    extra_markdown: str = "",
+    git: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``output_dir/experiment.md`` and return its path.
+
+    Args:
+        output_dir: the run's output directory (where ``metrics.json`` is).
+        title: first heading.
+        configs: the run's config dataclasses (script arguments, training config, ``trl.ModelConfig``); their
+            non-default and important fields are listed (:func:`config_hyperparameters`).
+        hyperparameters: extra or overriding name -> value pairs for the hyperparameter table.
+        results: a mapping (two columns) or rows matching ``results_header`` (e.g. ``("accuracy", before, after)``).
+        results_header: column titles of ``results``.
+        plots: image paths (absolute or relative to ``output_dir``) embedded under "Plots".
+        observations: sentences written first under "Observations".
+        log_history: TRL's log; :func:`observe_training` adds its observations.
+        max_completion_length: the generation budget, for the length-limit observation.
+        command: the command line that reproduces the run (default: ``sys.argv``).
+        extra_markdown: appended at the end (e.g. a comparison table).
+        git: ``{"commit", "dirty"}`` taken when the run started (default: :func:`git_state` now). Take it at the
+            start of long runs, so that commits made while the run goes on are not credited with its results.
+
+    The record starts with the git commit and dirty flag of the project.
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    git = dict(git) if git is not None else git_state()
+    params = config_hyperparameters(*configs)
+    params.update(hyperparameters or {})
+    command = command or " ".join([Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]])
+    lines = [
+        f"# {title}",
+        "",
+        f"- git commit: `{git['commit'] or 'unknown'}`" + ("" if git["dirty"] is None else f" (dirty: {str(git['dirty']).lower()})"),
+        f"- command: `{command}`",
+        "",
+        "## Hyperparameters (non-default and important ones)",
+        "",
+        "| name | value |",
+        "|---|---|",
+        *[f"| {k} | {_fmt(v)} |" for k, v in params.items()],
+        "",
+    ]
+    rows = list(results.items()) if isinstance(results, Mapping) else [tuple(r) for r in results]
+    if rows:
+        lines += ["## Results", "", "| " + " | ".join(results_header) + " |", "|" + "---|" * len(results_header)]
+        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        for plot in plots:
+            plot = Path(plot)
+            rel = os.path.relpath(plot, out) if plot.is_absolute() else str(plot)
+            lines += [f"![{plot.stem}]({rel})", ""]
+    notes = list(observations) + (observe_training(log_history, max_completion_length) if log_history else [])
+    if notes:
+        lines += ["## Observations", "", *[f"- {n}" for n in notes], ""]
+    if extra_markdown:
+        lines += [extra_markdown.rstrip(), ""]
+    path = out / "experiment.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def scalar_results(metrics: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The rows of a run's results table: the scalar entries of ``metrics`` (numbers and strings; not booleans,
+    lists or mappings such as ``log_history``)."""
+    return [(k, v) for k, v in metrics.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+
+
+COMPARISON_HEADER = ("arm", "held-out accuracy (final)", "SE (points)", "train reward (last 5)", "train seconds")
+"""Columns of :func:`comparison_results`."""
+
+
+def comparison_results(arms: Sequence[Mapping[str, Any]]) -> tuple[list[tuple], list[str]]:
+    """Rows of :data:`COMPARISON_HEADER` (one per arm summary of ``trl_ext.compare.run_comparison``) and
+    :func:`observe_training`'s observations of each arm's curves, prefixed with its name."""
+    rows = [
+        (a["name"], a.get("final_accuracy"), None if a.get("final_accuracy_se") is None else 100 * a["final_accuracy_se"],
+         a.get("final_reward"), a.get("train_seconds"))
+        for a in arms
+    ]
+    notes = [f"{a['name']}: {note}" for a in arms for note in observe_training(_history_from_curves(a.get("curves", {})))]
+    return rows, notes
+
+# ----------------------------------------------------------------------------------------- plots, table, card
+def plot_curves(
+    log_history: Sequence[Mapping[str, Any]],
+    panels: Sequence[tuple[str, str]],
+    path: str | Path,
+    points: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> Path | None:
+    """One panel per ``(log key, title)`` of the training log against the step; ``points`` adds marked values
+    (e.g. ``{"eval_accuracy": [(0, 0.09), (40, 0.675)]}``) to the panel of that key. Panels with no data are
+    left out; returns the PNG path, or None when nothing was logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = dict(points or {})
+    series = {key: [(e["step"], e[key]) for e in log_history if key in e and "step" in e] for key, _ in panels}
+    shown = [(key, title) for key, title in panels if series[key] or points.get(key)]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.2), squeeze=False)
+    for ax, (key, title) in zip(axes[0], shown):
+        if series[key]:
+            ax.plot(*zip(*series[key]), marker=".")
+        if points.get(key):
+            ax.plot(*zip(*points[key]), marker="o", linestyle="--", color="tab:red")
+            for step, value in points[key]:
+                ax.annotate(f"{value:.3g}", (step, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], console: Console | None = None) -> Console:
+    """Print a table (rich); return the console, for the closing lines (soft-wrapped: paths stay whole)."""
+    console = console or Console(soft_wrap=True)
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(v) for v in row))
+    console.print(table)
+    return console
+
+
+def before_after_rows(before: Mapping[str, float], after: Mapping[str, float], keys: Sequence[str]) -> list[tuple]:
+    """``(key, before, after)`` rows to 4 decimals: the held-out table of the SFT, reward-model and DPO recipes."""
+    return [(key, f"{before[key]:.4f}", f"{after[key]:.4f}") for key in keys]
+
+
+def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy and
+    format rate before and after, the number of problems and the evaluation speed after."""
+    return {
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "format_rate_before": before["format_rate"],
+        "format_rate_after": after["format_rate"],
+        "n_eval": after["n"],
+        "eval_examples_per_second": after["examples_per_second"],
+    }
+
+
+def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
+    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table)."""
+    n = after["n"]
+    rows = [(name, f"{r['accuracy']:.1%}", f"{r['format_rate']:.1%}") for name, r in (("before", before), ("after", after))]
+    return f"{what} ({n} held-out problem{'s' if n != 1 else ''}, greedy)", ("", "accuracy", "format rate"), rows
+
+
+def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
+    """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model
+    (``trl_ext.models.base_model_id``: the embedded model's Hub id for the embedded model, by name or cache folder)
+    and the output folder as the model to load (TRL's own card names ``None`` and the folder's bare name for local
+    runs)."""
+    from trl.trainer.utils import generate_model_card
+
+    from trl_ext.models import EMBEDDED_BASE_MODEL, base_model_id
+
+    base = base_model_id(base_model)
+    embedded = base == EMBEDDED_BASE_MODEL and str(base_model) != EMBEDDED_BASE_MODEL  # our dequantized copy of it
+    card = generate_model_card(
+        base_model=base,
+        model_name=Path(output_dir).name,
+        hub_model_id=str(output_dir),
+        dataset_name=None,
+        tags=sorted(set(getattr(trainer, "_tag_names", [])) | {"trl", "trl_ext"}),
+        wandb_url=None,
+        trackio_url=None,
+        trainer_name=getattr(trainer, "_name", type(trainer).__name__),
+        trainer_citation=getattr(trainer, "_paper", {}).get("citation"),
+        template_file=getattr(trainer, "_template_file", None),
+        paper_title=getattr(trainer, "_paper", {}).get("title"),
+        paper_id=getattr(trainer, "_paper", {}).get("id"),
+    )
+    text = str(card)
+    if Path(base).exists():  # a local base model: no Hub link
+        text = text.replace(f"[{base}](https://huggingface.co/{base})", f"`{base}` (local)")
+    if embedded:
+        text = text.replace(
+            f"[{base}](https://huggingface.co/{base})",
+            f"[{base}](https://huggingface.co/{base}) (trl_ext's embedded copy: its Q4_1 GGUF, dequantized)",
+        )
+    if dataset:
+        text = text.replace("It has been trained using", f"Training data: {dataset}.\nIt has been trained using", 1)
+    path = Path(output_dir) / "README.md"
+    path.write_text(text)
+    return path
+
+# ------------------------------------------------------------------------------------------------- the one call
+def finish(
+    run: Any,
+    metrics: Mapping[str, Any],
+    *,
+    title: str,
+    table: tuple[str, Sequence[str], Sequence[Sequence[Any]]] | None = None,
+    lines: Sequence[str] = (),
+    trainer: Any = None,
+    model_card: tuple[str | None, str | None] | None = None,
+    curves: tuple[str, Sequence[tuple[str, str]], Mapping[str, Sequence[tuple[int, float]]] | None] | None = None,
+    log_history: Sequence[Mapping[str, Any]] | None = None,
+    records: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
+    results: tuple[Sequence[str], Sequence[Sequence[Any]]] | None = None,
+    observations: Sequence[str] = (),
+    record: bool = True,
+    git: Mapping[str, Any] | None = None,
+    wrote: Sequence[str] = (),
+) -> Console | None:
+    """Write everything a finished run leaves and print its summary; on the main process only (others: None).
+
+    Args:
+        run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
+        metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``.
+        title: the record's first heading (``experiment.md``).
+        table: ``(caption, columns, rows)`` printed to the console.
+        lines: printed after the table (summary, examples); then which results were reused on resume and, when
+            ``metrics`` has a ``time_breakdown``, where the time went.
+        trainer: the trainer whose model card template names the training method; its ``state.log_history`` is
+            the default ``log_history``.
+        model_card: ``(base model, dataset)``: write ``README.md`` (:func:`write_model_card`) naming them.
+        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`).
+        log_history: the training log for ``curves`` and for the record's observations.
+        records: file stem -> rows, each written as JSON lines (``{"eval_after": [...]}`` -> ``eval_after.jsonl``).
+        results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
+        observations: sentences for the record, before :func:`observe_training`'s.
+        record: write ``experiment.md``.
+        git: ``{"commit", "dirty"}`` taken when the run started (default: now).
+        wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.
+
+    Returns:
+        The console (for a recipe's own closing lines), or None on other processes.
+    """
+    from trl_ext.run import is_main_process
+
+    if not is_main_process():
+        return None
+    out = Path(run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = ["metrics.json", *wrote]
+    for stem, rows in (records or {}).items():
+        with open(out / f"{stem}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    if log_history is None and trainer is not None:
+        log_history = trainer.state.log_history
+    if model_card is not None:
+        write_model_card(trainer, out, *model_card)
+    if curves is not None:
+        name, panels, points = curves
+        plot = plot_curves(log_history or [], panels, out / name, points)
+        written.append(plot.name if plot else "no plot")
+    if record:
+        configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
+        header, rows = results if results is not None else (("metric", "value"), scalar_results(metrics))
+        budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
+        write_experiment_record(
+            out, title, configs=configs, results=rows, results_header=header,
+            plots=sorted(p.name for p in out.glob("*.png")), observations=observations, log_history=log_history,
+            max_completion_length=budget, git=git,
+        )
+        written.append("experiment.md")
+    run.write_metrics(metrics)  # last: its presence marks a finished run
+    console = print_table(*table) if table is not None else Console(soft_wrap=True)
+    for line in lines:
+        console.print(line, markup=False)
+    for name in run.reused:
+        console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
+    if "time_breakdown" in metrics:
+        breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
+        how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
+        console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
+    saved = " and the trained model" if model_card is not None else ""
+    console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
+    return console
+
+
+def finish_comparison(
+    run: Any,
+    results: Sequence[Mapping[str, Any]],
+    setup: Mapping[str, Any],
+    *,
+    title: str,
+    output_dir: str | os.PathLike | None = None,
+    panels: Sequence[tuple[str, str]] | None = None,
+    command: str | None = None,
+    record: tuple[Sequence[str], Sequence[Sequence[Any]], Sequence[str]] | None = None,
+    hyperparameters: Mapping[str, Any] | None = None,
+    git: Mapping[str, Any] | None = None,
+) -> dict[str, Path]:
+    """A comparison's files, in one call: ``comparison.json`` (setup, every arm's summary and the run's provenance),
+    ``comparison.md`` and ``comparison.png`` (``trl_ext.compare.write_comparison``), ``experiment.md``; prints the
+    table. Main process only.
+
+    Args:
+        run: the ``trl_ext.run.RecipeRun``.
+        results: the arm summaries of ``trl_ext.compare.run_comparison``.
+        setup: what every arm shares (model, data, budget), listed first in ``comparison.md``.
+        title: heading of both files.
+        output_dir: where (default ``run.output_dir``; the ablations write one folder per experiment).
+        panels: the plot's ``(log key, title)`` panels (default ``trl_ext.compare.DEFAULT_PANELS``).
+        command: the command that reproduces it.
+        record: ``(header, rows, observations)`` of ``experiment.md`` (default :func:`comparison_results`).
+        hyperparameters: extra rows of the record's hyperparameter table.
+        git: ``{"commit", "dirty"}`` taken when the run started (default: now).
+
+    Returns:
+        ``{"json", "md", "png"}`` paths.
+    """
+    from trl_ext.compare import DEFAULT_PANELS, write_comparison
+
+    out = Path(output_dir if output_dir is not None else run.output_dir)
+    paths = write_comparison(results, out, setup, title=title, panels=panels or DEFAULT_PANELS, command=command,
+                             provenance=run.provenance())
+    if record is None:
+        rows, notes = comparison_results(results)
+        header = COMPARISON_HEADER
+    else:
+        header, rows, notes = record
+    configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
+    write_experiment_record(out, title, configs=configs, hyperparameters=hyperparameters, results=rows,
+                            results_header=header, plots=["comparison.png"], observations=notes, command=command, git=git)
+    print(paths["md"].read_text(), flush=True)
+    print(f"Wrote {', '.join(str(p) for p in paths.values())}", flush=True)
+    return paths

@@ -1,0 +1,467 @@
+"""One recipe run: its output folder, resume, Ctrl-C, phase times and provenance.
+
+A recipe's ``main`` gets a :class:`RecipeRun` from ``@trl_ext.cli.recipe`` (or builds one itself)::
+
+    run = RecipeRun("grpo_math", training_args.output_dir, {"script_args": ..., "training_args": ...},
+                    overwrite=script_args.overwrite_output_dir, resume=training_args.resume_from_checkpoint)
+    with run.phase("load_model", breakdown="model_load"):
+        model, tokenizer, peft_config = ...
+    before = run.reuse_or_compute("eval_before", key, evaluate)   # read back on resume instead of recomputed
+    run.attach(trainer)                                            # last step logged, Ctrl-C waits for a checkpoint
+    run.profile(trainer)                                           # generation/forward/backward/... seconds
+    trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+
+and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json`` with :meth:`RecipeRun.provenance`.
+
+* A folder that holds a finished run (``metrics.json``) or an unfinished run's checkpoints is never silently reused:
+  the run refuses unless ``--overwrite_output_dir`` (delete that run's outputs first) or
+  ``--resume_from_checkpoint`` (continue it) is given (:func:`check_output_dir`).
+* ``--resume_from_checkpoint true`` picks the latest complete ``checkpoint-N`` in ``--output_dir``
+  (:func:`latest_checkpoint`); a path picks that checkpoint. The options a resume depends on are compared with the
+  checkpoint's before any model work (:func:`check_resume`).
+* With ``handle_signals`` (what ``trl_ext.cli.main`` asks for), Ctrl-C and SIGTERM stop the run at once with one
+  line naming the last checkpoint and the command that resumes it; a checkpoint being written is finished first.
+* One :class:`trl_ext.profiling.PhaseTimer` (:attr:`RecipeRun.timer`) holds both the run's phases
+  (``phase_seconds`` in ``metrics.json``: load_data, load_model, eval_before, train, ...) and the exclusive
+  breakdown the profiler fills (``time_breakdown``: model_load, evaluation, generation, backward, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainingArguments
+
+from trl_ext.cli import RecipeError
+from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
+
+
+OVERWRITE_FLAG = "--overwrite_output_dir"
+"""The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
+
+
+VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "datasets", "peft", "vllm")
+"""Packages whose installed versions ``metrics.json`` records (absent ones are left out)."""
+
+
+RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
+"""What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
+cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
+
+def is_main_process() -> bool:
+    """Whether this is the main process of a launch (``RANK`` 0, or no launch), without initializing anything."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+# ------------------------------------------------------------------------------------------- output folder
+def check_output_dir(
+    output_dir: str | Path, overwrite: bool = False, resuming: bool = False, result_file: str = "metrics.json"
+) -> Path:
+    """Make sure ``output_dir`` can take this run's results, before any model work.
+
+    * A finished run (``result_file``, default ``metrics.json``) or an unfinished run's ``checkpoint-*`` folders:
+      refused, unless
+      ``resuming`` (continue it) or ``overwrite`` (the previous run's :data:`RUN_ARTIFACTS` are deleted first,
+      on the main process, so TensorBoard logs and checkpoints of two runs never mix).
+    * The folder is created and a probe file written and removed, so an unwritable folder fails now.
+
+    Raises:
+        RecipeError: naming the folder and the ways forward (a new ``--output_dir``, ``--overwrite_output_dir``,
+            ``--resume_from_checkpoint true``), or why it cannot be written.
+    """
+    out = Path(output_dir)
+    finished = (out / result_file).is_file()
+    checkpoints = sorted(out.glob("checkpoint-*")) if out.is_dir() else []
+    if (finished or checkpoints) and not resuming:
+        if not overwrite:
+            what = f"a finished run ({result_file})" if finished else f"an unfinished run ({checkpoints[-1].name})"
+            resume = "" if finished else ", or --resume_from_checkpoint true to continue it"
+            raise RecipeError(
+                f"--output_dir {out} holds {what}; choose a new --output_dir, or pass {OVERWRITE_FLAG} to replace "
+                f"it{resume}"
+            )
+        if is_main_process():
+            for pattern in (*RUN_ARTIFACTS, result_file):
+                for path in out.glob(pattern):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise RecipeError(f"--output_dir {out} is not writable: {err.strerror or err}") from None
+    return out
+
+
+def latest_checkpoint(output_dir: str | Path) -> str | None:
+    """The highest-numbered complete ``checkpoint-N`` in ``output_dir`` (complete: it has ``trainer_state.json``,
+    which transformers writes last), or None. A checkpoint cut short by a kill is skipped."""
+    import re
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    for _, path in sorted(found, reverse=True):
+        if (path / "trainer_state.json").is_file():
+            return str(path)
+    return None
+
+
+def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
+    """The checkpoint folder to resume from, or None.
+
+    ``None``/"false" -> None; "true" (any case) -> the latest complete ``checkpoint-N`` in ``output_dir``
+    (:func:`latest_checkpoint`: what ``Trainer.train(resume_from_checkpoint=True)`` picks, minus a checkpoint cut
+    short by a kill); anything else -> that folder.
+
+    Raises:
+        RecipeError: "true" with no complete checkpoint in ``output_dir``, or a path that is not a Trainer checkpoint.
+    """
+    if value is None or value is False or str(value).strip().lower() in ("", "false", "no", "none"):
+        return None
+    if value is True or str(value).strip().lower() in ("true", "yes", "latest"):
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise RecipeError(
+                f"--resume_from_checkpoint true: no checkpoint-N folder in --output_dir {output_dir}; run without it "
+                "to start, or give a checkpoint path"
+            )
+        return found
+    path = Path(str(value))
+    if not (path / "trainer_state.json").is_file():
+        reason = "no such folder" if not path.is_dir() else "not a Trainer checkpoint (no trainer_state.json)"
+        raise RecipeError(f"--resume_from_checkpoint {value}: {reason}")
+    return str(path)
+
+
+def check_resume(checkpoint: str | Path, training_args: Any) -> None:
+    """Refuse, before any model work, to resume ``checkpoint`` with options that would not continue it exactly
+    (``trl_ext.trainers.upstream.check_resume_options``: processes, batch size, accumulation, seed, GRPO's rollout
+    shape); the trainer checks the same again in ``train()``.
+
+    Raises:
+        RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
+    """
+    from trl_ext.trainers.upstream import ResumeMismatchError, check_resume_options
+
+    try:
+        check_resume_options(checkpoint, training_args, RECIPE_START_OVER)
+    except ResumeMismatchError as err:
+        raise RecipeError(str(err)) from None
+
+
+RECIPE_START_OVER = (
+    "run without --resume_from_checkpoint, with a new --output_dir (or --overwrite_output_dir to replace this run)"
+)
+"""How a recipe's user starts over instead of resuming (see :func:`check_resume`)."""
+
+
+def resume_command(argv: Sequence[str] | None = None) -> str:
+    """The command that resumes this run: the same flags, ``--resume_from_checkpoint true`` instead of any given."""
+    argv = list(sys.argv if argv is None else argv)
+    script, args, kept, i = argv[0], argv[1:], [], 0
+    while i < len(args):
+        if args[i] == "--resume_from_checkpoint":
+            i += 2
+            continue
+        if args[i].startswith("--resume_from_checkpoint="):
+            i += 1
+            continue
+        kept.append(args[i])
+        i += 1
+    try:
+        relative = os.path.relpath(script)
+        script = script if relative.startswith("..") else relative
+    except ValueError:
+        pass
+    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
+    return f"{launcher} {shlex.join([script, *kept, '--resume_from_checkpoint', 'true'])}"
+
+# ------------------------------------------------------------------------------------------- provenance
+def file_digest(path: str | Path) -> str:
+    """``"<path> sha256:<hex>"`` of a file's bytes: what a cached result computed from that file depends on."""
+    import hashlib
+
+    return f"{path} sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
+
+
+def _json_config(obj: Any) -> Any:
+    if hasattr(obj, "to_dict"):  # TrainingArguments: enums to values, *_token fields masked
+        return obj.to_dict()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and the git commit of this checkout if any."""
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        if commit.returncode == 0:
+            versions["git_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return versions
+
+
+# ------------------------------------------------------------------------------------------- the run
+class RecipeRun:
+    """Bookkeeping of one recipe run; constructing it checks the output folder and resolves the checkpoint.
+
+    Args:
+        name: the recipe's name (``"grpo_math"``), recorded in ``metrics.json``.
+        output_dir: the run's ``--output_dir``.
+        configs: the resolved argument objects by name (``{"script_args": ..., "training_args": ...}``), recorded
+            in ``metrics.json`` (TrainingArguments through ``to_dict``, which masks ``*_token`` values).
+        overwrite: ``--overwrite_output_dir``.
+        resume: ``--resume_from_checkpoint`` as parsed (None, "true" or a path); see :func:`resolve_resume`.
+        result_file: the file whose presence marks a finished run of this recipe.
+        handle_signals: install the Ctrl-C / SIGTERM handler of this run (:meth:`interrupted`); the command line
+            (``trl_ext.cli.main``) asks for it, a library caller keeps its own handlers.
+
+    Attributes:
+        resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
+        resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
+        timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
+        phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
+        reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
+
+    Raises:
+        RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
+    """
+
+    def __init__(self, name: str, output_dir: str | Path, configs: Mapping[str, Any], *, overwrite: bool = False,
+                 resume: str | bool | None = None, result_file: str = "metrics.json", handle_signals: bool = False):
+        self.name = name
+        self.output_dir = Path(output_dir)
+        self.configs = dict(configs)
+        self.resume_from_checkpoint = resolve_resume(resume, output_dir)
+        check_output_dir(output_dir, overwrite, self.resume_from_checkpoint is not None, result_file)
+        training_args = self.configs.get("training_args")
+        if self.resume_from_checkpoint is not None and isinstance(training_args, TrainingArguments):
+            check_resume(self.resume_from_checkpoint, training_args)
+        # read now: save_total_limit may delete that checkpoint once this run saves a newer one
+        self.resumed_step = 0 if self.resume_from_checkpoint is None else int(json.loads(
+            (Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
+        self.timer = PhaseTimer()
+        self.reused: list[str] = []
+        self.started = time.time()
+        self._saving = False
+        self._exit_after_save: str | None = None
+        if handle_signals:
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_from_checkpoint is not None
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        return {name: round(seconds, 3) for name, seconds in self.timer.stage_seconds.items()}
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds since the run started."""
+        return time.time() - self.started
+
+    def steps_summary(self, global_step: int, seconds: float) -> str:
+        """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`),
+        ``"(resumed from step 1; 3 in all)"`` added on resume."""
+        done = global_step - self.resumed_step
+        text = f"{done} step{'s' if done != 1 else ''} in {seconds:.0f} s"
+        return text + (f" (resumed from step {self.resumed_step}; {global_step} in all)" if self.resuming else "")
+
+    def phase(self, name: str, breakdown: str | None = None):
+        """Time a phase of the run (``load_data``, ``load_model``, ``eval_before``, ``train``, ...; repeated names add
+        up) -- inclusive wall seconds, ``phase_seconds`` in ``metrics.json``. ``breakdown`` also charges the block to
+        that phase of the exclusive breakdown (``model_load``, ``evaluation``; ``time_breakdown``)."""
+        stage = self.timer.stage(name)
+        if breakdown is None:
+            return stage
+        return _both(stage, self.timer.phase(breakdown))
+
+    def profile(self, trainer: Any) -> None:
+        """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
+        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`)."""
+        StepProfiler(self.timer).attach(trainer)
+
+    def time_breakdown(self) -> dict[str, float]:
+        """The exclusive seconds per phase plus ``other`` and ``total`` (the run's wall time so far)."""
+        return time_breakdown(self.timer, self.seconds)
+
+    def reuse_or_compute(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
+        """On resume, the result a previous run of this folder saved under ``name`` with the same ``key``; else
+        ``compute()``, saved to ``output_dir/<name>.json`` (main process) for a later resume.
+
+        ``key`` holds what the result depends on (model, held-out rows, generation budget...): a resumed run whose
+        key differs computes again. Reused names are listed in ``metrics.json`` under ``reused``.
+        """
+        path = self.output_dir / f"{name}.json"
+        key = json.loads(json.dumps(key, default=str))
+        if self.resuming and path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                self.reused.append(name)
+                return saved["result"]
+        result = compute()
+        if is_main_process() and result is not None:
+            path.write_text(json.dumps({"key": key, "result": result}, default=str))
+        return result
+
+    def provenance(self) -> dict[str, Any]:
+        """``recipe``, ``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,
+        ``resumed_from`` (the checkpoint), ``resumed_from_step`` (its step; 0 when not resuming) and ``reused``: the
+        keys ``trl_ext.report`` adds to ``metrics.json``."""
+        return {
+            "recipe": self.name,
+            "command": shlex.join(sys.argv),
+            "config": {k: _json_config(v) for k, v in self.configs.items()},
+            "versions": library_versions(),
+            "phase_seconds": {**self.phase_seconds, "total": round(self.seconds, 3)},
+            "resumed_from": self.resume_from_checkpoint,
+            "resumed_from_step": self.resumed_step,
+            "reused": self.reused,
+        }
+
+    def write_metrics(self, metrics: Mapping[str, Any], path: str | Path | None = None) -> Path:
+        """Write ``metrics`` plus :meth:`provenance` to ``path`` (default ``output_dir/metrics.json``; written last:
+        its presence marks a finished run), through a temporary file so a kill never leaves half of it."""
+        path = Path(path) if path is not None else self.output_dir / "metrics.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({**metrics, **self.provenance()}, indent=2, default=str))
+        tmp.replace(path)
+        return path
+
+    def attach(self, trainer: Any, first_logs: Mapping[str, float] | None = None) -> None:
+        """Add this run's TrainerCallback to ``trainer``: it logs the last step whatever ``logging_steps`` is,
+        makes a Ctrl-C that arrives while a checkpoint is written wait until that checkpoint is complete, and logs
+        ``first_logs`` (e.g. the held-out accuracy before training) at step 0 once the loggers are set up (not
+        again on resume)."""
+        trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
+
+    @staticmethod
+    def log_after_training(trainer: Any, logs: Mapping[str, float]) -> None:
+        """Log ``logs`` (e.g. the held-out accuracy after training) at the last step to every ``report_to``
+        logger, and flush TensorBoard (its writer was closed at the end of training)."""
+        from transformers import Trainer
+        from transformers.integrations import TensorBoardCallback
+
+        Trainer.log(trainer, dict(logs))  # not the GRPO override: no pending training metrics to merge
+        for cb in trainer.callback_handler.callbacks:
+            if isinstance(cb, TensorBoardCallback) and cb.tb_writer is not None:
+                cb.tb_writer.close()
+                cb.tb_writer = None
+
+    def interrupted(self, signum: int) -> None:
+        """Signal handler body: one line naming the last checkpoint and the resume command, then exit 130 at once
+        (or right after the checkpoint being written)."""
+        if self._saving:
+            self._exit_after_save = signal.Signals(signum).name
+            return
+        _stop(self.output_dir, signal.Signals(signum).name)
+
+    def _on_signal(self, signum, frame):  # noqa: ARG002
+        self.interrupted(signum)
+
+
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+class _RecipeCallback(TrainerCallback):
+    def __init__(self, run: RecipeRun, trainer: Any = None, first_logs: Mapping[str, float] | None = None):
+        self.run, self.trainer, self.first_logs = run, trainer, dict(first_logs or {})
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.first_logs and state.global_step == 0 and self.trainer is not None:
+            from transformers import Trainer
+
+            Trainer.log(self.trainer, dict(self.first_logs))  # after the loggers' own on_train_begin
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps and args.logging_strategy != "no":
+            control.should_log = True  # DefaultFlowCallback logs only multiples of logging_steps
+        self.run._saving = bool(control.should_save)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.run._saving = False
+        if self.run._exit_after_save:
+            _stop(self.run.output_dir, self.run._exit_after_save)
+        return control
+
+
+def _stop(output_dir: Path, signame: str) -> None:
+    if is_main_process():
+        last = latest_checkpoint(output_dir)
+        reason = "Stopped (Ctrl-C)" if signame == "SIGINT" else f"Stopped ({signame})"
+        if last:
+            line = f"{reason}. Last checkpoint: {last}. Resume with: {resume_command()}"
+        else:
+            line = f"{reason} before the first checkpoint in {output_dir}; nothing to resume, run again to start over."
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+def _stopped_before_the_run(signum, frame):  # noqa: ARG001
+    print("Stopped (Ctrl-C) before the run started.", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def install_interrupt_handler() -> None:
+    """Until a run installs its own (``RecipeRun(handle_signals=True)``), Ctrl-C / SIGTERM stop the process at once
+    with one line (no traceback); and when only the launcher that started this process dies, the process stops too
+    (Linux: the kernel sends SIGINT to the child, so ``accelerate launch``'s child never runs on alone)."""
+    signal.signal(signal.SIGINT, _stopped_before_the_run)
+    signal.signal(signal.SIGTERM, _stopped_before_the_run)
+    if sys.platform.startswith("linux") and "ACCELERATE_MIXED_PRECISION" in os.environ:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def refuse_resume(value: Any, reason: str, what: str = "run") -> None:
+    """Raise :class:`RecipeError` when ``--resume_from_checkpoint`` is given to a recipe that cannot be resumed.
+
+    Args:
+        value: the parsed ``--resume_from_checkpoint``.
+        reason: why (``"a comparison trains every arm from scratch"``).
+        what: what ``--overwrite_output_dir`` would replace (``"comparison"``).
+    """
+    if value not in (None, "", "false", "False", False):
+        raise RecipeError(
+            f"--resume_from_checkpoint: {reason} and cannot be resumed; run it again (add {OVERWRITE_FLAG} to replace "
+            f"an earlier {what} in the same --output_dir)"
+        )
