@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -26,8 +25,8 @@ from trl_ext.compare import (
     summarize_arm,
     write_comparison,
 )
-from trl_ext.eval import evaluate_math
 from trl_ext.rewards import gsm8k_reward_fn
+from trl_ext.tasks import Task
 
 BASE = dict(
     use_cpu=True,
@@ -176,11 +175,11 @@ def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
 
     train = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(8)]})
     test = Dataset.from_dict({"prompt": ["What is 1 + 1?", "What is 2 + 3?"], "answer": ["2", "5"]})
-    eval_fn = partial(evaluate_math, tokenizer=tok, dataset=test, reward_fn=gsm8k_reward_fn, max_new_tokens=4,
-                      disable_progress=True)
+    task = Task(name="gsm8k", train=train, test=test, reward_funcs=length_mod5_reward, reward_fn=gsm8k_reward_fn,
+                extract=None, dataset="toy", source="toy", description="toy", max_new_tokens=4)
     base = trl.GRPOConfig(output_dir=str(tmp_path / "out"), logging_steps=1, temperature=1.5, gradient_checkpointing=False,
                           log_completions=True, **{**BASE, "report_to": "tensorboard"})
-    results = run_comparison(parse_arms(["trl", "course"]), base, load_model, train, length_mod5_reward, eval_fn, [0, 2],
+    results = run_comparison(parse_arms(["trl", "course"]), base, load_model, task, tok, [0, 2],
                              curve_keys=("reward", "heldout/accuracy"), log=lambda m: None)
     assert [r["name"] for r in results] == ["trl", "course"]
     for r in results:

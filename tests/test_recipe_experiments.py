@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trl_ext.compare import arm_key, parse_arms, run_comparison
+import trl_ext
+
+from trl_ext.compare import ablations, arm_key, parse_arms, run_comparison
 from trl_ext.cli import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +27,13 @@ def parse_ablations(*argv, config=None):
 
 
 def arms_of(name, script_args, training_args):
-    return parse_arms(grpo_ablations.experiment_arms(name, script_args, training_args))
+    return parse_arms(ablations.experiment_arms(name, script_args, training_args))
 
 
 def test_every_experiment_changes_one_thing_from_the_reference():
     script_args, training_args, _ = parse_ablations("--gradient_accumulation_steps", "2")
-    ref = {k: v for k, v in grpo_ablations.REFERENCE.items() if k != "trainer"}
-    names = {e: [a.name for a in arms_of(e, script_args, training_args)] for e in grpo_ablations.EXPERIMENTS}
+    ref = {k: v for k, v in ablations.REFERENCE.items() if k != "trainer"}
+    names = {e: [a.name for a in arms_of(e, script_args, training_args)] for e in ablations.EXPERIMENTS}
     assert names == {
         "baselines": ["no_baseline", "reinforce_with_baseline"],
         "std_normalization": ["std_normalized", "no_std"],
@@ -65,23 +67,23 @@ def test_arms_shared_between_experiments_have_one_key():
     assert reference == key("std_normalization", 0) == key("length_normalization", 0) == key("learning_rate", 1)
     assert reference == key("off_policy", 0) == key("dynamic_sampling", 0)
     assert key("off_policy", 2) == key("clip_ablation", 0)
-    keys = {arm_key(a, training_args) for e in grpo_ablations.EXPERIMENTS for a in arms_of(e, script_args, training_args)}
+    keys = {arm_key(a, training_args) for e in ablations.EXPERIMENTS for a in arms_of(e, script_args, training_args)}
     assert len(keys) == 12  # what --experiment all trains
 
 
 def test_run_comparison_reuses_a_cached_arm_without_training(tmp_path):
     _, training_args, _ = parse_ablations("--output_dir", str(tmp_path))
-    arm = parse_arms([{"name": "again", **grpo_ablations.REFERENCE}])[0]
+    arm = parse_arms([{"name": "again", **ablations.REFERENCE}])[0]
     cached = {"name": "first", "settings": {}, "task": None, "final_accuracy": 0.5, "curves": {}}
     cache = {arm_key(arm, training_args): cached}
 
     def load_model():
         raise AssertionError("a cached arm must not be trained again")
 
-    [result] = run_comparison([arm], training_args, load_model, None, None, cache=cache, log=lambda m: None)
+    [result] = run_comparison([arm], training_args, load_model, None, cache=cache, log=lambda m: None)
     assert result["name"] == "again" and result["final_accuracy"] == 0.5 and result["settings"] == arm.settings
     with pytest.raises(ValueError, match=r"arms use tasks \['question_only', 'r1_zero'\] that are not in tasks"):
-        run_comparison(arms_of("prompt", *parse_ablations()[:2]), training_args, load_model, None, None)
+        run_comparison(arms_of("prompt", *parse_ablations()[:2]), training_args, load_model, None)
 
 
 def test_bad_options_fail_fast():
@@ -90,7 +92,7 @@ def test_bad_options_fail_fast():
     with pytest.raises(ValueError, match="off-policy setting '2y2'"):
         parse_ablations("--clip_ablation_setting", "2y2")
     with pytest.raises(ValueError, match="expected E, K >= 1"):
-        grpo_ablations.parse_setting("0x1")
+        ablations.parse_setting("0x1")
 
 
 @pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
@@ -146,7 +148,7 @@ def test_expert_iteration_refuses_bad_options_and_resume_before_the_model(tmp_pa
 
 
 def test_grpo_ablations_refuse_resume_and_a_step_budget_of_zero(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo_ablations, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
+    monkeypatch.setattr(trl_ext.models, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
     with pytest.raises(RecipeError, match="cannot be resumed"):
         grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"))
     with pytest.raises(RecipeError, match=r"--max_steps -1: the experiments need a fixed step budget"):
@@ -154,7 +156,7 @@ def test_grpo_ablations_refuse_resume_and_a_step_budget_of_zero(tmp_path, monkey
 
 
 def test_grpo_ablations_run_experiments_one_by_one_into_one_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo_ablations, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
+    monkeypatch.setattr(trl_ext.models, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
     (tmp_path / "baselines").mkdir()
     (tmp_path / "baselines" / "comparison.json").write_text("{}")
     (tmp_path / "prompt").mkdir()
@@ -233,11 +235,8 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_report_lists_finished_experiments_with_standard_errors_and_what_is_missing(tmp_path):
-    (tmp_path / "baselines").mkdir()
     arms = [{"name": "no_baseline", "final_accuracy": 0.46, "final_accuracy_se": math.sqrt(0.46 * 0.54 / 100), "n_eval": 100}]
-    (tmp_path / "baselines" / "comparison.json").write_text(json.dumps({"setup": {}, "arms": arms}))
-    path = grpo_ablations.write_report(tmp_path, [("baselines", {"json": tmp_path / "baselines" / "comparison.json"})],
-                                       ["prompt"], "uv run x")
+    path = ablations.write_report(tmp_path, [("baselines", arms)], ["prompt"], "uv run x")
     text = path.read_text()
     assert "Not run yet: prompt." in text and "![baselines](baselines/comparison.png)" in text
     assert "- no_baseline: 46.0% ± 5.0 (100 held-out problems)" in text  # sqrt(0.46 * 0.54 / 100) = 0.0498

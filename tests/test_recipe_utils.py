@@ -558,7 +558,7 @@ def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_n
 
     import datasets
 
-    monkeypatch.setattr(grpo_math, "load_model_and_tokenizer", _explode)
+    _explode_loaders(monkeypatch, grpo_math, ("load_model_and_tokenizer",))
     monkeypatch.setattr(datasets, "load_dataset", _explode)
     config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_gsm8k.yaml")
     with pytest.raises(SystemExit) as exit_info:

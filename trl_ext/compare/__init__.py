@@ -16,19 +16,22 @@ and several comparisons can share a ``cache`` so an arm that appears in several 
 trains once.
 
 Modules: :mod:`~trl_ext.compare.arms` (arms, presets, per-arm configs), :mod:`~trl_ext.compare.monitoring` (step
-time, memory, held-out evaluation during training, summaries), :mod:`~trl_ext.compare.run` (running the arms) and
-:mod:`~trl_ext.compare.report` (table, plot, files).
+time, memory, held-out evaluation during training, summaries), :mod:`~trl_ext.compare.run` (running the arms),
+:mod:`~trl_ext.compare.report` (table, plot, files) and :mod:`~trl_ext.compare.ablations` (the handout's
+experiments as arms).
 
 Used by ``recipes/compare_upstream.py`` (math), ``recipes/grpo_sort.py`` (the lecture's sorting toy task) and
 ``recipes/grpo_ablations.py`` (the handout's GRPO experiments).
 """
 
+from trl_ext.compare import ablations
 from trl_ext.compare.arms import ARM_PRESETS, TRAINERS, UPSTREAM_REQUIRED, Arm, arm_config, arm_key, parse_arms
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, metric_curve, release_memory, summarize_arm
-from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, write_comparison
+from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, setup_summary, write_comparison
 from trl_ext.compare.run import eval_steps, run_comparison
 
 __all__ = [
+    "ablations",
     "ARM_PRESETS",
     "DEFAULT_PANELS",
     "TRAINERS",
@@ -45,6 +48,7 @@ __all__ = [
     "plot_comparison",
     "release_memory",
     "run_comparison",
+    "setup_summary",
     "summarize_arm",
     "write_comparison",
 ]

@@ -161,3 +161,31 @@ def write_comparison(
     paths["md"].write_text("\n".join(md))
     plot_comparison(results, paths["png"], title=title, panels=panels)
     return paths
+
+
+def setup_summary(training_args: Any, model_args: Any, eval_steps: Sequence[int], speed: Mapping[str, Any] | None = None,
+                  first: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What every arm of a comparison shares, for the top of ``comparison.md``: ``first`` (the recipe's own
+    entries: experiment, data, task), then the model, step budget, evaluation steps, completions per step (per
+    device x accumulation x processes), group size, completion budget, learning rate, temperature, seed, device and
+    -- set once for every arm by ``trl_ext.runtime`` -- threads and precision."""
+    from accelerate import PartialState
+
+    from trl_ext.models import DEFAULT_MODEL
+
+    state, first = PartialState(), dict(first or {})
+    return {
+        **first,
+        "model": first.get("model") or model_args.model_name_or_path or DEFAULT_MODEL,
+        "steps per arm": training_args.max_steps,
+        "held-out evaluation at steps": list(eval_steps),
+        "completions per step": training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+        * state.num_processes,
+        "num_generations": training_args.num_generations,
+        "max_completion_length": training_args.max_completion_length,
+        "learning_rate": training_args.learning_rate,
+        "temperature": training_args.temperature,
+        "seed": training_args.seed,
+        "device": str(state.device) + (f" x {state.num_processes}" if state.num_processes > 1 else ""),
+        **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
+    }
