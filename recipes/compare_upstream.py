@@ -65,7 +65,8 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
             task.check_fills_one_step(compare.arm_config(training_args, arm), f", arm {arm.name}")
     tokenizer = models.load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     steps = compare.eval_steps(training_args.max_steps, script_args.eval_every)
-    results = compare.run_comparison(arms, training_args, lambda: models.load_model_and_tokenizer(model_args), task, tokenizer, steps)
+    load = lambda: models.load_model_and_tokenizer(model_args)  # noqa: E731  (a fresh model per arm)
+    results = compare.run_comparison(arms, training_args, load, task, tokenizer, steps)
     if not PartialState().is_main_process:
         return
     setup = compare.setup_summary(training_args, model_args, steps, speed, {

@@ -62,7 +62,8 @@ def main(run, script_args, training_args, model_args, speed=None):
         model=model, reward_funcs=task.reward_funcs, args=training_args, train_dataset=task.train,
         processing_class=tokenizer, peft_config=peft_config,
     )
-    run.attach(trainer, first_logs={"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None)
+    first_logs = {"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None
+    run.attach(trainer, first_logs)  # held-out accuracy at step 0 in TensorBoard; the last step always logged
     run.profile(trainer)
     with run.phase("train"):
         trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
@@ -78,18 +79,18 @@ def main(run, script_args, training_args, model_args, speed=None):
         after = task.evaluate(trained, tokenizer, "eval after")
     run.log_after_training(trainer, {"eval_accuracy": after["accuracy"], "eval_format_rate": after["format_rate"]})
 
-    steps, seconds = trainer.state.global_step, run.phase_seconds["train"]
-    runtime = {**(speed or {}), "processes": state.num_processes, "distributed_type": str(trainer.accelerator.distributed_type)}
+    steps, gain, example = trainer.state.global_step, after["accuracy"] - before["accuracy"], after["examples"][0]
+    runtime = {**(speed or {}), "processes": state.num_processes,
+               "distributed_type": str(trainer.accelerator.distributed_type)}  # FSDP shows here, not in PartialState
     report.finish(
-        run, {**report.held_out_metrics(before, after), "train_steps": steps, "train_seconds": seconds, "model": model_name,
-              "dataset": task.dataset, "reward": task.name, "runtime": runtime, "time_breakdown": run.time_breakdown(),
-              "log_history": trainer.state.log_history},
-        title="GRPO on math problems", table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
-        lines=[f"{run.steps_summary(steps, seconds)}; gain {after['accuracy'] - before['accuracy']:+.1%}. Example after: "
-               f"{after['examples'][0]['response']!r} (answer {after['examples'][0]['answer']})"],
-        trainer=trainer, model_card=(model_args.model_name_or_path, task.dataset),
-        curves=("training_curves.png", PANELS, {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]}),
+        run, {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name,
+              "runtime": runtime}, title="GRPO on math problems",
+        table=report.accuracy_table(f"GRPO on {task.dataset}", before, after), trainer=trainer,
+        lines=[f"{run.steps_summary(steps, run.phase_seconds['train'])}; gain {gain:+.1%}. "
+               f"Example after: {example['response']!r} (answer {example['answer']})"],
+        model_card=(model_args.model_name_or_path, task.dataset),
         records={"eval_before": before["records"], "eval_after": after["records"]},
+        curves=("training_curves.png", PANELS, {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]}),
     )
 
 

@@ -470,7 +470,10 @@ def finish(
 
     Args:
         run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
-        metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``.
+        metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``, and, unless ``metrics`` has
+            them: with a ``trainer``, ``train_steps``, ``train_seconds`` (the run's ``train`` phase) and
+            ``log_history``; when the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
+            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far).
         title: the record's first heading (``experiment.md``).
         table: ``(caption, columns, rows)`` printed to the console.
         lines: printed after the table (summary, examples); then which results were reused on resume and, when
@@ -500,8 +503,14 @@ def finish(
     for stem, rows in (records or {}).items():
         with open(out / f"{stem}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    if log_history is None and trainer is not None:
-        log_history = trainer.state.log_history
+    metrics = dict(metrics)
+    if trainer is not None and hasattr(trainer, "state"):  # what every training run records, unless given
+        log_history = trainer.state.log_history if log_history is None else log_history
+        metrics.setdefault("train_steps", trainer.state.global_step)
+        metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
+        metrics.setdefault("log_history", log_history)
+    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
+        metrics.setdefault("time_breakdown", run.time_breakdown())
     if model_card is not None:
         write_model_card(trainer, out, *model_card)
     if curves is not None:

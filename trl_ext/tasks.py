@@ -207,11 +207,13 @@ class MathTask(Task):
                         raise RecipeError(f"--dataset_name {args.dataset_name}: {len(train)} usable row(s); need at "
                                           "least 2 (training rows plus held-out rows)")
                     held_out = max(1, min(args.num_eval, len(train) // 5))
-                    test, train = train.select(range(len(train) - held_out, len(train))), train.select(range(len(train) - held_out))
+                    cut = len(train) - held_out
+                    test, train = train.select(range(cut, len(train))), train.select(range(cut))
                     rows = f"{len(test)} row{'s' if len(test) != 1 else ''}"
                     source = f"--dataset_name {args.dataset_name} (its last {rows} held out for evaluation)"
                 else:
-                    test = load_math_dataset(args.dataset_name, split=args.dataset_test_split, max_rows=args.num_eval, **load)
+                    test = load_math_dataset(args.dataset_name, split=args.dataset_test_split, max_rows=args.num_eval,
+                                             **load)
                     source = f"--dataset_name {args.dataset_name} (split {args.dataset_train_split})"
                 kind = "math" if "problem" in train.column_names else "gsm8k"
         name = cls.grader_name(args.reward, args.template, kind)
