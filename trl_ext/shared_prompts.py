@@ -40,6 +40,12 @@ CACHED_FORWARD_BUGS = {
 }
 """Architectures (``config.model_type``) whose cached forward transformers computes wrongly; sharing is off there."""
 
+ROW_INDEXED_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+"""transformers cache layers (``DynamicCache(config=...).layers``) that hold per-token keys and values and can be
+indexed by row (``batch_select_indices``), which sharing needs; a model with any other kind of layer -- the recurrent
+state of linear-attention, convolution or state-space layers (``LinearAttentionLayer``,
+``LinearAttentionAndFullAttentionLayer``: LFM2, Mamba2, Qwen3-Next/3.5, Falcon-H1) -- runs the plain computation."""
+
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope", "su")
 """``rope_type`` values whose frequencies depend on the sequence length: dynamic-NTK (and its variants) and
 LongRoPE (Phi-3 long context; ``su`` is its old name)."""
@@ -343,11 +349,28 @@ def training_noise(model: Any) -> str | None:
     return f"the training forward is random ({where}; disable_dropout=True keeps the saving where Dropout modules are the cause)"
 
 
+def _cache_layer_kinds(model: Any) -> set[str]:
+    """Class names of the layers of the cache transformers builds for the model (empty where it builds none)."""
+    config = getattr(_base_model(model), "config", None)
+    try:
+        from transformers import DynamicCache
+
+        return {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    except Exception:  # noqa: BLE001 -- no config, or a model family without a transformers cache: the probe decides
+        return set()
+
+
 def static_sharing_blocker(model: Any) -> str | None:
     """Why sharing cannot be exact for ``model`` from its configuration alone (no forward run), or None.
 
-    Checks ``CACHED_FORWARD_BUGS`` and ``LENGTH_DEPENDENT_ROPE`` on the model's config and its text config.
+    Checks ``CACHED_FORWARD_BUGS``, the kinds of the model's cache layers (``ROW_INDEXED_CACHE_LAYERS``, from the
+    cache transformers builds for its config) and ``LENGTH_DEPENDENT_ROPE`` on the model's config and its text config.
     """
+    layers = _cache_layer_kinds(model)
+    other = sorted(layers - set(ROW_INDEXED_CACHE_LAYERS))
+    if other:
+        return (f"its cache has {', '.join(other)} layers (recurrent state), which cannot be indexed by row; only "
+                "key/value attention caches can be shared")
     for config in _configs(model):
         model_type = getattr(config, "model_type", None)
         if model_type in CACHED_FORWARD_BUGS:
