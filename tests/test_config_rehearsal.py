@@ -37,6 +37,7 @@ tests/test_recipe_experiments.py does); without it no sample is kept and no SFT 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import runpy
@@ -163,11 +164,10 @@ def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in,
         rows = HUB_DATASETS[config["dataset_name"]](rehearsal.rows)
         data_file = str(write_jsonl(tmp_path / "data.jsonl", rows))
     if name.startswith("expert_iteration"):  # a random stand-in solves nothing: a stand-in filter keeps some samples
-        monkeypatch.syspath_prepend(str(ROOT / "recipes"))
-        import grpo_math  # the module expert_iteration imports its REWARDS table from
+        from trl_ext import tasks  # the graders expert_iteration's task filters and evaluates with
 
-        for key in list(grpo_math.REWARDS):
-            monkeypatch.setitem(grpo_math.REWARDS, key, (grpo_math.REWARDS[key][0], even_length_reward_fn))
+        for key, grader in list(tasks.GRADERS.items()):
+            monkeypatch.setitem(tasks.GRADERS, key, dataclasses.replace(grader, reward_fn=even_length_reward_fn))
     out = tmp_path / "out"
     flags = allowed_overrides(config, rehearsal.recipe, model_dir, data_file, out, reward_model_dir=llama_stand_in)
     run_recipe(rehearsal.recipe, ["--config", str(CONFIG_DIR / name), *flags], monkeypatch)

@@ -82,6 +82,29 @@ def test_get_response_log_probs_by_hand():
     torch.testing.assert_close(out["token_entropy"], torch.tensor([[h0, h1]]))
 
 
+def test_mean_response_entropy_by_hand():
+    # token 0 -> h0, token 1 -> h1, token 2 -> uniform (ln 3); only positions whose label is a completion token count
+    table = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [1 / 3, 1 / 3, 1 / 3]]).log()
+    modes = []
+
+    class ModeRecordingLM(TableLM):
+        def forward(self, input_ids, attention_mask=None):
+            modes.append(self.training)
+            return super().forward(input_ids, attention_mask)
+
+    model = ModeRecordingLM(table).train()
+    h1 = -(0.1 * math.log(0.1) + 0.6 * math.log(0.6) + 0.3 * math.log(0.3))
+    # [0, 1 | 2, 0]: the completion's tokens are predicted after 1 and after 2; [2 | 1]: after 2; [1, 0 | ]: none
+    prompt_ids, completion_ids = [[0, 1], [2], [1, 0]], [[2, 0], [1], []]
+    expected = (h1 + 2 * math.log(3)) / 3  # a mean over the 3 response tokens, not over the sequences
+    for batch_size in (1, 2, 3):  # padding (with token 1, a real token: masked, never read) does not change it
+        got = C.mean_response_entropy(model, prompt_ids, completion_ids, pad_token_id=1, batch_size=batch_size)
+        assert got == pytest.approx(expected, rel=1e-6)
+    assert modes and not any(modes) and model.training  # eval mode for the forwards, the caller's mode restored
+    assert C.mean_response_entropy(model, [[0, 1]], [[]], pad_token_id=0) == 0.0  # no response token
+    with pytest.raises(ValueError, match="prompt_ids has 2 sequences but completion_ids has 1"):
+        C.mean_response_entropy(model, [[0], [1]], [[2]], pad_token_id=0)
+
 def test_group_normalized_rewards_by_hand():
     # group 1 rewards [1, 2, 3, 6]: mean 3, centred [-2, -1, 0, 3], unbiased var 14/3
     # group 2 rewards [0, 0, 0, 1]: mean 1/4, centred [-1/4]*3 + [3/4], var (3/16 + 9/16) / 3 = 1/4 -> std 1/2

@@ -11,7 +11,7 @@ from conftest import CPU_TEST_ARGS, load_recipe
 import trl
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream, expert_iteration and grpo_ablations import grpo_math
+sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream and grpo_ablations import grpo_math
 CONFIGS = sorted(p.name for p in (ROOT / "recipes" / "configs").glob("*.yaml"))
 CPU_FLAGS = {"--bf16": "false", "--use_cpu": "true", "--use_vllm": "false", "--backend": "hf"}  # what a GPU config needs on a CPU
 

@@ -24,7 +24,7 @@ from trl_ext.cli import MODEL_NAME_HELP, RecipeError, check_model_source
 from trl_ext.cli import main as recipe_main
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream, expert_iteration and grpo_ablations import grpo_math
+sys.path.insert(0, str(ROOT / "recipes"))  # compare_upstream and grpo_ablations import grpo_math
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMPTY_NAME = (
     "--model_name_or_path '': empty; give a Hub id or a local folder, or --model_name_or_path embedded for the "

@@ -243,6 +243,27 @@ def test_two_training_steps_change_parameters_and_log_metrics(tokenizer, tiny_mo
     assert logs[0]["beta"] == pytest.approx(expected_beta, rel=1e-4)
 
 
+def test_sample_is_upstreams_generation_and_makes_vllm_reload_the_weights(tokenizer, tiny_model, tmp_path, monkeypatch):
+    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model, tokenizer, tmp_path)
+    trainer.model.train()
+    prompts = ["Count to 3:"] * 4 + ["Count to 4:"] * 4  # two groups of num_generations = 4
+    torch.manual_seed(5)
+    prompt_ids, completion_ids, completions = trainer.sample(prompts)
+    torch.manual_seed(5)
+    upstream = trl.GRPOTrainer._generate(trainer, prompts)
+    assert (prompt_ids, completion_ids, completions) == (upstream[0], upstream[1], upstream[3])
+    assert len(prompt_ids) == len(completion_ids) == len(completions) == 8
+    assert all(0 < len(c) <= trainer.args.max_completion_length for c in completion_ids)
+    assert completions == trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    # vLLM: upstream syncs the engine when state.global_step differs from the step it last loaded; outside train()
+    # the step never moves, so sample() marks the weights stale on every call
+    seen = []
+    monkeypatch.setattr(trainer, "use_vllm", True)
+    monkeypatch.setattr(trainer, "_generate", lambda p: seen.append(trainer._last_loaded_step) or upstream)
+    trainer._last_loaded_step = trainer.state.global_step  # as after a sync
+    trainer.sample(prompts)
+    assert seen == [-1] and trainer.state.global_step != -1
+
 def test_config_rejects_unsupported_options(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
     with pytest.raises(ValueError, match="loss_type='dapo' is not implemented by the course loss"):

@@ -129,3 +129,15 @@ def test_bf16_two_thread_runs_are_deterministic(tokenizer, tmp_path):
         torch.set_num_threads(before)
     assert any(not torch.equal(weights[0][n], tiny_model_for_tests(tokenizer).state_dict()[n]) for n in weights[0])
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
+def test_cpu_seconds_counts_this_process_work_and_not_its_sleep():
+    import time
+
+    start = profiling.cpu_seconds()
+    time.sleep(0.3)
+    slept = profiling.cpu_seconds() - start
+    deadline, x = time.perf_counter() + 10, 0
+    while profiling.cpu_seconds() - start - slept < 0.2 and time.perf_counter() < deadline:
+        x += 1  # busy: CPU time advances (at the CPU share this machine gives the process)
+    assert slept < 0.1 and profiling.cpu_seconds() - start - slept >= 0.2

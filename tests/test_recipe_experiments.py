@@ -1,5 +1,6 @@
 """recipes/grpo_ablations.py and recipes/expert_iteration.py: arms, configs, reuse, and tiny end-to-end runs."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -9,7 +10,7 @@ import pytest
 import yaml
 
 import trl_ext
-
+from trl_ext import tasks
 from trl_ext.compare import ablations, arm_key, parse_arms, run_comparison
 from trl_ext.cli import RecipeError
 
@@ -136,7 +137,7 @@ def test_expert_iteration_refuses_bad_options_and_resume_before_the_model(tmp_pa
     def explode(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(expert_iteration, "load_model_and_tokenizer", explode)
+    monkeypatch.setattr(trl_ext.models, "load_model_and_tokenizer", explode)  # the loader the recipe calls
     out = str(tmp_path / "out")
     with pytest.raises(RecipeError, match="expert iteration keeps no checkpoints.*cannot be resumed"):
         expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--resume_from_checkpoint", "true"]))
@@ -183,7 +184,8 @@ def even_length_reward_fn(response, ground_truth):
 
 @pytest.mark.slow
 def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(expert_iteration.REWARDS, "arithmetic", (expert_iteration.REWARDS["arithmetic"][0], even_length_reward_fn))
+    grader = dataclasses.replace(tasks.GRADERS["arithmetic"], reward_fn=even_length_reward_fn)  # filter and evaluation
+    monkeypatch.setitem(tasks.GRADERS, "arithmetic", grader)
     out = tmp_path / "out"
     args = expert_iteration.parse_args([
         "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),

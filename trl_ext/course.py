@@ -3,10 +3,11 @@
 ``trl_ext.functional`` holds the math the trainers execute; the functions here serve the course's own API
 (``trl_ext.cs336`` re-exports them under these names and wraps them as the ``run_*`` adapters) and the tests. They
 take models and tokenizers or call ``backward`` themselves, which the trainers leave to TRL: tokenizing a prompt and
-its output with a response mask, per-token log-probs of a model, the handout's reward-normalization function with its
-metadata, one GRPO or SFT microbatch step with ``backward``, the per-instance DPO loss of two models, and GAE (the PPO
-baseline the handout contrasts GRPO with). Each is written from the same formulas in ``trl_ext.functional``, so the
-course's numbers and the trainers' are computed once.
+its output with a response mask, per-token log-probs of a model (and the mean entropy of sampled responses that
+expert iteration tracks), the handout's reward-normalization function with its metadata, one GRPO or SFT microbatch
+step with ``backward``, the per-instance DPO loss of two models, and GAE (the PPO baseline the handout contrasts GRPO
+with). Each is written from the same formulas in ``trl_ext.functional``, so the course's numbers and the trainers'
+are computed once.
 
 Sources: CS336 spring 2025, assignment 5 handout ("Alignment and Reasoning RL") and its supplement ("Safety
 Alignment, Instruction Tuning and RLHF"); section names in the docstrings refer to them.
@@ -34,6 +35,7 @@ from trl_ext.functional import (
 __all__ = [
     "tokenize_prompt_and_output",
     "get_response_log_probs",
+    "mean_response_entropy",
     "compute_group_normalized_rewards",
     "grpo_microbatch_train_step",
     "sft_microbatch_train_step",
@@ -121,6 +123,71 @@ def get_response_log_probs(
     if return_token_entropy:
         out["token_entropy"] = compute_entropy(logits)
     return out
+
+
+@torch.no_grad()
+def mean_response_entropy(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    batch_size: int = 32,
+) -> float:
+    """Mean next-token entropy (nats) of ``model`` over every response token of sampled sequences, from their exact
+    token ids.
+
+    Sequence i is ``prompt_ids[i] + completion_ids[i]`` as the sampler produced them (decoded text, re-tokenized,
+    could give other tokens); the entropy of the next-token distribution is taken at each position whose label is a
+    completion token -- the distribution (at temperature 1) each response token was drawn from -- and averaged over
+    all those tokens of all sequences (a token-weighted mean, not a mean of per-sequence means). Sequences run in
+    batches of ``batch_size``, right-padded with ``pad_token_id`` under a zero attention mask, through
+    :func:`get_response_log_probs` in eval mode (no dropout); the model's mode is restored and no gradient is kept.
+
+    Args:
+        model: a causal LM whose forward takes ``attention_mask`` and returns ``.logits`` (B, T, V).
+        prompt_ids: N token-id lists, one per prompt (non-empty).
+        completion_ids: N token-id lists, the completion sampled for each prompt.
+        pad_token_id: the id padding is filled with (never read: masked out).
+        batch_size: sequences per forward pass.
+
+    Returns:
+        The mean entropy over every completion token, a float in nats; 0.0 when there is none.
+
+    Raises:
+        ValueError: when ``prompt_ids`` and ``completion_ids`` differ in length.
+
+    Source: CS336 A5 handout, expert iteration (Algorithm 2): the experiment tracks the entropy of the model's
+    responses over the EI steps (computed with ``get_response_log_probs(..., return_token_entropy=True)``).
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(
+            f"prompt_ids has {len(prompt_ids)} sequences but completion_ids has {len(completion_ids)}; expected one "
+            "completion per prompt"
+        )
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(prompt_ids), batch_size):
+        prompts = prompt_ids[start : start + batch_size]
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completion_ids[start : start + batch_size])]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        response = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+        for i, (seq, p) in enumerate(zip(seqs, prompts)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attention[i, : len(seq)] = 1
+            response[i, len(p) - 1 : len(seq) - 1] = True  # labels that are response tokens
+        out = get_response_log_probs(
+            model, ids[:, :-1].to(device), ids[:, 1:].to(device), return_token_entropy=True,
+            attention_mask=attention[:, :-1].to(device),
+        )
+        entropy = out["token_entropy"].cpu()
+        total += float(entropy[response].sum())
+        count += int(response.sum())
+    model.train(was_training)
+    return total / max(count, 1)
 
 
 def compute_group_normalized_rewards(

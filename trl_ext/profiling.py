@@ -198,3 +198,15 @@ def format_breakdown(breakdown: Mapping[str, float]) -> str:
     total = breakdown.get("total") or sum(v for k, v in breakdown.items() if k != "total") or 1.0
     width = max(len(k) for k in breakdown)
     return "\n".join(f"{k:<{width}}  {v:8.1f} s  {v / total:6.1%}" for k, v in breakdown.items())
+
+
+def cpu_seconds() -> float:
+    """User plus system CPU seconds this process has used so far, all its threads together (``getrusage``; Unix).
+
+    A measure of work that a machine busy with other jobs does not inflate, unlike wall time: the difference of two
+    calls is the CPU time of what ran between them (more than its wall time when several threads compute).
+    """
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

@@ -17,6 +17,9 @@
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
   micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
 
+It adds one public method, ``sample(prompts)``, which only calls upstream's ``_generate`` (no override): rollouts
+from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
+
 The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
 ``_get_per_token_logps_and_entropies`` (prompt-cache sharing, generation's position ids) and supplies the
 zero-advantage row skipping ``_compute_loss`` calls; each is on only where it is exact for the model.
@@ -74,6 +77,7 @@ _SEAMS = {
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
     "training_step": ("model", "inputs", "num_items_in_batch"),
+    "_generate": ("prompts",),  # called by sample(): upstream's generation path, outside train()
     **TRAINER_MIXIN_SEAMS,
 }
 
@@ -420,6 +424,36 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
         self._decide_speed_paths()
+
+    # -- sampling outside train() -------------------------------------------------------------------------------
+
+    def sample(self, prompts: list) -> tuple[list[list[int]], list[list[int]], list]:
+        """Sample one completion per entry of ``prompts`` from the current policy, through upstream's own generation
+        path: one call of ``trl.GRPOTrainer._generate`` (TRL 1.16), with nothing scored, no advantages and no
+        training step. For loops that need only rollouts (``recipes/expert_iteration.py``).
+
+        Generation is what ``train()`` would run: the prompts tokenized by ``_tokenize_prompts``, transformers
+        ``generate`` (with this trainer's speed paths where they are exact) or vLLM with ``use_vllm``, under this
+        config's ``temperature``, ``top_p``, ``max_completion_length`` and ``generation_kwargs``, and decoded. As in
+        ``train()``, pass each prompt repeated in consecutive groups of ``num_generations`` (vLLM's server mode
+        generates that many per group) with the model in train mode (``model.train()``; in eval mode upstream groups
+        by ``num_generations_eval``). With vLLM the policy's weights are loaded into the engine first, on every call:
+        outside ``train()`` upstream cannot tell that they changed (it reloads when ``state.global_step`` differs
+        from the step it last loaded).
+
+        Args:
+            prompts: N prompts, plain strings or conversations (lists of ``{"role", "content"}`` messages).
+
+        Returns:
+            ``(prompt_ids, completion_ids, completions)``: N token-id lists of each prompt as generation saw it (no
+            padding), N token-id lists of each completion (no padding; up to and including the first EOS, at most
+            ``max_completion_length`` tokens), and N decoded completions -- strings, or
+            ``[{"role": "assistant", "content": ...}]`` for conversational prompts (upstream's shapes).
+        """
+        if self.use_vllm:
+            self._last_loaded_step = -1  # upstream's tag of the step whose weights vLLM holds: none, so sync first
+        prompt_ids, completion_ids, _, completions, *_ = self._generate(prompts)
+        return prompt_ids, completion_ids, completions
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
 
