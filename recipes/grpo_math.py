@@ -94,19 +94,5 @@ def main(run, script_args, training_args, model_args, speed=None):
     )
 
 
-# Transition (removed once compare_upstream, grpo_ablations and expert_iteration use trl_ext.tasks): the old names.
-MathScriptArguments = tasks.MathTaskArguments
-REWARDS = {name: (g.reward, g.reward_fn) for name, g in tasks.GRADERS.items()}
-
-
-def load_data(script_args, tokenizer=None):
-    task = tasks.MathTask.from_args(script_args, max_new_tokens=0)
-    return task.train, task.test, task.name
-
-
-def train_source(script_args, test):
-    return tasks.MathTask.from_args(script_args, max_new_tokens=0).source
-
-
 if __name__ == "__main__":
     cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG)

@@ -122,7 +122,7 @@ def test_help_starts_with_the_recipe_usage_and_its_own_options():
     from trl_ext.cli import build_parser
 
     text = build_parser(
-        (grpo_math.MathScriptArguments, trl_ext_grpo_config(), trl.ModelConfig), grpo_math.DEFAULT_CONFIG, grpo_math.__doc__
+        (tasks.MathTaskArguments, trl_ext_grpo_config(), trl.ModelConfig), grpo_math.DEFAULT_CONFIG, grpo_math.__doc__
     ).format_help()
     assert text.index("usage:") < text.index("GRPO on math problems") < text.index("  --config FILE")
     own, trl_group = text.index("recipe options (MathTaskArguments)"), text.index("trl_ext.GRPOConfig options")
