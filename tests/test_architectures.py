@@ -159,3 +159,19 @@ def test_length_dependent_rope_would_change_the_numbers_so_sharing_is_off(name):
         shared = torch.log_softmax(forward_with_shared_prompts(model, 10, ids, mask).logits, -1)
     assert (plain - shared).abs().max() > 1e-3
     assert savings_decision(model).share_prompts.startswith(f"rope_type '{name.split(':')[1].split('_')[0]}")
+
+
+def test_a_model_that_cannot_run_the_probe_batch_keeps_the_plain_path(tokenizer, monkeypatch):
+    """The decision never raises: a model whose plain forward fails on the probe's random tokens (where the user's
+    data might still run) turns both savings off, naming the error, and the trainer takes upstream's path."""
+    from trl_ext.shared_prompts import savings_decision
+
+    model = tiny_model("llama", len(tokenizer))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (32) must match the size of tensor b (4)")
+
+    monkeypatch.setattr(model, "forward", broken)
+    decision = savings_decision(model)
+    expected = "the probe's plain forward failed (RuntimeError: The size of tensor a (32) must match the size of tensor b (4))"
+    assert decision.share_prompts == decision.skip_rows == expected

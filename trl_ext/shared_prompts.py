@@ -418,7 +418,11 @@ def _probe(model: Any, share_probe: bool = True) -> tuple[str | None, str | None
     share, skip = None, None
     try:
         with torch.no_grad():
-            plain_logits = model(input_ids=ids, attention_mask=mask, **extra).logits
+            try:
+                plain_logits = model(input_ids=ids, attention_mask=mask, **extra).logits
+            except Exception as err:  # noqa: BLE001 -- nothing to compare with: both savings off, the plain path decides
+                reason = f"the probe's plain forward failed ({type(err).__name__}: {str(err)[:120]})"
+                return reason, reason
             tolerance = _tolerance(plain_logits.dtype, plain_logits)
             plain = _log_probs(plain_logits)
             try:  # the rows without gradient run as a batch of their own: a row must not depend on the others
