@@ -17,34 +17,22 @@ never overwritten unless `--overwrite_output_dir` is given. metrics.json also re
 configs, library versions and phase times.
 """
 
-from __future__ import annotations
-
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trl import ModelConfig
+import trl
 
-from trl_ext.data.preferences import load_preference_dataset
-from trl_ext.models import load_model_and_tokenizer
-from trl_ext.recipe_utils import (
-    RecipeArguments,
-    RecipeRun,
-    check_fills_one_step,
-    check_model_options,
-    file_digest,
-    parse_recipe_args,
-    recipe_main,
-    user_input,
-    write_report,
-)
-from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
-from trl_ext.experiment import write_recipe_record
+import trl_ext
+from trl_ext import cli, report
+from trl_ext.data import preferences
 
 HERE = Path(__file__).parent
+DEFAULT_CONFIG = HERE / "configs" / "dpo.yaml"
+KEYS = ("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected")  # the console table's rows
 
 
 @dataclass
-class ScriptArguments(RecipeArguments):
+class ScriptArguments(cli.RecipeArguments):
     train_file: str = field(
         default=str(HERE / "data" / "preferences_train.jsonl"), metadata={"help": "Training JSONL."}
     )
@@ -55,13 +43,6 @@ class ScriptArguments(RecipeArguments):
     skip_bad_rows: bool = field(
         default=False, metadata={"help": "Drop malformed rows with one counted warning instead of failing."}
     )
-
-
-def load_pairs(path: str, script_args: ScriptArguments):
-    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_bad_rows)
-    if not script_args.conversational:  # plain text: TRL appends the response to the prompt as is
-        dataset = dataset.map(lambda row: {"prompt": row["prompt"] + "\n"})
-    return dataset.remove_columns("margin") if "margin" in dataset.column_names else dataset  # DPO has no margin
 
 
 def evaluate(trainer) -> dict:
@@ -75,78 +56,50 @@ def evaluate(trainer) -> dict:
     }
 
 
-def main(script_args: ScriptArguments, training_args: DPOConfig, model_args: ModelConfig) -> dict:
-    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
-    run = RecipeRun("dpo", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
-                    resume=training_args.resume_from_checkpoint)
-    check_model_options(model_args)
-    with run.phase("load_data"):
-        with user_input("--train_file: "):
-            train = load_pairs(script_args.train_file, script_args)
-        with user_input("--test_file: "):
-            test = load_pairs(script_args.test_file, script_args)
-    check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
+def parse_args(argv: list[str] | None = None):
+    return cli.parse((ScriptArguments, trl_ext.DPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
+@cli.recipe("dpo")
+def main(run, script_args: ScriptArguments, training_args, model_args: trl.ModelConfig) -> dict:
+    # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
+    cli.check_model_options(model_args)
+    with run.phase("load_data"):  # DPO has no margin: a margin column is dropped
+        pairs = {"conversational": script_args.conversational, "skip_invalid": script_args.skip_bad_rows, "margin": False}
+        with cli.user_input("--train_file: "):
+            train = preferences.load_training_pairs(script_args.train_file, **pairs)
+        with cli.user_input("--test_file: "):
+            test = preferences.load_training_pairs(script_args.test_file, **pairs)
+    cli.check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
     with run.phase("load_model"):
-        model, tokenizer, peft_config = load_model_and_tokenizer(model_args)
-    trainer = DPOTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=test,
-        processing_class=tokenizer,
+        model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
+    trainer = trl_ext.DPOTrainer(  # the reference: the starting model (its log-probs precomputed, or a frozen copy)
+        model=model, args=training_args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
         peft_config=peft_config,
     )
     run.attach(trainer)
-    key = {"model": model_args.model_name_or_path, "test_file": file_digest(script_args.test_file),
+    # a resumed run reuses the before-evaluation of the same model, held-out file, recipe options and beta
+    key = {"model": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
            "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
     key["script_args"].pop("overwrite_output_dir")
     with run.phase("eval_before"):
         before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
     with run.phase("train"):
         train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
-    train_seconds = run.phase_seconds["train"]
+    trained = run.steps_summary(train_output.global_step, run.phase_seconds["train"])
     with run.phase("eval_after"):
         after = evaluate(trainer)
-
     if not trainer.accelerator.is_main_process:
         return {}
-    report = {
-        "recipe": "dpo",
-        "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
-        "train_pairs": len(train),
-        "test_pairs": len(test),
-        "beta": training_args.beta,
-        "label_smoothing": training_args.label_smoothing,
-        "train_seconds": round(train_seconds, 1),
-        "train_steps": train_output.global_step,
-        "train_loss": train_output.training_loss,
-        "before": before,
-        "after": after,
-        "log_history": trainer.state.log_history,
-        "script_args": asdict(script_args),
-    }
-    output_dir = Path(training_args.output_dir)
-    console = write_report(
-        output_dir,
-        report,
-        f"DPO (beta {training_args.beta}, label smoothing {training_args.label_smoothing}), "
-        f"{len(test)} held-out pairs",
-        before,
-        after,
-        run=run,
-        keys=("preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected"),
-    )
-    write_recipe_record(output_dir, "DPO", script_args, training_args, model_args)
-    console.print(
-        f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step, train_seconds)}. "
-        f"Wrote {output_dir / 'metrics.json'}"
-    )
-    return report
-
-
-def parse_args(argv: list[str] | None = None):
-    return parse_recipe_args((ScriptArguments, DPOConfig, ModelConfig), HERE / "configs" / "dpo.yaml", argv, __doc__)
+    beta, smoothing = training_args.beta, training_args.label_smoothing
+    metrics = report.before_after_metrics(
+        run, trainer, train_output, before, after, model=model_args.model_name_or_path, script_args=script_args,
+        train_pairs=len(train), test_pairs=len(test), beta=beta, label_smoothing=smoothing)
+    caption = f"DPO (beta {beta}, label smoothing {smoothing}), {len(test)} held-out pairs"
+    report.finish(run, metrics, title="DPO", table=report.before_after_table(caption, before, after, KEYS),
+                  lines=[f"Trained on {len(train)} pairs: {trained}."])
+    return metrics
 
 
 if __name__ == "__main__":
-    recipe_main(main, parse_args)
+    cli.main(main, parse_args)

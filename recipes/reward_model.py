@@ -17,35 +17,22 @@ never overwritten unless `--overwrite_output_dir` is given. metrics.json also re
 configs, library versions and phase times.
 """
 
-from __future__ import annotations
-
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trl import ModelConfig, get_peft_config
+import trl
 
-from trl_ext.data.preferences import load_preference_dataset
-from trl_ext.models import load_tokenizer, resolve_model_name_or_path
-from trl_ext.recipe_utils import (
-    RecipeArguments,
-    RecipeRun,
-    check_fills_one_step,
-    check_model_options,
-    file_digest,
-    parse_recipe_args,
-    recipe_main,
-    user_input,
-    write_model_card,
-    write_report,
-)
-from trl_ext.trainers.reward import RewardConfig, RewardTrainer
-from trl_ext.experiment import write_recipe_record
+import trl_ext
+from trl_ext import cli, report
+from trl_ext.data import preferences
 
 HERE = Path(__file__).parent
+DEFAULT_CONFIG = HERE / "configs" / "reward_model.yaml"
+KEYS = ("pairwise_accuracy", "reward_margin", "bt_loss")  # the console table's rows
 
 
 @dataclass
-class ScriptArguments(RecipeArguments):
+class ScriptArguments(cli.RecipeArguments):
     train_file: str = field(
         default=str(HERE / "data" / "preferences_train.jsonl"), metadata={"help": "Training JSONL."}
     )
@@ -59,15 +46,6 @@ class ScriptArguments(RecipeArguments):
     )
 
 
-def load_pairs(path: str, script_args: ScriptArguments):
-    dataset = load_preference_dataset(path, script_args.conversational, script_args.skip_bad_rows)
-    if not script_args.conversational:  # plain text: TRL appends the response to the prompt as is
-        dataset = dataset.map(lambda row: {"prompt": row["prompt"] + "\n"})
-    if not script_args.use_margin and "margin" in dataset.column_names:
-        dataset = dataset.remove_columns("margin")
-    return dataset
-
-
 def evaluate(trainer) -> dict:
     metrics = trainer.evaluate()
     return {
@@ -78,83 +56,55 @@ def evaluate(trainer) -> dict:
     }
 
 
-def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: ModelConfig) -> dict:
-    configs = {"script_args": script_args, "training_args": training_args, "model_args": model_args}
-    run = RecipeRun("reward_model", training_args.output_dir, configs, overwrite=script_args.overwrite_output_dir,
-                    resume=training_args.resume_from_checkpoint)
-    check_model_options(model_args)
+def parse_args(argv: list[str] | None = None):
+    return cli.parse((ScriptArguments, trl_ext.RewardConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
+
+
+@cli.recipe("reward_model")
+def main(run, script_args: ScriptArguments, training_args, model_args: trl.ModelConfig) -> dict:
+    # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
+    cli.check_model_options(model_args)
     with run.phase("load_data"):
-        with user_input("--train_file: "):
-            train = load_pairs(script_args.train_file, script_args)
-        with user_input("--test_file: "):
-            test = load_pairs(script_args.test_file, script_args)
-    check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
-    model_path = resolve_model_name_or_path(model_args.model_name_or_path)  # embedded model -> local checkpoint
+        pairs = {"conversational": script_args.conversational, "skip_invalid": script_args.skip_bad_rows,
+                 "margin": script_args.use_margin}
+        with cli.user_input("--train_file: "):
+            train = preferences.load_training_pairs(script_args.train_file, **pairs)
+        with cli.user_input("--test_file: "):
+            test = preferences.load_training_pairs(script_args.test_file, **pairs)
+    cli.check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
+    model_path = trl_ext.models.resolve_model_name_or_path(model_args.model_name_or_path)  # embedded -> local folder
     training_args.model_init_kwargs = {
-        **(training_args.model_init_kwargs or {}),
-        "dtype": model_args.dtype,
-        "revision": model_args.model_revision,
+        **(training_args.model_init_kwargs or {}), "dtype": model_args.dtype, "revision": model_args.model_revision,
     }
-    tokenizer = load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
-    with run.phase("load_model"):  # the trainer loads the model from model_path
-        trainer = RewardTrainer(
-            model=model_path,
-            args=training_args,
-            train_dataset=train,
-            eval_dataset=test,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
+    tokenizer = trl_ext.models.load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
+    with run.phase("load_model"):  # the trainer loads the model from model_path, with a fresh scalar head
+        trainer = trl_ext.RewardTrainer(
+            model=model_path, args=training_args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
+            peft_config=trl.get_peft_config(model_args),
         )
     run.attach(trainer)
-    key = {"model": model_args.model_name_or_path, "test_file": file_digest(script_args.test_file),
+    # a resumed run reuses the before-evaluation of the same model, held-out file and recipe options
+    key = {"model": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
            "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
     key["script_args"].pop("overwrite_output_dir")
     with run.phase("eval_before"):
         before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
     with run.phase("train"):
         train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
-    train_seconds = run.phase_seconds["train"]
+    trained = run.steps_summary(train_output.global_step, run.phase_seconds["train"])
     with run.phase("eval_after"):
         after = evaluate(trainer)
     trainer.save_model(training_args.output_dir)
-
     if not trainer.accelerator.is_main_process:
         return {}
-    write_model_card(trainer, training_args.output_dir, model_args.model_name_or_path, script_args.train_file)
-    report = {
-        "recipe": "reward_model",
-        "model": model_args.model_name_or_path or "embedded:SmolLM2-135M-Instruct",
-        "train_pairs": len(train),
-        "test_pairs": len(test),
-        "train_seconds": round(train_seconds, 1),
-        "train_steps": train_output.global_step,
-        "train_loss": train_output.training_loss,
-        "before": before,
-        "after": after,
-        "log_history": trainer.state.log_history,
-        "script_args": asdict(script_args),
-    }
-    output_dir = Path(training_args.output_dir)
-    console = write_report(
-        output_dir,
-        report,
-        f"Bradley-Terry reward model, {len(test)} held-out pairs",
-        before,
-        after,
-        run=run,
-        keys=("pairwise_accuracy", "reward_margin", "bt_loss"),
-    )
-    write_recipe_record(output_dir, "Bradley-Terry reward model", script_args, training_args, model_args)
-    console.print(
-        f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step, train_seconds)}. "
-        f"Wrote the model and metrics.json to {output_dir}"
-    )
-    return report
-
-
-def parse_args(argv: list[str] | None = None):
-    return parse_recipe_args((ScriptArguments, RewardConfig, ModelConfig), HERE / "configs" / "reward_model.yaml", argv, __doc__)
+    metrics = report.before_after_metrics(
+        run, trainer, train_output, before, after, model=model_args.model_name_or_path, script_args=script_args,
+        train_pairs=len(train), test_pairs=len(test))
+    report.finish(run, metrics, title="Bradley-Terry reward model", lines=[f"Trained on {len(train)} pairs: {trained}."],
+                  table=report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
+                  trainer=trainer, model_card=(model_args.model_name_or_path, script_args.train_file))
+    return metrics
 
 
 if __name__ == "__main__":
-    recipe_main(main, parse_args)
+    cli.main(main, parse_args)

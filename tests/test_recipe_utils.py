@@ -333,17 +333,29 @@ def _explode(*args, **kwargs):
     raise ModelLoaded("the model was loaded before the inputs were checked")
 
 
-def _explode_loaders(monkeypatch, module, names):
-    """Make each loader in ``names`` raise, where the recipe reaches it: a name the recipe module holds itself, or
-    the library function it calls (trl_ext.models, trl_ext.eval, trl_ext.tasks and its data generators)."""
+def _replace(monkeypatch, module, names, value):
+    """Replace each of ``names`` by ``value`` where the recipe reaches it: a name the recipe module holds itself, or
+    the library object it calls (trl_ext's trainers, trl_ext.models, trl_ext.eval, trl_ext.tasks and its data
+    generators, the loaders of trl_ext.data.instructions and trl_ext.data.preferences, trl_ext.report)."""
+    import trl_ext
+    import trl_ext.data.instructions
+    import trl_ext.data.preferences
     import trl_ext.eval
     import trl_ext.models
+    import trl_ext.report
     import trl_ext.tasks
 
+    owners = (module, trl_ext, trl_ext.models, trl_ext.eval, trl_ext.tasks, trl_ext.data.instructions,
+              trl_ext.data.preferences, trl_ext.report)
     for name in names:
-        for owner in (module, trl_ext.models, trl_ext.eval, trl_ext.tasks):
+        for owner in owners:
             if hasattr(owner, name):
-                monkeypatch.setattr(owner, name, _explode)
+                monkeypatch.setattr(owner, name, value)
+
+
+def _explode_loaders(monkeypatch, module, names):
+    """Make each loader in ``names`` raise, where the recipe reaches it (:func:`_replace`)."""
+    _replace(monkeypatch, module, names, _explode)
 
 
 BAD_LINE = '{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n'
@@ -391,7 +403,7 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
     module = load_recipe(recipe)
     _explode_loaders(monkeypatch, module, (
         "load_model_and_tokenizer", "load_eval_model", "load_tokenizer", "resolve_model_name_or_path", "train_reward_model",
-        "load_data", "load_eval_data", "load_pairs", "load_instruction_dataset", "make_sorting_dataset",
+        "load_data", "load_eval_data", "load_pairs", "load_training_pairs", "load_instruction_dataset", "make_sorting_dataset",
         "load_math_dataset", "make_arithmetic_dataset"))
     out = tmp_path / "out"
     out.mkdir()
@@ -481,10 +493,11 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
         return {**dict.fromkeys(EVAL_KEYS, 0.25 * len(evaluations)), "samples_safety": []}
 
     monkeypatch.setattr(module, "evaluate", evaluate)
-    monkeypatch.setattr(module, trainer, FakeTrainer)
+    _replace(monkeypatch, module, [trainer], FakeTrainer)
     for name in loaders:
-        monkeypatch.setattr(module, name, lambda *a, **k: (None, None, None) if name == "load_model_and_tokenizer" else "m")
-    monkeypatch.setattr(module, "write_model_card", lambda *a, **k: None, raising=False)
+        _replace(monkeypatch, module, [name], (lambda *a, **k: (None, None, None)) if name == "load_model_and_tokenizer"
+                 else (lambda *a, **k: "m"))
+    _replace(monkeypatch, module, ["write_model_card"], lambda *a, **k: None)
     FakeTrainer.resumed_from = []
     out = tmp_path / "out"
     module.main(*module.parse_args(["--output_dir", str(out)]))
@@ -735,10 +748,8 @@ def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_wo
         unit, rows, name = ("rows", 45, "instructions_train.jsonl") if recipe == "sft_instruct" else ("pairs", 54, "preferences_train.jsonl")
         flags = ["--dataloader_drop_last", "true", "--per_device_train_batch_size", "64"]
         expected = f"--train_file {DATA / name}: {rows} training {unit} " + DROP_LAST.format(n=64, u=unit)
-        if recipe == "sft_instruct":
-            monkeypatch.setattr(module, "SFTTrainer", _explode)
-        else:
-            monkeypatch.setattr(module, {"dpo": "DPOTrainer", "reward_model": "RewardTrainer"}[recipe], _explode)
+        _replace(monkeypatch, module, [{"sft_instruct": "SFTTrainer", "dpo": "DPOTrainer", "reward_model": "RewardTrainer"}[recipe]],
+                 _explode)
     with pytest.raises(RecipeError) as err:
         module.main(*module.parse_args([*flags, *out]))
     assert str(err.value) == expected

@@ -590,3 +590,37 @@ def finish_comparison(
     print(paths["md"].read_text(), flush=True)
     print(f"Wrote {', '.join(str(p) for p in paths.values())}", flush=True)
     return paths
+
+# ------------------------------------------------------------------------------- recipes evaluated before and after
+def before_after_table(caption: str, before: Mapping[str, float], after: Mapping[str, float],
+                       keys: Sequence[str]) -> tuple[str, tuple[str, ...], list[tuple]]:
+    """``(caption, columns, rows)`` of :func:`finish`'s table for a recipe that evaluates held-out data before and
+    after training (sft_instruct, reward_model, dpo): one row per name in ``keys``, its value in ``before`` and in
+    ``after`` to 4 decimals (:func:`before_after_rows`).
+
+    Raises:
+        KeyError: a name missing from ``before`` or ``after``.
+    """
+    return caption, ("held-out", "before", "after"), before_after_rows(before, after, keys)
+
+
+def before_after_metrics(run: Any, trainer: Any, train_output: Any, before: Mapping[str, Any], after: Mapping[str, Any],
+                         *, model: str | None, script_args: Any, **data: Any) -> dict[str, Any]:
+    """The ``metrics`` of a recipe that evaluates held-out data before and after training (sft_instruct,
+    reward_model, dpo), keys in this order: ``recipe`` (``run.name``), ``model`` (None: the embedded model's name),
+    ``data`` in the order given (row counts, the loss's settings), ``train_seconds`` (the run's ``train`` phase, to
+    0.1 s), ``train_steps`` and ``train_loss`` (``train_output``, what ``trainer.train()`` returned: the model's
+    step, so a resumed run counts the steps before the resume), ``before``, ``after``, ``log_history`` (the
+    trainer's) and ``script_args`` (the recipe's own dataclass, as a dict).
+
+    Raises:
+        KeyError: the run has no ``train`` phase yet.
+    """
+    from trl_ext.models import DEFAULT_MODEL
+
+    return {
+        "recipe": run.name, "model": model or DEFAULT_MODEL, **data,
+        "train_seconds": round(run.phase_seconds["train"], 1), "train_steps": train_output.global_step,
+        "train_loss": train_output.training_loss, "before": before, "after": after,
+        "log_history": trainer.state.log_history, "script_args": dataclasses.asdict(script_args),
+    }

@@ -208,3 +208,44 @@ def check_preference_dataset(dataset: Any, skip_invalid: bool = False, name: str
     )
     bad_set = set(bad)
     return dataset.select([i for i in range(len(dataset)) if i not in bad_set])
+
+
+# ------------------------------------------------------------------------------------------- what the recipes read
+def load_training_pairs(
+    path: str | os.PathLike, conversational: bool = False, skip_invalid: bool = False, margin: bool = True
+) -> Dataset:
+    """A preference file as recipes/reward_model.py and recipes/dpo.py train and evaluate on it.
+
+    :func:`load_preference_dataset`, then for plain text (``conversational`` False) a newline at the end of every
+    prompt: TRL appends each response to the prompt as it is, so ``"Capital of France?"`` + ``"Paris."`` would be one
+    run-on line. :func:`unique_prompts` gives the same prompts to recipes/rlhf.py.
+
+    Args:
+        path: the ``.jsonl`` file (format in the module docstring).
+        conversational: wrap plain-text rows as chat turns (:func:`to_conversational`); no newline is added then.
+        skip_invalid: drop bad rows with one counting warning instead of raising.
+        margin: keep the ``margin`` column, when the file has one (False: DPO, which has no margin, and
+            ``--use_margin false`` of the reward model).
+
+    Returns:
+        a ``datasets.Dataset`` with ``prompt``, ``chosen``, ``rejected`` (and ``margin``), one row per valid row.
+
+    Raises:
+        as :func:`load_preference_rows`.
+    """
+    dataset = load_preference_dataset(path, conversational, skip_invalid)
+    if not conversational:
+        dataset = dataset.map(lambda row: {"prompt": row["prompt"] + "\n"})
+    if not margin and "margin" in dataset.column_names:
+        dataset = dataset.remove_columns("margin")
+    return dataset
+
+
+def unique_prompts(path: str | os.PathLike) -> list[str]:
+    """The distinct prompts of a plain-text preference file, in file order, each followed by a newline: the prompts
+    as :func:`load_training_pairs` shows them to a reward model (recipes/rlhf.py's RL and held-out prompts).
+
+    Raises:
+        as :func:`load_preference_rows`.
+    """
+    return list(dict.fromkeys(row["prompt"] + "\n" for row in load_preference_rows(path)))
