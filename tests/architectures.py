@@ -75,10 +75,25 @@ def tiny_config(name: str, vocab_size: int):
     return config
 
 
+MAX_PARAMETERS = 30_000_000
+"""Largest stand-in built: a config whose size fields the generic shrink does not know (e.g. BLT's) would allocate
+gigabytes, so such an architecture is reported as not built instead."""
+
+
 def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 model of ``tiny_config(name, vocab_size)`` in training mode, dropout off."""
+    """A random fp32 model of ``tiny_config(name, vocab_size)`` in training mode, dropout off.
+
+    Raises:
+        ValueError: the shrunk config still has more than ``MAX_PARAMETERS`` parameters (counted on the meta
+            device, nothing allocated).
+    """
+    config = tiny_config(name, vocab_size)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"{name}: {size / 1e6:.0f}M parameters after shrinking; not a tiny stand-in")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(name, vocab_size)).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -87,7 +102,8 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
 
 def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str]]:
     """(architecture, prompt sharing, zero-row skipping) for ``FAST`` and every other causal-LM type: "on", the
-    reason a saving is off, or why the generic tiny config could not build the model."""
+    reason a saving is off, or why the generic tiny config could not build the model (``uv run python
+    tests/architectures.py`` prints it; docs/performance.md has the table)."""
     import os
     import signal
 

@@ -13,6 +13,7 @@ import trl
 import yaml
 
 from conftest import load_recipe
+from trl_ext import tasks
 from trl_ext.data import load_math_dataset
 from trl_ext.data.instructions import load_instruction_rows
 from trl_ext.data.preferences import load_preference_rows

@@ -128,7 +128,7 @@ def check_flags(values: Mapping[str, Any]) -> None:
 
 def raise_problems(problems: Sequence[str]) -> None:
     """Nothing for no problems; else one :class:`RecipeError` holding them all: the problem itself when there is one,
-    else a count and one indented line per problem (``recipe_main`` prints it after ``error:``)."""
+    else a count and one indented line per problem (``main`` prints it after ``error:``)."""
     if len(problems) == 1:
         raise RecipeError(problems[0])
     if problems:
@@ -332,7 +332,7 @@ def build_parser(
     import argparse
 
     # one help group per class, titled with its name (HfArgumentParser groups a class with _argument_group_name);
-    # subclasses only for the help text: parse_recipe_args builds the original classes
+    # subclasses only for the help text: parse builds the original classes
     def title(i: int, t: type) -> str:  # the first class holds the recipe's own options (tasks' ones included)
         root = t.__module__.split(".")[0]
         return f"recipe options ({t.__qualname__})" if i == 0 else f"{root}.{t.__qualname__} options"
