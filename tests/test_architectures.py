@@ -36,6 +36,15 @@ EXPECTED_SHARING = {
     "qwen3_next": "its cache has Linear",
     "falcon_h1": "its cache has Linear",
 }
+# Where prompt sharing is on: "pack" (the padding-free completion forward too) or the start of why packing is off.
+EXPECTED_PACKING = {
+    "llama": "pack",
+    "gpt2": "pack",
+    "mistral": "its cache has DynamicSlidingWindowLayer layers",
+    "gemma3_text": "its cache has DynamicSlidingWindowLayer layers",
+    "mixtral": "pack",
+    "bloom": "attention implementation 'eager'",
+}
 SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
 
 
@@ -52,12 +61,24 @@ def one_step(model, tokenizer, tmp_path, **options):
     trainer = trl_ext.GRPOTrainer(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok)
     batches = []
     generate = trainer._generate_and_score_completions
-    trainer._generate_and_score_completions = lambda inputs: batches.append(generate(inputs)) or batches[-1]
+
+    def ragged(inputs):
+        # completions of 4, 3, 2, 4, ... tokens (as if they ended early): the padding-free forward meets right
+        # padding, and the plain step runs on the same masks
+        batch = generate(inputs)
+        mask = batch["completion_mask"].clone()
+        for row in range(mask.size(0)):
+            mask[row, mask.size(1) - row % 3:] = 0
+        batch["completion_mask"] = mask
+        batches.append(batch)
+        return batch
+
+    trainer._generate_and_score_completions = ragged
     trainer.train()
     return trainer, batches[0]
 
 
-def check_architecture(name, tokenizer, tmp_path, caplog, expected=None):
+def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing=None):
     model = tiny_model(name, len(tokenizer))
     plain_model = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
@@ -65,10 +86,14 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None):
     plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
     if expected is not None:
-        if expected == "share":
-            assert ours._share_prompts and ours._skip_zero_advantage and not lines, lines
+        if expected == "share" and packing == "pack":
+            assert ours._share_prompts and ours._skip_zero_advantage and ours._pack and not lines, lines
+        elif expected == "share":
+            assert ours._share_prompts and ours._skip_zero_advantage and not ours._pack, lines
+            assert len(lines) == 1 and f"pack_completions off: {packing}" in lines[0] and "share_prompt_cache" not in lines[0], lines
         else:
-            assert not ours._share_prompts and len(lines) == 1 and f"share_prompt_cache off: {expected}" in lines[0], lines
+            assert not ours._share_prompts and not ours._pack and len(lines) == 1, lines
+            assert f"share_prompt_cache off: {expected}" in lines[0] and "pack_completions" not in lines[0], lines
     elif not ours._share_prompts:
         assert len(lines) == 1 and "share_prompt_cache off" in lines[0], lines
     # the same sampled tokens, rewards, loss, entropy and (SGD: lr x gradient) updated weights
@@ -84,7 +109,7 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAST else n for n in FAST])
 def test_defaults_equal_the_plain_step_or_report_themselves_off(name, tokenizer, tmp_path, caplog):
-    check_architecture(name, tokenizer, tmp_path, caplog, EXPECTED_SHARING[name])
+    check_architecture(name, tokenizer, tmp_path, caplog, EXPECTED_SHARING[name], EXPECTED_PACKING.get(name))
 
 
 def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplog):
@@ -97,7 +122,7 @@ def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplo
     plain_model = copy.deepcopy(model)
     ours, batch = one_step(model, tokenizer, tmp_path / "ours")
     plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False)
-    assert ours._share_prompts and ours._skip_zero_advantage
+    assert ours._share_prompts and ours._skip_zero_advantage and ours._pack
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")

@@ -83,7 +83,7 @@ def batch(tokenizer, prompts, group_size=3):
     return ids, mask
 
 
-def fused_outputs(model, ids, mask, completion_length, shared):
+def fused_outputs(model, ids, mask, completion_length, shared, pack=False):
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-completion_length] = -100
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -91,7 +91,7 @@ def fused_outputs(model, ids, mask, completion_length, shared):
     model.zero_grad()
     if shared:
         out = forward_with_shared_prompts(model, prompt_length, ids, mask, positions, cache_name=cache_argument(model),
-                                          labels=labels, fused_lm_head=True)
+                                          labels=labels, fused_lm_head=True, pack=pack)
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True)
     log_probs, entropy = out.log_probs[:, -completion_length:], out.entropy[:, -completion_length:]
@@ -127,6 +127,30 @@ def test_shared_forward_equals_plain_log_probs_entropies_and_gradients(model, to
     assert shared[2].keys() == plain[2].keys() and len(plain[2]) > 0
     for name, grad in plain[2].items():
         torch.testing.assert_close(shared[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_packed_forward_equals_plain_log_probs_entropies_and_gradients(model, tokenizer, monkeypatch):
+    """Padding-free: the rows' real tokens in one sequence give the padded forward's log-probs, entropies and every
+    gradient, with completions of 4, 4, 2, 4, 1 and 3 tokens (right padding after each end)."""
+    monkeypatch.setattr(shared_prompts, "MIN_SHARED_POSITIONS", 1)
+    model = no_dropout(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids, mask = batch(tokenizer, PADDED)
+    for row, kept in ((2, 2), (4, 1)):  # row 2 ends after 2 completion tokens, row 4 after 1 (row 5 after 3)
+        ids[row, 5 + kept:], mask[row, 5 + kept:] = tokenizer.pad_token_id, 0
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    plain = fused_outputs(model, ids, mask, 4, shared=False)
+    packed = fused_outputs(model, ids, mask, 4, shared=True, pack=True)
+    # the 2 distinct prompts' first 4 columns, then one row of 6 last prompt tokens + 4 + 4 + 2 + 4 + 1 + 3 completion tokens
+    assert calls == [(6, 9), (2, 4), (1, 24)]
+    valid = mask[:, -4:].bool()
+    assert packed[0][~valid].eq(0).all() and packed[1][~valid].eq(0).all()  # padding: zeros, as TRL's fused head gives
+    torch.testing.assert_close(packed[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
+    assert packed[2].keys() == plain[2].keys() and len(plain[2]) > 0
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(packed[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_distinct_prompts_run_the_plain_forward(tokenizer):

@@ -6,7 +6,8 @@
   (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call);
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
   absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
-  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``);
+  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
+  padding-free with ``pack_completions`` (``packed_forward``);
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
 (``skip_zero_advantage_rows``: with beta 0, rows whose advantage is exactly 0 run without gradient) and
@@ -55,16 +56,19 @@ class GRPOSpeedMixin:
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self._share_prompts = self.args.share_prompt_cache and not sharded
         self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
+        self._pack = self._share_prompts and self.args.pack_completions
         if self._share_prompts or self._skip_zero_advantage:
             # Exact or off, per model (trl_ext.shared_prompts.savings_decision): one log line names what is off and why.
             decision, noise = savings_decision(self.model), training_noise(self.model)
             decision = SavingsDecision(
                 share_prompts=(decision.share_prompts or noise) if self._share_prompts else None,
                 skip_rows=(decision.skip_rows or noise) if self._skip_zero_advantage else None,
+                pack=(decision.pack or noise) if self._pack else None,
             )
             announce(self.model, decision)
             self._share_prompts = self._share_prompts and decision.share_prompts is None
             self._skip_zero_advantage = self._skip_zero_advantage and decision.skip_rows is None
+            self._pack = self._pack and self._share_prompts and decision.pack is None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
@@ -86,7 +90,8 @@ class GRPOSpeedMixin:
         def forward_with_positions(**inputs):
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
             if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
-                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, **inputs)
+                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped,
+                                                   pack=self._pack, **inputs)
             return model(**inputs)
 
         return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)

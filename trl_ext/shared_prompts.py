@@ -139,11 +139,11 @@ def _call(model: Callable, cache_name: str, input_ids, attention_mask, position_
     return cache if hasattr(cache, "batch_select_indices") else None
 
 
-def prefill(
+def prefill_distinct(
     model: Callable, cache_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
-):
-    """Key/value cache of ``input_ids`` (B, S) computed once per distinct row, indexed into every row.
+) -> tuple[Any, torch.Tensor] | None:
+    """Key/value cache of each distinct row of ``input_ids`` (B, S), computed once, and which one every row is.
 
     Two levels: the columns every row shares (``common_prefix_length``, e.g. a system prompt; used when it saves at
     least ``MIN_SHARED_POSITIONS`` positions) run for one row, then the rest for each distinct row
@@ -151,7 +151,8 @@ def prefill(
     rows' gradients.
 
     Returns:
-        A ``transformers.Cache`` holding S positions for all B rows, or None when no row repeats and no prefix is
+        ``(cache, inverse)``: a ``transformers.Cache`` of S positions for the U distinct rows (in order of first
+        appearance) and ``inverse`` (B,), every row's distinct index; or None when no row repeats and no prefix is
         worth sharing, or the model keeps no cache (then the caller runs the plain forward).
     """
     first, inverse = group_rows(input_ids, attention_mask)
@@ -170,15 +171,32 @@ def prefill(
         cache = _call(model, cache_name, ids[:, common:], mask, None if positions is None else positions[:, common:], cache)
     else:
         cache = _call(model, cache_name, ids, mask, positions)
-    if cache is not None and distinct < rows:
-        cache.batch_select_indices(inverse)  # (distinct, ...) -> (B, ...); differentiable indexing
+    return None if cache is None else (cache, inverse)
+
+
+def prefill(
+    model: Callable, cache_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+):
+    """Key/value cache of ``input_ids`` (B, S) computed once per distinct row (:func:`prefill_distinct`), indexed
+    into every row (differentiable indexing: a shared key/value's gradient is the sum of its rows').
+
+    Returns:
+        A ``transformers.Cache`` holding S positions for all B rows, or None (see :func:`prefill_distinct`).
+    """
+    found = prefill_distinct(model, cache_name, input_ids, attention_mask, position_ids)
+    if found is None:
+        return None
+    cache, inverse = found
+    if inverse.numel() > int(inverse.max()) + 1:
+        cache.batch_select_indices(inverse)  # (distinct, ...) -> (B, ...)
     return cache
 
 
 def forward_with_shared_prompts(
     model: Callable, prompt_length: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None, *, cache_name: str = "past_key_values", prefill_model: Callable | None = None,
-    **kwargs: Any,
+    pack: bool = False, **kwargs: Any,
 ):
     """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to what the last ``T - prompt_length
     + 1`` positions produce, with each distinct prompt's first ``prompt_length - 1`` tokens run once.
@@ -198,6 +216,9 @@ def forward_with_shared_prompts(
         input_ids, attention_mask: (B, T).
         position_ids: (B, T) or None (the model then numbers positions after the cache).
         cache_name: the model's cache argument (``cache_argument``).
+        pack: run the completion forward padding-free (:func:`packed_forward`: the rows' real tokens in one sequence,
+            no computation on the padding after a completion's end); needs ``position_ids``. Only where
+            ``savings_decision(model).pack`` is None.
         **kwargs: passed to the completion forward; ``labels`` (B, T) is sliced like the inputs.
 
     Returns:
@@ -211,6 +232,15 @@ def forward_with_shared_prompts(
         return plain()
     split = prompt_length - 1  # the last prompt token stays in the second forward: its output scores token P
     prefix_positions = None if position_ids is None else position_ids[:, :split]
+    if pack and position_ids is not None:
+        found = prefill_distinct(prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
+        if found is None:
+            return plain()
+        labels = kwargs.pop("labels", None)
+        return packed_forward(
+            model, cache_name, *found, attention_mask[:, :split], input_ids[:, split:], attention_mask[:, split:],
+            position_ids[:, split:], labels=None if labels is None else labels[:, split:], **kwargs,
+        )
     cache = prefill(prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
     if cache is None:
         return plain()
@@ -218,6 +248,66 @@ def forward_with_shared_prompts(
         kwargs["labels"] = kwargs["labels"][:, split:]
     extra = {} if position_ids is None else {"position_ids": position_ids[:, split:]}
     return model(input_ids=input_ids[:, split:], attention_mask=attention_mask, **extra, **{cache_name: cache}, **kwargs)
+
+
+def packed_forward(
+    model: Callable, cache_name: str, cache: Any, inverse: torch.Tensor, prompt_mask: torch.Tensor,
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any,
+):
+    """The completion forward without its padding: every row's real tokens in one sequence (padding-free).
+
+    Completions are right-padded to the longest of the batch (11-20 tokens in the main job's), and every padded
+    position otherwise runs through every layer and the LM head, forward and backward. Here the real tokens of all
+    rows are packed into one row of Q tokens; the distinct prompts' cache (U rows of S positions, from
+    :func:`prefill_distinct`) becomes one row of U x S positions; and a 4D attention mask lets each packed token see
+    exactly what it sees in the padded forward -- the real positions of its own prompt and the tokens of its own row
+    up to itself -- at the positions generation gave it. Each real token is therefore the same function of the same
+    inputs as in the padded forward (float rounding aside: other matrix shapes), and padding costs nothing.
+
+    Args:
+        model: the causal LM (sdpa attention, key/value cache layers: ``savings_decision(model).pack`` is None).
+        cache_name: its cache argument (``cache_argument``).
+        cache: the U distinct prompts' cache; its layers are reshaped in place to one row.
+        inverse: (B,) each row's prompt (index into the cache's rows).
+        prompt_mask: (B, S) the rows' prompt attention mask.
+        input_ids, attention_mask, position_ids: (B, C) the completion forward's inputs -- the last prompt token and
+            the completion, right-padded (mask 0 after the end).
+        **kwargs: passed to the forward; ``labels`` (B, C) is packed like the inputs (TRL's fused LM head).
+
+    Returns:
+        The model's output with every per-token tensor back in the rows' shape: (B, C, ...) for unshifted fields
+        (``logits``), (B, C - 1) for the fused head's shifted ones (``log_probs``, ``entropy``, ...); zeros on padding.
+    """
+    rows_count, width = input_ids.shape
+    device = input_ids.device
+    real = attention_mask.bool()
+    rows = torch.arange(rows_count, device=device).unsqueeze(1).expand(rows_count, width)[real]  # (Q,)
+    cols = torch.arange(width, device=device).expand(rows_count, width)[real]  # (Q,)
+    distinct = int(inverse.max()) + 1
+    first = torch.full((distinct,), rows_count, dtype=torch.long, device=device).scatter_reduce(
+        0, inverse, torch.arange(rows_count, device=device), reduce="amin")
+    sees_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2) & prompt_mask[first].bool()
+    sees_row = (rows.unsqueeze(1) == rows.unsqueeze(0)) & (cols.unsqueeze(0) <= cols.unsqueeze(1))
+    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[None, None]  # (1, 1, Q, U*S + Q), True: attend
+    for layer in cache.layers:  # (U, H, S, d) -> (1, H, U*S, d): prompt u's positions at u*S .. u*S + S - 1
+        layer.keys = layer.keys.transpose(0, 1).reshape(1, layer.keys.size(1), -1, layer.keys.size(-1))
+        layer.values = layer.values.transpose(0, 1).reshape(1, layer.values.size(1), -1, layer.values.size(-1))
+    if kwargs.get("labels") is not None:
+        kwargs["labels"] = kwargs["labels"][real].unsqueeze(0)
+    outputs = model(input_ids=input_ids[real].unsqueeze(0), attention_mask=mask, position_ids=position_ids[real].unsqueeze(0),
+                    **{cache_name: cache}, **kwargs)
+    q = rows.numel()
+    next_real = cols[1:] > 0  # shifted fields: packed position j scores packed token j + 1, when it is of the same row
+
+    def unpack(value):
+        if not torch.is_tensor(value) or value.dim() < 2 or value.size(0) != 1 or value.size(1) not in (q, q - 1):
+            return value
+        if value.size(1) == q:
+            return value.new_zeros((rows_count, width, *value.shape[2:])).index_put((rows, cols), value[0])
+        return value.new_zeros((rows_count, width - 1, *value.shape[2:])).index_put(
+            (rows[1:][next_real], cols[1:][next_real] - 1), value[0][next_real])
+
+    return type(outputs)(**{key: unpack(value) for key, value in outputs.items()})
 
 
 def generate_with_shared_prompts(
@@ -271,10 +361,13 @@ class SavingsDecision:
     Attributes:
         share_prompts: reason ``share_prompt_cache`` (and evaluation's prefix sharing) is off, or None.
         skip_rows: reason ``skip_zero_advantage_rows`` is off, or None.
+        pack: reason ``pack_completions`` (the padding-free completion forward, which rides on the prompt cache) is
+            off, or None.
     """
 
     share_prompts: str | None = None
     skip_rows: str | None = None
+    pack: str | None = None
 
 
 def _base_model(model: Any) -> Any:
@@ -384,6 +477,25 @@ def static_sharing_blocker(model: Any) -> str | None:
     return None
 
 
+def static_packing_blocker(model: Any) -> str | None:
+    """Why the padding-free completion forward (``packed_forward``) cannot be exact for ``model`` from its
+    configuration alone, or None: it passes a custom 4D boolean mask, which transformers hands to the attention
+    as is -- so the attention must be sdpa (which reads a boolean mask) and no layer may apply a mask of its own kind
+    (sliding windows, chunked attention), and every cache layer must be a plain key/value layer."""
+    config = getattr(_base_model(model), "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        return f"attention implementation {implementation!r} (the packed 4D mask needs 'sdpa')"
+    kinds = _cache_layer_kinds(model)
+    if kinds and kinds != {"DynamicLayer"}:
+        return f"its cache has {', '.join(sorted(kinds - {'DynamicLayer'}))} layers (their own masks)"
+    for config in _configs(model):
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if layer_types - {"full_attention"} or (not layer_types and getattr(config, "sliding_window", None)):
+            return "sliding-window or chunked attention (their own masks)"
+    return None
+
+
 def _probe_batch(model: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Three rows: prompt A twice and a shorter, left-padded prompt B, each followed by 3 completion tokens."""
     vocab = next((getattr(c, "vocab_size", None) for c in reversed(_configs(model)) if getattr(c, "vocab_size", None)), 64)
@@ -403,26 +515,27 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _probe(model: Any, share_probe: bool = True) -> tuple[str | None, str | None]:
-    """Run sharing and row-splitting on a tiny batch against the plain computation; (share reason, skip reason)."""
+def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tuple[str | None, str | None, str | None]:
+    """Run sharing, row-splitting and packing on a tiny batch against the plain computation; the reason each is off
+    (share, skip, pack), None where it matched."""
     base = _base_model(model)
     try:
         parameter = next(model.parameters())
     except (StopIteration, AttributeError):
-        return "the model has no parameters to probe", "the model has no parameters to probe"
+        return ("the model has no parameters to probe",) * 3
     ids, mask = _probe_batch(model, parameter.device)
     positions = position_ids_from_attention_mask(mask) if accepts_position_ids(model) else None
     extra = {} if positions is None else {"position_ids": positions}
     was_training = model.training
     model.eval()
-    share, skip = None, None
+    share, skip, pack = None, None, None
     try:
         with torch.no_grad():
             try:
                 plain_logits = model(input_ids=ids, attention_mask=mask, **extra).logits
             except Exception as err:  # noqa: BLE001 -- nothing to compare with: both savings off, the plain path decides
                 reason = f"the probe's plain forward failed ({type(err).__name__}: {str(err)[:120]})"
-                return reason, reason
+                return reason, reason, reason
             tolerance = _tolerance(plain_logits.dtype, plain_logits)
             plain = _log_probs(plain_logits)
             try:  # the rows without gradient run as a batch of their own: a row must not depend on the others
@@ -434,7 +547,7 @@ def _probe(model: Any, share_probe: bool = True) -> tuple[str | None, str | None
                 skip = f"the row-split probe failed ({type(err).__name__}: {str(err)[:120]})"
             try:
                 if not share_probe:
-                    return None, skip
+                    return None, skip, None
                 shared = forward_with_shared_prompts(model, 5, ids, mask, positions, cache_name=cache_argument(model))
                 kept = shared.logits.size(1)  # T - 4, or T where no cache came back and the plain forward ran
                 gap = (_log_probs(shared.logits) - plain[:, -kept:]).abs().max().item()
@@ -445,9 +558,20 @@ def _probe(model: Any, share_probe: bool = True) -> tuple[str | None, str | None
                     share = _probe_generation(model, ids[:, :5], mask[:, :5], tolerance, exact_tokens)
             except Exception as err:  # noqa: BLE001
                 share = f"the shared-prompt probe failed ({type(err).__name__}: {str(err)[:120]})"
+            if share is None and pack_probe and positions is not None:
+                try:  # row 0's completion ends a token early (right padding): only real positions are compared
+                    ragged = mask.clone()
+                    ragged[0, -1] = 0
+                    packed = forward_with_shared_prompts(model, 5, ids, ragged, positions, cache_name=cache_argument(model), pack=True)
+                    real = ragged[:, 4:].bool()
+                    gap = (_log_probs(packed.logits)[real] - plain[:, 4:][real]).abs().max().item()
+                    if not gap <= tolerance:
+                        pack = f"the packed completion forward is {gap:.2g} away from the padded forward (probe)"
+                except Exception as err:  # noqa: BLE001
+                    pack = f"the packing probe failed ({type(err).__name__}: {str(err)[:120]})"
     finally:
         model.train(was_training)
-    return share, skip
+    return share, skip, pack
 
 
 def _probe_generation(model: Any, ids: torch.Tensor, mask: torch.Tensor, tolerance: float, exact_tokens: bool = True) -> str | None:
@@ -488,8 +612,11 @@ def savings_decision(model: Any) -> SavingsDecision:
     if cached is not None:
         return cached
     share = static_sharing_blocker(model)
-    share_probe, skip_probe = _probe(model, share_probe=share is None)
-    decision = SavingsDecision(share_prompts=share or share_probe, skip_rows=skip_probe)
+    pack = static_packing_blocker(model) if share is None else None
+    share_probe, skip_probe, pack_probe = _probe(model, share_probe=share is None, pack_probe=pack is None)
+    share = share or share_probe
+    pack = f"prompt sharing is off ({share})" if share is not None else pack or pack_probe
+    decision = SavingsDecision(share_prompts=share, skip_rows=skip_probe, pack=pack)
     base.__dict__["_trl_ext_savings"] = decision
     return decision
 
@@ -497,13 +624,17 @@ def savings_decision(model: Any) -> SavingsDecision:
 _announced: set[tuple[int, str]] = set()
 
 
-def announce(model: Any, decision: SavingsDecision, names: tuple[str, str] = ("share_prompt_cache", "skip_zero_advantage_rows")) -> str | None:
-    """Log, once per model and message, one line naming the savings that are off for ``model`` and why.
+def announce(model: Any, decision: SavingsDecision,
+             names: tuple[str, ...] = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions")) -> str | None:
+    """Log, once per model and message, one line naming the savings that are off for ``model`` and why (a saving
+    whose name is empty is not named; packing is not named when it is off only because sharing is).
 
     Returns:
         The line (None when every saving is on).
     """
-    parts = [f"{name} off: {reason}" for name, reason in zip(names, (decision.share_prompts, decision.skip_rows)) if name and reason]
+    reasons = (decision.share_prompts, decision.skip_rows,
+               None if decision.share_prompts and (decision.pack or "").startswith("prompt sharing is off") else decision.pack)
+    parts = [f"{name} off: {reason}" for name, reason in zip(names, reasons) if name and reason]
     if not parts:
         return None
     model_type = getattr(getattr(_base_model(model), "config", None), "model_type", type(_base_model(model)).__name__)

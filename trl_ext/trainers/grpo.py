@@ -214,6 +214,17 @@ class GRPOConfig(trl.GRPOConfig):
             "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
         },
     )
+    pack_completions: bool = field(
+        default=True,
+        metadata={
+            "help": "With share_prompt_cache, run the completion forward and backward padding-free: the real tokens of "
+            "every row packed into one sequence, a 4D attention mask letting each token see exactly its own prompt "
+            "and its own row (trl_ext.shared_prompts.packed_forward), so the padding after a completion's end costs "
+            "nothing. Same log-probs and gradients up to float rounding. Default True; on only where it is exact for "
+            "the model (sdpa attention over key/value caches without sliding windows, checked by a probe against "
+            "the padded forward; one log line otherwise)."
+        },
+    )
     dynamic_sampling: bool = field(
         default=False,
         metadata={
