@@ -127,6 +127,21 @@ def test_summarize_arm_hand_worked():
     assert empty["final_accuracy"] is None and empty["median_step_seconds"] is None and empty["gen_tokens_per_second"] is None
 
 
+def test_accuracy_against_training_seconds_and_the_time_to_a_gain():
+    """Each evaluation at step k sits at the seconds of steps 1..k; the time to +55 points is the first such
+    point at least 55 points over step 0, whatever comes later."""
+    from trl_ext.compare.report import seconds_to_gain
+
+    arm = Arm("a", "trl_ext", {})
+    evals = [{"step": 0, "accuracy": 0.09}, {"step": 2, "accuracy": 0.50}, {"step": 3, "accuracy": 0.64},
+             {"step": 4, "accuracy": 0.60}]
+    s = summarize_arm(arm, [], [4.0, 5.0, 6.5, 3.0], evals)
+    assert s["accuracy_by_seconds"] == [[0, 0.09], [9.0, 0.5], [15.5, 0.64], [18.5, 0.6]]
+    assert seconds_to_gain(s, 0.55) == 15.5  # 0.64 - 0.09 = 0.55 at step 3
+    assert seconds_to_gain(s, 0.56) is None  # never 56 points over step 0
+    assert seconds_to_gain(summarize_arm(arm, [], [4.0], [{"step": 1, "accuracy": 0.9}]), 0.1) is None  # no step 0
+
+
 def test_comparison_table_rows():
     arm = Arm("course", "trl_ext", {"beta": 0.0})
     s = summarize_arm(arm, [{"step": 1, "reward": 0.25}], [2.0], [{"step": 0, "accuracy": 0.1}, {"step": 5, "accuracy": 0.375}],

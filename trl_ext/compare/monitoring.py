@@ -211,7 +211,9 @@ def summarize_arm(
     Returns:
         dict with ``name``, ``trainer``, ``settings``; ``final_accuracy`` (held-out accuracy at the last evaluated
         step), ``best_accuracy`` and ``best_step`` (highest over all evaluated steps, step 0 included; the first
-        one on ties); ``accuracy_curve`` ``[[step, accuracy], ...]``; ``median_step_seconds``; ``final_reward``
+        one on ties); ``accuracy_curve`` ``[[step, accuracy], ...]``; ``accuracy_by_seconds`` ``[[seconds,
+        accuracy], ...]`` (the training seconds of the steps before each evaluation); ``median_step_seconds``;
+        ``final_reward``
         (mean train ``reward`` over the last ``last_k`` logged steps); ``gen_tokens_per_second``
         (``generated_tokens / generation_seconds``); ``peak_memory_bytes``, ``memory_kind``, ``train_seconds``,
         ``steps``; ``n_eval`` (held-out problems of the last evaluation) and ``final_accuracy_se``
@@ -234,6 +236,8 @@ def summarize_arm(
         "best_accuracy": best["accuracy"] if best else None,
         "best_step": best["step"] if best else None,
         "accuracy_curve": [[e["step"], e["accuracy"]] for e in evals],
+        # training wall seconds before each evaluation (the steps only; held-out evaluations take none of it)
+        "accuracy_by_seconds": [[round(sum(step_seconds[: e["step"]]), 3), e["accuracy"]] for e in evals],
         "evals": [dict(e) for e in evals],
         "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
         "final_reward": statistics.fmean(rewards[-last_k:]) if rewards else None,

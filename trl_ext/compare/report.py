@@ -135,6 +135,49 @@ def plot_comparison(
     return path
 
 
+def seconds_to_gain(result: Mapping[str, Any], gain: float) -> float | None:
+    """Training seconds an arm took to first reach ``gain`` (e.g. 0.55 = 55 points) of held-out accuracy over its
+    step-0 evaluation, at one of its evaluated steps; None if it never did (or was not evaluated at step 0)."""
+    curve = result.get("accuracy_by_seconds") or []
+    steps = result.get("accuracy_curve") or []
+    if not curve or not steps or steps[0][0] != 0:
+        return None
+    start = curve[0][1]
+    return next((seconds for seconds, accuracy in curve if accuracy - start >= gain - 1e-9), None)
+
+
+def plot_accuracy_against_seconds(results: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "",
+                                  gain: float | None = None) -> Path:
+    """Held-out accuracy of each arm against its training wall seconds (``accuracy_by_seconds``; evaluations take
+    none of them); with ``gain``, a dotted line at step 0's accuracy + gain. Saves a PNG and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for r in results:
+        curve = r.get("accuracy_by_seconds") or []
+        if curve:
+            ax.plot([s for s, _ in curve], [a for _, a in curve], "--" if r["trainer"] == "trl" else "-", marker="o",
+                    label=f"{r['name']} ({r['trainer']})")
+    if gain is not None:
+        starts = [r["accuracy_by_seconds"][0][1] for r in results if r.get("accuracy_by_seconds")]
+        if starts:
+            ax.axhline(starts[0] + gain, linestyle=":", color="gray", label=f"step 0 + {gain * 100:.0f} points")
+    ax.set_xlabel("training wall seconds (held-out evaluations excluded)")
+    ax.set_title(title or "held-out accuracy (greedy) against training time")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_comparison(
     results: Sequence[Mapping[str, Any]],
     output_dir: str | os.PathLike,
@@ -146,8 +189,9 @@ def write_comparison(
     provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write ``comparison.json`` (setup + every arm's summary + ``provenance``: the command, configs, versions and
-    phase times of ``trl_ext.run.RecipeRun.provenance``), ``comparison.md`` (setup, command, table) and
-    ``comparison.png`` (:func:`plot_comparison`) into ``output_dir``; return their paths."""
+    phase times of ``trl_ext.run.RecipeRun.provenance``), ``comparison.md`` (setup, command, table),
+    ``comparison.png`` (:func:`plot_comparison`) and, when arms were evaluated during training,
+    ``comparison_seconds.png`` (:func:`plot_accuracy_against_seconds`) into ``output_dir``; return their paths."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "comparison.json", "md": out / "comparison.md", "png": out / "comparison.png"}
@@ -158,6 +202,9 @@ def write_comparison(
     if command:
         md += ["", "Reproduce with:", "", f"    {command}"]
     md += ["", comparison_table(results), "", "![comparison](comparison.png)", ""]
+    if any(len(r.get("accuracy_by_seconds") or []) > 1 for r in results):  # accuracy against training time too
+        paths["seconds_png"] = plot_accuracy_against_seconds(results, out / "comparison_seconds.png", title=title)
+        md += ["![accuracy against training seconds](comparison_seconds.png)", ""]
     paths["md"].write_text("\n".join(md))
     plot_comparison(results, paths["png"], title=title, panels=panels)
     return paths
