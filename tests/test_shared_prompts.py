@@ -209,3 +209,21 @@ def test_generation_passes_other_model_inputs_through(tokenizer):
     config.cache_implementation = "static"
     assert wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config) == "plain"
     assert seen.get(cache_argument(model)) is None
+
+
+def test_training_noise_is_measured_again_only_when_a_dropout_rate_changes(tokenizer, monkeypatch):
+    """Generation asks before every rollout; the two probe forwards run only when the answer can have changed."""
+    from trl_ext.shared_prompts import training_noise
+
+    model = no_dropout(tiny_gpt2(tokenizer)).train()
+    forwards = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: forwards.append(1), with_kwargs=True)
+    assert training_noise(model) is None and len(forwards) == 2
+    assert training_noise(model) is None and len(forwards) == 2  # remembered
+    model.transformer.h[0].attn.attn_dropout.p = 0.1
+    assert "transformer.h.0.attn.attn_dropout p=0.1" in training_noise(model) and len(forwards) == 4
+    model.transformer.h[0].attn.attn_dropout.p = 0.0
+    assert training_noise(model) is None and len(forwards) == 6
+    model.config.hidden_dropout = 0.2  # a config field naming a dropout rate counts too (functional dropout)
+    training_noise(model)
+    assert len(forwards) == 8
