@@ -114,6 +114,24 @@ def test_bad_flag_values_are_named_as_the_user_typed_them(flags, message):
         grpo_math.parse_args(flags)
 
 
+def test_dynamic_sampling_needs_whole_groups_on_each_process_before_any_model(monkeypatch):
+    """On 2 processes, 6 completions per device make whole groups of 4 for upstream (it splits a group across
+    processes), not for dynamic sampling, which the CPU config turns on: one line, naming the way out. (The check
+    reads WORLD_SIZE as a launch sets it; no config is built here, which would start torch.distributed.)"""
+    from trl_ext.cli import flag_problems
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    values = {"num_generations": 4, "per_device_train_batch_size": 6, "steps_per_generation": None,
+              "gradient_accumulation_steps": 1}
+    assert flag_problems({**values, "dynamic_sampling": False}) == []  # upstream: 12 completions, 3 groups of 4
+    assert flag_problems({**values, "dynamic_sampling": True}) == [
+        "--dynamic_sampling true keeps whole prompt groups on each process: --per_device_train_batch_size 6 x "
+        "--gradient_accumulation_steps 1 = 6 is not a multiple of --num_generations 4; change "
+        "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false"
+    ]
+    assert "--steps_per_generation 3 = 18" in flag_problems({**values, "steps_per_generation": 3, "dynamic_sampling": True})[0]
+
+
 def test_valid_grouping_passes():
     _, training_args, _ = grpo_math.parse_args(["--num_generations", "4", "--per_device_train_batch_size", "12"])
     assert training_args.generation_batch_size == 12  # 3 groups of 4

@@ -118,6 +118,15 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
         from trl_ext.trainers.grpo import generation_grouping_problem  # the rule lives beside the seam check
 
         problems += [p for p in [generation_grouping_problem(values, int(os.environ.get("WORLD_SIZE", "1")))] if p]
+        if values.get("dynamic_sampling") and not problems:
+            from trl_ext.trainers.dynamic_sampling import whole_groups_problem
+
+            which = "steps_per_generation" if values.get("steps_per_generation") else "gradient_accumulation_steps"
+            problem = whole_groups_problem(values["per_device_train_batch_size"], values.get(which) or 1,
+                                           values["num_generations"], flags=True, steps_name=which)
+            if problem:
+                problems.append(f"--dynamic_sampling true keeps whole prompt groups on each process: {problem}; change "
+                                "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false")
     return problems
 
 

@@ -69,6 +69,27 @@ def _align(tensors: list[torch.Tensor], left: bool, value: float) -> list[torch.
     return out
 
 
+def whole_groups_problem(per_device_batch: int, steps_per_generation: int, group_size: int, flags: bool = False,
+                         steps_name: str = "steps_per_generation") -> str | None:
+    """Why one process's generation batch is not a whole number of prompt groups, or None: dynamic sampling picks
+    whole groups on each process (upstream may split a group across processes).
+
+    Args:
+        per_device_batch: ``per_device_train_batch_size``.
+        steps_per_generation: TRL's ``steps_per_generation`` (default ``gradient_accumulation_steps``).
+        group_size: ``num_generations``.
+        flags: word it with the command-line flags (``--per_device_train_batch_size 6``) instead of field names.
+        steps_name: the option that set ``steps_per_generation`` (``gradient_accumulation_steps`` when it was not
+            given: TRL's default).
+    """
+    rows = per_device_batch * steps_per_generation
+    if rows % group_size == 0:
+        return None
+    name = (lambda n, v: f"--{n} {v}") if flags else (lambda n, v: f"{n} ({v})")
+    return (f"{name('per_device_train_batch_size', per_device_batch)} x {name(steps_name, steps_per_generation)} "
+            f"= {rows} is not a multiple of {name('num_generations', group_size)}")
+
+
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 ROW_KEYS = ("advantages",)
 
@@ -133,13 +154,9 @@ class DynamicSamplingMixin:
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
-        local_rows = args.per_device_train_batch_size * args.steps_per_generation
-        if local_rows % self.num_generations:
-            raise ValueError(
-                f"dynamic_sampling needs whole groups on each process: per_device_train_batch_size "
-                f"({args.per_device_train_batch_size}) x steps_per_generation ({args.steps_per_generation}) = "
-                f"{local_rows} is not a multiple of num_generations ({self.num_generations})"
-            )
+        problem = whole_groups_problem(args.per_device_train_batch_size, args.steps_per_generation, self.num_generations)
+        if problem:
+            raise ValueError(f"dynamic_sampling needs whole groups on each process: {problem}")
         if args.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds={args.max_sampling_rounds}; expected >= 1")
         self._dynamic_state = DynamicSamplingState(seed=args.seed + 1_000_003, size=len(self.train_dataset))
