@@ -130,11 +130,6 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def check_flags(values: Mapping[str, Any]) -> None:
-    """Raise :func:`flag_problems` as one :class:`RecipeError` (see :func:`raise_problems`)."""
-    raise_problems(flag_problems(values))
-
-
 def raise_problems(problems: Sequence[str]) -> None:
     """Nothing for no problems; else one :class:`RecipeError` holding them all: the problem itself when there is one,
     else a count and one indented line per problem (``main`` prints it after ``error:``)."""
