@@ -12,7 +12,6 @@ parse. Options, data, the model path and --output_dir (writable; no finished eva
 options, library versions and phase times.
 """
 
-
 from dataclasses import dataclass, field
 
 import trl

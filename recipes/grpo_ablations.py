@@ -32,7 +32,6 @@ unless --overwrite_output_dir; other experiments may share the folder. Compariso
 from scratch): --resume_from_checkpoint is refused.
 """
 
-
 from __future__ import annotations
 
 import copy

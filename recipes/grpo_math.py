@@ -15,7 +15,6 @@ from the latest checkpoint in --output_dir and reuses the saved before-evaluatio
 is never overwritten unless --overwrite_output_dir is given.
 """
 
-
 from pathlib import Path
 
 import trl
@@ -80,15 +79,12 @@ def main(run, script_args, training_args, model_args, speed=None):
     run.log_after_training(trainer, {"eval_accuracy": after["accuracy"], "eval_format_rate": after["format_rate"]})
 
     steps, gain, example = trainer.state.global_step, after["accuracy"] - before["accuracy"], after["examples"][0]
-    runtime = {**(speed or {}), "processes": state.num_processes,
-               "distributed_type": str(trainer.accelerator.distributed_type)}  # FSDP shows here, not in PartialState
     report.finish(
-        run, {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name,
-              "runtime": runtime}, title="GRPO on math problems",
-        table=report.accuracy_table(f"GRPO on {task.dataset}", before, after), trainer=trainer,
+        run, {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name},
+        title="GRPO on math problems", table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
         lines=[f"{run.steps_summary(steps, run.phase_seconds['train'])}; gain {gain:+.1%}. "
                f"Example after: {example['response']!r} (answer {example['answer']})"],
-        model_card=(model_args.model_name_or_path, task.dataset),
+        trainer=trainer, speed=speed, model_card=(model_args.model_name_or_path, task.dataset),
         records={"eval_before": before["records"], "eval_after": after["records"]},
         curves=("training_curves.png", PANELS, {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]}),
     )

@@ -23,7 +23,6 @@ from scratch): --resume_from_checkpoint is refused. comparison.json also records
 library versions and phase times.
 """
 
-
 import shlex
 import sys
 from dataclasses import dataclass, field

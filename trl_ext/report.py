@@ -465,6 +465,7 @@ def finish(
     record: bool = True,
     git: Mapping[str, Any] | None = None,
     wrote: Sequence[str] = (),
+    speed: Mapping[str, Any] | None = None,
 ) -> Console | None:
     """Write everything a finished run leaves and print its summary; on the main process only (others: None).
 
@@ -489,6 +490,9 @@ def finish(
         record: write ``experiment.md``.
         git: ``{"commit", "dirty"}`` taken when the run started (default: now).
         wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.
+        speed: what ``trl_ext.runtime.apply_speed_defaults`` chose (threads, precision); with a trainer, recorded
+            as ``runtime`` with the number of processes and accelerate's distributed type (FSDP shows there, not
+            in ``PartialState``), unless ``metrics`` has a ``runtime``.
 
     Returns:
         The console (for a recipe's own closing lines), or None on other processes.
@@ -509,6 +513,10 @@ def finish(
         metrics.setdefault("train_steps", trainer.state.global_step)
         metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
         metrics.setdefault("log_history", log_history)
+        if hasattr(trainer, "accelerator"):
+            accelerator = trainer.accelerator
+            metrics.setdefault("runtime", {**(speed or {}), "processes": accelerator.num_processes,
+                                           "distributed_type": str(accelerator.distributed_type)})
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
     if model_card is not None:
