@@ -472,7 +472,8 @@ class FakeTrainer:
         self.args = kwargs.get("args")
         self.model = kwargs.get("model")
         self.state = SimpleNamespace(log_history=[], global_step=0)
-        self.accelerator = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+        self.accelerator = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m, num_processes=1,
+                                           distributed_type="NO")
 
     def add_callback(self, callback):
         pass
