@@ -4,13 +4,14 @@
     uv run python benchmarks/bench_grpo_overhead.py --model Qwen/Qwen2.5-Math-1.5B --dtype bfloat16 \
         --batch-size 32 --num-generations 8 --max-completion-length 256 # GPU
 
-Both trainers get the same model weights, prompts, reward and settings chosen so that the math is identical
-(GRPO-Clip, std-normalized advantages with TRL's eps 1e-4, per-response token mean, beta 0). Three trainers
+Every trainer gets the same model weights, prompts, reward and settings chosen so that the math is identical
+(GRPO-Clip, std-normalized advantages with TRL's eps 1e-4, per-response token mean, beta 0). Four trainers
 (``KINDS``): upstream; ``trl_ext`` as shipped, which skips work the math does not need (``share_prompt_cache``: each
-prompt's keys/values once per group; ``skip_zero_advantage_rows``: no backward for rows with advantage 0), so its
-ratio to upstream shows that saving (target < 1.00; the skipping part depends on how many groups have equal rewards,
-reported as ``frac_reward_zero_std``); ``trl_ext_shared``, prompt sharing alone; and ``trl_ext_unshared`` with both
-off, the same work as upstream, whose ratio is the overhead of the seams alone (target <= 1.02). Not a test.
+prompt's keys/values once per group; ``pack_completions``: no forward or backward of padding;
+``skip_zero_advantage_rows``: no backward for rows with advantage 0), so its ratio to upstream shows that saving
+(target < 1.00; the skipping part depends on how many groups have equal rewards, reported as
+``frac_reward_zero_std``); ``trl_ext_shared``, prompt sharing alone; and ``trl_ext_unshared`` with all three off,
+the same work as upstream, whose ratio is the overhead of the seams alone (target <= 1.02). Not a test.
 
 Step time: the trainers live side by side and take optimizer steps in lockstep (A B C D, then B C D A, ...), each step
 preceded by the same seed, so all sample the same completions and a busy machine slows both alike. A step is
@@ -99,7 +100,8 @@ def build(kind: str, args, tokenizer, dataset, out_dir: str, **overrides):
     else:
         config = trl_ext.GRPOConfig(
             pg_loss_type="grpo_clip", normalize_by_std=True, advantage_eps=1e-4, length_normalization="masked_mean",
-            share_prompt_cache=kind != "trl_ext_unshared", skip_zero_advantage_rows=kind == "trl_ext", **common,
+            share_prompt_cache=kind != "trl_ext_unshared", pack_completions=kind == "trl_ext",
+            skip_zero_advantage_rows=kind == "trl_ext", **common,
         )
         cls = trl_ext.GRPOTrainer
     model = load_model(args.model, dtype=args.dtype)
@@ -161,8 +163,8 @@ def model_flops(trainer) -> float:
 
 
 KINDS = ("trl", "trl_ext", "trl_ext_shared", "trl_ext_unshared")
-"""Upstream; trl_ext as shipped (share_prompt_cache and skip_zero_advantage_rows on); trl_ext with prompt sharing
-only; trl_ext with both off (the seams alone, the same work as upstream). What skipping saves depends on how many
+"""Upstream; trl_ext as shipped (share_prompt_cache, pack_completions and skip_zero_advantage_rows on); trl_ext with
+prompt sharing only; trl_ext with both off (the seams alone, the same work as upstream). What skipping saves depends on how many
 groups have equal rewards (reported); the scaling grid uses "trl_ext_shared" (forced-length completions of the base
 model almost never earn a reward, so skipping would drop nearly every backward and hide how a step's cost grows)."""
 

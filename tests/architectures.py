@@ -100,10 +100,10 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str]]:
-    """(architecture, prompt sharing, zero-row skipping) for ``FAST`` and every other causal-LM type: "on", the
-    reason a saving is off, or why the generic tiny config could not build the model (``uv run python
-    tests/architectures.py`` prints it; docs/performance.md has the table)."""
+def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str]]:
+    """(architecture, prompt sharing, completion packing, zero-row skipping) for ``FAST`` and every other causal-LM
+    type: "on", the reason a saving is off, or why the generic tiny config could not build the model (``uv run
+    python tests/architectures.py`` prints it; docs/performance.md has the table)."""
     import os
     import signal
 
@@ -121,17 +121,19 @@ def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str]]:
                 model = tiny_model(name, vocab_size)
                 decision = savings_decision(model)
                 noise = training_noise(model)
-                row = (decision.share_prompts or noise or "on", decision.skip_rows or noise or "on")
+                share = decision.share_prompts or noise
+                pack = "off with share_prompt_cache" if share else decision.pack
+                row = (share or "on", pack or "on", decision.skip_rows or noise or "on")
             except BaseException as err:  # noqa: BLE001
-                row = (f"not built: {type(err).__name__}: {str(err)[:80]}", "")
+                row = (f"not built: {type(err).__name__}: {str(err)[:80]}", "", "")
             os.write(write, "\t".join(row).replace("\n", " ").encode())
             os._exit(0)
         os.close(write)
         with os.fdopen(read) as pipe:
             text = pipe.read()
         os.waitpid(pid, 0)
-        share, _, skip = text.partition("\t") if text else ("not built: the process was killed", "", "")
-        rows.append((name, share, skip))
+        cells = text.split("\t") if text else ["not built: the process was killed", "", ""]
+        rows.append((name, *cells))
     return rows
 
 
@@ -145,6 +147,6 @@ if __name__ == "__main__":
     hf_logging.set_verbosity_error()
     logging.getLogger("trl_ext").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    print("| architecture | share_prompt_cache | skip_zero_advantage_rows |\n|---|---|---|")
-    for name, share, skip in decision_table():
-        print(f"| {name} | {share} | {skip} |", flush=True)
+    print("| architecture | share_prompt_cache | pack_completions | skip_zero_advantage_rows |\n|---|---|---|---|")
+    for row in decision_table():
+        print("| " + " | ".join(row) + " |", flush=True)
