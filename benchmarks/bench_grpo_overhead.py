@@ -165,8 +165,9 @@ def model_flops(trainer) -> float:
 KINDS = ("trl", "trl_ext", "trl_ext_shared", "trl_ext_unshared")
 """Upstream; trl_ext as shipped (share_prompt_cache, pack_completions and skip_zero_advantage_rows on); trl_ext with
 prompt sharing only; trl_ext with all three off (the seams alone, the same work as upstream). What skipping saves
-depends on how many groups have equal rewards (reported); the scaling grid uses "trl_ext_shared" (forced-length completions of the base
-model almost never earn a reward, so skipping would drop nearly every backward and hide how a step's cost grows)."""
+depends on how many groups have equal rewards (reported); the scaling grid uses "trl_ext_shared" (forced-length
+completions of the base model almost never earn a reward, so skipping would drop nearly every backward and hide how a
+step's cost grows)."""
 
 
 def lockstep(trainers, args, label=""):
