@@ -102,8 +102,8 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient
     course = {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}[upstream["loss_type"]], upstream["scale_rewards"] == "group"
     assert (ext.args.length_normalization, ext.args.normalize_by_std) == course
     assert (ext.args.loss_type, ext.args.scale_rewards) == (upstream["loss_type"], upstream["scale_rewards"])
-    rows_seen = []  # rows of each forward of trl_ext's policy: a 1-row forward is a shared prompt's prefill
-    ext.model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].size(0)), with_kwargs=True)
+    rows_seen = []  # (rows, tokens) of each forward of trl_ext's policy
+    ext.model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
 
     batch_ext, batch_ref = generation_batch(ext), generation_batch(ref)
     assert torch.equal(batch_ext["completion_ids"], batch_ref["completion_ids"])  # same seed, same samples
@@ -114,9 +114,13 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient
     inputs = perturb_for_clipping(batch_ref)
     loss_ext, grads_ext = loss_and_grads(ext, dict(inputs))
     loss_ref, grads_ref = loss_and_grads(ref, dict(inputs))
-    # 4 rows of one prompt: a shared prefill runs 1 row -- in generation always (TRL turns checkpointing off for
-    # it), in the old-log-prob and loss forwards only without checkpointing (no cache in training then)
-    assert rows_seen.count(1) == (1 if gradient_checkpointing else 3), rows_seen
+    # 4 rows of one prompt: its shared prefill (the prompt but its last token) runs 1 row -- in generation always
+    # (TRL turns checkpointing off for it), in the old-log-prob and loss forwards only without checkpointing (no
+    # cache in training then), each followed by the 4 completions packed into 1 row of their real tokens (the last
+    # prompt token and the completion of each row: no padding)
+    prefill = (1, batch_ext["prompt_ids"].size(1) - 1)
+    packed = (1, int(inputs["completion_mask"].sum()) + 4)
+    assert [seen for seen in rows_seen if seen[0] == 1] == ([prefill] if gradient_checkpointing else [prefill] + [prefill, packed] * 2)
     torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:
@@ -149,18 +153,22 @@ def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients
                                advantage_eps=1e-4, skip_zero_advantage_rows=skip, **options)
         inputs = perturb_for_clipping(generation_batch(trainer))  # old log-probs off by up to +-0.6: some clipping
         inputs["advantages"] = torch.tensor([0.0, 1.5, 0.0, -0.5])  # rows 0 and 2: nothing to learn from
-        forwards = []  # (rows, gradient enabled) of each forward of the policy
+        forwards = []  # (rows, tokens, gradient enabled) of each forward of the policy
         handle = trainer.model.register_forward_pre_hook(
-            lambda m, a, kw: forwards.append((kw["input_ids"].size(0), torch.is_grad_enabled())), with_kwargs=True)
+            lambda m, a, kw: forwards.append((*kw["input_ids"].shape, torch.is_grad_enabled())), with_kwargs=True)
         loss, grads = loss_and_grads(trainer, dict(inputs))
         handle.remove()
         metrics = {key: values[-1] for key, values in trainer._metrics["train"].items() if key.startswith(("entropy", "clip_ratio", "ratio"))}
         runs[skip] = loss, grads, metrics, forwards
     (loss, grads, metrics, forwards), (loss_all, grads_all, metrics_all, forwards_all) = runs[True], runs[False]
-    # skipped: the 2 rows with advantages run in the gradient forward (prefill of their one prompt, then the rows),
-    # the 2 others without gradient; not skipped: one gradient forward of all 4 rows
-    assert forwards == [(1, True), (2, True), (1, False), (2, False)], forwards
-    assert forwards_all == [(1, True), (4, True)], forwards_all
+    # skipped: the 2 rows with advantages run in the gradient forward (prefill of their one prompt but its last
+    # token, then the rows packed into 1 row of their real tokens: the last prompt token and the completion), the 2
+    # others without gradient; not skipped: one gradient forward of all 4 rows
+    prefill = inputs["prompt_ids"].size(1) - 1
+    real = inputs["completion_mask"].sum(1) + 1  # (4,) each row's real tokens
+    assert forwards == [(1, prefill, True), (1, int(real[[1, 3]].sum()), True),
+                        (1, prefill, False), (1, int(real[[0, 2]].sum()), False)], forwards
+    assert forwards_all == [(1, prefill, True), (1, int(real.sum()), True)], forwards_all
     torch.testing.assert_close(loss, loss_all, atol=1e-7, rtol=1e-6)
     assert loss != 0
     for name in grads_all:
