@@ -1,8 +1,9 @@
 """Greedy accuracy of any model on GSM8K, MATH or generated arithmetic, with format/answer breakdown and every response.
 
-    python recipes/eval_math.py                                                   # embedded model, 200 additions
-    python recipes/eval_math.py --dataset_name data/gsm8k_test.jsonl --model_name_or_path outputs/grpo_math
-    python recipes/eval_math.py --config recipes/configs/eval_math_gsm8k.yaml     # GPU: Qwen2.5-Math, vLLM
+    uv run python recipes/eval_math.py                                            # embedded model, 200 additions
+    uv run python recipes/eval_math.py --num_eval 20                              # the same, 20 problems (~20 s)
+    uv run python recipes/eval_math.py --dataset_name data/gsm8k_test.jsonl --model_name_or_path outputs/grpo_math
+    uv run python recipes/eval_math.py --config recipes/configs/eval_math_gsm8k.yaml  # GPU: Qwen2.5-Math, vLLM
 
 Generation: vLLM when it is installed and a GPU is present (``--backend auto``, the default), else Hugging Face
 generate; ``--backend hf`` or ``vllm`` forces one. Writes metrics.json and responses.jsonl (every prompt, response,
