@@ -651,13 +651,13 @@ _announced: set[tuple[int, str]] = set()
 def announce(model: Any, decision: SavingsDecision,
              names: tuple[str, ...] = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions")) -> str | None:
     """Log, once per model and message, one line naming the savings that are off for ``model`` and why (a saving
-    whose name is empty is not named; packing is not named when it is off only because sharing is).
+    whose name is empty is not named; packing, which runs over the shared prompts' cache, is named only while
+    sharing is on -- with sharing off, sharing's reason is the one that counts).
 
     Returns:
         The line (None when every saving is on).
     """
-    reasons = (decision.share_prompts, decision.skip_rows,
-               None if decision.share_prompts and (decision.pack or "").startswith("prompt sharing is off") else decision.pack)
+    reasons = (decision.share_prompts, decision.skip_rows, None if decision.share_prompts else decision.pack)
     parts = [f"{name} off: {reason}" for name, reason in zip(names, reasons) if name and reason]
     if not parts:
         return None
