@@ -105,6 +105,7 @@ def test_mean_response_entropy_by_hand():
     with pytest.raises(ValueError, match="prompt_ids has 2 sequences but completion_ids has 1"):
         C.mean_response_entropy(model, [[0], [1]], [[2]], pad_token_id=0)
 
+
 def test_group_normalized_rewards_by_hand():
     # group 1 rewards [1, 2, 3, 6]: mean 3, centred [-2, -1, 0, 3], unbiased var 14/3
     # group 2 rewards [0, 0, 0, 1]: mean 1/4, centred [-1/4]*3 + [3/4], var (3/16 + 9/16) / 3 = 1/4 -> std 1/2
