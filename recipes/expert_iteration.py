@@ -115,7 +115,7 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
 def summary(before, steps, seconds, cpu_seconds):
     """What the report says of the EI steps, as report.finish arguments: experiment.md's results (first step / before
     vs last step / after) and observations, and the closing console line."""
-    se = lambda p: (p * (1 - p) / before["n"]) ** 0.5  # noqa: E731
+    se = lambda p: trl_ext.compare.monitoring.binomial_standard_error(p, before["n"])  # noqa: E731
     first, last = steps[0], steps[-1]
     rows = [
         ("held-out accuracy", f"{before['accuracy']:.1%} ± {100 * se(before['accuracy']):.1f}",
