@@ -1,7 +1,8 @@
 """Grading throughput of ``trl_ext.rewards.math_reward_fn`` on ordinary MATH-style answers (issue 10, item 7).
 
 Builds a fixed list of (response, ground truth) pairs -- fractions, roots, decimals, integers, expressions,
-intervals, tuples, right and wrong -- grades them in the main thread, then other pairs of the same shapes in another thread, then the first pairs
+intervals, tuples, right and wrong -- grades them in the main thread, then other pairs of the same shapes in another
+thread, then the first pairs
 again (texts seen before, as the repeated reference of a GRPO group), and prints answers per second and how many
 were graded right (which must not change between versions). Run: ``uv run python benchmarks/bench_grading.py``.
 """

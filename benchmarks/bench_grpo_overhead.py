@@ -49,9 +49,9 @@ import trl
 import trl_ext
 from trl_ext import runtime
 from trl_ext.compare import PeakMemory, release_memory
-from trl_ext.profiling import StepProfiler
 from trl_ext.data import make_arithmetic_dataset
 from trl_ext.models import load_model, load_tokenizer
+from trl_ext.profiling import StepProfiler
 from trl_ext.rewards import arithmetic_reward
 
 
@@ -66,8 +66,12 @@ def parse_args():
     p.add_argument("--pairs", type=int, default=10, help="measured step pairs")
     p.add_argument("--memory-steps", type=int, default=3, help="steps per memory measurement")
     p.add_argument("--output", default=None, help="also write the numbers to this JSON file")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="fp32 weights, with bf16 autocast for 'bf16'; 'auto': bf16 where the CPU has bf16 instructions")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="fp32 weights, with bf16 autocast for 'bf16'; 'auto': bf16 where the CPU has bf16 instructions",
+    )
     p.add_argument("--scaling", action="store_true", help="measure the scaling grid instead (see above)")
     p.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory runs")
     return p.parse_args()
@@ -99,14 +103,21 @@ def build(kind: str, args, tokenizer, dataset, out_dir: str, **overrides):
         cls = trl.GRPOTrainer
     else:
         config = trl_ext.GRPOConfig(
-            pg_loss_type="grpo_clip", normalize_by_std=True, advantage_eps=1e-4, length_normalization="masked_mean",
-            share_prompt_cache=kind != "trl_ext_unshared", pack_completions=kind == "trl_ext",
-            skip_zero_advantage_rows=kind == "trl_ext", **common,
+            pg_loss_type="grpo_clip",
+            normalize_by_std=True,
+            advantage_eps=1e-4,
+            length_normalization="masked_mean",
+            share_prompt_cache=kind != "trl_ext_unshared",
+            pack_completions=kind == "trl_ext",
+            skip_zero_advantage_rows=kind == "trl_ext",
+            **common,
         )
         cls = trl_ext.GRPOTrainer
     model = load_model(args.model, dtype=args.dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
-    trainer = cls(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer = cls(
+        model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     # as trainer.train() does: accelerate wraps the forward in autocast (bf16), for generation and the loss alike
     trainer.model = trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
     trainer.create_optimizer_and_scheduler(num_training_steps=config.max_steps)
@@ -176,7 +187,7 @@ def lockstep(trainers, args, label=""):
     seconds = {kind: [] for kind in kinds}
     flops = {kind: 0.0 for kind in kinds}
     for pair in range(args.warmup + args.pairs):
-        order = kinds[pair % len(kinds):] + kinds[: pair % len(kinds)]
+        order = kinds[pair % len(kinds) :] + kinds[: pair % len(kinds)]
         this_pair = {}
         for kind in order:
             before = model_flops(trainers[kind])
@@ -187,7 +198,10 @@ def lockstep(trainers, args, label=""):
             for kind, s in this_pair.items():
                 seconds[kind].append(s)
         times = ", ".join(f"{kind} {this_pair[kind]:.2f} s" for kind in kinds)
-        print(f"{label}round {pair + 1}/{args.warmup + args.pairs}{' (warm-up)' if pair < args.warmup else ''}: {times}", flush=True)
+        print(
+            f"{label}round {pair + 1}/{args.warmup + args.pairs}{' (warm-up)' if pair < args.warmup else ''}: {times}",
+            flush=True,
+        )
     return seconds, flops
 
 
@@ -198,8 +212,12 @@ SCALING_GRID = [(4, 16), (8, 16), (16, 16), (8, 64), (8, 256)]
 def run_scaling(args, tokenizer, dataset, out_dir):
     rows = []
     for group, length in SCALING_GRID:
-        overrides = dict(num_generations=group, per_device_train_batch_size=2 * group, max_completion_length=length,
-                         generation_kwargs={"min_new_tokens": length})
+        overrides = dict(
+            num_generations=group,
+            per_device_train_batch_size=2 * group,
+            max_completion_length=length,
+            generation_kwargs={"min_new_tokens": length},
+        )
         trainers = {k: build(k, args, tokenizer, dataset, out_dir, **overrides) for k in ("trl", "trl_ext_shared")}
         seconds, flops = lockstep(trainers, args, label=f"G={group} T={length}: ")
         row = {"group_size": group, "completion_length": length, "completions": 2 * group}
@@ -212,8 +230,11 @@ def run_scaling(args, tokenizer, dataset, out_dir):
                 "flops_per_second": flops[kind] / sum(seconds[kind]),
             }
         rows.append(row)
-        print(f"G={group} T={length}: trl {row['trl']['median_step_seconds']:.2f} s, "
-              f"trl_ext_shared {row['trl_ext_shared']['median_step_seconds']:.2f} s", flush=True)
+        print(
+            f"G={group} T={length}: trl {row['trl']['median_step_seconds']:.2f} s, "
+            f"trl_ext_shared {row['trl_ext_shared']['median_step_seconds']:.2f} s",
+            flush=True,
+        )
         del trainers
         release_memory()
         if args.output:  # keep what is done so far
@@ -249,10 +270,15 @@ def plot_scaling(rows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, fixed, label in ((axes[0], "group_size", ("completion_length", 16), "completions per prompt G (T=16)"),
-                                  (axes[1], "completion_length", ("group_size", 8), "completion length T (G=8)")):
+    for ax, key, fixed, label in (
+        (axes[0], "group_size", ("completion_length", 16), "completions per prompt G (T=16)"),
+        (axes[1], "completion_length", ("group_size", 8), "completion length T (G=8)"),
+    ):
         sel = sorted((r for r in rows if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
-        for kind, style, name in (("trl", "--o", "upstream trl"), ("trl_ext_shared", "-s", "trl_ext (share_prompt_cache)")):
+        for kind, style, name in (
+            ("trl", "--o", "upstream trl"),
+            ("trl_ext_shared", "-s", "trl_ext (share_prompt_cache)"),
+        ):
             ax.plot([r[key] for r in sel], [r[kind]["median_step_seconds"] for r in sel], style, label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
@@ -273,8 +299,11 @@ if __name__ == "__main__":
     tokenizer = load_tokenizer(args.model)
     dataset = make_arithmetic_dataset(2000, seed=0, split="train")
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"device {device}; model {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}); "
-          f"{args.batch_size} completions/step ({args.num_generations} per prompt), <= {args.max_completion_length} tokens")
+    print(
+        f"device {device}; model {args.model or 'embedded SmolLM2-135M-Instruct'} ({args.dtype}); "
+        f"{args.batch_size} completions/step ({args.num_generations} per prompt), <= {args.max_completion_length} "
+        "tokens"
+    )
 
     print(f"precision {args.precision}; threads {threads['threads']} ({threads['source']})")
     peak = matmul_peak_flops(torch.bfloat16 if args.precision == "bf16" else torch.float32)
@@ -283,8 +312,16 @@ if __name__ == "__main__":
         rows = run_scaling(args, tokenizer, dataset, out_dir)
         if args.output:
             with open(args.output, "w") as f:
-                json.dump({"rows": rows, "settings": vars(args), "threads": torch.get_num_threads(),
-                           "matmul_peak_flops": peak}, f, indent=2)
+                json.dump(
+                    {
+                        "rows": rows,
+                        "settings": vars(args),
+                        "threads": torch.get_num_threads(),
+                        "matmul_peak_flops": peak,
+                    },
+                    f,
+                    indent=2,
+                )
         plot_scaling(rows, "docs/performance.png")
         raise SystemExit(0)
 
@@ -328,18 +365,29 @@ if __name__ == "__main__":
         "frac_reward_zero_std": zero_std,
     }
     print()
-    print("step time (median of %d), ratio to trl (of medians / median of per-round ratios), generated tokens "
-          "(equal = same samples), peak memory and its ratio (%s):" % (args.pairs, result["peak_memory_kind"]))
+    print(
+        f"step time (median of {args.pairs}), ratio to trl (of medians / median of per-round ratios), generated "
+        f"tokens (equal = same samples), peak memory and its ratio ({result['peak_memory_kind']}):"
+    )
     for kind in KINDS:
-        ratios = "" if kind == "trl" else (f"  ratio {result['step_time_ratio_of_medians'][kind]:.3f} / "
-                                           f"{pair_ratios[kind]:.3f}")
+        ratios = (
+            ""
+            if kind == "trl"
+            else (f"  ratio {result['step_time_ratio_of_medians'][kind]:.3f} / {pair_ratios[kind]:.3f}")
+        )
         mem_ratio = "" if kind == "trl" else f" (ratio {result['peak_memory_ratio'][kind]:.3f})"
-        print(f"  {kind:17s} {median[kind]:.3f} s{ratios}   tokens {tokens[kind]}   "
-              f"memory {mem[kind] / 2**20:.0f} MiB{mem_ratio}")
-    print("  targets: trl_ext_unshared (the seams alone) <= 1.02; trl_ext (skips work the math does not need) < 1.00;"
-          f" groups with equal rewards (rows skipped by trl_ext): {zero_std:.0%}")
-    print(f"utilization (model FLOP/s over the {peak / 1e9:.1f} GFLOP/s matmul peak, {args.precision}, "
-          f"{torch.get_num_threads()} threads; the same model FLOPs counted for every trainer):")
+        print(
+            f"  {kind:17s} {median[kind]:.3f} s{ratios}   tokens {tokens[kind]}   "
+            f"memory {mem[kind] / 2**20:.0f} MiB{mem_ratio}"
+        )
+    print(
+        "  targets: trl_ext_unshared (the seams alone) <= 1.02; trl_ext (skips work the math does not need) < 1.00;"
+        f" groups with equal rewards (rows skipped by trl_ext): {zero_std:.0%}"
+    )
+    print(
+        f"utilization (model FLOP/s over the {peak / 1e9:.1f} GFLOP/s matmul peak, {args.precision}, "
+        f"{torch.get_num_threads()} threads; the same model FLOPs counted for every trainer):"
+    )
     for kind in KINDS:
         print(f"  {kind:17s} {achieved[kind] / 1e9:.1f} GFLOP/s = {result['utilization'][kind]:.1%}")
     if args.output:

@@ -1,7 +1,8 @@
 """Upstream trl.GRPOTrainer next to trl_ext.GRPOTrainer settings: same model, data, seed, prompts and step budget.
 
     uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
-    uv run --extra gpu accelerate launch recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml    # GPU
+    uv run --extra gpu accelerate launch recipes/compare_upstream.py \
+        --config recipes/configs/compare_upstream_gsm8k.yaml      # GPU
     uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
 Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
@@ -45,11 +46,16 @@ class CompareArguments(tasks.MathTaskArguments):
 
 
 def parse_args(argv=None):
-    return cli.parse((CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP)
+    return cli.parse(
+        (CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
+    )
 
 
-@cli.recipe("compare_upstream", result_file="comparison.json",
-            not_resumable=("a comparison trains every arm from scratch", "comparison"))
+@cli.recipe(
+    "compare_upstream",
+    result_file="comparison.json",
+    not_resumable=("a comparison trains every arm from scratch", "comparison"),
+)
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     compare, models = trl_ext.compare, trl_ext.models
     cli.check_model_options(model_args)
@@ -68,8 +74,18 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     results = compare.run_comparison(arms, training_args, load, task, tokenizer, steps)
     if not PartialState().is_main_process:
         return
-    setup = compare.setup_summary(training_args, model_args, steps, speed, {
-        "dataset": task.dataset, "reward": task.name, "train prompts": len(task.train), "held-out problems": len(task.test)})
+    setup = compare.setup_summary(
+        training_args,
+        model_args,
+        steps,
+        speed,
+        {
+            "dataset": task.dataset,
+            "reward": task.name,
+            "train prompts": len(task.train),
+            "held-out problems": len(task.test),
+        },
+    )
     report.finish_comparison(run, results, setup, title="GRPO: upstream TRL vs trl_ext settings", command=command)
 
 

@@ -65,7 +65,11 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
     cli.check_model_options(model_args)
     with run.phase("load_data"):  # DPO has no margin: a margin column is dropped
-        pairs = {"conversational": script_args.conversational, "skip_invalid": script_args.skip_bad_rows, "margin": False}
+        pairs = {
+            "conversational": script_args.conversational,
+            "skip_invalid": script_args.skip_bad_rows,
+            "margin": False,
+        }
         with cli.user_input("--train_file: "):
             train = preferences.load_training_pairs(script_args.train_file, **pairs)
         with cli.user_input("--test_file: "):
@@ -74,13 +78,21 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     with run.phase("load_model"):
         model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
     trainer = trl_ext.DPOTrainer(  # the reference: the starting model (its log-probs precomputed, or a frozen copy)
-        model=model, args=training_args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=test,
+        processing_class=tokenizer,
         peft_config=peft_config,
     )
     run.attach(trainer)
     # a resumed run reuses the before-evaluation of the same model, held-out file, recipe options and beta
-    key = {"model": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
-           "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
+    key = {
+        "model": model_args.model_name_or_path,
+        "test_file": trl_ext.run.file_digest(script_args.test_file),
+        "script_args": asdict(script_args),
+        "beta": getattr(training_args, "beta", None),
+    }
     key["script_args"].pop("overwrite_output_dir")
     with run.phase("eval_before"):
         before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
@@ -93,11 +105,26 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
         return {}
     beta, smoothing = training_args.beta, training_args.label_smoothing
     metrics = report.before_after_metrics(
-        run, trainer, train_output, before, after, model=model_args.model_name_or_path, script_args=script_args,
-        train_pairs=len(train), test_pairs=len(test), beta=beta, label_smoothing=smoothing)
+        run,
+        trainer,
+        train_output,
+        before,
+        after,
+        model=model_args.model_name_or_path,
+        script_args=script_args,
+        train_pairs=len(train),
+        test_pairs=len(test),
+        beta=beta,
+        label_smoothing=smoothing,
+    )
     caption = f"DPO (beta {beta}, label smoothing {smoothing}), {len(test)} held-out pairs"
-    report.finish(run, metrics, title="DPO", table=report.before_after_table(caption, before, after, KEYS),
-                  lines=[f"Trained on {len(train)} pairs: {trained}."])
+    report.finish(
+        run,
+        metrics,
+        title="DPO",
+        table=report.before_after_table(caption, before, after, KEYS),
+        lines=[f"Trained on {len(train)} pairs: {trained}."],
+    )
     return metrics
 
 

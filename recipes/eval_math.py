@@ -27,24 +27,35 @@ class EvalArguments(cli.RecipeArguments):
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Local .jsonl/.json/.parquet file or hub id (GSM8K or MATH columns); unset = generated arithmetic."},
+        metadata={
+            "help": "Local .jsonl/.json/.parquet file or hub id (GSM8K or MATH columns); unset = generated arithmetic."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config (GSM8K: 'main')."})
     dataset_split: str = field(default="test", metadata={"help": "Hub split (a local file is read whole)."})
-    dataset_kind: str | None = field(default=None, metadata={"help": "'gsm8k', 'math' or 'arithmetic'; inferred when unset."})
+    dataset_kind: str | None = field(
+        default=None, metadata={"help": "'gsm8k', 'math' or 'arithmetic'; inferred when unset."}
+    )
     template: str = field(default="chat", metadata={"help": "'chat' (instruct models), 'r1_zero' or 'question_only'."})
-    instruction: str | None = field(default="Answer with just the number.", metadata={"help": "Appended to each question; '' for none."})
+    instruction: str | None = field(
+        default="Answer with just the number.", metadata={"help": "Appended to each question; '' for none."}
+    )
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
     reward: str | None = field(
-        default=None, metadata={"help": f"One of {sorted(tasks.GRADERS)}; default: r1_zero for that template, else by dataset kind."}
+        default=None,
+        metadata={"help": f"One of {sorted(tasks.GRADERS)}; default: r1_zero for that template, else by dataset kind."},
     )
-    num_eval: int = field(default=200, metadata={"help": "Evaluate the first this many rows (generated: this many problems)."})
+    num_eval: int = field(
+        default=200, metadata={"help": "Evaluate the first this many rows (generated: this many problems)."}
+    )
     arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
     max_new_tokens: int = field(default=24, metadata={"help": "Generation budget per response."})
     batch_size: int = field(default=50, metadata={"help": "Prompts per HF generate call (vLLM takes all at once)."})
     backend: str = field(default="auto", metadata={"help": f"One of {trl_ext.eval.BACKENDS}."})
     num_examples: int = field(default=5, metadata={"help": "Examples (and unparsed examples) kept in metrics.json."})
-    output_dir: str = field(default="outputs/eval_math", metadata={"help": "Where metrics.json and responses.jsonl go."})
+    output_dir: str = field(
+        default="outputs/eval_math", metadata={"help": "Where metrics.json and responses.jsonl go."}
+    )
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
 
 
@@ -60,26 +71,54 @@ def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     cli.check_model_options(model_args)
     with run.phase("load_data"):
         task = tasks.MathTask.held_out(
-            args.dataset_name, split=args.dataset_split, kind=args.dataset_kind, config_name=args.dataset_config,
-            template=args.template, instruction=args.instruction, system_prompt=args.system_prompt, reward=args.reward,
-            num_eval=args.num_eval, arithmetic_digits=args.arithmetic_digits, skip_bad_rows=args.skip_bad_rows,
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            args.dataset_name,
+            split=args.dataset_split,
+            kind=args.dataset_kind,
+            config_name=args.dataset_config,
+            template=args.template,
+            instruction=args.instruction,
+            system_prompt=args.system_prompt,
+            reward=args.reward,
+            num_eval=args.num_eval,
+            arithmetic_digits=args.arithmetic_digits,
+            skip_bad_rows=args.skip_bad_rows,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
         )
     with run.phase("load_model"):
         model, tokenizer, backend = trl_ext.eval.load_eval_model(model_args, args.backend)
     with run.phase("generate_and_grade"):
-        result = task.evaluate(model, tokenizer, num_examples=args.num_examples, jsonl_path=run.output_dir / "responses.jsonl")
+        result = task.evaluate(
+            model, tokenizer, num_examples=args.num_examples, jsonl_path=run.output_dir / "responses.jsonl"
+        )
 
     metrics = {k: v for k, v in result.items() if k != "records"}
-    metrics.update(model=model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL, dataset=task.dataset,
-                   reward=task.name, max_new_tokens=args.max_new_tokens)
+    metrics.update(
+        model=model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL,
+        dataset=task.dataset,
+        reward=task.name,
+        max_new_tokens=args.max_new_tokens,
+    )
     b = result["breakdown"]
-    row = (f"{result['accuracy']:.1%}", f"{result['format_rate']:.1%}", b["format1_answer1"], b["format1_answer0"],
-           result["num_unparsed"], f"{result['examples_per_second']:.2f}", f"{result['tokens_per_second']:.1f}")
+    row = (
+        f"{result['accuracy']:.1%}",
+        f"{result['format_rate']:.1%}",
+        b["format1_answer1"],
+        b["format1_answer0"],
+        result["num_unparsed"],
+        f"{result['examples_per_second']:.2f}",
+        f"{result['tokens_per_second']:.1f}",
+    )
     report.finish(
-        run, metrics, title="Evaluation", record=False,
-        table=(f"{metrics['model']} on {task.dataset} ({result['n']} problems, greedy, {backend})",
-               ("accuracy", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "ex/s", "tok/s"), [row]),
+        run,
+        metrics,
+        title="Evaluation",
+        record=False,
+        table=(
+            f"{metrics['model']} on {task.dataset} ({result['n']} problems, greedy, {backend})",
+            ("accuracy", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "ex/s", "tok/s"),
+            [row],
+        ),
         lines=[f"unparsed: {r['response']!r} (answer {r['answer']})" for r in result["unparsed_examples"]],
         wrote=("responses.jsonl",),
     )

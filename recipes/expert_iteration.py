@@ -45,9 +45,15 @@ HELP = {  # inherited trl_ext.SFTConfig options this recipe treats its own way
     "max_steps": "Refused (leave it unset): the SFT of each EI step runs --sft_epochs epochs over its kept samples.",
     "num_train_epochs": "Not read: set from --sft_epochs.",
 }
-NOT_RESUMABLE = ("expert iteration keeps no checkpoints (each EI step's SFT is a fresh trainer and the questions it "
-                 "samples depend on the whole run so far)", "run")
-PANELS = (("accuracy", "held-out accuracy after EI step (greedy)"), ("entropy", "response entropy per EI step (nats/token)"))
+NOT_RESUMABLE = (
+    "expert iteration keeps no checkpoints (each EI step's SFT is a fresh trainer and the questions it "
+    "samples depend on the whole run so far)",
+    "run",
+)
+PANELS = (
+    ("accuracy", "held-out accuracy after EI step (greedy)"),
+    ("entropy", "response entropy per EI step (nats/token)"),
+)
 
 
 @dataclass
@@ -57,17 +63,30 @@ class EIArguments(tasks.MathTaskArguments):
     n_ei_steps: int = field(default=3, metadata={"help": "Expert-iteration steps (sample, filter, SFT)."})
     num_generations: int = field(default=8, metadata={"help": "G: outputs sampled per question."})
     ei_batch_size: int = field(default=16, metadata={"help": "Questions sampled (without replacement) per EI step."})
-    sft_epochs: int = field(default=1, metadata={"help": "SFT epochs over each step's kept outputs (sets num_train_epochs)."})
-    max_completion_length: int = field(default=20, metadata={"help": "Token budget of each sampled output (and of evaluation)."})
+    sft_epochs: int = field(
+        default=1, metadata={"help": "SFT epochs over each step's kept outputs (sets num_train_epochs)."}
+    )
+    max_completion_length: int = field(
+        default=20, metadata={"help": "Token budget of each sampled output (and of evaluation)."}
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling of the rollouts (1.0 = off)."})
-    use_vllm: bool = field(default=False, metadata={"help": "Sample with vLLM (GPU extra), as trl_ext.GRPOTrainer does."})
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Sample with vLLM (GPU extra), as trl_ext.GRPOTrainer does."}
+    )
     vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server', as in trl.GRPOConfig."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM memory share in colocate mode."})
     entropy_batch_size: int = field(default=32, metadata={"help": "Sequences per forward pass when measuring entropy."})
 
     def __post_init__(self):
-        for name in ("n_ei_steps", "num_generations", "ei_batch_size", "sft_epochs", "max_completion_length", "entropy_batch_size"):
+        for name in (
+            "n_ei_steps",
+            "num_generations",
+            "ei_batch_size",
+            "sft_epochs",
+            "max_completion_length",
+            "entropy_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name}={getattr(self, name)}; expected an integer >= 1")
         if self.temperature <= 0:
@@ -82,22 +101,34 @@ def make_sampler(model, tokenizer, task, script_args, training_args):
     """A trl_ext.GRPOTrainer used only for ``sample``, so rollouts take GRPO's generation path (train mode: groups of
     num_generations)."""
     args = trl_ext.GRPOConfig(
-        output_dir=str(Path(training_args.output_dir) / "sampler"), report_to="none", use_cpu=training_args.use_cpu,
-        bf16=training_args.bf16, seed=training_args.seed, per_device_train_batch_size=script_args.num_generations,
-        num_generations=script_args.num_generations, max_completion_length=script_args.max_completion_length,
-        temperature=script_args.temperature, top_p=script_args.top_p, use_vllm=script_args.use_vllm,
-        vllm_mode=script_args.vllm_mode, vllm_gpu_memory_utilization=script_args.vllm_gpu_memory_utilization,
-        activation_checkpointing=False, save_strategy="no", log_completions=False,
+        output_dir=str(Path(training_args.output_dir) / "sampler"),
+        report_to="none",
+        use_cpu=training_args.use_cpu,
+        bf16=training_args.bf16,
+        seed=training_args.seed,
+        per_device_train_batch_size=script_args.num_generations,
+        num_generations=script_args.num_generations,
+        max_completion_length=script_args.max_completion_length,
+        temperature=script_args.temperature,
+        top_p=script_args.top_p,
+        use_vllm=script_args.use_vllm,
+        vllm_mode=script_args.vllm_mode,
+        vllm_gpu_memory_utilization=script_args.vllm_gpu_memory_utilization,
+        activation_checkpointing=False,
+        save_strategy="no",
+        log_completions=False,
     )
-    sampler = trl_ext.GRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=args, train_dataset=task.train,
-                                  processing_class=tokenizer)
+    sampler = trl_ext.GRPOTrainer(
+        model=model, reward_funcs=task.reward_funcs, args=args, train_dataset=task.train, processing_class=tokenizer
+    )
     sampler.model.train()
     return sampler
 
 
 def sft(run, model, tokenizer, prompts, responses, training_args, step):
     """Fine-tune ``model`` on one EI step's kept (prompt, response) pairs with a fresh trl_ext.SFTTrainer (writing into
-    --output_dir/sft_step{step}); returns the step's SFT fields and the trainer's log, each entry tagged with the step."""
+    --output_dir/sft_step{step}); returns the step's SFT fields and the trainer's log, each entry tagged with the
+    step."""
     conversational = not isinstance(prompts[0], str)
     completions = [[{"role": "assistant", "content": r}] if conversational else r for r in responses]
     args = copy.copy(training_args)
@@ -108,7 +139,11 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
     run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
     with run.phase("sft"):
         result = trainer.train()
-    fields = {"sft_loss": result.training_loss, "sft_steps": result.global_step, "sft_seconds": time.perf_counter() - t0}
+    fields = {
+        "sft_loss": result.training_loss,
+        "sft_steps": result.global_step,
+        "sft_seconds": time.perf_counter() - t0,
+    }
     return fields, [{**e, "ei_step": step} for e in trainer.state.log_history]
 
 
@@ -118,9 +153,16 @@ def summary(before, steps, seconds, cpu_seconds):
     se = lambda p: trl_ext.compare.monitoring.binomial_standard_error(p, before["n"])  # noqa: E731
     first, last = steps[0], steps[-1]
     rows = [
-        ("held-out accuracy", f"{before['accuracy']:.1%} ± {100 * se(before['accuracy']):.1f}",
-         f"{last['accuracy']:.1%} ± {100 * se(last['accuracy']):.1f}"),
-        ("kept samples (first -> last EI step)", f"{first['kept']}/{first['generated']}", f"{last['kept']}/{last['generated']}"),
+        (
+            "held-out accuracy",
+            f"{before['accuracy']:.1%} ± {100 * se(before['accuracy']):.1f}",
+            f"{last['accuracy']:.1%} ± {100 * se(last['accuracy']):.1f}",
+        ),
+        (
+            "kept samples (first -> last EI step)",
+            f"{first['kept']}/{first['generated']}",
+            f"{last['kept']}/{last['generated']}",
+        ),
         ("response entropy (nats/token)", f"{first['entropy']:.3f}", f"{last['entropy']:.3f}"),
         ("wall time (EI loop, s)", "", f"{seconds:.0f}"),
         ("CPU time (EI loop, s; all threads)", "", f"{cpu_seconds:.0f}"),
@@ -132,8 +174,11 @@ def summary(before, steps, seconds, cpu_seconds):
         f"Response entropy {'fell' if h1 < h0 else 'did not fall'} from {h0:.3f} to {h1:.3f} nats/token"
         + (" (collapsed)." if report.entropy_collapsed(h0, h1) else "."),
     ]
-    line = (f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {last['accuracy']:.1%} ({before['n']} problems) "
-            f"in {seconds:.0f} s")
+    line = (
+        f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {last['accuracy']:.1%} ({before['n']} "
+        "problems) "
+        f"in {seconds:.0f} s"
+    )
     return {"results": (("", "first / before", "last / after"), rows), "observations": observations, "lines": [line]}
 
 
@@ -143,27 +188,41 @@ def main(run, script_args, training_args, model_args, speed=None):
     cli.check_model_options(model_args)
     state = PartialState()
     if state.num_processes > 1:
-        raise cli.RecipeError("expert_iteration.py runs in one process (its SFT batches are small); launch without "
-                              "multi-process accelerate")
+        raise cli.RecipeError(
+            "expert_iteration.py runs in one process (its SFT batches are small); launch without "
+            "multi-process accelerate"
+        )
     if model_args.use_peft:
-        raise cli.RecipeError("--use_peft is not supported by expert_iteration.py yet (each EI step would wrap the model again)")
+        raise cli.RecipeError(
+            "--use_peft is not supported by expert_iteration.py yet (each EI step would wrap the model again)"
+        )
     if training_args.max_steps > 0:
-        raise cli.RecipeError(f"--max_steps {training_args.max_steps}: the SFT length is set by --sft_epochs; leave max_steps unset")
+        raise cli.RecipeError(
+            f"--max_steps {training_args.max_steps}: the SFT length is set by --sft_epochs; leave max_steps unset"
+        )
     training_args.num_train_epochs = script_args.sft_epochs
     git = report.git_state()  # the code this run starts from
     with run.phase("load_data"):
         task = tasks.MathTask.from_args(script_args, max_new_tokens=script_args.max_completion_length)
     n_steps, questions, group = script_args.n_ei_steps, script_args.ei_batch_size, script_args.num_generations
     if n_steps * questions > len(task.train):  # questions are drawn without replacement across the whole run
-        raise cli.RecipeError(f"--n_ei_steps {n_steps} x --ei_batch_size {questions} = {n_steps * questions} questions, "
-                              f"but the training split has {len(task.train)}; lower one of them or use more training problems")
-    cli.check_fills_one_step(questions * group, training_args, f"--ei_batch_size {questions} x --num_generations {group} "
-                             "(an EI step's SFT set if every sample is kept)", "samples")  # else an SFT of 0 steps
+        raise cli.RecipeError(
+            f"--n_ei_steps {n_steps} x --ei_batch_size {questions} = {n_steps * questions} questions, "
+            f"but the training split has {len(task.train)}; lower one of them or use more training problems"
+        )
+    cli.check_fills_one_step(
+        questions * group,
+        training_args,
+        f"--ei_batch_size {questions} x --num_generations {group} (an EI step's SFT set if every sample is kept)",
+        "samples",
+    )  # else an SFT of 0 steps
     model_name = model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL
     with run.phase("load_model"):
         model, tokenizer, _ = trl_ext.models.load_model_and_tokenizer(model_args)
     if speed:  # --dtype auto: the checkpoint's own dtype, known now
-        speed["precision"] = trl_ext.runtime.name_loaded_weights(speed["precision"], training_args, model_args.dtype, model)
+        speed["precision"] = trl_ext.runtime.name_loaded_weights(
+            speed["precision"], training_args, model_args.dtype, model
+        )
     model.to(state.device)
     with run.phase("eval_before"):
         before = task.evaluate(model, tokenizer, "eval before", progress=False)
@@ -181,31 +240,67 @@ def main(run, script_args, training_args, model_args, speed=None):
         texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
         rewards = [task.reward_fn(text, answer)["reward"] for text, answer in zip(texts, answers)]
         with run.phase("entropy"):
-            entropy = trl_ext.course.mean_response_entropy(model, prompt_ids, completion_ids, tokenizer.pad_token_id,
-                                                           script_args.entropy_batch_size)
+            entropy = trl_ext.course.mean_response_entropy(
+                model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
+            )
         kept = [i for i, r in enumerate(rewards) if r == 1.0]  # filter: the correct outputs
-        steps.append({"step": step, "questions": len(batch["prompt"]), "generated": len(texts), "kept": len(kept),
-                      "mean_reward": sum(rewards) / len(rewards), "entropy": entropy, "generation_seconds": generation_seconds,
-                      "sft_loss": None, "sft_steps": 0, "sft_seconds": 0.0})
+        steps.append(
+            {
+                "step": step,
+                "questions": len(batch["prompt"]),
+                "generated": len(texts),
+                "kept": len(kept),
+                "mean_reward": sum(rewards) / len(rewards),
+                "entropy": entropy,
+                "generation_seconds": generation_seconds,
+                "sft_loss": None,
+                "sft_steps": 0,
+                "sft_seconds": 0.0,
+            }
+        )
         if kept:  # SFT on them
-            fields, log = sft(run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step)
+            fields, log = sft(
+                run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step
+            )
             steps[-1].update(fields)
             log_history += log
         with run.phase("eval_steps"):
             after = task.evaluate(model, tokenizer, f"eval after EI step {step}", progress=False)
         steps[-1].update(accuracy=after["accuracy"], format_rate=after["format_rate"])
-        print(f"EI step {step}: kept {len(kept)}/{len(texts)} samples (mean reward {steps[-1]['mean_reward']:.3f}), response "
-              f"entropy {entropy:.3f}, {steps[-1]['sft_steps']} SFT steps, held-out accuracy {after['accuracy']:.1%}", flush=True)
+        print(
+            f"EI step {step}: kept {len(kept)}/{len(texts)} samples (mean reward {steps[-1]['mean_reward']:.3f}), "
+            "response "
+            f"entropy {entropy:.3f}, {steps[-1]['sft_steps']} SFT steps, held-out accuracy {after['accuracy']:.1%}",
+            flush=True,
+        )
     seconds, cpu_seconds = time.perf_counter() - start, trl_ext.profiling.cpu_seconds() - cpu_start
     with run.phase("save"):
         model.save_pretrained(run.output_dir)
         tokenizer.save_pretrained(run.output_dir)
     report.plot_curves([{"step": 0, "accuracy": before["accuracy"]}, *steps], PANELS, run.output_dir / "ei_curves.png")
-    report.finish(run, {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"], "n_eval": before["n"],
-                        "ei_steps": steps, "train_seconds": seconds, "train_cpu_seconds": cpu_seconds, "model": model_name,
-                        "dataset": task.dataset, "reward": task.name, "runtime": speed or {}, "log_history": log_history},
-                  title="Expert iteration", trainer=trl_ext.SFTTrainer, model_card=(model_args.model_name_or_path, task.dataset),
-                  log_history=log_history, git=git, wrote=["ei_curves.png"], **summary(before, steps, seconds, cpu_seconds))
+    report.finish(
+        run,
+        {
+            "accuracy_before": before["accuracy"],
+            "accuracy_after": after["accuracy"],
+            "n_eval": before["n"],
+            "ei_steps": steps,
+            "train_seconds": seconds,
+            "train_cpu_seconds": cpu_seconds,
+            "model": model_name,
+            "dataset": task.dataset,
+            "reward": task.name,
+            "runtime": speed or {},
+            "log_history": log_history,
+        },
+        title="Expert iteration",
+        trainer=trl_ext.SFTTrainer,
+        model_card=(model_args.model_name_or_path, task.dataset),
+        log_history=log_history,
+        git=git,
+        wrote=["ei_curves.png"],
+        **summary(before, steps, seconds, cpu_seconds),
+    )
 
 
 if __name__ == "__main__":

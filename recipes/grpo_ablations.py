@@ -12,7 +12,8 @@ normalization, masked_mean, on-policy, beta 0):
   baselines             no_baseline (raw reward) vs reinforce_with_baseline (group-normalized advantage)
   length_normalization  masked_mean vs masked_normalize (sum / max_completion_length)
   std_normalization     with vs without dividing by the group std
-  off_policy            grpo_clip at each (epochs per rollout batch, rollout batch / train batch) of --off_policy_settings
+  off_policy            grpo_clip at each (epochs per rollout batch, rollout batch / train batch) of
+  --off_policy_settings
                         (num_iterations x steps_per_generation / gradient_accumulation_steps); '1x1' is on-policy,
                         where GRPO-Clip's gradient equals the reference's, so it is the reference arm
   clip_ablation         grpo_clip vs grpo_no_clip at --clip_ablation_setting (an off-policy setting)
@@ -54,8 +55,15 @@ PANELS = (
     ("completions/mean_length", "completion length (tokens)"),
     ("grad_norm", "gradient norm (before clipping)"),
 )
-CURVE_KEYS = ("reward", "entropy", "completions/mean_length", "completions/clipped_ratio", "grad_norm", "ratio/max",
-              "clip_ratio/region_mean")
+CURVE_KEYS = (
+    "reward",
+    "entropy",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "grad_norm",
+    "ratio/max",
+    "clip_ratio/region_mean",
+)
 
 
 @dataclass
@@ -74,13 +82,18 @@ class AblationArguments(tasks.MathTaskArguments):
     )
     off_policy_settings: list[str] = field(
         default_factory=lambda: ["1x1", "2x1", "1x2", "2x2"],
-        metadata={"help": "off_policy experiment: 'ExK' = E epochs per rollout batch (num_iterations) and a rollout "
-                  "batch of K train batches (steps_per_generation = K x gradient_accumulation_steps)."},
+        metadata={
+            "help": "off_policy experiment: 'ExK' = E epochs per rollout batch (num_iterations) and a rollout "
+            "batch of K train batches (steps_per_generation = K x gradient_accumulation_steps)."
+        },
     )
     clip_ablation_setting: str = field(
-        default="2x2", metadata={"help": "clip_ablation experiment: the off-policy setting 'ExK' (see off_policy_settings)."}
+        default="2x2",
+        metadata={"help": "clip_ablation experiment: the off-policy setting 'ExK' (see off_policy_settings)."},
     )
-    cliprange: float = field(default=0.2, metadata={"help": "GRPO-Clip epsilon of the off_policy and clip_ablation arms."})
+    cliprange: float = field(
+        default=0.2, metadata={"help": "GRPO-Clip epsilon of the off_policy and clip_ablation arms."}
+    )
 
     def __post_init__(self):
         experiments = trl_ext.compare.ablations.EXPERIMENTS
@@ -105,11 +118,16 @@ def first_finished(script_args, training_args, model_args) -> str:
 
 
 def parse_args(argv=None):
-    return cli.parse((AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP)
+    return cli.parse(
+        (AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
+    )
 
 
-@cli.recipe("grpo_ablations", result_file=first_finished,
-            not_resumable=("a comparison trains every arm from scratch", "comparison"))
+@cli.recipe(
+    "grpo_ablations",
+    result_file=first_finished,
+    not_resumable=("a comparison trains every arm from scratch", "comparison"),
+)
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     ablations, compare, models = trl_ext.compare.ablations, trl_ext.compare, trl_ext.models
     names, state = script_args.experiments, PartialState()
@@ -124,8 +142,11 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     budget = training_args.max_completion_length
     with run.phase("load_data"):
         task = tasks.MathTask.from_args(script_args, max_new_tokens=budget)
-        prompt_tasks = {t: tasks.MathTask.from_args(script_args, budget, template=t) for t in ablations.PROMPT_TEMPLATES
-                        if "prompt" in names}
+        prompt_tasks = {
+            t: tasks.MathTask.from_args(script_args, budget, template=t)
+            for t in ablations.PROMPT_TEMPLATES
+            if "prompt" in names
+        }
     arms = {name: compare.parse_arms(ablations.experiment_arms(name, script_args, training_args)) for name in names}
     for name in names:  # every arm's own batch sizes (the off-policy arms generate several train batches at once)
         for arm in arms[name]:
@@ -138,21 +159,44 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
         exp_args.output_dir = str(run.output_dir / name)
         with run.phase(name):
             results = compare.run_comparison(
-                arms[name], exp_args, lambda: models.load_model_and_tokenizer(model_args), task, tokenizer, steps,
-                curve_keys=CURVE_KEYS, tasks=prompt_tasks, cache=cache,
+                arms[name],
+                exp_args,
+                lambda: models.load_model_and_tokenizer(model_args),
+                task,
+                tokenizer,
+                steps,
+                curve_keys=CURVE_KEYS,
+                tasks=prompt_tasks,
+                cache=cache,
             )
         if not state.is_main_process:
             continue
-        described = "; arms: " + ", ".join(f"{k}: {t.description}" for k, t in prompt_tasks.items()) if name == "prompt" else ""
-        setup = {**compare.setup_summary(training_args, model_args, steps, speed, {
-            "experiment": name, "task": task.description + described, "held-out problems": len(task.test)}),
+        described = (
+            "; arms: " + ", ".join(f"{k}: {t.description}" for k, t in prompt_tasks.items()) if name == "prompt" else ""
+        )
+        setup = {
+            **compare.setup_summary(
+                training_args,
+                model_args,
+                steps,
+                speed,
+                {"experiment": name, "task": task.description + described, "held-out problems": len(task.test)},
+            ),
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
-            "git commit": git["commit"], "dirty": git["dirty"]}
+            "git commit": git["commit"],
+            "dirty": git["dirty"],
+        }
         report.finish_comparison(
-            run, results, setup, title=f"GRPO ablation: {name}", output_dir=run.output_dir / name, panels=PANELS,
+            run,
+            results,
+            setup,
+            title=f"GRPO ablation: {name}",
+            output_dir=run.output_dir / name,
+            panels=PANELS,
             command=command.replace(f"--experiment {script_args.experiment}", f"--experiment {name}"),
             record=(ablations.RECORD_HEADER, ablations.record_rows(results), ablations.observations(results)),
-            hyperparameters={"arms": "; ".join(f"{a.name}: {a.settings}" for a in arms[name])}, git=git,
+            hyperparameters={"arms": "; ".join(f"{a.name}: {a.settings}" for a in arms[name])},
+            git=git,
         )
         written.append((name, results))
         if script_args.experiment == "all":  # rewritten after every experiment, so a stopped run still has one

@@ -1,7 +1,8 @@
 """GRPO on math problems with verifiable rewards: evaluate, train with trl_ext.GRPOTrainer, evaluate again.
 
     uv run python recipes/grpo_math.py                            # CPU default: embedded model, arithmetic
-    uv run --extra gpu accelerate launch recipes/grpo_math.py --config recipes/configs/grpo_math_gsm8k.yaml    # GPU: Qwen2.5-Math, vLLM
+    uv run --extra gpu accelerate launch recipes/grpo_math.py \
+        --config recipes/configs/grpo_math_gsm8k.yaml             # GPU: Qwen2.5-Math, vLLM
     uv run python recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
 
 Options: recipes/configs/grpo_math_cpu.yaml holds the recipe's defaults; a --config file is layered over them (it
@@ -48,18 +49,27 @@ def main(run, script_args, training_args, model_args, speed=None):
     with run.phase("load_model", breakdown="model_load"):
         model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
     if speed:  # --dtype auto: the checkpoint's own dtype, known now
-        speed["precision"] = trl_ext.runtime.name_loaded_weights(speed["precision"], training_args, model_args.dtype, model)
+        speed["precision"] = trl_ext.runtime.name_loaded_weights(
+            speed["precision"], training_args, model_args.dtype, model
+        )
     sharded = state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if not (model_args.load_in_4bit or model_args.load_in_8bit or sharded):
         model.to(state.device)  # evaluate on the GPU when there is one; bitsandbytes and sharded engines place it
     before = None
     if state.is_main_process:  # a resumed run reuses the before-evaluation of the same model, rows, budget, reward
         with run.phase("eval_before", breakdown="evaluation"):
-            before = run.reuse_or_compute("eval_before", {"model": model_name, **task.fingerprint()},
-                                          lambda: task.evaluate(model, tokenizer, "eval before"))
+            before = run.reuse_or_compute(
+                "eval_before",
+                {"model": model_name, **task.fingerprint()},
+                lambda: task.evaluate(model, tokenizer, "eval before"),
+            )
     trainer = trl_ext.GRPOTrainer(
-        model=model, reward_funcs=task.reward_funcs, args=training_args, train_dataset=task.train,
-        processing_class=tokenizer, peft_config=peft_config,
+        model=model,
+        reward_funcs=task.reward_funcs,
+        args=training_args,
+        train_dataset=task.train,
+        processing_class=tokenizer,
+        peft_config=peft_config,
     )
     first_logs = {"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None
     run.attach(trainer, first_logs)  # held-out accuracy at step 0 in TensorBoard; the last step always logged
@@ -80,13 +90,23 @@ def main(run, script_args, training_args, model_args, speed=None):
 
     steps, gain, example = trainer.state.global_step, after["accuracy"] - before["accuracy"], after["examples"][0]
     report.finish(
-        run, {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name},
-        title="GRPO on math problems", table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
-        lines=[f"{run.steps_summary(steps, run.phase_seconds['train'])}; gain {gain:+.1%}. "
-               f"Example after: {example['response']!r} (answer {example['answer']})"],
-        trainer=trainer, speed=speed, model_card=(model_args.model_name_or_path, task.dataset),
+        run,
+        {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name},
+        title="GRPO on math problems",
+        table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
+        lines=[
+            f"{run.steps_summary(steps, run.phase_seconds['train'])}; gain {gain:+.1%}. "
+            f"Example after: {example['response']!r} (answer {example['answer']})"
+        ],
+        trainer=trainer,
+        speed=speed,
+        model_card=(model_args.model_name_or_path, task.dataset),
         records={"eval_before": before["records"], "eval_after": after["records"]},
-        curves=("training_curves.png", PANELS, {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]}),
+        curves=(
+            "training_curves.png",
+            PANELS,
+            {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]},
+        ),
     )
 
 

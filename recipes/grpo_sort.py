@@ -38,7 +38,12 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_sort_cpu.yaml"
 
 SORT_ARMS = {
     "raw": {"trainer": "trl_ext", "pg_loss_type": "no_baseline", "beta": 0.0},
-    "centered": {"trainer": "trl_ext", "pg_loss_type": "reinforce_with_baseline", "normalize_by_std": False, "beta": 0.0},
+    "centered": {
+        "trainer": "trl_ext",
+        "pg_loss_type": "reinforce_with_baseline",
+        "normalize_by_std": False,
+        "beta": 0.0,
+    },
     "normalized": {
         "trainer": "trl_ext",
         "pg_loss_type": "reinforce_with_baseline",
@@ -74,11 +79,16 @@ class SortArguments(tasks.SortingTaskArguments):
 
 
 def parse_args(argv=None):
-    return cli.parse((SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP)
+    return cli.parse(
+        (SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
+    )
 
 
-@cli.recipe("grpo_sort", result_file="comparison.json",
-            not_resumable=("a comparison trains every arm from scratch", "comparison"))
+@cli.recipe(
+    "grpo_sort",
+    result_file="comparison.json",
+    not_resumable=("a comparison trains every arm from scratch", "comparison"),
+)
 def main(run, script_args, training_args, model_args, command=None):
     compare, models = trl_ext.compare, trl_ext.models
     cli.check_model_options(model_args)
@@ -93,17 +103,33 @@ def main(run, script_args, training_args, model_args, command=None):
     tokenizer = models.load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     steps = compare.eval_steps(training_args.max_steps, script_args.eval_every)
     results = compare.run_comparison(
-        arms, training_args, lambda: models.load_model_and_tokenizer(model_args), task, tokenizer, steps,
+        arms,
+        training_args,
+        lambda: models.load_model_and_tokenizer(model_args),
+        task,
+        tokenizer,
+        steps,
         curve_keys=[key for key, _ in PANELS] + ["reward", "completions/mean_length"],
     )
     if not PartialState().is_main_process:
         return
-    setup = compare.setup_summary(training_args, model_args, steps, first={
-        "task": task.dataset, "train prompts": len(task.train),
-        "held-out prompts (accuracy = exact match, greedy)": len(task.test),
-        "reward_weights [shaped, exact] (unless the arm sets them)": training_args.reward_weights})
+    setup = compare.setup_summary(
+        training_args,
+        model_args,
+        steps,
+        first={
+            "task": task.dataset,
+            "train prompts": len(task.train),
+            "held-out prompts (accuracy = exact match, greedy)": len(task.test),
+            "reward_weights [shaped, exact] (unless the arm sets them)": training_args.reward_weights,
+        },
+    )
     report.finish_comparison(
-        run, results, setup, panels=PANELS, command=command,
+        run,
+        results,
+        setup,
+        panels=PANELS,
+        command=command,
         title=f"Sorting {script_args.num_numbers} numbers: raw vs centered vs normalized rewards, shaped vs exact",
     )
 

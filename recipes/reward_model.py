@@ -65,8 +65,11 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
     cli.check_model_options(model_args)
     with run.phase("load_data"):
-        pairs = {"conversational": script_args.conversational, "skip_invalid": script_args.skip_bad_rows,
-                 "margin": script_args.use_margin}
+        pairs = {
+            "conversational": script_args.conversational,
+            "skip_invalid": script_args.skip_bad_rows,
+            "margin": script_args.use_margin,
+        }
         with cli.user_input("--train_file: "):
             train = preferences.load_training_pairs(script_args.train_file, **pairs)
         with cli.user_input("--test_file: "):
@@ -74,18 +77,28 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     cli.check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
     model_path = trl_ext.models.resolve_model_name_or_path(model_args.model_name_or_path)  # embedded -> local folder
     training_args.model_init_kwargs = {
-        **(training_args.model_init_kwargs or {}), "dtype": model_args.dtype, "revision": model_args.model_revision,
+        **(training_args.model_init_kwargs or {}),
+        "dtype": model_args.dtype,
+        "revision": model_args.model_revision,
     }
     tokenizer = trl_ext.models.load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     with run.phase("load_model"):  # the trainer loads the model from model_path, with a fresh scalar head
         trainer = trl_ext.RewardTrainer(
-            model=model_path, args=training_args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
+            model=model_path,
+            args=training_args,
+            train_dataset=train,
+            eval_dataset=test,
+            processing_class=tokenizer,
             peft_config=trl.get_peft_config(model_args),
         )
     run.attach(trainer)
     # a resumed run reuses the before-evaluation of the same model, held-out file and recipe options
-    key = {"model": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
-           "script_args": asdict(script_args), "beta": getattr(training_args, "beta", None)}
+    key = {
+        "model": model_args.model_name_or_path,
+        "test_file": trl_ext.run.file_digest(script_args.test_file),
+        "script_args": asdict(script_args),
+        "beta": getattr(training_args, "beta", None),
+    }
     key["script_args"].pop("overwrite_output_dir")
     with run.phase("eval_before"):
         before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
@@ -98,11 +111,25 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     if not trainer.accelerator.is_main_process:
         return {}
     metrics = report.before_after_metrics(
-        run, trainer, train_output, before, after, model=model_args.model_name_or_path, script_args=script_args,
-        train_pairs=len(train), test_pairs=len(test))
-    report.finish(run, metrics, title="Bradley-Terry reward model", lines=[f"Trained on {len(train)} pairs: {trained}."],
-                  table=report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
-                  trainer=trainer, model_card=(model_args.model_name_or_path, script_args.train_file))
+        run,
+        trainer,
+        train_output,
+        before,
+        after,
+        model=model_args.model_name_or_path,
+        script_args=script_args,
+        train_pairs=len(train),
+        test_pairs=len(test),
+    )
+    report.finish(
+        run,
+        metrics,
+        title="Bradley-Terry reward model",
+        lines=[f"Trained on {len(train)} pairs: {trained}."],
+        table=report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
+        trainer=trainer,
+        model_card=(model_args.model_name_or_path, script_args.train_file),
+    )
     return metrics
 
 

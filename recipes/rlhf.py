@@ -37,8 +37,18 @@ from trl_ext.data import preferences
 HERE = Path(__file__).parent
 DEFAULT_CONFIG = HERE / "configs" / "rlhf.yaml"
 PANELS = (("reward", "reward-model score (train)"), ("kl", "KL to reference (k3)"), ("beta", "beta (adaptive)"))
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 """What a distributed launch (accelerate launch, torchrun) sets, besides ACCELERATE_* and TORCHELASTIC_*: removed from
 the reward model's process, which trains alone."""
 
@@ -49,7 +59,9 @@ class RLHFArguments(cli.RecipeArguments):
         default=None, metadata={"help": "A trained sequence-classification reward model; None trains one first."}
     )
     train_file: str = field(default=str(HERE / "data" / "preferences_train.jsonl"), metadata={"help": "RL prompts."})
-    test_file: str = field(default=str(HERE / "data" / "preferences_test.jsonl"), metadata={"help": "Held-out prompts."})
+    test_file: str = field(
+        default=str(HERE / "data" / "preferences_test.jsonl"), metadata={"help": "Held-out prompts."}
+    )
 
 
 def train_reward_model(output_dir: Path, overwrite: bool = False) -> Path:
@@ -63,20 +75,27 @@ def train_reward_model(output_dir: Path, overwrite: bool = False) -> Path:
     """
     state = PartialState()
     if state.is_main_process and (output_dir / "metrics.json").is_file() and not overwrite:
-        print(f"Reusing the reward model trained before in {output_dir} (--overwrite_output_dir retrains it)", flush=True)
+        print(
+            f"Reusing the reward model trained before in {output_dir} (--overwrite_output_dir retrains it)", flush=True
+        )
     elif state.is_main_process:
         flags = ["--output_dir", str(output_dir)]
         if overwrite:
             flags.append("--overwrite_output_dir")
         elif list(output_dir.glob("checkpoint-*")):
             flags += ["--resume_from_checkpoint", "true"]
-        env = {k: v for k, v in os.environ.items()
-               if k not in LAUNCH_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in LAUNCH_VARIABLES and not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))
+        }
         sys.stdout.flush()
         status = subprocess.run([sys.executable, str(HERE / "reward_model.py"), *flags], env=env).returncode
         if status != 0:
-            raise cli.RecipeError(f"the reward model's training (recipes/reward_model.py {shlex.join(flags)}) exited with "
-                                  f"status {status}; its messages are above (or pass --reward_model_path)")
+            raise cli.RecipeError(
+                f"the reward model's training (recipes/reward_model.py {shlex.join(flags)}) exited with "
+                f"status {status}; its messages are above (or pass --reward_model_path)"
+            )
     state.wait_for_everyone()  # the other processes of a launch wait for it
     return output_dir
 
@@ -84,8 +103,13 @@ def train_reward_model(output_dir: Path, overwrite: bool = False) -> Path:
 @torch.no_grad()
 def reward_scores(reward_model, tokenizer, prompts: list[str], completions: list[str]) -> list[float]:
     """Scalar reward of each prompt + completion, as TRL computes it for a model reward function."""
-    batch = tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True, padding_side="right",
-                      add_special_tokens=False)
+    batch = tokenizer(
+        [p + c for p, c in zip(prompts, completions)],
+        return_tensors="pt",
+        padding=True,
+        padding_side="right",
+        add_special_tokens=False,
+    )
     return reward_model(**batch).logits[:, 0].tolist()
 
 
@@ -93,7 +117,9 @@ def score(trainer, tokenizer, reward_model, rm_tokenizer, prompts: list[str], de
     """Mean reward-model score of the policy's greedy answers to ``prompts`` (budget: max_completion_length tokens),
     and the answers."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    completions = trl_ext.eval.generate_completions(model, tokenizer, prompts, trainer.args.max_completion_length, desc=desc)
+    completions = trl_ext.eval.generate_completions(
+        model, tokenizer, prompts, trainer.args.max_completion_length, desc=desc
+    )
     return sum(reward_scores(reward_model, rm_tokenizer, prompts, completions)) / len(prompts), completions
 
 
@@ -112,28 +138,43 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
             train_prompts = preferences.unique_prompts(script_args.train_file)
         with cli.user_input("--test_file: "):
             test_prompts = preferences.unique_prompts(script_args.test_file)
-    cli.check_fills_one_step(len(train_prompts), training_args, f"--train_file {script_args.train_file} (unique prompts)",
-                             "prompts")
+    cli.check_fills_one_step(
+        len(train_prompts), training_args, f"--train_file {script_args.train_file} (unique prompts)", "prompts"
+    )
     with run.phase("reward_model"):
-        rm_path = Path(script_args.reward_model_path
-                       or train_reward_model(run.output_dir / "reward_model", script_args.overwrite_output_dir))
+        rm_path = Path(
+            script_args.reward_model_path
+            or train_reward_model(run.output_dir / "reward_model", script_args.overwrite_output_dir)
+        )
     reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1).eval()
     rm_tokenizer = trl_ext.models.load_tokenizer(str(rm_path))
-    policy_path = trl_ext.models.resolve_model_name_or_path(model_args.model_name_or_path)  # TRL reloads it as the reference
+    policy_path = trl_ext.models.resolve_model_name_or_path(
+        model_args.model_name_or_path
+    )  # TRL reloads it as the reference
     tokenizer = trl_ext.models.load_tokenizer(model_args.model_name_or_path)
     trainer = trl_ext.GRPOTrainer(
-        model=policy_path, reward_funcs=reward_model, reward_processing_classes=rm_tokenizer, args=training_args,
-        train_dataset=Dataset.from_dict({"prompt": train_prompts}), processing_class=tokenizer,
+        model=policy_path,
+        reward_funcs=reward_model,
+        reward_processing_classes=rm_tokenizer,
+        args=training_args,
+        train_dataset=Dataset.from_dict({"prompt": train_prompts}),
+        processing_class=tokenizer,
     )
     run.attach(trainer)
     # a resumed run reuses the before-score of the same reward model, policy, held-out prompts and budget
     weights = rm_path / "model.safetensors"
-    key = {"reward_model": trl_ext.run.file_digest(weights) if weights.is_file() else str(rm_path),
-           "policy": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
-           "max_completion_length": training_args.max_completion_length}
+    key = {
+        "reward_model": trl_ext.run.file_digest(weights) if weights.is_file() else str(rm_path),
+        "policy": model_args.model_name_or_path,
+        "test_file": trl_ext.run.file_digest(script_args.test_file),
+        "max_completion_length": training_args.max_completion_length,
+    }
     with run.phase("eval_before"):
         before = run.reuse_or_compute(
-            "eval_before", key, lambda: score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts, "eval before")[0])
+            "eval_before",
+            key,
+            lambda: score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts, "eval before")[0],
+        )
     with run.phase("train"):
         trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
     trainer.save_model(str(run.output_dir))
@@ -143,14 +184,30 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
         after, completions = score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts, "eval after")
     if not trainer.accelerator.is_main_process:
         return
-    metrics = {"reward_model": str(rm_path), "rm_score_before": before, "rm_score_after": after,
-               "n_eval_prompts": len(test_prompts), "kl_final": curves["kl"][-1][1] if curves["kl"] else None,
-               "beta_initial": training_args.beta, "beta_final": trainer.beta, "train_steps": trainer.state.global_step,
-               "curves": curves, "example_after": {"prompt": test_prompts[0], "completion": completions[0]}}
-    report.finish(run, metrics, title="RLHF: reward model, then GRPO with an adaptive KL coefficient", trainer=trainer,
-                  model_card=(model_args.model_name_or_path, script_args.train_file), curves=("rlhf.png", PANELS, None),
-                  lines=[f"reward-model score on {len(test_prompts)} held-out prompts: {before:.3f} -> {after:.3f}; KL "
-                         f"{metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {trained}."])
+    metrics = {
+        "reward_model": str(rm_path),
+        "rm_score_before": before,
+        "rm_score_after": after,
+        "n_eval_prompts": len(test_prompts),
+        "kl_final": curves["kl"][-1][1] if curves["kl"] else None,
+        "beta_initial": training_args.beta,
+        "beta_final": trainer.beta,
+        "train_steps": trainer.state.global_step,
+        "curves": curves,
+        "example_after": {"prompt": test_prompts[0], "completion": completions[0]},
+    }
+    report.finish(
+        run,
+        metrics,
+        title="RLHF: reward model, then GRPO with an adaptive KL coefficient",
+        trainer=trainer,
+        model_card=(model_args.model_name_or_path, script_args.train_file),
+        curves=("rlhf.png", PANELS, None),
+        lines=[
+            f"reward-model score on {len(test_prompts)} held-out prompts: {before:.3f} -> {after:.3f}; KL "
+            f"{metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {trained}."
+        ],
+    )
 
 
 if __name__ == "__main__":

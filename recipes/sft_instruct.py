@@ -68,7 +68,9 @@ def evaluate(trainer, tokenizer, test_rows, script_args) -> dict:
     ):
         prompts = [instructions.render_prompt_text(r, tokenizer, script_args.prompt_format) for r in rows]
         # tokenized as SFT training tokenizes them (one BOS when the tokenizer uses one)
-        answers = trl_ext.eval.generate_completions(model, tokenizer, prompts, script_args.max_new_tokens, disable_progress=True)
+        answers = trl_ext.eval.generate_completions(
+            model, tokenizer, prompts, script_args.max_new_tokens, disable_progress=True
+        )
         result[f"refusal_rate_{name}"] = sum(map(is_refusal, answers)) / len(answers)
         result[f"samples_{name}"] = [{"instruction": r["instruction"], "answer": a} for r, a in zip(rows[:3], answers)]
     return result
@@ -84,8 +86,9 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     cli.check_model_options(model_args)
     with run.phase("load_data"):
         with cli.user_input("--train_file: "):
-            train = instructions.load_instruction_dataset(script_args.train_file, script_args.prompt_format,
-                                                          script_args.skip_bad_rows)
+            train = instructions.load_instruction_dataset(
+                script_args.train_file, script_args.prompt_format, script_args.skip_bad_rows
+            )
         with cli.user_input("--test_file: "):
             test_rows = instructions.load_instruction_rows(script_args.test_file, script_args.skip_bad_rows)
             test = instructions.make_instruction_dataset(test_rows, script_args.prompt_format)
@@ -93,14 +96,22 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     with run.phase("load_model"):
         model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
     trainer = trl_ext.SFTTrainer(
-        model=model, args=training_args, train_dataset=train, eval_dataset=test, processing_class=tokenizer,
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=test,
+        processing_class=tokenizer,
         peft_config=peft_config,
     )
     run.attach(trainer)
     # a resumed run reuses the before-evaluation of the same model, held-out file, prompts, budget and penalty
-    key = {"model": model_args.model_name_or_path, "test_file": trl_ext.run.file_digest(script_args.test_file),
-           "prompt_format": script_args.prompt_format, "max_new_tokens": script_args.max_new_tokens,
-           "safety_penalty_weight": training_args.safety_penalty_weight}
+    key = {
+        "model": model_args.model_name_or_path,
+        "test_file": trl_ext.run.file_digest(script_args.test_file),
+        "prompt_format": script_args.prompt_format,
+        "max_new_tokens": script_args.max_new_tokens,
+        "safety_penalty_weight": training_args.safety_penalty_weight,
+    }
     with run.phase("eval_before"):
         before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer, tokenizer, test_rows, script_args))
     with run.phase("train"):
@@ -111,12 +122,32 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     if not trainer.accelerator.is_main_process:
         return {}
     metrics = report.before_after_metrics(
-        run, trainer, train_output, before, after, model=model_args.model_name_or_path, script_args=script_args,
-        train_rows=len(train), test_rows=len(test), safety_penalty_weight=training_args.safety_penalty_weight)
-    report.finish(run, metrics, title="SFT with a safety penalty", table=report.before_after_table(
-        f"SFT with safety penalty (weight {metrics['safety_penalty_weight']}), {len(test)} held-out rows", before, after, KEYS),
-        lines=[f"Trained on {len(train)} rows: {trained}. Safety prompts after:",
-               *(f"  {s['instruction']!r} -> {s['answer'][:80]!r}" for s in after["samples_safety"][:2])])
+        run,
+        trainer,
+        train_output,
+        before,
+        after,
+        model=model_args.model_name_or_path,
+        script_args=script_args,
+        train_rows=len(train),
+        test_rows=len(test),
+        safety_penalty_weight=training_args.safety_penalty_weight,
+    )
+    report.finish(
+        run,
+        metrics,
+        title="SFT with a safety penalty",
+        table=report.before_after_table(
+            f"SFT with safety penalty (weight {metrics['safety_penalty_weight']}), {len(test)} held-out rows",
+            before,
+            after,
+            KEYS,
+        ),
+        lines=[
+            f"Trained on {len(train)} rows: {trained}. Safety prompts after:",
+            *(f"  {s['instruction']!r} -> {s['answer'][:80]!r}" for s in after["samples_safety"][:2]),
+        ],
+    )
     return metrics
 
 

@@ -26,7 +26,8 @@ Measured per run, each run after the previous one's memory was freed:
 - the estimate of scripts/memory_estimate.py for the same model, method, G, completion and prompt length.
 
 Time budget (``--budget-s``, default 210 s on CUDA): runs go in priority order (LoRA 256 for both trainers, LoRA
-1024 for trl_ext, QLoRA 256, then LoRA 1024 for upstream and QLoRA 1024), and a run whose predicted time (the last run of the same completion length, or 4x
+1024 for trl_ext, QLoRA 256, then LoRA 1024 for upstream and QLoRA 1024), and a run whose predicted time (the last run
+of the same completion length, or 4x
 a run of a quarter of the length) would pass the budget is skipped and listed as such. Planned, not measured (no
 GPU has run this yet): on an H200 a 1.5B model generates 8 sequences at roughly 15-30 ms per token with
 transformers, so a step of 256 tokens takes about 5-8 s and one of 1024 about 20-30 s; 2 steps per run.
@@ -103,7 +104,9 @@ def model_config(tokenizer, tiny: bool):
     from transformers import Qwen2Config
 
     values = dict(TINY, vocab_size=len(tokenizer)) if tiny else QWEN2_5_1_5B
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     return Qwen2Config(**values, **special)
 
 
@@ -167,7 +170,9 @@ def run_one(trainer_name: str, method: str, completion_length: int, args, tokeni
             model = load_model(qlora_dir, dtype="bfloat16", quantization_config=quantization)
         except Exception as error:  # record it, then load as TRL's scripts do
             recipe_path_error = f"{type(error).__name__}: {error}"
-            model = load_model(qlora_dir, dtype="bfloat16", quantization_config=quantization, device_map=trl.get_kbit_device_map())
+            model = load_model(
+                qlora_dir, dtype="bfloat16", quantization_config=quantization, device_map=trl.get_kbit_device_map()
+            )
     else:
         model = build_model(config, args.device)
     build_s = time.perf_counter() - start
@@ -195,7 +200,13 @@ def run_one(trainer_name: str, method: str, completion_length: int, args, tokeni
         use_vllm=False,
     )
     if trainer_name == "trl_ext":
-        grpo_args = trl_ext.GRPOConfig(pg_loss_type="grpo_clip", normalize_by_std=True, length_normalization="masked_mean", advantage_eps=1e-4, **common)
+        grpo_args = trl_ext.GRPOConfig(
+            pg_loss_type="grpo_clip",
+            normalize_by_std=True,
+            length_normalization="masked_mean",
+            advantage_eps=1e-4,
+            **common,
+        )
         trainer_cls = trl_ext.GRPOTrainer
     else:
         grpo_args = trl.GRPOConfig(loss_type="grpo", scale_rewards="group", **common)
@@ -250,7 +261,9 @@ def run_one(trainer_name: str, method: str, completion_length: int, args, tokeni
         "median_step_s": round(statistics.median(timed), 3) if timed else None,
         "generate_s": [round(s, 3) for s in generate_s],
         "completion_tokens_per_step": generated,
-        "generated_tokens_per_s": round(sum(generated[1:]) / sum(generate_s[1:]), 1) if timed and len(generate_s) > 1 else None,
+        "generated_tokens_per_s": round(sum(generated[1:]) / sum(generate_s[1:]), 1)
+        if timed and len(generate_s) > 1
+        else None,
         "train_tokens_per_s": round(sum(generated[1:]) / sum(timed), 1) if timed else None,
         "loss": [entry.get("loss") for entry in logs],
         "grad_norm": [entry.get("grad_norm") for entry in logs],
@@ -264,7 +277,8 @@ def run_one(trainer_name: str, method: str, completion_length: int, args, tokeni
         record["peak_allocated_gib"] = round((torch.cuda.max_memory_allocated() - baseline) / GiB, 3)
         record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 3)
         record["baseline_allocated_gib"] = round(baseline / GiB, 3)
-    del trainer, model, generate
+    generate = None  # the timing closure's reference to the trainer, released with it
+    del trainer, model
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -294,7 +308,9 @@ def plan(args, bnb_ok: bool) -> list[tuple[str, str, int]]:
     first = [("trl_ext", "lora", lengths[0]), ("trl", "lora", lengths[0])]
     first += [("trl_ext", "lora", length) for length in lengths[1:]]
     first += [("trl_ext", "qlora", lengths[0])]
-    rest = [("trl", "lora", length) for length in lengths[1:]] + [("trl_ext", "qlora", length) for length in lengths[1:]]
+    rest = [("trl", "lora", length) for length in lengths[1:]] + [
+        ("trl_ext", "qlora", length) for length in lengths[1:]
+    ]
     return [r for r in first + rest if r[1] in args.methods and (r[1] != "qlora" or bnb_ok)]
 
 
@@ -310,13 +326,18 @@ def predicted_s(done: list[dict], length: int) -> float:
 
 
 def markdown(result: dict) -> str:
-    rows = ["| trainer | method | G | T | median step s | first step s | gen tokens/s | peak alloc GiB | peak reserved GiB | estimate GiB (tensors / total) | measured / estimate |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| trainer | method | G | T | median step s | first step s | gen tokens/s | peak alloc GiB | peak reserved GiB "
+        "| estimate GiB (tensors / total) | measured / estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda v, f="{:.2f}": "n/a" if v is None else f.format(v)  # noqa: E731
     for r in result["runs"]:
         rows.append(
-            f"| {r['trainer']} | {r['method']} | {r['num_generations']} | {r['max_completion_length']} | {fmt(r['median_step_s'])} | "
-            f"{fmt(r['first_step_s'])} | {fmt(r['generated_tokens_per_s'], '{:.0f}')} | {fmt(r.get('peak_allocated_gib'))} | "
+            f"| {r['trainer']} | {r['method']} | {r['num_generations']} | {r['max_completion_length']} | "
+            f"{fmt(r['median_step_s'])} | "
+            f"{fmt(r['first_step_s'])} | {fmt(r['generated_tokens_per_s'], '{:.0f}')} | "
+            f"{fmt(r.get('peak_allocated_gib'))} | "
             f"{fmt(r.get('peak_reserved_gib'))} | {r['estimate_tensors_gib']:.2f} / {r['estimate_gib']['total']:.2f} | "
             f"{fmt(r.get('measured_over_estimate'))} |"
         )
@@ -324,7 +345,9 @@ def markdown(result: dict) -> str:
     for key, ratio in result["step_time_ratio_trl_ext_over_trl"].items():
         rows.append(f"- trl_ext / upstream TRL median step time, {key}: {ratio}")
     rows += [f"- skipped: {skipped}" for skipped in result["skipped"]]
-    rows.append(f"- {result['device']}; {result['model']} ({result['parameters']:,} parameters); {result['total_s']} s in all")
+    rows.append(
+        f"- {result['device']}; {result['model']} ({result['parameters']:,} parameters); {result['total_s']} s in all"
+    )
     return "\n".join(rows)
 
 
@@ -332,14 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="dry run: tiny Qwen2 model, short prompts/completions")
-    parser.add_argument("--tokenizer", default=os.environ.get("TRL_EXT_TEST_TOKENIZER_DIR") or None,
-                        help="tokenizer folder; default $TRL_EXT_TEST_TOKENIZER_DIR, else the embedded one")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        default=os.environ.get("TRL_EXT_TEST_TOKENIZER_DIR") or None,
+        help="tokenizer folder; default $TRL_EXT_TEST_TOKENIZER_DIR, else the embedded one",
+    )
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps per run (the first is reported apart)")
     parser.add_argument("--num-generations", type=int, default=None, help="G (default 8; --tiny 4)")
     parser.add_argument("--completion-lengths", type=int, nargs="+", default=None, help="default 256 1024; --tiny 8 16")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="default 256; --tiny 16")
     parser.add_argument("--methods", nargs="+", choices=("lora", "qlora"), default=["lora", "qlora"])
-    parser.add_argument("--budget-s", type=float, default=None, help="wall-time budget (default 210 on CUDA, none on CPU)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="wall-time budget (default 210 on CUDA, none on CPU)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here (and a .md table beside it)")
     args = parser.parse_args(argv)
     args.num_generations = args.num_generations or (4 if args.tiny else 8)
@@ -363,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     bnb_ok = args.device == "cuda" and importlib.util.find_spec("bitsandbytes") is not None
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "versions": {name: package_version(name) for name in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets")},
+        "versions": {
+            name: package_version(name)
+            for name in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets")
+        },
         "model": "tiny Qwen2 (dry run)" if args.tiny else "Qwen2.5-1.5B architecture, random weights",
         "parameters": spec.num_parameters(),
         "lora": LORA,
@@ -372,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     if "qlora" in args.methods and not bnb_ok:
-        result["skipped"].append("qlora: needs bitsandbytes and a CUDA device" + ("" if args.device == "cuda" else " (CPU dry run)"))
+        result["skipped"].append(
+            "qlora: needs bitsandbytes and a CUDA device" + ("" if args.device == "cuda" else " (CPU dry run)")
+        )
 
     t_start = time.perf_counter()
     qlora_dir = None
@@ -380,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t_start
         need = predicted_s(result["runs"], length)
         if elapsed + need > budget:
-            result["skipped"].append(f"{trainer_name} {method} T={length}: predicted {need:.0f} s, {elapsed:.0f} of {budget:.0f} s used")
+            result["skipped"].append(
+                f"{trainer_name} {method} T={length}: predicted {need:.0f} s, {elapsed:.0f} of {budget:.0f} s used"
+            )
             continue
         if method == "qlora" and qlora_dir is None:
             qlora_dir = tempfile.mkdtemp(prefix="gpu_bench-qwen-")
@@ -397,13 +432,36 @@ def main(argv: list[str] | None = None) -> int:
             continue
         add_estimate(record, spec, memory_estimate)
         result["runs"].append(record)
-        print("   " + json.dumps({k: record.get(k) for k in ("median_step_s", "generated_tokens_per_s", "peak_allocated_gib", "estimate_tensors_gib", "run_s")}), flush=True)
+        print(
+            "   "
+            + json.dumps(
+                {
+                    k: record.get(k)
+                    for k in (
+                        "median_step_s",
+                        "generated_tokens_per_s",
+                        "peak_allocated_gib",
+                        "estimate_tensors_gib",
+                        "run_s",
+                    )
+                }
+            ),
+            flush=True,
+        )
 
     ratios = {}
     for r in result["runs"]:
         if r["trainer"] != "trl_ext" or r["median_step_s"] is None:
             continue
-        up = next((u for u in result["runs"] if u["trainer"] == "trl" and (u["method"], u["max_completion_length"]) == (r["method"], r["max_completion_length"])), None)
+        up = next(
+            (
+                u
+                for u in result["runs"]
+                if u["trainer"] == "trl"
+                and (u["method"], u["max_completion_length"]) == (r["method"], r["max_completion_length"])
+            ),
+            None,
+        )
         if up and up["median_step_s"]:
             ratios[f"{r['method']} T={r['max_completion_length']}"] = round(r["median_step_s"] / up["median_step_s"], 3)
     result["step_time_ratio_trl_ext_over_trl"] = ratios

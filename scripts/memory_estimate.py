@@ -86,9 +86,14 @@ class ModelSpec:
             if getattr(self, f) <= 0:
                 raise ValueError(f"{self.name}: {f} must be a positive integer, got {getattr(self, f)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"{self.name}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(f"{self.name}: hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); give head_dim")
+            raise ValueError(
+                f"{self.name}: hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
+                "give head_dim"
+            )
 
     @property
     def dim_per_head(self) -> int:
@@ -132,7 +137,10 @@ class ModelSpec:
         names = list(linears) if target_modules == "all-linear" else list(target_modules)
         unknown = sorted(set(names) - set(linears))
         if unknown:
-            raise ValueError(f"lora target modules {unknown} are not linear layers of {self.name}; expected 'all-linear' or names from {sorted(linears)}")
+            raise ValueError(
+                f"lora target modules {unknown} are not linear layers of {self.name}; expected 'all-linear' or names "
+                f"from {sorted(linears)}"
+            )
         return self.num_layers * sum(r * sum(linears[n]) for n in names)
 
     @classmethod
@@ -187,7 +195,14 @@ class MemoryEstimate:
     @property
     def persistent(self) -> float:
         """Held for the whole run: weights, adapters, optimizer state, reference model, vLLM, overhead."""
-        return self.weights + self.adapter_weights + self.optimizer_state + self.reference_model + self.vllm + self.overhead
+        return (
+            self.weights
+            + self.adapter_weights
+            + self.optimizer_state
+            + self.reference_model
+            + self.vllm
+            + self.overhead
+        )
 
     @property
     def generation_peak(self) -> float:
@@ -204,7 +219,12 @@ class MemoryEstimate:
 
     def as_gib(self) -> dict[str, float]:
         parts = {f.name: getattr(self, f.name) / GiB for f in fields(self)}
-        return {**parts, "generation_peak": self.generation_peak / GiB, "training_peak": self.training_peak / GiB, "total": self.total / GiB}
+        return {
+            **parts,
+            "generation_peak": self.generation_peak / GiB,
+            "training_peak": self.training_peak / GiB,
+            "total": self.total / GiB,
+        }
 
 
 def estimate_memory(
@@ -339,9 +359,13 @@ def markdown_table(models=TABLE_MODELS, methods=METHODS, shapes=TABLE_SHAPES, **
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(PRESETS), help="preset shape (default qwen2.5-1.5b)")
+    source.add_argument(
+        "--model", default="qwen2.5-1.5b", choices=sorted(PRESETS), help="preset shape (default qwen2.5-1.5b)"
+    )
     source.add_argument("--config-json", type=Path, help="a Hugging Face config.json instead of a preset")
     parser.add_argument("--method", default="lora", choices=METHODS)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -361,8 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table())
         return 0
-    spec = PRESETS[args.model] if args.config_json is None else ModelSpec.from_hf_config(json.loads(args.config_json.read_text()), args.config_json.parent.name or "custom")
-    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    spec = (
+        PRESETS[args.model]
+        if args.config_json is None
+        else ModelSpec.from_hf_config(
+            json.loads(args.config_json.read_text()), args.config_json.parent.name or "custom"
+        )
+    )
+    targets = (
+        args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    )
     estimate = estimate_memory(
         spec,
         args.method,

@@ -16,28 +16,72 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SMALL = dict(
-    hidden_size=32, n_embd=32, d_model=32, num_hidden_layers=2, n_layer=2, n_layers=2, num_layers=2,
-    num_attention_heads=4, n_head=4, n_heads=4, num_key_value_heads=2, intermediate_size=64, ffn_dim=64, n_inner=64,
-    head_dim=8, kv_channels=8, max_position_embeddings=256, n_positions=256, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    hidden_size=32,
+    n_embd=32,
+    d_model=32,
+    num_hidden_layers=2,
+    n_layer=2,
+    n_layers=2,
+    num_layers=2,
+    num_attention_heads=4,
+    n_head=4,
+    n_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    ffn_dim=64,
+    n_inner=64,
+    head_dim=8,
+    kv_channels=8,
+    max_position_embeddings=256,
+    n_positions=256,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
 )
 
 # Architecture -> (config overrides, what it stands for in the matrix).
 FAST: dict[str, tuple[dict[str, Any], str]] = {
     "llama": ({}, "attention-only, RoPE"),
-    "llama:dynamic_rope": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "dynamic-NTK RoPE"),
-    "phi3:longrope": ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                       "long_factor": [2.0] * 4}, "original_max_position_embeddings": 64}, "LongRoPE"),
+    "llama:dynamic_rope": (
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+        "dynamic-NTK RoPE",
+    ),
+    "phi3:longrope": (
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4,
+            },
+            "original_max_position_embeddings": 64,
+        },
+        "LongRoPE",
+    ),
     "gpt2": ({}, "learned absolute positions"),
     "mistral": ({"sliding_window": 4}, "sliding window"),
-    "gemma3_text": ({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}, "sliding + full layers"),
+    "gemma3_text": (
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        "sliding + full layers",
+    ),
     "mixtral": ({}, "mixture of experts"),
     "mpt": ({}, "ALiBi (cached forward bug)"),
     "bloom": ({}, "ALiBi"),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, "hybrid conv/attention"),
     "mamba2": ({"num_heads": 4, "head_dim": 16, "expand": 2, "n_groups": 1, "state_size": 8}, "state space"),
-    "qwen3_next": ({"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 4,
-                    "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8}, "hybrid linear attention"),
+    "qwen3_next": (
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+        },
+        "hybrid linear attention",
+    ),
     "falcon_h1": ({}, "hybrid attention/SSM"),
 }
 

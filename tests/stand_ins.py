@@ -57,7 +57,9 @@ def _questions(n: int, seed: int) -> list[tuple[str, str]]:
     for i in range(n):
         answer = ANSWERS[i % 2]
         a = rng.randint(0, int(answer))
-        out.append((f"Tom has {a} marbles and finds {int(answer) - a} more. How many marbles does Tom have now?", answer))
+        out.append(
+            (f"Tom has {a} marbles and finds {int(answer) - a} more. How many marbles does Tom have now?", answer)
+        )
     return out
 
 
@@ -69,22 +71,35 @@ def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
 def math_lighteval_rows(n: int, seed: int = 0) -> list[dict]:
     """Rows with DigitalLearningGmbH/MATH-lighteval's columns: ``problem``, ``level``, ``type``, ``solution``
     (ending in ``\\boxed{N}``)."""
-    return [{"problem": q, "level": "Level 1", "type": "Prealgebra", "solution": f"Adding gives $\\boxed{{{a}}}$."}
-            for q, a in _questions(n, seed)]
+    return [
+        {"problem": q, "level": "Level 1", "type": "Prealgebra", "solution": f"Adding gives $\\boxed{{{a}}}$."}
+        for q, a in _questions(n, seed)
+    ]
 
 
 def math500_rows(n: int, seed: int = 0) -> list[dict]:
     """Rows with HuggingFaceH4/MATH-500's columns: ``problem``, ``solution``, ``answer``, ``subject``, ``level``,
     ``unique_id``."""
-    return [{"problem": q, "solution": f"Adding gives $\\boxed{{{a}}}$.", "answer": a, "subject": "Prealgebra",
-             "level": 1, "unique_id": f"test/prealgebra/{i}.json"} for i, (q, a) in enumerate(_questions(n, seed))]
+    return [
+        {
+            "problem": q,
+            "solution": f"Adding gives $\\boxed{{{a}}}$.",
+            "answer": a,
+            "subject": "Prealgebra",
+            "level": 1,
+            "unique_id": f"test/prealgebra/{i}.json",
+        }
+        for i, (q, a) in enumerate(_questions(n, seed))
+    ]
 
 
-HUB_DATASETS.update({
-    "openai/gsm8k": gsm8k_rows,
-    "DigitalLearningGmbH/MATH-lighteval": math_lighteval_rows,
-    "HuggingFaceH4/MATH-500": math500_rows,
-})
+HUB_DATASETS.update(
+    {
+        "openai/gsm8k": gsm8k_rows,
+        "DigitalLearningGmbH/MATH-lighteval": math_lighteval_rows,
+        "HuggingFaceH4/MATH-500": math500_rows,
+    }
+)
 
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> Path:
@@ -104,13 +119,17 @@ def qwen2_tokenizer(corpus: Sequence[str], vocab_size: int = 800):
     bpe.normalizer = probe._tokenizer.normalizer
     bpe.pre_tokenizer = probe._tokenizer.pre_tokenizer
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(QWEN_SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(corpus, trainer)
     state = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=state["vocab"], merges=merges, additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]))
+    tokenizer = Qwen2Tokenizer(
+        vocab=state["vocab"], merges=merges, additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:])
+    )
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     return tokenizer
 
@@ -122,9 +141,18 @@ def qwen2_model(tokenizer, seed: int = 0):
 
     eos = tokenizer.convert_tokens_to_ids(EOS)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -133,8 +161,9 @@ def qwen2_model(tokenizer, seed: int = 0):
     return model
 
 
-def teach(model, tokenizer, prompts: Sequence[str], steps: int = 60, lr: float = 1e-2, seed: int = 0,
-          sharpen: float = 4.0) -> list[float]:
+def teach(
+    model, tokenizer, prompts: Sequence[str], steps: int = 60, lr: float = 1e-2, seed: int = 0, sharpen: float = 4.0
+) -> list[float]:
     """Train ``model`` to continue each prompt with :func:`response` of one of :data:`ANSWERS` (drawn at random per
     example, so both are equally likely) followed by EOS; loss on the response tokens only. Then scale the final
     norm by ``sharpen`` (logits x ``sharpen``): every token but the answer becomes near-certain, the answer stays
@@ -156,7 +185,9 @@ def teach(model, tokenizer, prompts: Sequence[str], steps: int = 60, lr: float =
             masks.append([0] * len(prompt_ids[i]) + [1] * len(r))
         ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
         attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(s, mk)] + [-100] * (width - len(s)) for s, mk in zip(seqs, masks)])
+        labels = torch.tensor(
+            [[t if m else -100 for t, m in zip(s, mk)] + [-100] * (width - len(s)) for s, mk in zip(seqs, masks)]
+        )
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -169,8 +200,9 @@ def teach(model, tokenizer, prompts: Sequence[str], steps: int = 60, lr: float =
 
 
 # ------------------------------------------------------------------------------------------------------ rules
-def allowed_overrides(config: dict, recipe: str, model_dir: str, data_file: str | None, out: Path,
-                      reward_model_dir: str | None = None) -> list[str]:
+def allowed_overrides(
+    config: dict, recipe: str, model_dir: str, data_file: str | None, out: Path, reward_model_dir: str | None = None
+) -> list[str]:
     """The flags a CPU rehearsal of ``config`` (the YAML as a dict) of ``recipe`` may add, and only these (the
     reasons: tests/test_config_rehearsal.py's docstring and docs/scaling.md): what a CPU forces, the stand-ins'
     paths, tiny counts, and the smallest CPU-affordable step."""

@@ -149,9 +149,20 @@ def test_aliases_are_relative_symlinks_to_one_file(alias):
 # config -> (launcher flags, recipe --config, the header's recipe flags, expected processes, expected distributed type)
 CPU_LAUNCHES = {
     "single_process.yaml": ([], None, [], 1, "NO"),  # the README's main job, on the CPU defaults
-    "single_gpu_lora.yaml": ([], "grpo_math_gsm8k.yaml", ["--use_peft", "--lora_target_modules", "all-linear"], 1, "NO"),
-    "multi_gpu_ddp.yaml": (["--num_processes", "2"], "grpo_math_gsm8k.yaml",
-                           ["--use_peft", "--lora_target_modules", "all-linear"], 2, "MULTI_CPU"),
+    "single_gpu_lora.yaml": (
+        [],
+        "grpo_math_gsm8k.yaml",
+        ["--use_peft", "--lora_target_modules", "all-linear"],
+        1,
+        "NO",
+    ),
+    "multi_gpu_ddp.yaml": (
+        ["--num_processes", "2"],
+        "grpo_math_gsm8k.yaml",
+        ["--use_peft", "--lora_target_modules", "all-linear"],
+        2,
+        "MULTI_CPU",
+    ),
 }
 LAUNCHED_ELSEWHERE = {"cpu_2proc.yaml": "tests/test_distributed.py, tests/test_distributed_sft.py"}
 NOT_ON_CPU = {  # and why (docs/scaling.md says the same)
@@ -197,16 +208,32 @@ def test_config_launches_the_recipe_on_cpu(name, tmp_path, qwen_stand_in, llama_
     launcher, recipe_config, header_flags, processes, distributed = CPU_LAUNCHES[name]
     out = tmp_path / "out"
     if recipe_config is None:
-        config, argv = yaml.safe_load((CONFIG_DIR.parent / "recipes" / "configs" / "grpo_math_cpu.yaml").read_text()), []
+        config, argv = (
+            yaml.safe_load((CONFIG_DIR.parent / "recipes" / "configs" / "grpo_math_cpu.yaml").read_text()),
+            [],
+        )
         flags = allowed_overrides(config, "grpo_math", llama_stand_in, None, out)
     else:
         path = CONFIG_DIR.parent / "recipes" / "configs" / recipe_config
         config, argv = yaml.safe_load(path.read_text()), ["--config", str(path)]
         data = write_jsonl(tmp_path / "data.jsonl", HUB_DATASETS[config["dataset_name"]](40))
         flags = allowed_overrides(config, "grpo_math", qwen_stand_in, str(data), out)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG_DIR / name), *launcher,
-               str(CONFIG_DIR.parent / "recipes" / "grpo_math.py"), *argv, *header_flags, *flags, "--report_to", "none",
-               "--log_completions", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIG_DIR / name),
+        *launcher,
+        str(CONFIG_DIR.parent / "recipes" / "grpo_math.py"),
+        *argv,
+        *header_flags,
+        *flags,
+        "--report_to",
+        "none",
+        "--log_completions",
+        "false",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -61,8 +61,16 @@ def test_latex_numbers_are_read_as_numbers(text, expected):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("3{,}000", Decimal(3000)), ("3,\\!000", Decimal(3000)), ("3\\,000", Decimal(3000)), (".25", Decimal("0.25")),
-     ("-.5", Decimal("-0.5")), ("1,234", Decimal(1234)), ("3\\,00", None), ("$5", None)],
+    [
+        ("3{,}000", Decimal(3000)),
+        ("3,\\!000", Decimal(3000)),
+        ("3\\,000", Decimal(3000)),
+        (".25", Decimal("0.25")),
+        ("-.5", Decimal("-0.5")),
+        ("1,234", Decimal(1234)),
+        ("3\\,00", None),
+        ("$5", None),
+    ],
 )
 def test_to_decimal_reads_latex_numbers(text, expected):
     assert to_decimal(text) == expected
@@ -157,7 +165,9 @@ def test_math_loader_joins_boxes_and_warns_once_about_ambiguous_rows(tmp_path):
     ]
     path = tmp_path / "math.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.warns(UserWarning, match=r"2 row\(s\) of 4 have other \\boxed\{\} before the final answer.*row 1") as record:
+    with pytest.warns(
+        UserWarning, match=r"2 row\(s\) of 4 have other \\boxed\{\} before the final answer.*row 1"
+    ) as record:
         ds = load_math_dataset(path, template="question_only")
     assert len([w for w in record if "boxed" in str(w.message)]) == 1  # once, with the count
     assert ds["answer"] == ["2, 4", "4", "25", "7"]

@@ -14,11 +14,11 @@ import logging
 
 import pytest
 import torch
+from architectures import FAST, all_causal_lm_types, tiny_config, tiny_model
+from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from architectures import FAST, all_causal_lm_types, tiny_config, tiny_model
-from conftest import length_mod5_reward
 
 # What each FAST architecture is expected to do: "share" (both savings on) or the start of the reason sharing is off.
 EXPECTED_SHARING = {
@@ -50,15 +50,31 @@ SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
 
 def one_step(model, tokenizer, tmp_path, **options):
     args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-        max_steps=1, learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", report_to="none", use_cpu=True,
-        bf16=False, seed=0, save_strategy="no", disable_tqdm=True, logging_steps=1, gradient_checkpointing=False,
-        temperature=1.5, **options,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        learning_rate=1e-2,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        temperature=1.5,
+        **options,
     )
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
     data = Dataset.from_dict({"prompt": ["Count to 3:", "Count to 4:"]})
-    trainer = trl_ext.GRPOTrainer(model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok)
+    trainer = trl_ext.GRPOTrainer(
+        model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok
+    )
     batches = []
     generate = trainer._generate_and_score_completions
 
@@ -68,7 +84,7 @@ def one_step(model, tokenizer, tmp_path, **options):
         batch = generate(inputs)
         mask = batch["completion_mask"].clone()
         for row in range(mask.size(0)):
-            mask[row, mask.size(1) - row % 3:] = 0
+            mask[row, mask.size(1) - row % 3 :] = 0
         batch["completion_mask"] = mask
         batches.append(batch)
         return batch
@@ -83,14 +99,20 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing
     plain_model = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False)
+    plain, plain_batch = one_step(
+        plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False
+    )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
     if expected is not None:
         if expected == "share" and packing == "pack":
             assert ours._share_prompts and ours._skip_zero_advantage and ours._pack and not lines, lines
         elif expected == "share":
             assert ours._share_prompts and ours._skip_zero_advantage and not ours._pack, lines
-            assert len(lines) == 1 and f"pack_completions off: {packing}" in lines[0] and "share_prompt_cache" not in lines[0], lines
+            assert (
+                len(lines) == 1
+                and f"pack_completions off: {packing}" in lines[0]
+                and "share_prompt_cache" not in lines[0]
+            ), lines
         else:
             assert not ours._share_prompts and not ours._pack and len(lines) == 1, lines
             assert f"share_prompt_cache off: {expected}" in lines[0] and "pack_completions" not in lines[0], lines
@@ -103,7 +125,7 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing
     assert ours_log["loss"] == pytest.approx(plain_log["loss"], abs=1e-5)
     assert ours_log["entropy"] == pytest.approx(plain_log["entropy"], abs=1e-4)
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
-        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {n}: {m}")
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{name} {n}: {m}")
     return ours
 
 
@@ -121,11 +143,13 @@ def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplo
     model = lora(tiny_model("llama", len(tokenizer)))
     plain_model = copy.deepcopy(model)
     ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False)
+    plain, plain_batch = one_step(
+        plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False
+    )
     assert ours._share_prompts and ours._skip_zero_advantage and ours._pack
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
-        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_dropout_turns_both_savings_off_in_one_line_and_disable_dropout_keeps_them(tokenizer, tmp_path, caplog):
@@ -152,7 +176,13 @@ def test_long_tail(model_type, tokenizer, tmp_path, caplog):
         pytest.skip(f"not built from the generic tiny config: {type(err).__name__}: {str(err)[:100]}")
     plain_ok = True
     try:
-        one_step(tiny_model(model_type, len(tokenizer)), tokenizer, tmp_path / "probe", share_prompt_cache=False, skip_zero_advantage_rows=False)
+        one_step(
+            tiny_model(model_type, len(tokenizer)),
+            tokenizer,
+            tmp_path / "probe",
+            share_prompt_cache=False,
+            skip_zero_advantage_rows=False,
+        )
     except Exception as err:  # noqa: BLE001 -- upstream's plain path fails too: nothing for trl_ext to keep exact
         plain_ok = False
         pytest.skip(f"the plain GRPO step fails too: {type(err).__name__}: {str(err)[:100]}")
@@ -198,5 +228,7 @@ def test_a_model_that_cannot_run_the_probe_batch_keeps_the_plain_path(tokenizer,
 
     monkeypatch.setattr(model, "forward", broken)
     decision = savings_decision(model)
-    expected = "the probe's plain forward failed (RuntimeError: The size of tensor a (32) must match the size of tensor b (4))"
+    expected = (
+        "the probe's plain forward failed (RuntimeError: The size of tensor a (32) must match the size of tensor b (4))"
+    )
     assert decision.share_prompts == decision.skip_rows == expected

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import trl
+from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from conftest import length_mod5_reward
 from trl_ext.compare import (
     ARM_PRESETS,
     Arm,
@@ -53,7 +53,9 @@ def test_parse_arms_presets_mappings_and_json():
         ]
     )
     assert [a.name for a in arms] == ["trl", "lr_high", "plain"]
-    assert arms[0].trainer == "trl" and arms[0].settings == {k: v for k, v in ARM_PRESETS["trl"].items() if k != "trainer"}
+    assert arms[0].trainer == "trl" and arms[0].settings == {
+        k: v for k, v in ARM_PRESETS["trl"].items() if k != "trainer"
+    }
     assert arms[1].trainer == "trl_ext" and arms[1].settings["learning_rate"] == 5e-5
     assert arms[1].settings["normalize_by_std"] is True  # from the preset
     assert arms[2] == Arm("plain", "trl_ext", {"normalize_by_std": False})
@@ -106,13 +108,27 @@ def test_metric_curve_skips_missing_and_nan():
 
 
 def test_summarize_arm_hand_worked():
-    history = [{"step": s, "reward": r, "entropy": 2.0 - s / 10} for s, r in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)]
+    history = [
+        {"step": s, "reward": r, "entropy": 2.0 - s / 10} for s, r in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1)
+    ]
     history.append({"step": 6, "train_runtime": 10.0})
-    evals = [{"step": 20, "accuracy": 0.4}, {"step": 0, "accuracy": 0.1}, {"step": 10, "accuracy": 0.5}, {"step": 15, "accuracy": 0.5}]
+    evals = [
+        {"step": 20, "accuracy": 0.4},
+        {"step": 0, "accuracy": 0.1},
+        {"step": 10, "accuracy": 0.5},
+        {"step": 15, "accuracy": 0.5},
+    ]
     arm = Arm("a", "trl_ext", {"normalize_by_std": False})
     s = summarize_arm(
-        arm, history, [3.0, 1.0, 2.0, 10.0], evals, generated_tokens=300, generation_seconds=1.5,
-        peak_memory_bytes=2**30, memory_kind="rss_peak", train_seconds=16.0,
+        arm,
+        history,
+        [3.0, 1.0, 2.0, 10.0],
+        evals,
+        generated_tokens=300,
+        generation_seconds=1.5,
+        peak_memory_bytes=2**30,
+        memory_kind="rss_peak",
+        train_seconds=16.0,
     )
     assert s["final_accuracy"] == 0.4  # last evaluated step (20), not the last in the list order
     assert (s["best_accuracy"], s["best_step"]) == (0.5, 10)  # the first of the tied best
@@ -124,7 +140,11 @@ def test_summarize_arm_hand_worked():
     assert s["curves"]["entropy"][0] == [1, pytest.approx(1.9)]
     assert "completions/mean_length" not in s["curves"]  # never logged
     empty = summarize_arm(arm, [], [], [])
-    assert empty["final_accuracy"] is None and empty["median_step_seconds"] is None and empty["gen_tokens_per_second"] is None
+    assert (
+        empty["final_accuracy"] is None
+        and empty["median_step_seconds"] is None
+        and empty["gen_tokens_per_second"] is None
+    )
 
 
 def test_accuracy_against_training_seconds_and_the_time_to_a_gain():
@@ -133,8 +153,12 @@ def test_accuracy_against_training_seconds_and_the_time_to_a_gain():
     from trl_ext.compare.report import seconds_to_gain
 
     arm = Arm("a", "trl_ext", {})
-    evals = [{"step": 0, "accuracy": 0.09}, {"step": 2, "accuracy": 0.50}, {"step": 3, "accuracy": 0.64},
-             {"step": 4, "accuracy": 0.60}]
+    evals = [
+        {"step": 0, "accuracy": 0.09},
+        {"step": 2, "accuracy": 0.50},
+        {"step": 3, "accuracy": 0.64},
+        {"step": 4, "accuracy": 0.60},
+    ]
     s = summarize_arm(arm, [], [4.0, 5.0, 6.5, 3.0], evals)
     assert s["accuracy_by_seconds"] == [[0, 0.09], [9.0, 0.5], [15.5, 0.64], [18.5, 0.6]]
     assert seconds_to_gain(s, 0.55) == 15.5  # 0.64 - 0.09 = 0.55 at step 3
@@ -144,8 +168,15 @@ def test_accuracy_against_training_seconds_and_the_time_to_a_gain():
 
 def test_comparison_table_rows():
     arm = Arm("course", "trl_ext", {"beta": 0.0})
-    s = summarize_arm(arm, [{"step": 1, "reward": 0.25}], [2.0], [{"step": 0, "accuracy": 0.1}, {"step": 5, "accuracy": 0.375}],
-                      generated_tokens=50, generation_seconds=2.0, peak_memory_bytes=3 * 2**29)
+    s = summarize_arm(
+        arm,
+        [{"step": 1, "reward": 0.25}],
+        [2.0],
+        [{"step": 0, "accuracy": 0.1}, {"step": 5, "accuracy": 0.375}],
+        generated_tokens=50,
+        generation_seconds=2.0,
+        peak_memory_bytes=3 * 2**29,
+    )
     table = comparison_table([s])
     assert table.splitlines()[2] == "| course | trl_ext | 37.5% | 37.5% (5) | 0.250 | 2.00 | 1.50 | 25.0 | beta=0.0 |"
 
@@ -164,8 +195,12 @@ def test_peak_memory_sees_a_temporary_allocation():
 def test_write_comparison_files(tmp_path):
     arms = parse_arms(["trl", "course"])
     results = [
-        summarize_arm(a, [{"step": s, "reward": s / 10, "entropy": 1.0, "completions/mean_length": 5.0} for s in (1, 2, 3)],
-                      [1.0, 1.0, 1.0], [{"step": 0, "accuracy": 0.1}, {"step": 3, "accuracy": 0.2 + i / 10}])
+        summarize_arm(
+            a,
+            [{"step": s, "reward": s / 10, "entropy": 1.0, "completions/mean_length": 5.0} for s in (1, 2, 3)],
+            [1.0, 1.0, 1.0],
+            [{"step": 0, "accuracy": 0.1}, {"step": 3, "accuracy": 0.2 + i / 10}],
+        )
         for i, a in enumerate(arms)
     ]
     paths = write_comparison(results, tmp_path, {"model": "tiny", "steps per arm": 3}, title="t", command="uv run x")
@@ -190,12 +225,36 @@ def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
 
     train = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(8)]})
     test = Dataset.from_dict({"prompt": ["What is 1 + 1?", "What is 2 + 3?"], "answer": ["2", "5"]})
-    task = Task(name="gsm8k", train=train, test=test, reward_funcs=length_mod5_reward, reward_fn=gsm8k_reward_fn,
-                extract=None, dataset="toy", source="toy", description="toy", max_new_tokens=4)
-    base = trl.GRPOConfig(output_dir=str(tmp_path / "out"), logging_steps=1, temperature=1.5, gradient_checkpointing=False,
-                          log_completions=True, **{**BASE, "report_to": "tensorboard"})
-    results = run_comparison(parse_arms(["trl", "course"]), base, load_model, task, tok, [0, 2],
-                             curve_keys=("reward", "heldout/accuracy"), log=lambda m: None)
+    task = Task(
+        name="gsm8k",
+        train=train,
+        test=test,
+        reward_funcs=length_mod5_reward,
+        reward_fn=gsm8k_reward_fn,
+        extract=None,
+        dataset="toy",
+        source="toy",
+        description="toy",
+        max_new_tokens=4,
+    )
+    base = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        logging_steps=1,
+        temperature=1.5,
+        gradient_checkpointing=False,
+        log_completions=True,
+        **{**BASE, "report_to": "tensorboard"},
+    )
+    results = run_comparison(
+        parse_arms(["trl", "course"]),
+        base,
+        load_model,
+        task,
+        tok,
+        [0, 2],
+        curve_keys=("reward", "heldout/accuracy"),
+        log=lambda m: None,
+    )
     assert [r["name"] for r in results] == ["trl", "course"]
     for r in results:
         assert r["steps"] == 2 and r["median_step_seconds"] > 0

@@ -125,7 +125,8 @@ def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> Non
 
 
 def even_length_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
-    """Stand-in for the reward that filters expert iteration's samples (both configs): 1 when the reference answer has an
+    """Stand-in for the reward that filters expert iteration's samples (both configs): 1 when the reference answer has
+    an
     even character sum. The filter is not what this test checks, so it keeps a fixed share of the questions whatever
     the tiny bf16 stand-in samples (its near-deterministic responses can all have the same length, which made a
     response-length rule keep none of 64 samples on some machines)."""
@@ -187,18 +188,34 @@ def test_the_overrides_are_only_the_documented_ones():
     config = yaml.safe_load((CONFIG_DIR / "grpo_math_math.yaml").read_text())
     flags = allowed_overrides(config, "grpo_math", "M", "D", Path("O"))
     assert dict(zip(flags[::2], flags[1::2])) == {
-        "--output_dir": "O", "--model_name_or_path": "M", "--use_vllm": "false", "--use_cpu": "true",
-        "--dataset_name": "D", "--max_steps": "1", "--num_eval": "4", "--gradient_accumulation_steps": "1",
+        "--output_dir": "O",
+        "--model_name_or_path": "M",
+        "--use_vllm": "false",
+        "--use_cpu": "true",
+        "--dataset_name": "D",
+        "--max_steps": "1",
+        "--num_eval": "4",
+        "--gradient_accumulation_steps": "1",
     }
     # a CPU config: paths and counts only
     config = yaml.safe_load((CONFIG_DIR / "grpo_math_cpu.yaml").read_text())
     flags = allowed_overrides(config, "grpo_math", "M", None, Path("O"))
-    assert dict(zip(flags[::2], flags[1::2])) == {"--output_dir": "O", "--model_name_or_path": "M", "--max_steps": "1",
-                                                 "--num_eval": "4"}
+    assert dict(zip(flags[::2], flags[1::2])) == {
+        "--output_dir": "O",
+        "--model_name_or_path": "M",
+        "--max_steps": "1",
+        "--num_eval": "4",
+    }
     # expert iteration: one EI step of the questions whose samples fill one SFT step (4 x 16 / 4 = 16)
     config = yaml.safe_load((CONFIG_DIR / "expert_iteration_math.yaml").read_text())
     flags = allowed_overrides(config, "expert_iteration", "M", "D", Path("O"))
     assert dict(zip(flags[::2], flags[1::2])) == {
-        "--output_dir": "O", "--model_name_or_path": "M", "--use_vllm": "false", "--use_cpu": "true",
-        "--dataset_name": "D", "--n_ei_steps": "1", "--ei_batch_size": "16", "--num_eval": "4",
+        "--output_dir": "O",
+        "--model_name_or_path": "M",
+        "--use_vllm": "false",
+        "--use_cpu": "true",
+        "--dataset_name": "D",
+        "--n_ei_steps": "1",
+        "--ei_batch_size": "16",
+        "--num_eval": "4",
     }

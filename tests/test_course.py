@@ -115,7 +115,9 @@ def test_group_normalized_rewards_by_hand():
         make_reward_fn(rewards), responses, ["gt"] * 8, group_size=4, advantage_eps=1e-6, normalize_by_std=True
     )
     std1 = math.sqrt(14 / 3)
-    expected = [-2 / (std1 + 1e-6), -1 / (std1 + 1e-6), 0.0, 3 / (std1 + 1e-6)] + [-0.25 / 0.500001] * 3 + [0.75 / 0.500001]
+    expected = (
+        [-2 / (std1 + 1e-6), -1 / (std1 + 1e-6), 0.0, 3 / (std1 + 1e-6)] + [-0.25 / 0.500001] * 3 + [0.75 / 0.500001]
+    )
     assert adv.tolist() == pytest.approx(expected, abs=1e-6)
     assert raw.tolist() == [1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 0.0, 1.0]
     assert meta["reward_mean"] == pytest.approx(13 / 8)
@@ -185,15 +187,29 @@ def test_grpo_microbatch_train_step_value_gradient_and_accumulation():
 def test_grpo_microbatch_train_step_errors():
     logp = torch.zeros(2, 3, requires_grad=True)
     with pytest.raises(ValueError, match=r"response_mask rows \[1\] have no response token"):
-        C.grpo_microbatch_train_step(logp, torch.tensor([[1, 0, 0], [0, 0, 0]]), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1))
+        C.grpo_microbatch_train_step(
+            logp, torch.tensor([[1, 0, 0], [0, 0, 0]]), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1)
+        )
     with pytest.raises(ValueError, match="response_mask has shape"):
         C.grpo_microbatch_train_step(logp, torch.ones(2, 4), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1))
     with pytest.raises(ValueError, match="needs normalize_constant"):
         C.grpo_microbatch_train_step(
-            logp, torch.ones(2, 3), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1), length_normalization="masked_normalize"
+            logp,
+            torch.ones(2, 3),
+            1,
+            "reinforce_with_baseline",
+            advantages=torch.ones(2, 1),
+            length_normalization="masked_normalize",
         )
     with pytest.raises(ValueError, match="length_normalization='token_mean'"):
-        C.grpo_microbatch_train_step(logp, torch.ones(2, 3), 1, "reinforce_with_baseline", advantages=torch.ones(2, 1), length_normalization="token_mean")
+        C.grpo_microbatch_train_step(
+            logp,
+            torch.ones(2, 3),
+            1,
+            "reinforce_with_baseline",
+            advantages=torch.ones(2, 1),
+            length_normalization="token_mean",
+        )
 
 
 def test_sft_microbatch_train_step_by_hand():
@@ -210,10 +226,14 @@ def test_sft_microbatch_train_step_by_hand():
 def test_gae_by_hand():
     # delta = 1 + 0.99 * 0.5 - 0.5 = 0.995 ; A2 = 0.995 ; A1 = 0.995 + 0.9405 * 0.995 = 1.9307975
     # A0 = 0.995 + 0.9405 * 1.9307975 = 0.995 + 1.81591504875 = 2.81091504875
-    adv = C.compute_gae(torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64), torch.tensor([0.5] * 4, dtype=torch.float64))
+    adv = C.compute_gae(
+        torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64), torch.tensor([0.5] * 4, dtype=torch.float64)
+    )
     assert adv.tolist() == pytest.approx([2.81091504875, 1.9307975, 0.995])
     # gamma = lam = 1: return-to-go + V_T - V_t = [3, 2, 1]
-    assert C.compute_gae(torch.ones(3), torch.full((4,), 0.5), gamma=1.0, lam=1.0).tolist() == pytest.approx([3.0, 2.0, 1.0])
+    assert C.compute_gae(torch.ones(3), torch.full((4,), 0.5), gamma=1.0, lam=1.0).tolist() == pytest.approx(
+        [3.0, 2.0, 1.0]
+    )
     # batched rows agree with the 1-D call
     batch = C.compute_gae(torch.ones(2, 3), torch.full((2, 4), 0.5))
     assert batch[1].tolist() == pytest.approx([2.81091504875, 1.9307975, 0.995], abs=1e-6)

@@ -13,20 +13,41 @@ import trl_ext.cs336 as cs336
 COURSE_ADAPTERS = {
     "run_tokenize_prompt_and_output": ["prompt_strs", "output_strs", "tokenizer"],
     "run_compute_group_normalized_rewards": [
-        "reward_fn", "rollout_responses", "repeated_ground_truths", "group_size", "advantage_eps", "normalize_by_std",
+        "reward_fn",
+        "rollout_responses",
+        "repeated_ground_truths",
+        "group_size",
+        "advantage_eps",
+        "normalize_by_std",
     ],
     "run_compute_entropy": ["logits"],
     "run_get_response_log_probs": ["model", "input_ids", "labels", "return_token_entropy"],
     "run_compute_naive_policy_gradient_loss": ["raw_rewards_or_advantages", "policy_log_probs"],
     "run_compute_grpo_clip_loss": ["advantages", "policy_log_probs", "old_log_probs", "cliprange"],
     "run_compute_policy_gradient_loss": [
-        "policy_log_probs", "loss_type", "raw_rewards", "advantages", "old_log_probs", "cliprange",
+        "policy_log_probs",
+        "loss_type",
+        "raw_rewards",
+        "advantages",
+        "old_log_probs",
+        "cliprange",
     ],
     "run_masked_mean": ["tensor", "mask", "dim"],
-    "run_sft_microbatch_train_step": ["policy_log_probs", "response_mask", "gradient_accumulation_steps", "normalize_constant"],
+    "run_sft_microbatch_train_step": [
+        "policy_log_probs",
+        "response_mask",
+        "gradient_accumulation_steps",
+        "normalize_constant",
+    ],
     "run_grpo_microbatch_train_step": [
-        "policy_log_probs", "response_mask", "gradient_accumulation_steps", "loss_type", "raw_rewards", "advantages",
-        "old_log_probs", "cliprange",
+        "policy_log_probs",
+        "response_mask",
+        "gradient_accumulation_steps",
+        "loss_type",
+        "raw_rewards",
+        "advantages",
+        "old_log_probs",
+        "cliprange",
     ],
     "run_masked_normalize": ["tensor", "mask", "dim", "normalize_constant"],
     "get_packed_sft_dataset": ["tokenizer", "dataset_path", "seq_length", "shuffle"],
@@ -34,7 +55,13 @@ COURSE_ADAPTERS = {
     "run_parse_mmlu_response": ["mmlu_example", "model_output"],
     "run_parse_gsm8k_response": ["model_output"],
     "run_compute_per_instance_dpo_loss": [
-        "lm", "lm_ref", "tokenizer", "beta", "prompt", "response_chosen", "response_rejected",
+        "lm",
+        "lm_ref",
+        "tokenizer",
+        "beta",
+        "prompt",
+        "response_chosen",
+        "response_rejected",
     ],
 }
 
@@ -48,7 +75,12 @@ def test_every_course_adapter_exists_with_the_course_signature():
         "run_masked_mean": {"dim": None},
         "run_masked_normalize": {"dim": None, "normalize_constant": 1.0},
         "run_sft_microbatch_train_step": {"normalize_constant": 1.0},
-        "run_grpo_microbatch_train_step": {"raw_rewards": None, "advantages": None, "old_log_probs": None, "cliprange": None},
+        "run_grpo_microbatch_train_step": {
+            "raw_rewards": None,
+            "advantages": None,
+            "old_log_probs": None,
+            "cliprange": None,
+        },
     }
     for name, expected in defaults.items():
         params = inspect.signature(getattr(cs336, name)).parameters
@@ -102,7 +134,9 @@ def test_get_response_log_probs_by_hand():
     assert out["log_probs"][0].tolist() == pytest.approx([math.log(0.5), math.log(0.125)])
     # entropy = 0.5 ln 2 + 0.25 ln 4 + 2 * 0.125 ln 8 = 1.75 ln 2
     assert out["token_entropy"][0].tolist() == pytest.approx([1.75 * math.log(2)] * 2)
-    assert "token_entropy" not in cs336.run_get_response_log_probs(ConstantLM(), torch.tensor([[0]]), torch.tensor([[1]]), False)
+    assert "token_entropy" not in cs336.run_get_response_log_probs(
+        ConstantLM(), torch.tensor([[0]]), torch.tensor([[1]]), False
+    )
 
 
 def test_masked_mean_and_normalize_by_hand():
@@ -210,7 +244,12 @@ def test_iterate_batches_one_epoch(tmp_path):
 
 
 def test_parsers_by_hand():
-    example = {"subject": "zoology", "question": "Which barks?", "options": ["cat", "dog", "bird", "fish"], "answer": "B"}
+    example = {
+        "subject": "zoology",
+        "question": "Which barks?",
+        "options": ["cat", "dog", "bird", "fish"],
+        "answer": "B",
+    }
     assert cs336.run_parse_mmlu_response(example, "The correct answer is B.") == "B"
     assert cs336.run_parse_mmlu_response(example, "I am not sure.") is None
     assert cs336.run_parse_gsm8k_response("She has 1,234 apples, then 42.") == "42"
@@ -237,8 +276,12 @@ def test_per_instance_dpo_loss_by_hand(tiny_model, tokenizer):
     rendered = cs336.ALPACA_TEMPLATE.format(instruction="Say hi.", response="")
     assert rendered.endswith("### Response:\n")
     with torch.no_grad():
-        h = (response_logp_sum(tiny_model, tokenizer, rendered, "Hi!") - response_logp_sum(ref, tokenizer, rendered, "Hi!")) - (
-            response_logp_sum(tiny_model, tokenizer, rendered, "No.") - response_logp_sum(ref, tokenizer, rendered, "No.")
+        h = (
+            response_logp_sum(tiny_model, tokenizer, rendered, "Hi!")
+            - response_logp_sum(ref, tokenizer, rendered, "Hi!")
+        ) - (
+            response_logp_sum(tiny_model, tokenizer, rendered, "No.")
+            - response_logp_sum(ref, tokenizer, rendered, "No.")
         )
     expected = -torch.nn.functional.logsigmoid(0.5 * h)
     loss = cs336.run_compute_per_instance_dpo_loss(tiny_model, ref, tokenizer, 0.5, "Say hi.", "Hi!", "No.")

@@ -146,7 +146,9 @@ BAD_ROWS = [
 
 def test_bad_row_error_names_file_row_and_field(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: line 2, row 1 \(0-based\), field 'answer': .*'####'"):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(path))}: line 2, row 1 \(0-based\), field 'answer': .*'####'"
+    ):
         load_math_dataset(path)
     only_question_bad = write_jsonl(tmp_path / "bad_q.jsonl", [BAD_ROWS[0], BAD_ROWS[2]])
     with pytest.raises(ValueError, match=r"bad_q.jsonl: line 2, row 1 \(0-based\), field 'question': is empty"):

@@ -7,7 +7,8 @@ temporary directory, for 2 GRPO steps. Recording hooks, test-only:
 - the recipe's training reward (``trl_ext.rewards.arithmetic_reward``, which is always 0 on a random model) is
   replaced by a deterministic reward that varies, ``len(completion) % 5``, and logs the prompts, completions and
   rewards of each call -- TRL calls it on each rank with that rank's slice of the batch;
-- ``GRPOTrainer._generate_and_score_round`` (one generation round) is wrapped to write, per rank, one JSON line per completion:
+- ``GRPOTrainer._generate_and_score_round`` (one generation round) is wrapped to write, per rank, one JSON line per
+completion:
   (call, rank, local index, prompt, completion, reward, advantage this rank trains on);
 - ``GRPOTrainer.train`` is wrapped to write, per rank, the distributed state and a digest of the final weights.
 
@@ -29,7 +30,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import completion_text, length_mod5_reward, param_digest  # tests/ is on sys.path here and in the launched processes
+from conftest import (
+    completion_text,
+    length_mod5_reward,
+    param_digest,
+)  # tests/ is on sys.path here and in the launched processes
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "grpo_math.py"
@@ -58,14 +63,18 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
 
     def recording_reward(prompts, completions, **kwargs):
         rewards = length_mod5_reward(completions)
-        reward_calls.append({"prompts": prompts, "completions": [completion_text(c) for c in completions], "rewards": rewards})
+        reward_calls.append(
+            {"prompts": prompts, "completions": [completion_text(c) for c in completions], "rewards": rewards}
+        )
         return rewards
 
     recording_reward.__name__ = "length_mod5_reward"
     trl_ext.rewards.arithmetic_reward = recording_reward  # read by the recipe's REWARDS table when it runs
 
     trainer_cls = trl_ext.GRPOTrainer
-    generate_and_score = trainer_cls._generate_and_score_round  # one generation round (dynamic sampling may draw several)
+    generate_and_score = (
+        trainer_cls._generate_and_score_round
+    )  # one generation round (dynamic sampling may draw several)
     train = trainer_cls.train
     call_count = {"n": 0}
 
@@ -81,7 +90,15 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
             for i, (prompt, completion, reward, advantage) in enumerate(
                 zip(call["prompts"], call["completions"], call["rewards"], advantages)
             ):
-                row = dict(call=call_count["n"], rank=rank, index=i, prompt=prompt, completion=completion, reward=reward, advantage=advantage)
+                row = dict(
+                    call=call_count["n"],
+                    rank=rank,
+                    index=i,
+                    prompt=prompt,
+                    completion=completion,
+                    reward=reward,
+                    advantage=advantage,
+                )
                 f.write(json.dumps(row) + "\n")
         call_count["n"] += 1
         return output
@@ -175,7 +192,10 @@ def launch_two_processes(work, tokenizer, per_device_batch=PER_DEVICE_BATCH, ext
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, *recipe_args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.fail(f"accelerate launch exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+        pytest.fail(
+            f"accelerate launch exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr "
+            f"---\n{proc.stderr[-8000:]}"
+        )
     return work, param_digest(model), proc
 
 
@@ -227,7 +247,9 @@ def test_advantages_grouped_per_prompt_across_ranks(two_process_run):
 
         for start in range(0, len(union), NUM_GENERATIONS):
             group = union[start : start + NUM_GENERATIONS]
-            assert len({json.dumps(row["prompt"]) for row in group}) == 1, f"call {call}: group at {start} mixes prompts"
+            assert len({json.dumps(row["prompt"]) for row in group}) == 1, (
+                f"call {call}: group at {start} mixes prompts"
+            )
             expected = hand_group_advantages([row["reward"] for row in group], ADVANTAGE_EPS)
             assert [row["advantage"] for row in group] == pytest.approx(expected, abs=1e-5)
             ranks = {row["rank"] for row in group}

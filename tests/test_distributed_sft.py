@@ -41,16 +41,24 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
     def recording_compute_loss(self, model, inputs, *args, **kwargs):
         labels = inputs.get("unsafe_labels")
         unsafe_rows = 0 if labels is None else int((labels != -100).any(dim=1).sum())
-        row = {"rank": self.accelerator.process_index, "train": self.model.training, "step": self.state.global_step,
-               "unsafe_rows": unsafe_rows, "has_unsafe_batch": labels is not None}
+        row = {
+            "rank": self.accelerator.process_index,
+            "train": self.model.training,
+            "step": self.state.global_step,
+            "unsafe_rows": unsafe_rows,
+            "has_unsafe_batch": labels is not None,
+        }
         with open(record_dir / f"rank{row['rank']}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         return compute_loss(self, model, inputs, *args, **kwargs)
 
     def recording_train(self, *args, **kwargs):
         result = train(self, *args, **kwargs)
-        final = {"num_processes": self.accelerator.num_processes, "global_step": self.state.global_step,
-                 "param_digest": param_digest(self.accelerator.unwrap_model(self.model))}
+        final = {
+            "num_processes": self.accelerator.num_processes,
+            "global_step": self.state.global_step,
+            "param_digest": param_digest(self.accelerator.unwrap_model(self.model)),
+        }
         (record_dir / f"rank{self.accelerator.process_index}_final.json").write_text(json.dumps(final))
         return result
 
@@ -87,9 +95,15 @@ def test_safety_penalty_with_unsafe_rows_on_one_rank(tmp_path, tokenizer):
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = REPO / "recipes" / "data"
-    benign, unsafe = instruction_rows(data / "instructions_train.jsonl", False, 7), instruction_rows(data / "instructions_train.jsonl", True, 1)
+    benign, unsafe = (
+        instruction_rows(data / "instructions_train.jsonl", False, 7),
+        instruction_rows(data / "instructions_train.jsonl", True, 1),
+    )
     train_rows = benign[:3] + unsafe + benign[3:]
-    test_safe, test_unsafe = instruction_rows(data / "instructions_test.jsonl", False, 2), instruction_rows(data / "instructions_test.jsonl", True, 2)
+    test_safe, test_unsafe = (
+        instruction_rows(data / "instructions_test.jsonl", False, 2),
+        instruction_rows(data / "instructions_test.jsonl", True, 2),
+    )
     assert len(train_rows) == 8 and len(test_unsafe) == 2 and all(r["safety_category"] != "none" for r in test_unsafe)
     # eval batches of 1 are dealt to the ranks in turn: rank 0 gets rows 0 and 2 (unsafe), rank 1 rows 1 and 3
     test_rows = [test_unsafe[0], test_safe[0], test_unsafe[1], test_safe[1]]
@@ -103,14 +117,22 @@ def test_safety_penalty_with_unsafe_rows_on_one_rank(tmp_path, tokenizer):
         "--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
         "--use_cpu", "true", "--seed", "0",
     ]  # fmt: skip
-    env = {**os.environ, RECORD_DIR_ENV: str(record_dir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        RECORD_DIR_ENV: str(record_dir),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, *recipe_args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"accelerate launch exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
-    records = {r: [json.loads(line) for line in (record_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    records = {
+        r: [json.loads(line) for line in (record_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)
+    }
     assert len(records[0]) == len(records[1])  # the same number of loss computations on both ranks
     for a, b in zip(records[0], records[1]):
         assert (a["train"], a["step"]) == (b["train"], b["step"])

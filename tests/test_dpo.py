@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param_digest, tool_calling_tokenizer
 import torch
 import trl
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param_digest, tool_calling_tokenizer
 from datasets import Dataset
 
 from trl_ext import course as C
@@ -158,7 +158,9 @@ def test_logits_and_token_accuracy_metrics_by_hand(tokenizer, tmp_path):
     batch = first_batch(ours)
     ours.compute_loss(ours.model, dict(batch))
     with torch.no_grad():
-        logits = tiny_model_for_tests(tokenizer, seed=1)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+        logits = tiny_model_for_tests(tokenizer, seed=1)(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits.double()
     mask = batch["completion_mask"][:, 1:].bool()  # position t predicts token t + 1
     mean_logit = logits[:, :-1].mean(-1)
     top1 = logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:]
@@ -186,18 +188,32 @@ def test_label_smoothing_that_would_be_ignored_or_break_robust_raises(options, m
         DPOTrainer(model=None, args=trl.DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **options))
     # allowed: robust below 0.5, and the loss types that read it
     for loss_type, eps in ((["robust"], 0.49), (["exo_pair"], 1e-3), (["aot"], 0.1), (["robust", "sft"], 0.1)):
-        assert DPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", loss_type=loss_type, label_smoothing=eps).label_smoothing == eps
+        assert (
+            DPOConfig(
+                output_dir=str(tmp_path), bf16=False, report_to="none", loss_type=loss_type, label_smoothing=eps
+            ).label_smoothing
+            == eps
+        )
 
 
 def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     import dataclasses
 
     args = trl.DPOConfig(
-        output_dir=str(tmp_path), **{**COMMON, "beta": 0.3}, pad_token=tokenizer.eos_token, hub_token="hf_secret",
-        max_length=64, loss_type=["sigmoid"],
+        output_dir=str(tmp_path),
+        **{**COMMON, "beta": 0.3},
+        pad_token=tokenizer.eos_token,
+        hub_token="hf_secret",
+        max_length=64,
+        loss_type=["sigmoid"],
     )
-    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
-                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    trainer = DPOTrainer(
+        model=tiny_model_for_tests(tokenizer, seed=1),
+        ref_model=tiny_model_for_tests(tokenizer, seed=2),
+        args=args,
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=copy.deepcopy(tokenizer),
+    )
     assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
     for field in dataclasses.fields(args):
         if field.init:
@@ -210,9 +226,16 @@ def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
     # trl.SFTTrainer does: TrainingArguments' values, the config's defaults for its own fields (beta 0.1, sigmoid)
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), **CPU_TEST_ARGS, per_device_train_batch_size=3, learning_rate=1e-3)
-    trainer = DPOTrainer(model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=2),
-                         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), **CPU_TEST_ARGS, per_device_train_batch_size=3, learning_rate=1e-3
+    )
+    trainer = DPOTrainer(
+        model=tiny_model_for_tests(tokenizer, seed=1),
+        ref_model=tiny_model_for_tests(tokenizer, seed=2),
+        args=args,
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=copy.deepcopy(tokenizer),
+    )
     assert isinstance(trainer.args, DPOConfig) and trainer.uses_course_loss
     assert (trainer.args.learning_rate, trainer.beta) == (1e-3, trl.DPOConfig.beta)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -222,9 +245,13 @@ def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
 
 
 def test_rows_with_tool_calls_train_with_upstreams_loss(tokenizer, tmp_path):
-    # two pairs (tool calls + results; a tool call as the rejected turn) keep the vocab-wide log-probs of these long rows cheap
+    # two pairs (tool calls + results; a tool call as the rejected turn) keep the vocab-wide log-probs of these long
+    # rows cheap
     dataset, tok = jsonl_dataset(tmp_path / "tools.jsonl", TOOL_ROWS[:2]), tool_calling_tokenizer(tokenizer)
-    ours, upstream = make(DPOTrainer, DPOConfig, tok, tmp_path, dataset), make(trl.DPOTrainer, trl.DPOConfig, tok, tmp_path, dataset)
+    ours, upstream = (
+        make(DPOTrainer, DPOConfig, tok, tmp_path, dataset),
+        make(trl.DPOTrainer, trl.DPOConfig, tok, tmp_path, dataset),
+    )
     assert ours.uses_course_loss
     batch = first_batch(ours)
     assert torch.equal(batch["input_ids"], first_batch(upstream)["input_ids"])
@@ -298,7 +325,9 @@ def _in_memory(tokenizer, tmp_path, name, **kwargs):
     assert model.config._name_or_path == ""
     args = DPOConfig(output_dir=str(tmp_path / name), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
     dataset = Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()})
-    return DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), **kwargs)
+    return DPOTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), **kwargs
+    )
 
 
 def test_a_model_built_in_memory_gets_a_frozen_copy_as_its_reference(tokenizer, tmp_path):
@@ -309,7 +338,9 @@ def test_a_model_built_in_memory_gets_a_frozen_copy_as_its_reference(tokenizer, 
     assert all(not p.requires_grad for p in reference.parameters())
     before = param_digest(model)
     assert param_digest(reference) == before  # the policy as passed
-    explicit = _in_memory(tokenizer, tmp_path, "explicit", ref_model=copy.deepcopy(tiny_model_for_tests(tokenizer, seed=1)))
+    explicit = _in_memory(
+        tokenizer, tmp_path, "explicit", ref_model=copy.deepcopy(tiny_model_for_tests(tokenizer, seed=1))
+    )
     got, expected = _losses(implicit), _losses(explicit)
     assert got[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0: h = 0, loss = log 2
     assert got == expected and len(got) == 2 and got[1] != got[0]
@@ -321,10 +352,17 @@ def test_the_copy_equals_upstreams_reference_loaded_from_the_model_path(tokenize
 
     runs = []
     for cls, config_cls in ((DPOTrainer, DPOConfig), (trl.DPOTrainer, trl.DPOConfig)):
-        args = config_cls(output_dir=str(tmp_path / cls.__module__), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2})
-        runs.append(cls(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args,
-                        train_dataset=Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()}),
-                        processing_class=copy.deepcopy(tokenizer)))
+        args = config_cls(
+            output_dir=str(tmp_path / cls.__module__), **{**COMMON, "max_steps": 2, "learning_rate": 1e-2}
+        )
+        runs.append(
+            cls(
+                model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                args=args,
+                train_dataset=Dataset.from_dict({k: v * 2 for k, v in PAIRS.items()}),
+                processing_class=copy.deepcopy(tokenizer),
+            )
+        )
     ours, upstream = (_losses(trainer) for trainer in runs)
     assert ours == pytest.approx(upstream, abs=1e-6) and ours[0] == pytest.approx(math.log(2), abs=1e-6)
 
@@ -334,8 +372,12 @@ def test_peft_keeps_the_adapter_disabled_base_as_reference(tokenizer, tmp_path):
 
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     with_config = _in_memory(tokenizer, tmp_path, "config", peft_config=LoraConfig(**lora))
-    wrapped = _in_memory(tokenizer, tmp_path, "wrapped",
-                         model=get_peft_model(tiny_model_for_tests(tokenizer, seed=1), LoraConfig(**lora)))
+    wrapped = _in_memory(
+        tokenizer,
+        tmp_path,
+        "wrapped",
+        model=get_peft_model(tiny_model_for_tests(tokenizer, seed=1), LoraConfig(**lora)),
+    )
     for trainer in (with_config, wrapped):
         assert trainer.ref_model is None  # upstream's choice: the base model with the adapters disabled
         losses = _losses(trainer)
@@ -364,7 +406,9 @@ def test_token_metrics_of_a_batch_without_completion_tokens_are_not_logged(token
     assert {key: logged[key] for key in token_keys} == with_tokens
     # entropy by hand: the policy's mean entropy over the completion tokens (positions predicting them)
     with torch.no_grad():
-        logits = tiny_model_for_tests(tokenizer, seed=1)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = tiny_model_for_tests(tokenizer, seed=1)(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
     entropy = torch.distributions.Categorical(logits=logits[:, :-1].float()).entropy()
     mask = batch["completion_mask"][:, 1:].float()
     assert with_tokens["entropy"] == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-4)

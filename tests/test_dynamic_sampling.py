@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from architectures import tiny_model
 from datasets import Dataset
 
 import trl_ext
-from architectures import tiny_model
 from trl_ext.trainers.dynamic_sampling import (
     DynamicSamplingState,
     informative_groups,
@@ -35,13 +35,22 @@ def test_select_groups_takes_informative_groups_in_order_then_fills_with_the_ear
 
 
 def test_merge_rounds_pads_prompts_left_and_completions_right():
-    r0 = {"prompt_ids": torch.tensor([[7, 8], [7, 8], [5, 6], [5, 6]]), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
-          "completion_ids": torch.tensor([[1], [2], [3], [4]]), "completion_mask": torch.ones(4, 1, dtype=torch.long),
-          "advantages": torch.tensor([0.0, 0.0, 1.0, -1.0]), "num_items_in_batch": torch.tensor(4)}
-    r1 = {"prompt_ids": torch.tensor([[9], [9], [3], [3]]), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
-          "completion_ids": torch.tensor([[1, 2], [3, 0], [5, 6], [7, 8]]),
-          "completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]]),
-          "advantages": torch.tensor([0.5, -0.5, 0.0, 0.0]), "num_items_in_batch": torch.tensor(7)}
+    r0 = {
+        "prompt_ids": torch.tensor([[7, 8], [7, 8], [5, 6], [5, 6]]),
+        "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[1], [2], [3], [4]]),
+        "completion_mask": torch.ones(4, 1, dtype=torch.long),
+        "advantages": torch.tensor([0.0, 0.0, 1.0, -1.0]),
+        "num_items_in_batch": torch.tensor(4),
+    }
+    r1 = {
+        "prompt_ids": torch.tensor([[9], [9], [3], [3]]),
+        "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+        "completion_ids": torch.tensor([[1, 2], [3, 0], [5, 6], [7, 8]]),
+        "completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]]),
+        "advantages": torch.tensor([0.5, -0.5, 0.0, 0.0]),
+        "num_items_in_batch": torch.tensor(7),
+    }
     out = merge_rounds([r0, r1], [(0, 1), (1, 0)], group_size=2, pad_token_id=0)
     assert out["prompt_ids"].tolist() == [[5, 6], [5, 6], [0, 9], [0, 9]]
     assert out["prompt_mask"].tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
@@ -70,15 +79,30 @@ def position_reward(prompts, completions, **kwargs):
 
 def make_trainer(tokenizer, tmp_path, prompts, **options):
     args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=3,
-        max_steps=1, learning_rate=1e-2, optim="sgd", report_to="none", use_cpu=True, bf16=False, seed=0,
-        save_strategy="no", disable_tqdm=True, logging_steps=1, gradient_checkpointing=False, **options,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=3,
+        max_steps=1,
+        learning_rate=1e-2,
+        optim="sgd",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        **options,
     )
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
     data = Dataset.from_dict({"prompt": prompts})
     model = tiny_model("llama", len(tokenizer))
-    return trl_ext.GRPOTrainer(model=model, reward_funcs=position_reward, args=args, train_dataset=data, processing_class=tok)
+    return trl_ext.GRPOTrainer(
+        model=model, reward_funcs=position_reward, args=args, train_dataset=data, processing_class=tok
+    )
 
 
 def record_rounds(trainer):
@@ -105,7 +129,9 @@ def test_trainer_draws_rounds_until_every_group_is_informative(tokenizer, tmp_pa
     assert len(kept) == 2 and kept[-1][0] == len(rounds) - 1  # the last round drawn was the one that completed it
     expected_ids = torch.cat([rounds[r][1]["completion_ids"][2 * g : 2 * g + 2] for r, g in kept])
     width = batch["completion_ids"].size(1)
-    assert torch.equal(batch["completion_ids"][:, : expected_ids.size(1)], expected_ids) and width >= expected_ids.size(1)
+    assert torch.equal(batch["completion_ids"][:, : expected_ids.size(1)], expected_ids) and width >= expected_ids.size(
+        1
+    )
     assert batch["advantages"].view(2, 2).ne(0).any(dim=1).all()
     assert batch["num_items_in_batch"].item() == batch["completion_mask"].sum().item()
     metrics = trainer._metrics["train"]
@@ -115,7 +141,9 @@ def test_trainer_draws_rounds_until_every_group_is_informative(tokenizer, tmp_pa
 
 
 def test_trainer_stops_at_max_rounds_and_fills_with_groups_without_gradient(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, [f"same {i}:" for i in range(8)], dynamic_sampling=True, max_sampling_rounds=3)
+    trainer = make_trainer(
+        tokenizer, tmp_path, [f"same {i}:" for i in range(8)], dynamic_sampling=True, max_sampling_rounds=3
+    )
     rounds = record_rounds(trainer)
     batch = trainer._generate_and_score_completions(trainer._draw_round_inputs(2))
     assert len(rounds) == 3  # never informative: all rounds drawn
@@ -125,8 +153,14 @@ def test_trainer_stops_at_max_rounds_and_fills_with_groups_without_gradient(toke
 
 
 def test_no_baseline_keeps_groups_of_equal_nonzero_rewards(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, [f"same {i}:" for i in range(8)], dynamic_sampling=True,
-                           max_sampling_rounds=3, pg_loss_type="no_baseline")
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        [f"same {i}:" for i in range(8)],
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+        pg_loss_type="no_baseline",
+    )
     rounds = record_rounds(trainer)
     trainer._generate_and_score_completions(trainer._draw_round_inputs(2))
     assert len(rounds) == 1  # raw reward 1 everywhere: every group has a gradient under no_baseline
@@ -135,7 +169,9 @@ def test_no_baseline_keeps_groups_of_equal_nonzero_rewards(tokenizer, tmp_path):
 def test_loss_and_gradients_of_the_kept_batch_equal_the_plain_computation(tokenizer, tmp_path):
     prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
     trainer = make_trainer(tokenizer, tmp_path, prompts, dynamic_sampling=True, max_sampling_rounds=8)
-    plain = make_trainer(tokenizer, tmp_path / "plain", prompts, share_prompt_cache=False, skip_zero_advantage_rows=False)
+    plain = make_trainer(
+        tokenizer, tmp_path / "plain", prompts, share_prompt_cache=False, skip_zero_advantage_rows=False
+    )
     batch = trainer._generate_and_score_completions(trainer._draw_round_inputs(2))
     for t in (trainer, plain):
         t.current_gradient_accumulation_steps = 1
@@ -144,10 +180,16 @@ def test_loss_and_gradients_of_the_kept_batch_equal_the_plain_computation(tokeni
     loss = trainer._compute_loss(trainer.model, dict(batch))
     loss.backward()
     # independent: the course loss by hand on the same rows (ratio 1, so per-token loss -A; masked_mean per row)
-    logits = plain.model(input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-                         attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)).logits
+    logits = plain.model(
+        input_ids=torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+    ).logits
     c = batch["completion_ids"].size(1)
-    logp = torch.log_softmax(logits[:, -c - 1 : -1].float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    logp = (
+        torch.log_softmax(logits[:, -c - 1 : -1].float(), -1)
+        .gather(-1, batch["completion_ids"].unsqueeze(-1))
+        .squeeze(-1)
+    )
     mask = batch["completion_mask"].float()
     ratio = torch.exp(logp - logp.detach())
     per_row = (-(ratio * batch["advantages"][:, None]) * mask).sum(1) / mask.sum(1)
@@ -155,12 +197,16 @@ def test_loss_and_gradients_of_the_kept_batch_equal_the_plain_computation(tokeni
     by_hand.backward()
     assert loss.item() == pytest.approx(by_hand.item(), abs=1e-6)
     for (n, p), (_, q) in zip(trainer.model.named_parameters(), plain.model.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_dynamic_sampling_refuses_groups_split_across_processes(tokenizer, tmp_path):
     # one process cannot split a group (upstream's own check); with two, 2 rows per process and groups of 4 would
     trainer = make_trainer(tokenizer, tmp_path, [f"diff {i}:" for i in range(8)], dynamic_sampling=True)
     trainer.args.per_device_train_batch_size, trainer.num_generations = 3, 4
-    with pytest.raises(ValueError, match=r"per_device_train_batch_size \(3\) x steps_per_generation \(1\) = 3 is not a multiple of num_generations \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"per_device_train_batch_size \(3\) x steps_per_generation \(1\) = 3 "
+        r"is not a multiple of num_generations \(4\)",
+    ):
         trainer._check_dynamic_sampling()

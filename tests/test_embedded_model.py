@@ -12,8 +12,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import CPU_TEST_ARGS, length_mod5_reward, load_recipe
 import torch
+from conftest import CPU_TEST_ARGS, length_mod5_reward, load_recipe
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
@@ -37,8 +37,18 @@ MISSING_PACKAGE = (
     "llama-cpp-python, which trl_ext does not use and which need a C++ build); or give a Hub id or a local folder "
     "instead, e.g. HuggingFaceTB/SmolLM2-135M-Instruct"
 )
-RECIPES = ("grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort", "compare_upstream",
-           "expert_iteration", "grpo_ablations")
+RECIPES = (
+    "grpo_math",
+    "eval_math",
+    "sft_instruct",
+    "dpo",
+    "reward_model",
+    "rlhf",
+    "grpo_sort",
+    "compare_upstream",
+    "expert_iteration",
+    "grpo_ablations",
+)
 
 
 # ------------------------------------------------------------------------------------------- names
@@ -51,8 +61,10 @@ def test_the_embedded_model_has_three_names_and_nothing_else_is_it():
 
 
 def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recipes(monkeypatch, tmp_path, capsys):
-    library = ("model name_or_path is empty ({!r}); give a Hub id or a local folder, or 'embedded' (or None) for the "
-               "embedded SmolLM2-135M-Instruct")
+    library = (
+        "model name_or_path is empty ({!r}); give a Hub id or a local folder, or 'embedded' (or None) for the "
+        "embedded SmolLM2-135M-Instruct"
+    )
     for load in (models.load_model, models.load_tokenizer, models.resolve_model_name_or_path):
         for empty in ("", "  "):
             with pytest.raises(ValueError) as err:
@@ -76,8 +88,20 @@ def test_embedded_selects_the_embedded_model_over_a_config_that_names_another(mo
     config = ROOT / "recipes" / "configs" / "grpo_math_gsm8k.yaml"
     data = tmp_path / "gsm8k.jsonl"  # the config's Hub dataset is not reachable offline (the recipe checks it too)
     data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
-    _, _, model_args = grpo_math.parse_args(["--config", str(config), "--use_vllm", "false", "--bf16", "false",
-                                             "--model_name_or_path", "embedded", "--dataset_name", str(data)])
+    _, _, model_args = grpo_math.parse_args(
+        [
+            "--config",
+            str(config),
+            "--use_vllm",
+            "false",
+            "--bf16",
+            "false",
+            "--model_name_or_path",
+            "embedded",
+            "--dataset_name",
+            str(data),
+        ]
+    )
     assert model_args.model_name_or_path == "embedded"
     check_model_source(model_args.model_name_or_path)  # no Hub lookup: HF_HUB_OFFLINE is set in the tests
     monkeypatch.setattr(models, "ensure_embedded_model", lambda: tmp_path / "converted")
@@ -172,20 +196,40 @@ def _trainer(kind: str, folder: Path, tokenizer, out: Path):
     if kind == "sft":
         data = Dataset.from_dict({"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"]})
         args = trl_ext.SFTConfig(per_device_train_batch_size=3, **common)
-        return trl_ext.SFTTrainer(model=str(folder), args=args, train_dataset=data, processing_class=tok,
-                                  peft_config=LoraConfig(task_type="CAUSAL_LM", **lora))
+        return trl_ext.SFTTrainer(
+            model=str(folder),
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+        )
     if kind == "dpo":
         args = trl_ext.DPOConfig(per_device_train_batch_size=3, **common)
-        return trl_ext.DPOTrainer(model=str(folder), args=args, train_dataset=Dataset.from_dict(PAIRS),
-                                  processing_class=tok, peft_config=LoraConfig(task_type="CAUSAL_LM", **lora))
+        return trl_ext.DPOTrainer(
+            model=str(folder),
+            args=args,
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=tok,
+            peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+        )
     if kind == "reward":
         args = trl_ext.RewardConfig(per_device_train_batch_size=3, **common)
-        return trl_ext.RewardTrainer(model=str(folder), args=args, train_dataset=Dataset.from_dict(PAIRS),
-                                     processing_class=tok, peft_config=LoraConfig(task_type="SEQ_CLS", **lora))
+        return trl_ext.RewardTrainer(
+            model=str(folder),
+            args=args,
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=tok,
+            peft_config=LoraConfig(task_type="SEQ_CLS", **lora),
+        )
     args = trl_ext.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, **common)
-    return trl_ext.GRPOTrainer(model=str(folder), reward_funcs=length_mod5_reward, args=args,
-                               train_dataset=Dataset.from_dict({"prompt": PAIRS["prompt"] + ["Hi\n"]}),
-                               processing_class=tok, peft_config=LoraConfig(task_type="CAUSAL_LM", **lora))
+    return trl_ext.GRPOTrainer(
+        model=str(folder),
+        reward_funcs=length_mod5_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PAIRS["prompt"] + ["Hi\n"]}),
+        processing_class=tok,
+        peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+    )
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "reward", "grpo"])
@@ -225,8 +269,9 @@ def test_name_base_model_for_scripts_that_save_by_hand(tiny_model, tokenizer, tm
     # a model of any other folder keeps its name
     plain = tmp_path / "plain"
     tiny_model.save_pretrained(plain)
-    get_peft_model(AutoModelForCausalLM.from_pretrained(plain), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
-        tmp_path / "other")
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(plain), LoraConfig(r=2, target_modules=["q_proj"])
+    ).save_pretrained(tmp_path / "other")
     assert models.name_base_model(tmp_path / "other") == []
     assert json.loads((tmp_path / "other" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(plain)
 
@@ -241,9 +286,13 @@ def test_a_grown_vocabulary_still_saves_its_embeddings(tiny_model, tokenizer, tm
     model.resize_token_embeddings(len(tokenizer) + 8)
     out = tmp_path / "out"
     args = trl_ext.SFTConfig(output_dir=str(out), per_device_train_batch_size=3, **CPU_TEST_ARGS)
-    trainer = trl_ext.SFTTrainer(model=model, args=args, processing_class=copy.deepcopy(tokenizer),
-                                 train_dataset=Dataset.from_dict({"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"]}),
-                                 peft_config=LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer = trl_ext.SFTTrainer(
+        model=model,
+        args=args,
+        processing_class=copy.deepcopy(tokenizer),
+        train_dataset=Dataset.from_dict({"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"]}),
+        peft_config=LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
     trainer.save_model(str(out))
     with safe_open(out / "adapter_model.safetensors", "pt") as saved:
         assert any("embed_tokens" in key for key in saved.keys())
@@ -251,12 +300,20 @@ def test_a_grown_vocabulary_still_saves_its_embeddings(tiny_model, tokenizer, tm
 
 
 @pytest.mark.slow
-def test_a_lora_adapter_trained_from_the_embedded_model_loads_onto_the_hub_model(embedded_model_dir, tokenizer, tmp_path):
+def test_a_lora_adapter_trained_from_the_embedded_model_loads_onto_the_hub_model(
+    embedded_model_dir, tokenizer, tmp_path
+):
     out = tmp_path / "out"
-    args = trl_ext.SFTConfig(output_dir=str(out), per_device_train_batch_size=3, max_length=32,
-                             **{**CPU_TEST_ARGS, "save_strategy": "steps", "save_steps": 1})
+    args = trl_ext.SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=3,
+        max_length=32,
+        **{**CPU_TEST_ARGS, "save_strategy": "steps", "save_steps": 1},
+    )
     trainer = trl_ext.SFTTrainer(
-        model=models.load_model(), args=args, processing_class=copy.deepcopy(tokenizer),
+        model=models.load_model(),
+        args=args,
+        processing_class=copy.deepcopy(tokenizer),
         train_dataset=Dataset.from_dict({"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"]}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
@@ -272,8 +329,9 @@ def test_a_lora_adapter_trained_from_the_embedded_model_loads_onto_the_hub_model
     with torch.no_grad():
         trained = trainer.accelerator.unwrap_model(trainer.model).eval()(input_ids=ids).logits
         assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)
-        assert not torch.allclose(AutoModelForCausalLM.from_pretrained(embedded_model_dir)(input_ids=ids).logits,
-                                  trained, atol=1e-5)  # the adapter changed something
+        assert not torch.allclose(
+            AutoModelForCausalLM.from_pretrained(embedded_model_dir)(input_ids=ids).logits, trained, atol=1e-5
+        )  # the adapter changed something
 
 
 # ------------------------------------------------------------------------------------------- the recipes that save
@@ -296,27 +354,68 @@ def test_every_recipe_that_saves_names_the_hub_model(recipe, tiny_model, tokeniz
     checkpoints = ["--save_strategy", "steps", "--save_steps", "1"]
     adapters = True
     if recipe == "grpo_math":
-        flags += [*lora, *checkpoints, "--num_train_problems", "8", "--num_eval", "4", "--per_device_train_batch_size",
-                  "4", "--num_generations", "4", "--max_completion_length", "4"]
+        flags += [
+            *lora,
+            *checkpoints,
+            "--num_train_problems",
+            "8",
+            "--num_eval",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "4",
+        ]
     elif recipe in ("sft_instruct", "dpo", "reward_model"):
         defaults = module.parse_args([])[0]
-        flags += [*lora, *checkpoints, "--per_device_train_batch_size", "2",
-                  "--train_file", _tiny_rows(tmp_path, "train", slice(0, 4), defaults.train_file),
-                  "--test_file", _tiny_rows(tmp_path, "test", slice(4, 7), defaults.test_file)]
+        flags += [
+            *lora,
+            *checkpoints,
+            "--per_device_train_batch_size",
+            "2",
+            "--train_file",
+            _tiny_rows(tmp_path, "train", slice(0, 4), defaults.train_file),
+            "--test_file",
+            _tiny_rows(tmp_path, "test", slice(4, 7), defaults.test_file),
+        ]
         if recipe == "sft_instruct":
             flags += ["--max_new_tokens", "4"]
         if recipe == "reward_model":
             flags += ["--lora_task_type", "SEQ_CLS"]
     elif recipe == "rlhf":
-        reward_model = LlamaForSequenceClassification(type(tiny_model.config)(**{**tiny_model.config.to_dict(), "num_labels": 1}))
+        reward_model = LlamaForSequenceClassification(
+            type(tiny_model.config)(**{**tiny_model.config.to_dict(), "num_labels": 1})
+        )
         reward_model.save_pretrained(tmp_path / "rm")
         tokenizer.save_pretrained(tmp_path / "rm")
-        flags += ["--reward_model_path", str(tmp_path / "rm"), "--per_device_train_batch_size", "4",
-                  "--max_completion_length", "4"]
+        flags += [
+            "--reward_model_path",
+            str(tmp_path / "rm"),
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "4",
+        ]
         adapters = False  # rlhf trains the full policy
     else:  # expert_iteration: full fine-tuning only
-        flags += ["--n_ei_steps", "1", "--num_generations", "2", "--ei_batch_size", "2", "--max_completion_length", "4",
-                  "--num_eval", "2", "--num_train_problems", "8", "--per_device_train_batch_size", "2"]
+        flags += [
+            "--n_ei_steps",
+            "1",
+            "--num_generations",
+            "2",
+            "--ei_batch_size",
+            "2",
+            "--max_completion_length",
+            "4",
+            "--num_eval",
+            "2",
+            "--num_train_problems",
+            "8",
+            "--per_device_train_batch_size",
+            "2",
+        ]
         adapters = False
     module.main(*module.parse_args(flags))
     assert_names_the_hub_model(out, folder, adapters=adapters)

@@ -45,7 +45,12 @@ def test_parse_gsm8k_response(output, expected):
     assert parse_gsm8k_response(output) == expected
 
 
-MMLU = {"subject": "geography", "question": "Capital of Italy?", "options": ["Paris", "London", "Rome", "Berlin"], "answer": "C"}
+MMLU = {
+    "subject": "geography",
+    "question": "Capital of Italy?",
+    "options": ["Paris", "London", "Rome", "Berlin"],
+    "answer": "C",
+}
 
 
 @pytest.mark.parametrize(
@@ -86,12 +91,22 @@ def test_score_responses_breakdown_hand_worked():
     assert result["format_rate"] == 0.75
     assert result["reward"] == 0.5
     assert result["n"] == 4
-    assert result["breakdown"] == {"format1_answer1": 2, "format1_answer0": 1, "format0_answer1": 0, "format0_answer0": 1}
+    assert result["breakdown"] == {
+        "format1_answer1": 2,
+        "format1_answer0": 1,
+        "format0_answer1": 0,
+        "format0_answer0": 1,
+    }
     assert result["num_unparsed"] == 1
     assert [r["response"] for r in result["unparsed_examples"]] == ["no idea"]
     assert [r["prompt"] for r in result["examples"]] == ["p0", "p1"]
     assert result["records"][3] == {
-        "prompt": "p3", "response": "3.0 apples", "answer": "3", "reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0
+        "prompt": "p3",
+        "response": "3.0 apples",
+        "answer": "3",
+        "reward": 1.0,
+        "format_reward": 1.0,
+        "answer_reward": 1.0,
     }
 
 
@@ -131,13 +146,21 @@ def test_evaluate_math_hf_writes_every_record(tiny_model, tokenizer, tmp_path):
     prompts = [[{"role": "user", "content": q}] for q in ("What is 2 + 2?", "What is 3 + 4?", "Count: 1 2 3")]
     data = Dataset.from_dict({"prompt": prompts, "answer": ["4", "7", "4"]})
     result = evaluate_math(
-        tiny_model, tokenizer, data, gsm8k_reward_fn, max_new_tokens=6, batch_size=2, jsonl_path=tmp_path / "r.jsonl",
+        tiny_model,
+        tokenizer,
+        data,
+        gsm8k_reward_fn,
+        max_new_tokens=6,
+        batch_size=2,
+        jsonl_path=tmp_path / "r.jsonl",
         disable_progress=True,
     )
     # greedy: the same completions as a direct call, scored one by one with the reward function
     responses = generate_completions(tiny_model, tokenizer, prompts, 6, batch_size=3, disable_progress=True)
     assert [r["response"] for r in result["records"]] == responses
-    assert result["accuracy"] == sum(gsm8k_reward_fn(r, a)["answer_reward"] for r, a in zip(responses, data["answer"])) / 3
+    assert (
+        result["accuracy"] == sum(gsm8k_reward_fn(r, a)["answer_reward"] for r, a in zip(responses, data["answer"])) / 3
+    )
     assert result["backend"] == "hf" and result["n"] == 3
     tokens = sum(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
     assert result["generated_tokens"] == tokens
@@ -169,7 +192,10 @@ def test_eval_math_recipe_on_local_gsm8k_jsonl(tiny_model, tokenizer, tmp_path, 
     import eval_math
 
     args = eval_math.EvalArguments(
-        dataset_name=str(FIXTURES / "data_gsm8k.jsonl"), num_eval=3, max_new_tokens=5, backend="hf",
+        dataset_name=str(FIXTURES / "data_gsm8k.jsonl"),
+        num_eval=3,
+        max_new_tokens=5,
+        backend="hf",
         output_dir=str(tmp_path / "out"),
     )
     metrics = eval_math.main(args, trl.ModelConfig(model_name_or_path=str(model_dir)))

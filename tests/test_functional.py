@@ -128,7 +128,9 @@ def test_nearly_equal_rewards_give_finite_advantages():
 @settings(max_examples=50, deadline=None)
 @given(
     st.integers(2, 6).flatmap(
-        lambda g: st.tuples(st.just(g), st.lists(st.floats(-100, 100), min_size=g, max_size=4 * g).map(lambda v: v[: len(v) // g * g]))
+        lambda g: st.tuples(
+            st.just(g), st.lists(st.floats(-100, 100), min_size=g, max_size=4 * g).map(lambda v: v[: len(v) // g * g])
+        )
     ),
     st.booleans(),
 )
@@ -175,7 +177,10 @@ def test_grpo_clip_never_differentiates_through_old_log_probs(same_object):
 @given(st.floats(-3, 3), st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3), st.floats(0.0, 0.5))
 def test_grpo_clip_loss_bounds(log_ratio, advantage, eps):
     loss, _ = F.compute_grpo_clip_loss(
-        torch.tensor([[advantage]], dtype=torch.float64), torch.tensor([[log_ratio]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64), eps
+        torch.tensor([[advantage]], dtype=torch.float64),
+        torch.tensor([[log_ratio]], dtype=torch.float64),
+        torch.zeros(1, 1, dtype=torch.float64),
+        eps,
     )
     ratio = math.exp(log_ratio)
     # the objective min(ratio A, clip(ratio) A) never exceeds the clipped ceiling (1 + eps) A for A > 0,
@@ -255,7 +260,9 @@ def test_compute_grpo_loss_empty_rows_is_one_named_option():
     assert F.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(2.0)  # row 0 alone: (3 + 1) / 2
     # masked_normalize is defined on an empty row under the default: sum 0 / 2, counted in the mean -> (4/2 + 0) / 2
     assert F.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
-    with pytest.raises(ValueError, match=r"empty_rows='keep' is not supported; expected one of 'raise', 'zero', 'drop'"):
+    with pytest.raises(
+        ValueError, match=r"empty_rows='keep' is not supported; expected one of 'raise', 'zero', 'drop'"
+    ):
         F.compute_grpo_loss(loss, mask, empty_rows="keep")
 
 

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 import torch
-
 from architectures import tiny_model
 from test_architectures import one_step
+
 from trl_ext.eval import generate_completions
 from trl_ext.shared_prompts import generation_blocker
 
@@ -33,7 +33,11 @@ def test_generation_blocker_names_the_option(options, expected):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(generation_kwargs={"num_beams": 2}), dict(cache_implementation="dynamic"), dict(generation_kwargs={"use_cache": False})],
+    [
+        dict(generation_kwargs={"num_beams": 2}),
+        dict(cache_implementation="dynamic"),
+        dict(generation_kwargs={"use_cache": False}),
+    ],
     ids=["num_beams", "cache_implementation", "use_cache"],
 )
 def test_grpo_with_generation_options_trains_like_the_plain_path(options, tokenizer, tmp_path, caplog):
@@ -42,11 +46,15 @@ def test_grpo_with_generation_options_trains_like_the_plain_path(options, tokeni
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         ours, batch = one_step(model, tokenizer, tmp_path / "ours", **options)
     plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, **options)
-    lines = [r.getMessage() for r in caplog.records if "prompt sharing in generation off: this generate call has" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "prompt sharing in generation off: this generate call has" in r.getMessage()
+    ]
     assert len(lines) == 1, lines  # once, not once per call
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
-        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("field, value", [("cache_implementation", "dynamic"), ("num_beams", 2)])
@@ -63,4 +71,4 @@ def test_eval_with_generation_config_options_equals_plain_generate(field, value,
     tok.padding_side = "left"
     batch = tok.pad({"input_ids": [prompt_token_ids(tokenizer, p) for p in prompts]}, padding=True, return_tensors="pt")
     out = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert ours == tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert ours == tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)

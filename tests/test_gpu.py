@@ -3,7 +3,8 @@ checkpointing, and the trl_ext-vs-upstream GRPO equality in fp32.
 
 Every test here is marked `gpu` and skipped where torch sees no CUDA device (tests/conftest.py);
 scripts/gpu_check.sh runs them on the GPU machine. TRL_EXT_GPU_TESTS_ON_CPU=1 runs them on the CPU instead (same
-values, bf16 autocast on the CPU), to check them where no GPU is lent. They use the tiny random model and the embedded tokenizer only
+values, bf16 autocast on the CPU), to check them where no GPU is lent. They use the tiny random model and the embedded
+tokenizer only
 (no hub, no embedded GGUF: on the GPU machine the tokenizer comes from $TRL_EXT_TEST_TOKENIZER_DIR).
 
 Hand-worked values: at the first step of GRPO with one iteration and beta > 0 the policy equals both the old policy
@@ -26,11 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 import trl
+from conftest import length_mod5_reward
 from datasets import Dataset
 from transformers import LlamaForSequenceClassification
 
 import trl_ext
-from conftest import length_mod5_reward
 from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
@@ -91,7 +92,9 @@ def test_grpo_step_in_bf16(tokenizer, tiny_model_dir, tmp_path):
     )  # fmt: skip
     tok = copy.deepcopy(tokenizer)
     train = Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]})
-    trainer = trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=train, processing_class=tok)
+    trainer = trl_ext.GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=train, processing_class=tok
+    )
     before = snapshot(trainer.model)
     trainer.train()
     log = assert_one_cuda_step(trainer, before)
@@ -105,7 +108,8 @@ def test_grpo_step_in_bf16(tokenizer, tiny_model_dir, tmp_path):
 def test_sft_step_in_bf16_with_the_safety_penalty(tokenizer, tiny_model, tmp_path):
     dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "unsafe_completion": UNSAFE})
     make = lambda cls, cfg, data, **kw: cls(  # noqa: E731
-        model=copy.deepcopy(tiny_model), args=cfg(output_dir=str(tmp_path / cls.__module__), **GPU_ARGS, per_device_train_batch_size=4, **kw),
+        model=copy.deepcopy(tiny_model),
+        args=cfg(output_dir=str(tmp_path / cls.__module__), **GPU_ARGS, per_device_train_batch_size=4, **kw),
         train_dataset=data, processing_class=copy.deepcopy(tokenizer),
     )  # fmt: skip
     ours = make(SFTTrainer, SFTConfig, dataset, safety_penalty_weight=0.5)
@@ -131,7 +135,9 @@ def test_sft_step_in_bf16_with_the_safety_penalty(tokenizer, tiny_model, tmp_pat
 
 
 def test_dpo_step_in_bf16(tokenizer, tmp_path):
-    args = DPOConfig(output_dir=str(tmp_path / "dpo"), **GPU_ARGS, per_device_train_batch_size=3, beta=0.5, label_smoothing=0.1)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "dpo"), **GPU_ARGS, per_device_train_batch_size=3, beta=0.5, label_smoothing=0.1
+    )
     trainer = DPOTrainer(
         model=tiny_model_for_tests(tokenizer, seed=1), ref_model=tiny_model_for_tests(tokenizer, seed=1),
         args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer),
@@ -152,8 +158,12 @@ def test_reward_step_in_bf16(tokenizer, tmp_path):
         torch.manual_seed(0)
         model = LlamaForSequenceClassification(config)
     torch.nn.init.zeros_(model.score.weight)  # every sequence scores 0 before the step
-    args = RewardConfig(output_dir=str(tmp_path / "reward"), **GPU_ARGS, per_device_train_batch_size=3, learning_rate=1e-3)
-    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer))
+    args = RewardConfig(
+        output_dir=str(tmp_path / "reward"), **GPU_ARGS, per_device_train_batch_size=3, learning_rate=1e-3
+    )
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=copy.deepcopy(tokenizer)
+    )
     before = snapshot(trainer.model)
     trainer.train()
     # a zero head passes no gradient to the body (dL/dh = w = 0): the first step moves the head alone
@@ -165,13 +175,18 @@ def test_reward_step_in_bf16(tokenizer, tmp_path):
 def test_recipe_lora_with_gradient_checkpointing_on_cuda(tiny_model_dir, tmp_path):
     """recipes/grpo_math.py --use_peft on CUDA: bf16 base, LoRA on every linear layer, gradient checkpointing."""
     data = tmp_path / "gsm8k.jsonl"
-    rows = [{"question": f"Ann has {a} apples and buys {a + 3} more. How many now?", "answer": f"#### {2 * a + 3}"} for a in range(1, 13)]
+    rows = [
+        {"question": f"Ann has {a} apples and buys {a + 3} more. How many now?", "answer": f"#### {2 * a + 3}"}
+        for a in range(1, 13)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", *(["--cpu"] if DEVICE == "cpu" else []),
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+        *(["--cpu"] if DEVICE == "cpu" else []),
         str(ROOT / "recipes" / "grpo_math.py"), "--dataset_name", str(data), "--model_name_or_path", tiny_model_dir,
-        "--dtype", "bfloat16", "--use_cpu", str(DEVICE == "cpu").lower(), "--bf16", "true", "--gradient_checkpointing", "true",
+        "--dtype", "bfloat16", "--use_cpu", str(DEVICE == "cpu").lower(), "--bf16", "true",
+        "--gradient_checkpointing", "true",
         "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear",
         "--max_steps", "2", "--num_eval", "4", "--learning_rate", "1e-2",
         "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
@@ -184,12 +199,22 @@ def test_recipe_lora_with_gradient_checkpointing_on_cuda(tiny_model_dir, tmp_pat
     assert all(math.isfinite(entry["loss"]) for entry in metrics["log_history"] if "loss" in entry)
     adapter = json.loads((out / "adapter_config.json").read_text())
     targets = adapter["target_modules"]  # PEFT resolves "all-linear" to the full module paths
-    assert len(targets) == 2 * 7 and {t.rsplit(".", 1)[-1] for t in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert len(targets) == 2 * 7 and {t.rsplit(".", 1)[-1] for t in targets} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
     from safetensors.torch import load_file
 
     weights = load_file(out / "adapter_model.safetensors")
-    assert sum("lora_A" in name for name in weights) == sum("lora_B" in name for name in weights) == 2 * 7  # layers x linears
+    assert (
+        sum("lora_A" in name for name in weights) == sum("lora_B" in name for name in weights) == 2 * 7
+    )  # layers x linears
     assert all(w.shape[0] == 8 for name, w in weights.items() if "lora_A" in name)  # (r, d_in)
     # (a random tiny model scores 0 on GSM8K, so the advantages and the update are 0 here: that the adapter learns
     # under gradient checkpointing is test_lora_with_gradient_checkpointing_reaches_every_layer's job)
@@ -198,7 +223,9 @@ def test_recipe_lora_with_gradient_checkpointing_on_cuda(tiny_model_dir, tmp_pat
 def is_checkpointing(model) -> bool:
     """The model's checkpointing flag (`is_activation_checkpointing` from transformers 5.2x, before that
     `is_gradient_checkpointing`); Trainer.train switches it on from the config's `gradient_checkpointing`."""
-    return bool(getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False))
+    return bool(
+        getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False)
+    )
 
 
 def one_sgd_step(tokenizer, model, tmp_path, name, peft_config=None, **options):
@@ -224,7 +251,12 @@ def one_sgd_step(tokenizer, model, tmp_path, name, peft_config=None, **options):
 def test_gradient_checkpointing_gives_the_same_step(tokenizer, tiny_model_dir, tmp_path):
     """fp32: one training step with gradient checkpointing (forward recomputed in the backward pass) samples the
     same completions and makes the same update as one without."""
-    runs = {gc: one_sgd_step(tokenizer, tiny_model_dir, tmp_path, f"gc-{gc}", bf16=False, beta=0.04, gradient_checkpointing=gc) for gc in (False, True)}
+    runs = {
+        gc: one_sgd_step(
+            tokenizer, tiny_model_dir, tmp_path, f"gc-{gc}", bf16=False, beta=0.04, gradient_checkpointing=gc
+        )
+        for gc in (False, True)
+    }
     assert is_checkpointing(runs[True][0].model) and not is_checkpointing(runs[False][0].model)
     (_, before, plain, log), (_, _, checkpointed, log_gc) = runs[False], runs[True]
     assert log_gc["loss"] == pytest.approx(log["loss"], abs=1e-6)
@@ -242,7 +274,9 @@ def test_lora_with_gradient_checkpointing_trains_every_layer(tokenizer, tiny_mod
     from peft import LoraConfig
 
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer, before, after, log = one_sgd_step(tokenizer, tiny_model_dir, tmp_path, "lora", peft_config, gradient_checkpointing=True, beta=0.0)
+    trainer, before, after, log = one_sgd_step(
+        tokenizer, tiny_model_dir, tmp_path, "lora", peft_config, gradient_checkpointing=True, beta=0.0
+    )
     assert is_checkpointing(trainer.model) and log["grad_norm"] > 0
     assert all("lora_" in name for name in before), "only the adapters may be trainable"
     lora_b = [name for name in before if "lora_B" in name]
@@ -307,7 +341,9 @@ def test_same_advantages_loss_and_gradients_as_upstream_in_fp32(ours, upstream, 
         tok = copy.deepcopy(tokenizer)
         tok.padding_side = "left"
         args = config_cls(output_dir=str(tmp_path / cls.__module__), **common, **options)
-        return cls(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=train, processing_class=tok)
+        return cls(
+            model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=train, processing_class=tok
+        )
 
     ext = make(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, dict(advantage_eps=1e-4, **ours))
     ref = make(trl.GRPOTrainer, trl.GRPOConfig, upstream)

@@ -40,7 +40,9 @@ def test_bench_model_has_qwen2_5_1_5b_shape_and_parameter_count(tokenizer):
 def test_cpu_dry_run_trains_both_trainers_with_the_same_math(tmp_path):
     bench = load("gpu_bench")
     out = tmp_path / "bench.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--steps", "2", "--completion-lengths", "8", "--out", str(out)]) == 0
+    assert (
+        bench.main(["--device", "cpu", "--tiny", "--steps", "2", "--completion-lengths", "8", "--out", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     runs = {r["trainer"]: r for r in result["runs"]}
     assert set(runs) == {"trl_ext", "trl"}

@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
+from conftest import length_mod5_reward
+from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, make_trainer
 
 import trl_ext
 from trl_ext import course as C
 from trl_ext import functional as F
-
-from conftest import length_mod5_reward
-from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, make_trainer
 
 RATIO = math.exp(0.5)  # log-prob -0.5 under the policy, -1.0 under the old policy: ratio = e^(-0.5 - -1.0)
 
@@ -44,7 +43,9 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     logp = torch.tensor([[-0.5, -0.5, -7.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0]])
-    per_token, _ = F.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]), old_log_probs=old)
+    per_token, _ = F.compute_policy_gradient_loss(
+        logp, "grpo_no_clip", advantages=torch.tensor([2.0]), old_log_probs=old
+    )
     assert per_token[0, :2].tolist() == pytest.approx([-2 * RATIO] * 2, rel=1e-6)
     loss, meta = C.grpo_microbatch_train_step(
         logp, mask, 2, "grpo_no_clip", advantages=torch.tensor([[2.0]]), old_log_probs=old
@@ -60,8 +61,15 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
 
 def test_config_accepts_grpo_no_clip_with_reused_rollouts(tmp_path):
     config = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, pg_loss_type="grpo_no_clip",
-        num_iterations=2, steps_per_generation=2, per_device_train_batch_size=4, num_generations=4,
+        output_dir=str(tmp_path),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        pg_loss_type="grpo_no_clip",
+        num_iterations=2,
+        steps_per_generation=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
     )
     assert config.pg_loss_type == "grpo_no_clip" and config.num_iterations == 2
     assert "grpo_no_clip" in F.OFF_POLICY_PG_LOSS_TYPES
@@ -71,12 +79,20 @@ def test_trainer_uses_old_log_probs_with_num_iterations_2(tokenizer, tiny_model_
     """Off-policy correctness: with num_iterations=2 the trainer's loss is -ratio * A against the stored old
     log-probs of the sampling policy (not a ratio of 1), as an independent forward pass computes it."""
     trainer = make_trainer(
-        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path,
-        pg_loss_type="grpo_no_clip", num_iterations=2, beta=0.0,
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        pg_loss_type="grpo_no_clip",
+        num_iterations=2,
+        beta=0.0,
     )
     batch = generation_batch(trainer)
     assert batch.get("old_per_token_logps") is not None, "TRL must store the sampling policy's log-probs"
-    raw = torch.tensor(length_mod5_reward(trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)))
+    raw = torch.tensor(
+        length_mod5_reward(trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True))
+    )
     advantages = F.compute_group_advantages(raw, 4, 1e-6, True)
     torch.testing.assert_close(batch["advantages"], advantages)
     # Pretend the policy moved since sampling: old log-probs shifted by -0.5 -> ratio e^0.5 on every token.

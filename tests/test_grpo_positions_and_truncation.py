@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 import trl
+from conftest import tiny_gpt2
 from datasets import Dataset
 
 import trl_ext
-from conftest import tiny_gpt2
 from trl_ext import functional as F
 from trl_ext.models import tiny_model_for_tests
 
@@ -21,14 +21,25 @@ def constant_reward(completions, **kwargs):
 
 def make_trainer(model, tokenizer, tmp_path, **overrides):
     args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-        temperature=1.0, report_to="none", bf16=False, use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        temperature=1.0,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
         **overrides,
     )
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
     dataset = Dataset.from_dict({"prompt": ["a", "b"]})
-    return trl_ext.GRPOTrainer(model=model, reward_funcs=constant_reward, args=args, train_dataset=dataset, processing_class=tok)
+    return trl_ext.GRPOTrainer(
+        model=model, reward_funcs=constant_reward, args=args, train_dataset=dataset, processing_class=tok
+    )
 
 
 def left_padded(rows, pad_id):
@@ -56,7 +67,9 @@ def test_left_padded_log_probs_equal_unpadded_ones(model_kind, tokenizer, tmp_pa
     with torch.no_grad():
         padded, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
         alone = [
-            trainer._get_per_token_logps_and_entropies(trainer.model, torch.tensor([p + c]), torch.ones(1, len(p + c), dtype=torch.long), 4)[0]
+            trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.tensor([p + c]), torch.ones(1, len(p + c), dtype=torch.long), 4
+            )[0]
             for p, c in zip(prompts, completions)
         ]
         upstream, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, 4)
@@ -71,12 +84,21 @@ def test_generation_and_log_prob_pass_use_the_same_positions(model_kind, tokeniz
     prompt_ids, prompt_mask = left_padded([[101, 102, 103, 104, 105, 106], [201]], tokenizer.pad_token_id)
     with torch.no_grad():
         out = trainer.model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
         )
         completion = out.sequences[:, prompt_ids.size(1) :]
         sampled = torch.stack(
-            [torch.log_softmax(step.float(), -1).gather(-1, completion[:, t : t + 1]).squeeze(-1) for t, step in enumerate(out.logits)],
+            [
+                torch.log_softmax(step.float(), -1).gather(-1, completion[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits)
+            ],
             dim=1,
         )
         ids = torch.cat([prompt_ids, completion], dim=1)
@@ -114,8 +136,13 @@ def test_rows_without_trained_tokens_leave_the_batch_mean():
 @pytest.mark.parametrize("length_normalization", ["masked_mean", "masked_normalize"])
 def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, tokenizer, tmp_path):
     trainer = make_trainer(
-        tiny_model_for_tests(tokenizer), tokenizer, tmp_path, pg_loss_type="reinforce_with_baseline",
-        length_normalization=length_normalization, mask_truncated_completions=True, beta=0.0,
+        tiny_model_for_tests(tokenizer),
+        tokenizer,
+        tmp_path,
+        pg_loss_type="reinforce_with_baseline",
+        length_normalization=length_normalization,
+        mask_truncated_completions=True,
+        beta=0.0,
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -123,8 +150,12 @@ def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, token
     completion_ids = torch.tensor([[301, 302, tokenizer.eos_token_id, tokenizer.pad_token_id], [401, 402, 403, 404]])
     completion_mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])  # row B was truncated: masked entirely
     inputs = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
-        advantages=torch.tensor([1.5, -2.0]), old_per_token_logps=None,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.5, -2.0]),
+        old_per_token_logps=None,
     )
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     # independent: a plain forward of row A alone (no TRL code), -A * log p over its 3 tokens
@@ -144,7 +175,9 @@ def test_trainer_loss_ignores_a_masked_truncated_row(length_normalization, token
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
-def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_average(tokenizer, tiny_model_dir, tmp_path):
+def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_average(
+    tokenizer, tiny_model_dir, tmp_path
+):
     """Every completion masked (all truncated): entropy, kl, clip_ratio/* and ratio/* have nothing to average. They
     are NaN (as upstream's nanmin/nanmax give for clip_ratio/low_min and high_max), never 0 or the float extremes
     +-3.4e38, and upstream's log() leaves them out of the logging window: the logged value is that of the step with
@@ -152,7 +185,12 @@ def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_a
     import math
 
     trainer = make_trainer(  # beta > 0: a reference model, loaded from a directory
-        str(tiny_model_dir), tokenizer, tmp_path, pg_loss_type="grpo_clip", beta=0.04, mask_truncated_completions=True,
+        str(tiny_model_dir),
+        tokenizer,
+        tmp_path,
+        pg_loss_type="grpo_clip",
+        beta=0.04,
+        mask_truncated_completions=True,
     )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -161,15 +199,31 @@ def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_a
     # old/reference log-probs set so every ratio is e^0.1 and every k3 KL is e^-0.1 + 0.1 - 1 (no model needed)
     with torch.no_grad():
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        logits = trainer.model(input_ids=ids, attention_mask=torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)).logits
+        logits = trainer.model(
+            input_ids=ids, attention_mask=torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+        ).logits
         logp = torch.log_softmax(logits[:, -5:-1].float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1)
     inputs = dict(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), advantages=torch.tensor([1.0, -1.0]),
-        old_per_token_logps=logp - 0.1, ref_per_token_logps=logp - 0.1,
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+        advantages=torch.tensor([1.0, -1.0]),
+        old_per_token_logps=logp - 0.1,
+        ref_per_token_logps=logp - 0.1,
     )
-    keys = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-            "clip_ratio/low_min", "clip_ratio/high_max", "ratio/mean", "ratio/min", "ratio/max")
+    keys = (
+        "entropy",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+        "ratio/mean",
+        "ratio/min",
+        "ratio/max",
+    )
 
     trainer._compute_loss(trainer.model, dict(inputs, completion_mask=torch.zeros(2, 4, dtype=torch.long)))
     metrics = trainer._metrics["train"]
@@ -185,10 +239,18 @@ def test_metrics_of_a_step_without_trained_tokens_are_nan_and_leave_the_logged_a
     logged = trainer.state.log_history[-1]
     ratio, kl = math.exp(0.1), math.exp(-0.1) + 0.1 - 1  # k3 = e^(ref - logp) - (ref - logp) - 1, ref - logp = -0.1
     assert logged["ratio/mean"] == pytest.approx(ratio, rel=1e-5)
-    assert logged["ratio/min"] == pytest.approx(ratio, rel=1e-5) and logged["ratio/max"] == pytest.approx(ratio, rel=1e-5)
+    assert logged["ratio/min"] == pytest.approx(ratio, rel=1e-5) and logged["ratio/max"] == pytest.approx(
+        ratio, rel=1e-5
+    )
     assert logged["kl"] == pytest.approx(kl, rel=1e-4)
     # e^0.1 = 1.105 is inside [0.8, 1.2]: nothing clipped, in the 7 trained tokens and in each row
-    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"):
+    for key in (
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    ):
         assert logged[key] == 0.0, key
     entropy = torch.distributions.Categorical(logits=logits[:, -5:-1].float()).entropy()
     expected_entropy = (entropy[0, :3].sum() + entropy[1].sum()) / 7

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import trl
+from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from conftest import length_mod5_reward
 from trl_ext import functional as F
 
 
@@ -73,7 +73,8 @@ GRPO_SETTINGS = (  # GRPO: std-normalized advantages (TRL's eps 1e-4), per-respo
     dict(normalize_by_std=True, length_normalization="masked_mean", use_bias_correction_kl=True),
     dict(scale_rewards="group", loss_type="grpo", use_bias_correction_kl=True),
 )
-DR_GRPO_SETTINGS = (  # Dr. GRPO: mean baseline only, sum over tokens / max_completion_length, plain k3 KL (the course's)
+# Dr. GRPO: mean baseline only, sum over tokens / max_completion_length, plain k3 KL (the course's)
+DR_GRPO_SETTINGS = (
     dict(normalize_by_std=False, length_normalization="masked_normalize"),
     dict(scale_rewards="none", loss_type="dr_grpo", use_bias_correction_kl=False),
 )
@@ -93,21 +94,32 @@ DR_GRPO_SETTINGS = (  # Dr. GRPO: mean baseline only, sum over tokens / max_comp
         (DR_GRPO_SETTINGS[1], DR_GRPO_SETTINGS[1], False),
     ],
 )
-def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient_checkpointing, tokenizer, tiny_model_dir, tmp_path):
+def test_same_advantages_loss_and_gradients_as_upstream(
+    ours, upstream, gradient_checkpointing, tokenizer, tiny_model_dir, tmp_path
+):
     model_a = model_b = tiny_model_dir
     shared = dict(beta=0.04, epsilon=0.2, num_iterations=2, gradient_checkpointing=gradient_checkpointing)
-    ext = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared)
+    ext = make_trainer(
+        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared
+    )
     ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
     # whichever names were given, both hold the same setting
-    course = {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}[upstream["loss_type"]], upstream["scale_rewards"] == "group"
+    course = (
+        {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}[upstream["loss_type"]],
+        upstream["scale_rewards"] == "group",
+    )
     assert (ext.args.length_normalization, ext.args.normalize_by_std) == course
     assert (ext.args.loss_type, ext.args.scale_rewards) == (upstream["loss_type"], upstream["scale_rewards"])
     rows_seen = []  # (rows, tokens) of each forward of trl_ext's policy
-    ext.model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    ext.model.register_forward_pre_hook(
+        lambda m, a, kw: rows_seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
 
     batch_ext, batch_ref = generation_batch(ext), generation_batch(ref)
     assert torch.equal(batch_ext["completion_ids"], batch_ref["completion_ids"])  # same seed, same samples
-    rewards = torch.tensor(length_mod5_reward(ext.processing_class.batch_decode(batch_ext["completion_ids"], skip_special_tokens=True)))
+    rewards = torch.tensor(
+        length_mod5_reward(ext.processing_class.batch_decode(batch_ext["completion_ids"], skip_special_tokens=True))
+    )
     assert rewards.std() > 0, "the toy batch should have distinct rewards, or the advantages test nothing"
     torch.testing.assert_close(batch_ext["advantages"], batch_ref["advantages"], atol=1e-5, rtol=1e-5)
 
@@ -120,19 +132,32 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient
     # prompt token and the completion of each row: no padding)
     prefill = (1, batch_ext["prompt_ids"].size(1) - 1)
     packed = (1, int(inputs["completion_mask"].sum()) + 4)
-    assert [seen for seen in rows_seen if seen[0] == 1] == ([prefill] if gradient_checkpointing else [prefill] + [prefill, packed] * 2)
+    assert [seen for seen in rows_seen if seen[0] == 1] == (
+        [prefill] if gradient_checkpointing else [prefill] + [prefill, packed] * 2
+    )
     torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:
         torch.testing.assert_close(grads_ext[name], grads_ref[name], atol=1e-6, rtol=1e-4)
-    keys = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-            "clip_ratio/low_min", "clip_ratio/high_max")
+    keys = (
+        "kl",
+        "entropy",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    )
     for key in keys:
         assert ext._metrics["train"][key][-1] == pytest.approx(ref._metrics["train"][key][-1], abs=1e-6), key
     assert ext._metrics["train"]["clip_ratio/region_mean"][-1] > 0, "perturbation should clip some tokens"
     # upstream's definitions by hand: per-sequence clipped fractions, then the min (low) / max (high) over sequences
     logp = independent_log_probs(ext.model, inputs, COMMON["temperature"])
-    ratio, adv, mask = torch.exp(logp - inputs["old_per_token_logps"]), batch_ext["advantages"][:, None], inputs["completion_mask"]
+    ratio, adv, mask = (
+        torch.exp(logp - inputs["old_per_token_logps"]),
+        batch_ext["advantages"][:, None],
+        inputs["completion_mask"],
+    )
     low = (((ratio < 0.8) & (adv < 0)).float() * mask).sum(-1) / mask.sum(-1)
     high = (((ratio > 1.2) & (adv > 0)).float() * mask).sum(-1) / mask.sum(-1)
     assert ext._metrics["train"]["clip_ratio/low_min"][-1] == pytest.approx(low.min().item(), abs=1e-6)
@@ -141,24 +166,42 @@ def test_same_advantages_loss_and_gradients_as_upstream(ours, upstream, gradient
 
 
 @pytest.mark.parametrize("pg_loss_type", ["grpo_clip", "no_baseline"])
-def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients_and_metrics(pg_loss_type, tokenizer, tiny_model_dir, tmp_path):
+def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients_and_metrics(
+    pg_loss_type, tokenizer, tiny_model_dir, tmp_path
+):
     """beta = 0: rows whose advantage is exactly 0 (for no_baseline: reward 0) add 0 to the loss and the gradient;
     skip_zero_advantage_rows runs them without gradient, and everything else must come out as when they are not
     skipped -- and, for grpo_clip, as upstream."""
     iterations = 2 if pg_loss_type == "grpo_clip" else 1  # no_baseline is on-policy: stale samples are refused
-    options = dict(beta=0.0, epsilon=0.2, num_iterations=iterations, gradient_checkpointing=False, pg_loss_type=pg_loss_type)
+    options = dict(
+        beta=0.0, epsilon=0.2, num_iterations=iterations, gradient_checkpointing=False, pg_loss_type=pg_loss_type
+    )
     runs = {}
     for skip in (True, False):
-        trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path,
-                               advantage_eps=1e-4, skip_zero_advantage_rows=skip, **options)
+        trainer = make_trainer(
+            trl_ext.GRPOTrainer,
+            trl_ext.GRPOConfig,
+            tiny_model_dir,
+            tokenizer,
+            tmp_path,
+            advantage_eps=1e-4,
+            skip_zero_advantage_rows=skip,
+            **options,
+        )
         inputs = perturb_for_clipping(generation_batch(trainer))  # old log-probs off by up to +-0.6: some clipping
         inputs["advantages"] = torch.tensor([0.0, 1.5, 0.0, -0.5])  # rows 0 and 2: nothing to learn from
         forwards = []  # (rows, tokens, gradient enabled) of each forward of the policy
         handle = trainer.model.register_forward_pre_hook(
-            lambda m, a, kw: forwards.append((*kw["input_ids"].shape, torch.is_grad_enabled())), with_kwargs=True)
+            lambda m, a, kw, seen=forwards: seen.append((*kw["input_ids"].shape, torch.is_grad_enabled())),
+            with_kwargs=True,
+        )
         loss, grads = loss_and_grads(trainer, dict(inputs))
         handle.remove()
-        metrics = {key: values[-1] for key, values in trainer._metrics["train"].items() if key.startswith(("entropy", "clip_ratio", "ratio"))}
+        metrics = {
+            key: values[-1]
+            for key, values in trainer._metrics["train"].items()
+            if key.startswith(("entropy", "clip_ratio", "ratio"))
+        }
         runs[skip] = loss, grads, metrics, forwards
     (loss, grads, metrics, forwards), (loss_all, grads_all, metrics_all, forwards_all) = runs[True], runs[False]
     # skipped: the 2 rows with advantages run in the gradient forward (prefill of their one prompt but its last
@@ -166,8 +209,12 @@ def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients
     # others without gradient; not skipped: one gradient forward of all 4 rows
     prefill = inputs["prompt_ids"].size(1) - 1
     real = inputs["completion_mask"].sum(1) + 1  # (4,) each row's real tokens
-    assert forwards == [(1, prefill, True), (1, int(real[[1, 3]].sum()), True),
-                        (1, prefill, False), (1, int(real[[0, 2]].sum()), False)], forwards
+    assert forwards == [
+        (1, prefill, True),
+        (1, int(real[[1, 3]].sum()), True),
+        (1, prefill, False),
+        (1, int(real[[0, 2]].sum()), False),
+    ], forwards
     assert forwards_all == [(1, prefill, True), (1, int(real.sum()), True)], forwards_all
     torch.testing.assert_close(loss, loss_all, atol=1e-7, rtol=1e-6)
     assert loss != 0
@@ -178,8 +225,19 @@ def test_rows_with_zero_advantage_skip_the_backward_with_the_same_loss_gradients
         assert metrics[key] == pytest.approx(metrics_all[key], abs=1e-6), key
     if pg_loss_type == "grpo_clip":
         assert metrics["clip_ratio/region_mean"] > 0
-        upstream = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, loss_type="grpo",
-                                scale_rewards="group", beta=0.0, epsilon=0.2, num_iterations=2, gradient_checkpointing=False)
+        upstream = make_trainer(
+            trl.GRPOTrainer,
+            trl.GRPOConfig,
+            tiny_model_dir,
+            tokenizer,
+            tmp_path,
+            loss_type="grpo",
+            scale_rewards="group",
+            beta=0.0,
+            epsilon=0.2,
+            num_iterations=2,
+            gradient_checkpointing=False,
+        )
         loss_ref, grads_ref = loss_and_grads(upstream, dict(inputs))
         torch.testing.assert_close(loss, loss_ref, atol=1e-6, rtol=1e-5)
         for name in grads_ref:
@@ -208,7 +266,13 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
     # num_iterations=2 (old log-probs that differ from the current ones) only where the loss is off-policy-correct
     iterations = 1 if options["pg_loss_type"] in ("no_baseline", "reinforce_with_baseline") else 2
     trainer = make_trainer(
-        trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.1, num_iterations=iterations,
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        beta=0.1,
+        num_iterations=iterations,
         **options,
     )
     batch = generation_batch(trainer)
@@ -224,8 +288,12 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     logp = independent_log_probs(trainer.model, inputs, COMMON["temperature"])
     per_token, _ = F.compute_policy_gradient_loss(
-        logp, options["pg_loss_type"], raw_rewards=raw[:, None], advantages=expected_adv[:, None],
-        old_log_probs=inputs["old_per_token_logps"], cliprange=0.2,
+        logp,
+        options["pg_loss_type"],
+        raw_rewards=raw[:, None],
+        advantages=expected_adv[:, None],
+        old_log_probs=inputs["old_per_token_logps"],
+        cliprange=0.2,
     )
     per_token = per_token + 0.1 * F.compute_kl(logp, inputs["ref_per_token_logps"], options["kl_estimator"])
     expected = F.compute_grpo_loss(
@@ -236,14 +304,32 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
 
 def test_two_training_steps_change_parameters_and_log_metrics(tokenizer, tiny_model, tiny_model_dir, tmp_path):
     before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
-    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, beta=0.05, kl_target=0.01, kl_horizon=10)
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        beta=0.05,
+        kl_target=0.01,
+        kl_horizon=10,
+    )
     result = trainer.train()
     assert result.global_step == 2
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert len(changed) == len(before), f"unchanged: {set(before) - set(changed)}"
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2
-    for key in ("loss", "grad_norm", "reward", "entropy", "kl", "clip_ratio/region_mean", "completions/mean_length", "beta"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "reward",
+        "entropy",
+        "kl",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "beta",
+    ):
         assert key in logs[0] and math.isfinite(logs[0][key]), key
     # the adaptive controller moved beta by the clipped proportional rule from 0.05
     kl0 = logs[0]["kl"]
@@ -271,6 +357,7 @@ def test_sample_is_upstreams_generation_and_makes_vllm_reload_the_weights(tokeni
     trainer._last_loaded_step = trainer.state.global_step  # as after a sync
     trainer.sample(prompts)
     assert seen == [-1] and trainer.state.global_step != -1
+
 
 def test_config_rejects_unsupported_options(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
@@ -302,10 +389,20 @@ def test_config_rejects_unsupported_options(tmp_path):
         (dict(scale_rewards=True), ("masked_mean", True, "grpo", "group")),
         (dict(scale_rewards="False"), ("masked_mean", False, "grpo", "none")),
         # the course names alone
-        (dict(length_normalization="masked_normalize", normalize_by_std=False), ("masked_normalize", False, "dr_grpo", "none")),
+        (
+            dict(length_normalization="masked_normalize", normalize_by_std=False),
+            ("masked_normalize", False, "dr_grpo", "none"),
+        ),
         # both names of a setting, agreeing
-        (dict(loss_type="dr_grpo", length_normalization="masked_normalize", scale_rewards="group", normalize_by_std=True),
-         ("masked_normalize", True, "dr_grpo", "group")),
+        (
+            dict(
+                loss_type="dr_grpo",
+                length_normalization="masked_normalize",
+                scale_rewards="group",
+                normalize_by_std=True,
+            ),
+            ("masked_normalize", True, "dr_grpo", "group"),
+        ),
     ],
 )
 def test_either_name_of_a_setting_decides_it(given, expected, tmp_path):
@@ -316,12 +413,24 @@ def test_either_name_of_a_setting_decides_it(given, expected, tmp_path):
 @pytest.mark.parametrize(
     "given, message",
     [
-        (dict(loss_type="dr_grpo", length_normalization="masked_mean"),
-         "loss_type='dr_grpo' conflicts with length_normalization='masked_mean'.*means length_normalization='masked_normalize'"),
-        (dict(loss_type="grpo", length_normalization="masked_normalize"), "loss_type='grpo' conflicts with length_normalization='masked_normalize'"),
-        (dict(scale_rewards="none", normalize_by_std=True), "scale_rewards='none' conflicts with normalize_by_std=True"),
+        (
+            dict(loss_type="dr_grpo", length_normalization="masked_mean"),
+            "loss_type='dr_grpo' conflicts with length_normalization='masked_mean'.*means "
+            "length_normalization='masked_normalize'",
+        ),
+        (
+            dict(loss_type="grpo", length_normalization="masked_normalize"),
+            "loss_type='grpo' conflicts with length_normalization='masked_normalize'",
+        ),
+        (
+            dict(scale_rewards="none", normalize_by_std=True),
+            "scale_rewards='none' conflicts with normalize_by_std=True",
+        ),
         (dict(scale_rewards=False, normalize_by_std=True), "scale_rewards='none' conflicts with normalize_by_std=True"),
-        (dict(scale_rewards="group", normalize_by_std=False), "scale_rewards='group' conflicts with normalize_by_std=False"),
+        (
+            dict(scale_rewards="group", normalize_by_std=False),
+            "scale_rewards='group' conflicts with normalize_by_std=False",
+        ),
     ],
 )
 def test_both_names_of_a_setting_given_differently_raise_naming_both(given, message, tmp_path):
@@ -337,18 +446,32 @@ def test_resolved_settings_survive_replace_pickle_and_json(tmp_path):
         return c.length_normalization, c.normalize_by_std, c.loss_type, c.scale_rewards
 
     config = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+
     # dataclasses.replace passes every field back to __init__ (TRL's generation_batch_size must be reset, as for
     # trl.GRPOConfig): a value __post_init__ derived is re-derived, not taken as given
     def replace(c, **changes):
         return dataclasses.replace(c, generation_batch_size=None, **changes)
 
     assert settings(replace(config, loss_type="dr_grpo")) == ("masked_normalize", True, "dr_grpo", "group")
-    assert settings(replace(config, length_normalization="masked_normalize")) == ("masked_normalize", True, "dr_grpo", "group")
+    assert settings(replace(config, length_normalization="masked_normalize")) == (
+        "masked_normalize",
+        True,
+        "dr_grpo",
+        "group",
+    )
     assert settings(replace(config, normalize_by_std=False)) == ("masked_mean", False, "grpo", "none")
     # normalize_by_std is a bool and cannot tell derived from given: replacing scale_rewards says how to proceed
-    with pytest.raises(ValueError, match="scale_rewards='none' conflicts with normalize_by_std=True.*dataclasses.replace.*None under the other"):
+    with pytest.raises(
+        ValueError,
+        match="scale_rewards='none' conflicts with normalize_by_std=True.*dataclasses.replace.*None under the other",
+    ):
         replace(config, scale_rewards="none")
-    assert settings(replace(config, scale_rewards="none", normalize_by_std=None)) == ("masked_mean", False, "grpo", "none")
+    assert settings(replace(config, scale_rewards="none", normalize_by_std=None)) == (
+        "masked_mean",
+        False,
+        "grpo",
+        "none",
+    )
     dr = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, loss_type="dr_grpo")
     assert settings(replace(dr, loss_type="grpo")) == ("masked_mean", True, "grpo", "group")
     with pytest.raises(ValueError, match="loss_type='dr_grpo' conflicts with length_normalization='masked_mean'"):
@@ -363,7 +486,9 @@ def test_resolved_settings_survive_replace_pickle_and_json(tmp_path):
     assert (saved["loss_type"], saved["length_normalization"]) == ("dr_grpo", "masked_normalize")
     assert all(type(v) is str for v in (dr.to_dict()["loss_type"], dr.to_dict()["length_normalization"]))
     init = {f.name for f in dataclasses.fields(trl_ext.GRPOConfig) if f.init} - {"generation_batch_size"}
-    rebuilt = trl_ext.GRPOConfig(**{k: getattr(dr, k) if k.endswith("token") else v for k, v in dr.to_dict().items() if k in init})
+    rebuilt = trl_ext.GRPOConfig(
+        **{k: getattr(dr, k) if k.endswith("token") else v for k, v in dr.to_dict().items() if k in init}
+    )
     assert settings(rebuilt) == settings(dr)
 
 
@@ -378,10 +503,21 @@ def upstream_fields_equal(converted, upstream, skip=()):
 def test_plain_training_arguments_become_a_config_with_the_course_defaults(tmp_path):
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=3e-4, hub_token="hf_secret")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=3e-4, hub_token="hf_secret"
+    )
     config = trl_ext.GRPOConfig.from_upstream(args)
-    assert (config.learning_rate, config.hub_token, config.num_generations) == (3e-4, "hf_secret", trl.GRPOConfig.num_generations)
-    assert (config.length_normalization, config.normalize_by_std, config.loss_type, config.scale_rewards) == ("masked_mean", True, "grpo", "group")
+    assert (config.learning_rate, config.hub_token, config.num_generations) == (
+        3e-4,
+        "hf_secret",
+        trl.GRPOConfig.num_generations,
+    )
+    assert (config.length_normalization, config.normalize_by_std, config.loss_type, config.scale_rewards) == (
+        "masked_mean",
+        True,
+        "grpo",
+        "group",
+    )
 
 
 # ----- where the rewards come from: as upstream, reward_funcs is optional -----
@@ -391,7 +527,10 @@ def both_trainers(tokenizer, tmp_path, model, **kwargs):
     """trl.GRPOTrainer and trl_ext.GRPOTrainer with the same settings (the math of both: GRPO, TRL's eps), built by
     the factory ``kwargs`` give (no reward_funcs unless given)."""
     settings = dict(COMMON, beta=0.0, loss_type="grpo", scale_rewards="group", max_steps=1)
-    for cls, config_cls, extra in ((trl.GRPOTrainer, trl.GRPOConfig, {}), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig, dict(advantage_eps=1e-4))):
+    for cls, config_cls, extra in (
+        (trl.GRPOTrainer, trl.GRPOConfig, {}),
+        (trl_ext.GRPOTrainer, trl_ext.GRPOConfig, dict(advantage_eps=1e-4)),
+    ):
         args = config_cls(output_dir=str(tmp_path / cls.__module__), **settings, **extra)
         yield cls(model=model, args=args, train_dataset=toy_dataset(), processing_class=tokenizer, **kwargs)
 
@@ -400,7 +539,9 @@ def test_without_a_reward_source_both_raise_upstreams_error(tokenizer, tiny_mode
     tok = copy.deepcopy(tokenizer)
     for cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)):
         args = config_cls(output_dir=str(tmp_path), **{**COMMON, "loss_type": "grpo"})
-        with pytest.raises(ValueError, match=r"No reward source provided\. Pass `reward_funcs`, or an `environment_factory`"):
+        with pytest.raises(
+            ValueError, match=r"No reward source provided\. Pass `reward_funcs`, or an `environment_factory`"
+        ):
             cls(model=tiny_model_dir, args=args, train_dataset=toy_dataset(), processing_class=tok)
 
 
@@ -409,9 +550,16 @@ def scripted_rollout(prompts, trainer):
     scores travel as an extra field, which upstream hands to the reward functions as a keyword argument."""
     tok = trainer.processing_class
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    completion_ids = [tok(" " + "x" * (i + 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for i in range(len(prompts))]
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None,
-            "env_score": [float(i % 3) for i in range(len(prompts))]}
+    completion_ids = [
+        tok(" " + "x" * (i + 1), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for i in range(len(prompts))
+    ]
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "logprobs": None,
+        "env_score": [float(i % 3) for i in range(len(prompts))],
+    }
 
 
 def env_score(completions, env_score, **kwargs):
@@ -463,7 +611,11 @@ def test_rewards_from_an_environment_alone_become_the_course_advantages(tokenize
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
         torch.manual_seed(123)
-        batches.append(trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "Count to 5:"}]} for _ in range(4)]))
+        batches.append(
+            trainer._generate_and_score_completions(
+                [{"prompt": [{"role": "user", "content": "Count to 5:"}]} for _ in range(4)]
+            )
+        )
         scores = trainer._gathered_rewards[:, 0] if isinstance(trainer, trl_ext.GRPOTrainer) else None
     assert scores.std() > 0, "the environment should score the group unevenly"
     expected = F.compute_group_advantages(scores, 4, advantage_eps=1e-4, normalize_by_std=True)
@@ -484,18 +636,39 @@ def lm_head_lora():
     "options, kwargs, message",
     [
         # an adapter on lm_head is refused by upstream whatever the engine
-        (dict(use_vllm=True), dict(peft_config=lm_head_lora()), "Applying a PEFT adapter to `lm_head` is not supported"),
-        (dict(use_liger_kernel=True), dict(peft_config=lm_head_lora()), "Applying a PEFT adapter to `lm_head` is not supported"),
+        (
+            dict(use_vllm=True),
+            dict(peft_config=lm_head_lora()),
+            "Applying a PEFT adapter to `lm_head` is not supported",
+        ),
+        (
+            dict(use_liger_kernel=True),
+            dict(peft_config=lm_head_lora()),
+            "Applying a PEFT adapter to `lm_head` is not supported",
+        ),
         # liger's fused cross-entropy would replace the fused LM head
-        (dict(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}), {}, "fused_linear_cross_entropy"),
+        (
+            dict(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True}),
+            {},
+            "fused_linear_cross_entropy",
+        ),
     ],
 )
-def test_upstreams_option_checks_speak_before_a_missing_engine(options, kwargs, message, tokenizer, tiny_model_dir, tmp_path):
+def test_upstreams_option_checks_speak_before_a_missing_engine(
+    options, kwargs, message, tokenizer, tiny_model_dir, tmp_path
+):
     tok = copy.deepcopy(tokenizer)
     for cls, config_cls in ((trl.GRPOTrainer, trl.GRPOConfig), (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)):
         args = config_cls(output_dir=str(tmp_path), **{**COMMON, "loss_type": "grpo", **options})
         with pytest.raises(ValueError, match=message):
-            cls(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok, **kwargs)
+            cls(
+                model=tiny_model_dir,
+                reward_funcs=length_mod5_reward,
+                args=args,
+                train_dataset=toy_dataset(),
+                processing_class=tok,
+                **kwargs,
+            )
 
 
 @pytest.mark.parametrize("flag, module", [("use_vllm", "vllm"), ("use_liger_kernel", "liger_kernel")])
@@ -503,30 +676,65 @@ def test_a_missing_engine_says_how_to_install_it(flag, module, tokenizer, tiny_m
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
     args = trl_ext.GRPOConfig(output_dir=str(tmp_path), **{**COMMON, flag: True})  # the config alone is fine
-    with pytest.raises(ImportError, match=f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`"):
-        trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(),
-                            processing_class=copy.deepcopy(tokenizer))
+    with pytest.raises(
+        ImportError, match=f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`"
+    ):
+        trl_ext.GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_mod5_reward,
+            args=args,
+            train_dataset=toy_dataset(),
+            processing_class=copy.deepcopy(tokenizer),
+        )
 
 
 @pytest.mark.parametrize(
     "loss_type, scale_rewards, length_normalization, normalize_by_std",
-    [("grpo", "group", "masked_mean", True), ("dr_grpo", "none", "masked_normalize", False), ("grpo", False, "masked_mean", False)],
+    [
+        ("grpo", "group", "masked_mean", True),
+        ("dr_grpo", "none", "masked_normalize", False),
+        ("grpo", False, "masked_mean", False),
+    ],
 )
-def test_trainer_accepts_the_upstream_config(loss_type, scale_rewards, length_normalization, normalize_by_std, tokenizer, tiny_model_dir, tmp_path):
+def test_trainer_accepts_the_upstream_config(
+    loss_type, scale_rewards, length_normalization, normalize_by_std, tokenizer, tiny_model_dir, tmp_path
+):
     args = trl.GRPOConfig(
-        **{**COMMON, "output_dir": str(tmp_path), "loss_type": loss_type, "scale_rewards": scale_rewards, "beta": 0.04,
-           "epsilon": 0.3, "num_iterations": 2, "hub_token": "hf_secret"}
+        **{
+            **COMMON,
+            "output_dir": str(tmp_path),
+            "loss_type": loss_type,
+            "scale_rewards": scale_rewards,
+            "beta": 0.04,
+            "epsilon": 0.3,
+            "num_iterations": 2,
+            "hub_token": "hf_secret",
+        }
     )
-    trainer = trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset())
+    trainer = trl_ext.GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset()
+    )
     assert isinstance(trainer.args, trl_ext.GRPOConfig)
-    assert (trainer.args.length_normalization, trainer.args.normalize_by_std) == (length_normalization, normalize_by_std)
+    assert (trainer.args.length_normalization, trainer.args.normalize_by_std) == (
+        length_normalization,
+        normalize_by_std,
+    )
     assert (trainer.beta, trainer.args.epsilon, trainer.args.hub_token) == (0.04, 0.3, "hf_secret")
     assert trainer.args.use_bias_correction_kl is True  # upstream's default value is kept with its upstream meaning
     upstream_fields_equal(trainer.args, args)
     # the course fields say what upstream's asked for: the loss is the same function of the same batch
-    same = trl_ext.GRPOConfig(**{**COMMON, "output_dir": str(tmp_path), "beta": 0.04, "epsilon": 0.3, "num_iterations": 2,
-                                 "length_normalization": length_normalization, "normalize_by_std": normalize_by_std,
-                                 "use_bias_correction_kl": True})
+    same = trl_ext.GRPOConfig(
+        **{
+            **COMMON,
+            "output_dir": str(tmp_path),
+            "beta": 0.04,
+            "epsilon": 0.3,
+            "num_iterations": 2,
+            "length_normalization": length_normalization,
+            "normalize_by_std": normalize_by_std,
+            "use_bias_correction_kl": True,
+        }
+    )
     assert (same.loss_type, same.scale_rewards) == (trainer.args.loss_type, trainer.args.scale_rewards)
 
 
@@ -536,7 +744,10 @@ def test_trainer_accepts_the_upstream_config(loss_type, scale_rewards, length_no
         (dict(), "loss_type='dapo' is not implemented by the course loss.*default is 'dapo'"),  # upstream's default
         (dict(loss_type="bnpo"), "loss_type='bnpo' is not implemented"),
         (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' is not implemented"),
-        (dict(loss_type="grpo", importance_sampling_level="sequence"), "importance_sampling_level='sequence' is not supported"),
+        (
+            dict(loss_type="grpo", importance_sampling_level="sequence"),
+            "importance_sampling_level='sequence' is not supported",
+        ),
         (dict(loss_type="grpo", epsilon_high=0.28), "epsilon_high=0.28 differs from epsilon=0.2"),
     ],
 )
@@ -549,12 +760,23 @@ def test_upstream_config_asking_for_other_math_raises(override, message, tmp_pat
 def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tiny_model_dir, tmp_path):
     # 4 optimizer steps, num_iterations=2: rollout 1 is trained on in steps 1-2, rollout 2 in steps 3-4
     beta0, target, horizon = 0.1, 1e-3, 8
-    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, max_steps=4,
-                           beta=beta0, kl_target=target, kl_horizon=horizon, num_iterations=2)
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        max_steps=4,
+        beta=beta0,
+        kl_target=target,
+        kl_horizon=horizon,
+        num_iterations=2,
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     kl = [entry["kl"] for entry in logs]
     assert kl[0] == 0.0  # step 1: the policy is still the reference
+
     # Ziegler et al.: after each rollout, beta *= 1 + clip(KL / target - 1, +-0.2) * new samples / horizon, with the
     # KL of the rollout measured when its samples are first trained on (steps 1 and 3) and 4 new samples per rollout
     def update(beta, measured):
@@ -574,8 +796,18 @@ def test_adaptive_beta_stays_when_a_rollout_has_no_trained_token(tokenizer, tiny
     # a random tiny model never samples EOS in 8 tokens: with mask_truncated_completions every completion is masked,
     # so no KL is measured; treating the empty rollout as KL 0 would shrink beta by 1 - 0.2 * 4 / horizon per rollout
     beta0, target, horizon = 0.1, 1e-3, 8
-    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, max_steps=2,
-                           beta=beta0, kl_target=target, kl_horizon=horizon, mask_truncated_completions=True)
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        max_steps=2,
+        beta=beta0,
+        kl_target=target,
+        kl_horizon=horizon,
+        mask_truncated_completions=True,
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["completions/clipped_ratio"] for entry in logs] == [1.0, 1.0]  # every completion truncated
@@ -585,7 +817,14 @@ def test_adaptive_beta_stays_when_a_rollout_has_no_trained_token(tokenizer, tiny
 @pytest.mark.parametrize("pg_loss_type", ["no_baseline", "reinforce_with_baseline"])
 @pytest.mark.parametrize("reuse", [dict(num_iterations=2), dict(steps_per_generation=2)])
 def test_on_policy_losses_refuse_stale_samples(pg_loss_type, reuse, tmp_path):
-    base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, per_device_train_batch_size=4, num_generations=4)
+    base = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+    )
     with pytest.raises(ValueError, match=f"pg_loss_type='{pg_loss_type}' is an on-policy loss.*num_iterations"):
         trl_ext.GRPOConfig(pg_loss_type=pg_loss_type, **reuse, **base)
     # re-used samples are fine for the clipped loss, fresh samples for the on-policy ones
@@ -597,9 +836,20 @@ def test_adaptive_beta_with_rollouts_that_end_inside_an_optimizer_step(tokenizer
     # steps_per_generation=3, gradient_accumulation_steps=2: rollout 1 is micro-batches 1-3 (it ends inside optimizer
     # step 2), rollout 2 micro-batches 4-6 (end of step 3). beta stays fixed within a step and moves once per rollout.
     beta0, target, horizon = 0.1, 1e-3, 24
-    trainer = make_trainer(trl_ext.GRPOTrainer, trl_ext.GRPOConfig, tiny_model_dir, tokenizer, tmp_path, toy_dataset(6),
-                           max_steps=3, beta=beta0, kl_target=target, kl_horizon=horizon, steps_per_generation=3,
-                           gradient_accumulation_steps=2)
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        toy_dataset(6),
+        max_steps=3,
+        beta=beta0,
+        kl_target=target,
+        kl_horizon=horizon,
+        steps_per_generation=3,
+        gradient_accumulation_steps=2,
+    )
     assert trainer.args.generation_batch_size == 12
     per_micro_batch = []  # (KL sum, token count) over all processes, as the trainer measured them
     beta_in_loss = []  # the beta each micro-batch's loss used

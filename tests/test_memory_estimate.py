@@ -40,7 +40,16 @@ def _load_script():
 
 me = _load_script()
 GiB = 1024**3
-HAND = me.ModelSpec("hand", vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16, tie_word_embeddings=True)
+HAND = me.ModelSpec(
+    "hand",
+    vocab_size=100,
+    hidden_size=8,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=16,
+    tie_word_embeddings=True,
+)
 HAND_SHAPE = dict(num_generations=4, max_completion_length=10, max_prompt_length=6, lora_r=2, overhead_bytes=0)
 
 

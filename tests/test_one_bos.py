@@ -71,14 +71,25 @@ def test_prompt_token_ids_have_exactly_one_bos(bos_tokenizer):
 
 def grpo_trainer(tok, model, tmp_path):
     args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2, max_completion_length=3,
-        report_to="none", bf16=False, use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "grpo"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=3,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
     )
     gtok = copy.deepcopy(tok)
     gtok.padding_side = "left"
     return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=gtok,
+        model=model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
+        processing_class=gtok,
     )
 
 
@@ -111,7 +122,9 @@ def test_sft_training_inputs_have_one_bos(bos_tokenizer, tmp_path):
     prompts = prompts_of_every_kind(tok)[:4]  # plain strings: prompt-completion text rows
     dataset = Dataset.from_dict({"prompt": prompts, "completion": [" 5"] * 4})
     args = SFTConfig(output_dir=str(tmp_path / "sft"), **CPU_TEST_ARGS, per_device_train_batch_size=4)
-    trainer = SFTTrainer(model=tiny_model_for_tests(tok), args=args, train_dataset=dataset, processing_class=copy.deepcopy(tok))
+    trainer = SFTTrainer(
+        model=tiny_model_for_tests(tok), args=args, train_dataset=dataset, processing_class=copy.deepcopy(tok)
+    )
     for prompt, row in zip(prompts, trainer.train_dataset):
         assert leading_bos(row["input_ids"], tok) == 1
         n = len(prompt_token_ids(tok, prompt))
@@ -129,8 +142,11 @@ def test_dpo_training_inputs_have_one_bos(bos_tokenizer, tmp_path):
     dataset = Dataset.from_dict({"prompt": prompts, "chosen": [" 5"] * 4, "rejected": [" 6"] * 4})
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), **CPU_TEST_ARGS, per_device_train_batch_size=4)
     trainer = DPOTrainer(
-        model=tiny_model_for_tests(tok, seed=1), ref_model=tiny_model_for_tests(tok, seed=2), args=args,
-        train_dataset=dataset, processing_class=copy.deepcopy(tok),
+        model=tiny_model_for_tests(tok, seed=1),
+        ref_model=tiny_model_for_tests(tok, seed=2),
+        args=args,
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tok),
     )
     for prompt, row in zip(prompts, trainer.train_dataset):
         assert row["prompt_ids"] == prompt_token_ids(tok, prompt)

@@ -1,17 +1,17 @@
-"""trl_ext.profiling: exclusive per-phase timing, the breakdown's keys and sums; bf16 autocast keeps the RL math fp32."""
+"""trl_ext.profiling: exclusive per-phase timing, the breakdown's keys and sums; bf16 autocast keeps the RL math
+fp32."""
 
 import copy
 
 import pytest
 import torch
+from conftest import CPU_TEST_ARGS
 from datasets import Dataset
 
 import trl_ext
 import trl_ext.functional as F
 from trl_ext import profiling
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
-
-from conftest import CPU_TEST_ARGS
 
 
 class FakeClock:
@@ -59,7 +59,9 @@ def _toy_trainer(tiny_model, tokenizer, tmp_path, **overrides):
     def reward(completions, **kwargs):
         return [float(len(c) % 5) for c in completions]
 
-    return trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok)
+    return trl_ext.GRPOTrainer(
+        model=tiny_model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok
+    )
 
 
 def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path):
@@ -71,7 +73,13 @@ def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path)
         assert seconds[phase] > 0, phase
     # one generation / reward / forward / backward per optimizer step at these settings; clipping + step = 1 call
     calls = profiler.timer.calls
-    assert (calls["generation"], calls["reward"], calls["logprob_forward"], calls["backward"], calls["optimizer"]) == (2, 2, 2, 2, 2)
+    assert (calls["generation"], calls["reward"], calls["logprob_forward"], calls["backward"], calls["optimizer"]) == (
+        2,
+        2,
+        2,
+        2,
+        2,
+    )
     assert profiler.steps == 2
     # the phases partition train(): their sum is the wall time of train() (train_other is the remainder)
     assert sum(seconds.values()) == pytest.approx(profiler.train_seconds, rel=1e-6)
@@ -121,8 +129,14 @@ def test_bf16_two_thread_runs_are_deterministic(tokenizer, tmp_path):
     try:
         weights = []
         for run in range(2):
-            trainer = _toy_trainer(tiny_model_for_tests(tokenizer), tokenizer, tmp_path / str(run), bf16=True,
-                                   cast_lm_head_to_fp32=True, max_steps=2)
+            trainer = _toy_trainer(
+                tiny_model_for_tests(tokenizer),
+                tokenizer,
+                tmp_path / str(run),
+                bf16=True,
+                cast_lm_head_to_fp32=True,
+                max_steps=2,
+            )
             trainer.train()
             weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     finally:

@@ -11,8 +11,8 @@ import yaml
 
 import trl_ext
 from trl_ext import tasks
-from trl_ext.compare import ablations, arm_key, parse_arms, run_comparison
 from trl_ext.cli import RecipeError
+from trl_ext.compare import ablations, arm_key, parse_arms, run_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -22,8 +22,20 @@ import grpo_ablations  # noqa: E402
 
 def parse_ablations(*argv, config=None):
     """The recipe's own parsing: its CPU defaults, ``config`` (a GPU file) layered over them, then ``argv``."""
-    gpu = [] if config is None else ["--config", str(grpo_ablations.DEFAULT_CONFIG.parent / config), "--bf16", "false",
-                                     "--use_cpu", "true", "--use_vllm", "false"]
+    gpu = (
+        []
+        if config is None
+        else [
+            "--config",
+            str(grpo_ablations.DEFAULT_CONFIG.parent / config),
+            "--bf16",
+            "false",
+            "--use_cpu",
+            "true",
+            "--use_vllm",
+            "false",
+        ]
+    )
     return grpo_ablations.parse_args([*gpu, *argv])
 
 
@@ -48,7 +60,10 @@ def test_every_experiment_changes_one_thing_from_the_reference():
     no_baseline, rwb = arms_of("baselines", script_args, training_args)
     assert rwb.settings == ref and no_baseline.settings == {**ref, "pg_loss_type": "no_baseline"}
     assert arms_of("std_normalization", script_args, training_args)[1].settings == {**ref, "normalize_by_std": False}
-    assert arms_of("length_normalization", script_args, training_args)[1].settings == {**ref, "length_normalization": "masked_normalize"}
+    assert arms_of("length_normalization", script_args, training_args)[1].settings == {
+        **ref,
+        "length_normalization": "masked_normalize",
+    }
     # off-policy 'ExK': E epochs per rollout batch, a rollout batch of K train batches = K x gradient_accumulation_steps
     _, e2k1, e2k2 = arms_of("off_policy", script_args, training_args)
     assert (e2k1.settings["num_iterations"], e2k1.settings["steps_per_generation"]) == (2, 2)
@@ -144,7 +159,9 @@ def test_expert_iteration_refuses_bad_options_and_resume_before_the_model(tmp_pa
     with pytest.raises(RecipeError, match="--max_steps 5: the SFT length is set by --sft_epochs"):
         expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--max_steps", "5"]))
     # 3 steps x 16 questions drawn without replacement from 40 training problems
-    with pytest.raises(RecipeError, match="--n_ei_steps 3 x --ei_batch_size 16 = 48 questions, but the training split has 40"):
+    with pytest.raises(
+        RecipeError, match="--n_ei_steps 3 x --ei_batch_size 16 = 48 questions, but the training split has 40"
+    ):
         expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--num_train_problems", "40"]))
 
 
@@ -172,8 +189,13 @@ def test_grpo_ablations_run_experiments_one_by_one_into_one_folder(tmp_path, mon
         grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "std_normalization"))
     # --overwrite_output_dir for 'all' removes every finished marker it will redo, so none survives a stopped run
     with pytest.raises(pytest.fail.Exception, match="tokenizer loaded"):
-        grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--experiment", "all", "--overwrite_output_dir"))
-    assert not (tmp_path / "baselines" / "comparison.json").exists() and not (tmp_path / "prompt" / "comparison.json").exists()
+        grpo_ablations.main(
+            *parse_ablations("--output_dir", str(tmp_path), "--experiment", "all", "--overwrite_output_dir")
+        )
+    assert (
+        not (tmp_path / "baselines" / "comparison.json").exists()
+        and not (tmp_path / "prompt" / "comparison.json").exists()
+    )
 
 
 def even_length_reward_fn(response, ground_truth):
@@ -187,18 +209,40 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     grader = dataclasses.replace(tasks.GRADERS["arithmetic"], reward_fn=even_length_reward_fn)  # filter and evaluation
     monkeypatch.setitem(tasks.GRADERS, "arithmetic", grader)
     out = tmp_path / "out"
-    args = expert_iteration.parse_args([
-        "--model_name_or_path", tiny_model_dir, "--output_dir", str(out),
-        "--n_ei_steps", "2", "--num_generations", "4", "--ei_batch_size", "2", "--max_completion_length", "4",
-        "--num_eval", "4", "--num_train_problems", "20", "--per_device_train_batch_size", "2", "--sft_epochs", "2",
-        "--report_to", "none",
-    ])
+    args = expert_iteration.parse_args(
+        [
+            "--model_name_or_path",
+            tiny_model_dir,
+            "--output_dir",
+            str(out),
+            "--n_ei_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--ei_batch_size",
+            "2",
+            "--max_completion_length",
+            "4",
+            "--num_eval",
+            "4",
+            "--num_train_problems",
+            "20",
+            "--per_device_train_batch_size",
+            "2",
+            "--sft_epochs",
+            "2",
+            "--report_to",
+            "none",
+        ]
+    )
     expert_iteration.main(*args)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n_eval"] == 4 and len(metrics["ei_steps"]) == 2
     assert metrics["accuracy_after"] == metrics["ei_steps"][-1]["accuracy"]
     assert metrics["recipe"] == "expert_iteration" and metrics["config"]["script_args"]["n_ei_steps"] == 2  # provenance
-    assert {"load_data", "load_model", "eval_before", "sample", "sft", "eval_steps", "save"} <= set(metrics["phase_seconds"])
+    assert {"load_data", "load_model", "eval_before", "sample", "sft", "eval_steps", "save"} <= set(
+        metrics["phase_seconds"]
+    )
     for step in metrics["ei_steps"]:
         assert step["generated"] == 8 and step["questions"] == 2  # 2 questions x G = 4
         assert 0 < step["kept"] <= 8, "the toy reward keeps about half the samples"
@@ -215,9 +259,28 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
 def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     args = parse_ablations(
-        "--experiment", "baselines", "--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--max_steps", "2",
-        "--eval_every", "1", "--num_eval", "4", "--num_train_problems", "16", "--per_device_train_batch_size", "4",
-        "--num_generations", "4", "--max_completion_length", "4", "--report_to", "none",
+        "--experiment",
+        "baselines",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--eval_every",
+        "1",
+        "--num_eval",
+        "4",
+        "--num_train_problems",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "4",
+        "--report_to",
+        "none",
     )
     grpo_ablations.main(*args, command="uv run accelerate launch recipes/grpo_ablations.py --experiment baselines")
     data = json.loads((out / "baselines" / "comparison.json").read_text())
@@ -237,7 +300,14 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_report_lists_finished_experiments_with_standard_errors_and_what_is_missing(tmp_path):
-    arms = [{"name": "no_baseline", "final_accuracy": 0.46, "final_accuracy_se": math.sqrt(0.46 * 0.54 / 100), "n_eval": 100}]
+    arms = [
+        {
+            "name": "no_baseline",
+            "final_accuracy": 0.46,
+            "final_accuracy_se": math.sqrt(0.46 * 0.54 / 100),
+            "n_eval": 100,
+        }
+    ]
     path = ablations.write_report(tmp_path, [("baselines", arms)], ["prompt"], "uv run x")
     text = path.read_text()
     assert "Not run yet: prompt." in text and "![baselines](baselines/comparison.png)" in text

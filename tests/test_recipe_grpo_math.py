@@ -30,7 +30,11 @@ def test_zero_argument_run_uses_the_cpu_config():
     # fp32 on purpose (bf16 autocast learned less, see the config); an explicit bf16 key, so trl_ext.runtime keeps it
     assert training_args.use_cpu and not training_args.bf16
     assert yaml.safe_load(grpo_math.DEFAULT_CONFIG.read_text())["bf16"] is False
-    assert (training_args.pg_loss_type, training_args.loss_type, training_args.scale_rewards) == ("grpo_clip", "grpo", "group")
+    assert (training_args.pg_loss_type, training_args.loss_type, training_args.scale_rewards) == (
+        "grpo_clip",
+        "grpo",
+        "group",
+    )
     assert training_args.save_strategy == "steps"  # a crash mid-run leaves a loadable checkpoint
 
 
@@ -53,16 +57,35 @@ def _tiny_setup(tiny_model, tokenizer, tmp_path):
     tiny_model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "gsm8k.jsonl"
-    rows = [{"question": f"Ann has {a} apples and buys {a + 3} more. How many now?", "answer": f"{a} + {a + 3}\n#### {2 * a + 3}"} for a in range(1, 13)]
+    rows = [
+        {
+            "question": f"Ann has {a} apples and buys {a + 3} more. How many now?",
+            "answer": f"{a} + {a + 3}\n#### {2 * a + 3}",
+        }
+        for a in range(1, 13)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model_dir, data
 
 
 def _recipe_flags(model_dir, data, out, *extra):
     return [
-        str(ROOT / "recipes" / "grpo_math.py"), "--dataset_name", str(data), "--model_name_or_path", str(model_dir),
-        "--num_eval", "4", "--per_device_train_batch_size", "4", "--num_generations", "4",
-        "--max_completion_length", "6", "--output_dir", str(out), *extra,
+        str(ROOT / "recipes" / "grpo_math.py"),
+        "--dataset_name",
+        str(data),
+        "--model_name_or_path",
+        str(model_dir),
+        "--num_eval",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "6",
+        "--output_dir",
+        str(out),
+        *extra,
     ]
 
 
@@ -72,7 +95,12 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     out = tmp_path / "out"
     # default logging_steps (5) > max_steps (2): the last step must still be logged; TensorBoard on
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--cpu",
         *_recipe_flags(model_dir, data, out, "--max_steps", "2", "--report_to", "tensorboard", "--save_steps", "1"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # accelerate then exports its default 1
@@ -85,14 +113,17 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     assert "accuracy" in proc.stdout and "before" in proc.stdout and "2 held-out problems" in proc.stdout
     # provenance: the command, all three resolved configs, versions, phase times
     assert metrics["command"].endswith("--save_steps 1") and metrics["versions"]["trl"] == trl.__version__
-    assert metrics["config"]["training_args"]["max_steps"] == 2 and metrics["config"]["model_args"]["model_name_or_path"] == str(model_dir)
+    assert metrics["config"]["training_args"]["max_steps"] == 2 and metrics["config"]["model_args"][
+        "model_name_or_path"
+    ] == str(model_dir)
     assert metrics["config"]["script_args"]["dataset_name"] == str(data)
     assert {"load_data", "load_model", "eval_before", "train", "eval_after"} <= set(metrics["phase_seconds"])
     # the last step (2) was logged although logging_steps is 5; held-out accuracy at steps 0 and 2
     history = metrics["log_history"]
     assert [e["step"] for e in history if "loss" in e] == [2]
     assert [(e["step"], e["eval_accuracy"]) for e in history if "eval_accuracy" in e] == [
-        (0, metrics["accuracy_before"]), (2, metrics["accuracy_after"])
+        (0, metrics["accuracy_before"]),
+        (2, metrics["accuracy_after"]),
     ]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -103,7 +134,8 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     assert events is not None and sorted(scalars["eval/accuracy"]) == [
-        (0, pytest.approx(metrics["accuracy_before"])), (2, pytest.approx(metrics["accuracy_after"]))
+        (0, pytest.approx(metrics["accuracy_before"])),
+        (2, pytest.approx(metrics["accuracy_after"])),
     ]
     assert [step for step, _ in scalars["train/loss"]] == [2]
     # per-problem records include what the grader extracted
@@ -156,13 +188,20 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
     flags = ("--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--logging_steps", "1")
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     run = lambda out, *extra: subprocess.run(  # noqa: E731
-        [sys.executable, *_recipe_flags(model_dir, data, out, *flags, *extra)], capture_output=True, text=True, timeout=600
+        [sys.executable, *_recipe_flags(model_dir, data, out, *flags, *extra)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     proc = run(straight)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    killed = subprocess.Popen([sys.executable, *_recipe_flags(model_dir, data, cut, *flags)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        [sys.executable, *_recipe_flags(model_dir, data, cut, *flags)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(cut / "checkpoint-2" / "trainer_state.json", killed)  # written last: the checkpoint is complete
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
@@ -193,8 +232,15 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
 
     # Ctrl-C (SIGINT) while training: one line with the last checkpoint and the resume command, exit 130, no traceback
     stopped = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, *_recipe_flags(model_dir, data, stopped, "--max_steps", "200", "--save_steps", "2", "--report_to", "none")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            *_recipe_flags(model_dir, data, stopped, "--max_steps", "200", "--save_steps", "2", "--report_to", "none"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(stopped / "checkpoint-2" / "trainer_state.json", proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -203,4 +249,6 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"Stopped (Ctrl-C). Last checkpoint: {stopped}/checkpoint-")
-    assert line.endswith(f"--output_dir {stopped} --max_steps 200 --save_steps 2 --report_to none --resume_from_checkpoint true")
+    assert line.endswith(
+        f"--output_dir {stopped} --max_steps 200 --save_steps 2 --report_to none --resume_from_checkpoint true"
+    )

@@ -26,19 +26,38 @@ def test_rlhf_runs_with_a_reward_model_and_adapts_beta(tiny_model, tokenizer, tm
     policy_dir, rm_dir = tmp_path / "policy", tmp_path / "rm"
     tiny_model.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
-    reward_model = LlamaForSequenceClassification(tiny_model.config.__class__(**{**tiny_model.config.to_dict(), "num_labels": 1}))
+    reward_model = LlamaForSequenceClassification(
+        tiny_model.config.__class__(**{**tiny_model.config.to_dict(), "num_labels": 1})
+    )
     reward_model.save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
     out = tmp_path / "out"
     parser = trl.TrlParser((rlhf.RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig))
-    args = parser.parse_args_and_config([
-        "--config", str(rlhf.DEFAULT_CONFIG), "--reward_model_path", str(rm_dir), "--model_name_or_path", str(policy_dir),
-        "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
-        "--report_to", "none",
-    ])
+    args = parser.parse_args_and_config(
+        [
+            "--config",
+            str(rlhf.DEFAULT_CONFIG),
+            "--reward_model_path",
+            str(rm_dir),
+            "--model_name_or_path",
+            str(policy_dir),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "4",
+            "--report_to",
+            "none",
+        ]
+    )
     rlhf.main(*args)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["train_steps"] == 2 and metrics["n_eval_prompts"] == len(unique_prompts(rlhf.RLHFArguments.test_file))
+    assert metrics["train_steps"] == 2 and metrics["n_eval_prompts"] == len(
+        unique_prompts(rlhf.RLHFArguments.test_file)
+    )
     # the reward model scored every completion: train rewards are real numbers, not the 0 of a missing reward
     assert len(metrics["curves"]["reward"]) == 2 and len(metrics["curves"]["kl"]) == 2
     # beta followed the proportional controller from 0.05 (4 samples per step, horizon 100, target 0.02)
@@ -54,8 +73,15 @@ def test_the_reward_model_is_its_own_command_reused_resumed_or_retrained(tmp_pat
     from accelerate import PartialState
 
     PartialState()  # set up before the launch variables below, which only the reward model's command must not see
-    launch = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-              "ACCELERATE_MIXED_PRECISION": "no", "TORCHELASTIC_RUN_ID": "x"}
+    launch = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "ACCELERATE_MIXED_PRECISION": "no",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
     for name, value in launch.items():
         monkeypatch.setenv(name, value)
     commands, status = [], [0]
@@ -68,7 +94,7 @@ def test_the_reward_model_is_its_own_command_reused_resumed_or_retrained(tmp_pat
     folder = tmp_path / "reward_model"
     script = [sys.executable, str(ROOT / "recipes" / "reward_model.py"), "--output_dir", str(folder)]
     assert rlhf.train_reward_model(folder) == folder  # nothing there: trained with the recipe's defaults
-    (command, env), = commands
+    ((command, env),) = commands
     assert command == script and not set(launch) & set(env) and env["PATH"] == os.environ["PATH"]
     (folder / "checkpoint-3").mkdir(parents=True)  # cut short: resumed from its own last checkpoint
     rlhf.train_reward_model(folder)
@@ -81,9 +107,11 @@ def test_the_reward_model_is_its_own_command_reused_resumed_or_retrained(tmp_pat
     status[0] = 2
     with pytest.raises(RecipeError) as err:
         rlhf.train_reward_model(folder, overwrite=True)
-    assert str(err.value) == (f"the reward model's training (recipes/reward_model.py --output_dir {folder} "
-                              "--overwrite_output_dir) exited with status 2; its messages are above (or pass "
-                              "--reward_model_path)")
+    assert str(err.value) == (
+        f"the reward model's training (recipes/reward_model.py --output_dir {folder} "
+        "--overwrite_output_dir) exited with status 2; its messages are above (or pass "
+        "--reward_model_path)"
+    )
 
 
 @pytest.mark.slow
@@ -93,6 +121,8 @@ def test_a_failing_reward_model_command_is_one_error_line(tmp_path, capfd):
     folder.write_text("")
     with pytest.raises(RecipeError) as err:
         rlhf.train_reward_model(folder)
-    assert str(err.value) == (f"the reward model's training (recipes/reward_model.py --output_dir {folder}) exited with "
-                              "status 2; its messages are above (or pass --reward_model_path)")
+    assert str(err.value) == (
+        f"the reward model's training (recipes/reward_model.py --output_dir {folder}) exited with "
+        "status 2; its messages are above (or pass --reward_model_path)"
+    )
     assert capfd.readouterr().err.strip().splitlines()[-1].startswith(f"error: --output_dir {folder} is not writable")

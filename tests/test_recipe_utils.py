@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import trl
 import yaml
-
 from conftest import load_recipe
+
 from trl_ext import tasks
+from trl_ext.cli import RecipeError, check_model_source
+from trl_ext.cli import main as recipe_main
 from trl_ext.data import load_math_dataset
 from trl_ext.data.instructions import load_instruction_rows
 from trl_ext.data.preferences import load_preference_rows
-from trl_ext.cli import RecipeError, check_model_source
-from trl_ext.cli import main as recipe_main
 from trl_ext.run import RecipeRun, check_output_dir, resolve_resume, resume_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # compare_upstream imports grpo_math
@@ -50,12 +50,22 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
     assert settings([]) == ("masked_mean", True, "grpo", "group")
     # a flag with TRL's name beats the files, as any flag does (either spelling of a flag)
     assert settings(["--loss_type", "dr_grpo"]) == ("masked_normalize", True, "dr_grpo", "group")
-    assert settings(["--loss_type=dr_grpo", "--scale_rewards", "false"]) == ("masked_normalize", False, "dr_grpo", "none")
+    assert settings(["--loss_type=dr_grpo", "--scale_rewards", "false"]) == (
+        "masked_normalize",
+        False,
+        "dr_grpo",
+        "none",
+    )
     # a --config file with TRL's name beats the recipe's defaults; a flag with the course name beats that file
     user = tmp_path / "mine.yaml"
     user.write_text("loss_type: dr_grpo\nscale_rewards: none\n")
     assert settings(["--config", str(user)]) == ("masked_normalize", False, "dr_grpo", "none")
-    assert settings(["--config", str(user), "--length_normalization", "masked_mean"]) == ("masked_mean", False, "grpo", "none")
+    assert settings(["--config", str(user), "--length_normalization", "masked_mean"]) == (
+        "masked_mean",
+        False,
+        "grpo",
+        "none",
+    )
     # both names in one layer are both given: they must agree
     with pytest.raises(RecipeError, match="loss_type='dr_grpo' conflicts with length_normalization='masked_mean'"):
         settings(["--loss_type", "dr_grpo", "--length_normalization", "masked_mean"])
@@ -64,7 +74,9 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
         settings(["--config", str(user)])
 
 
-@pytest.mark.parametrize("flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")])
+@pytest.mark.parametrize(
+    "flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")]
+)
 def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what):
     # one message, from the recipes' collected checks (trl_ext.GRPOTrainer's own check, after upstream's option
     # checks, is for library users: tests/test_grpo_trainer.py)
@@ -74,8 +86,10 @@ def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, modu
         pytest.skip(f"{module} is installed")
     with pytest.raises(RecipeError) as err:
         grpo_math.parse_args([f"--{flag}", "true"])
-    assert str(err.value) == (f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
-                              "extra on a CUDA machine")
+    assert str(err.value) == (
+        f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
+        "extra on a CUDA machine"
+    )
 
 
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
@@ -121,15 +135,22 @@ def test_dynamic_sampling_needs_whole_groups_on_each_process_before_any_model(mo
     from trl_ext.cli import flag_problems
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    values = {"num_generations": 4, "per_device_train_batch_size": 6, "steps_per_generation": None,
-              "gradient_accumulation_steps": 1}
+    values = {
+        "num_generations": 4,
+        "per_device_train_batch_size": 6,
+        "steps_per_generation": None,
+        "gradient_accumulation_steps": 1,
+    }
     assert flag_problems({**values, "dynamic_sampling": False}) == []  # upstream: 12 completions, 3 groups of 4
     assert flag_problems({**values, "dynamic_sampling": True}) == [
         "--dynamic_sampling true keeps whole prompt groups on each process: --per_device_train_batch_size 6 x "
         "--gradient_accumulation_steps 1 = 6 is not a multiple of --num_generations 4; change "
         "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false"
     ]
-    assert "--steps_per_generation 3 = 18" in flag_problems({**values, "steps_per_generation": 3, "dynamic_sampling": True})[0]
+    assert (
+        "--steps_per_generation 3 = 18"
+        in flag_problems({**values, "steps_per_generation": 3, "dynamic_sampling": True})[0]
+    )
 
 
 def test_valid_grouping_passes():
@@ -187,7 +208,9 @@ def test_recipe_main_applies_speed_defaults_to_the_training_args_before_main(mon
 
     monkeypatch.setattr(trl_ext.runtime, "apply_speed_defaults", fake_apply)
     script, training, model = object(), {}, trl.ModelConfig(dtype="bfloat16")
-    got = recipe_main(lambda *a, **kw: (a, kw), lambda: (script, training, model), speed_defaults="cpu.yaml", command="c")
+    got = recipe_main(
+        lambda *a, **kw: (a, kw), lambda: (script, training, model), speed_defaults="cpu.yaml", command="c"
+    )
     assert seen == [(training, "cpu.yaml", "bfloat16")]  # the model's dtype, for the precision label
     assert got == ((script, {"threads_set": True}, model), {"command": "c", "speed": fake_apply({}, None)})
     # without speed_defaults nothing is applied and main gets no speed argument
@@ -257,7 +280,9 @@ def test_resume_command_repeats_the_flags_with_resume_true():
 def test_a_model_path_that_does_not_exist_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # relative paths: a main job run in the checkout must not make outputs/grpo_math exist
-    with pytest.raises(RecipeError, match=r"--model_name_or_path outputs/grpo_math: no such local folder .*run that recipe first"):
+    with pytest.raises(
+        RecipeError, match=r"--model_name_or_path outputs/grpo_math: no such local folder .*run that recipe first"
+    ):
         check_model_source("outputs/grpo_math")
     with pytest.raises(RecipeError, match="no such local folder"):
         check_model_source("./my_model")
@@ -287,7 +312,9 @@ def test_before_evaluation_is_reused_only_on_resume_with_the_same_key(tmp_path):
 def test_metrics_json_records_command_configs_versions_and_phases(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["recipes/grpo_math.py", "--max_steps", "1"])
     script_args, training_args, model_args = grpo_math.parse_args(["--output_dir", str(tmp_path), "--max_steps", "1"])
-    run = RecipeRun("grpo_math", tmp_path, {"script_args": script_args, "training_args": training_args, "model_args": model_args})
+    run = RecipeRun(
+        "grpo_math", tmp_path, {"script_args": script_args, "training_args": training_args, "model_args": model_args}
+    )
     with run.phase("load_data"):
         pass
     metrics = {"accuracy_after": 0.5}
@@ -364,8 +391,16 @@ def _replace(monkeypatch, module, names, value):
     import trl_ext.report
     import trl_ext.tasks
 
-    owners = (module, trl_ext, trl_ext.models, trl_ext.eval, trl_ext.tasks, trl_ext.data.instructions,
-              trl_ext.data.preferences, trl_ext.report)
+    owners = (
+        module,
+        trl_ext,
+        trl_ext.models,
+        trl_ext.eval,
+        trl_ext.tasks,
+        trl_ext.data.instructions,
+        trl_ext.data.preferences,
+        trl_ext.report,
+    )
     for name in names:
         for owner in owners:
             if hasattr(owner, name):
@@ -416,19 +451,50 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
         module.main(*module.parse_args(argv))
 
 
-@pytest.mark.parametrize("recipe", ["grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort",
-                                    "compare_upstream", "expert_iteration", "grpo_ablations"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "grpo_math",
+        "eval_math",
+        "sft_instruct",
+        "dpo",
+        "reward_model",
+        "rlhf",
+        "grpo_sort",
+        "compare_upstream",
+        "expert_iteration",
+        "grpo_ablations",
+    ],
+)
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
-    _explode_loaders(monkeypatch, module, (
-        "load_model_and_tokenizer", "load_eval_model", "load_tokenizer", "resolve_model_name_or_path", "train_reward_model",
-        "load_data", "load_eval_data", "load_pairs", "load_training_pairs", "load_instruction_dataset", "make_sorting_dataset",
-        "load_math_dataset", "make_arithmetic_dataset"))
+    _explode_loaders(
+        monkeypatch,
+        module,
+        (
+            "load_model_and_tokenizer",
+            "load_eval_model",
+            "load_tokenizer",
+            "resolve_model_name_or_path",
+            "train_reward_model",
+            "load_data",
+            "load_eval_data",
+            "load_pairs",
+            "load_training_pairs",
+            "load_instruction_dataset",
+            "make_sorting_dataset",
+            "load_math_dataset",
+            "make_arithmetic_dataset",
+        ),
+    )
     out = tmp_path / "out"
     out.mkdir()
     # grpo_ablations: each experiment's folder (the default experiment is baselines)
-    marker = {"grpo_sort": "comparison.json", "compare_upstream": "comparison.json",
-              "grpo_ablations": "baselines/comparison.json"}.get(recipe, "metrics.json")
+    marker = {
+        "grpo_sort": "comparison.json",
+        "compare_upstream": "comparison.json",
+        "grpo_ablations": "baselines/comparison.json",
+    }.get(recipe, "metrics.json")
     (out / marker).parent.mkdir(exist_ok=True)
     (out / marker).write_text("{}")
     with pytest.raises(RecipeError, match=rf"--output_dir {out} holds a finished run \({marker}\)"):
@@ -445,7 +511,9 @@ def test_grpo_math_checks_the_reward_and_the_model_path_before_loading(tmp_path,
         grpo_math.main(*grpo_math.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RecipeError, match="--model_name_or_path outputs/nothing_here: no such local folder"):
-        grpo_math.main(*grpo_math.parse_args(["--model_name_or_path", "outputs/nothing_here", "--output_dir", str(tmp_path / "b")]))
+        grpo_math.main(
+            *grpo_math.parse_args(["--model_name_or_path", "outputs/nothing_here", "--output_dir", str(tmp_path / "b")])
+        )
 
 
 def test_wrong_columns_name_the_recipe_flag(tmp_path):
@@ -472,8 +540,9 @@ class FakeTrainer:
         self.args = kwargs.get("args")
         self.model = kwargs.get("model")
         self.state = SimpleNamespace(log_history=[], global_step=0)
-        self.accelerator = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m, num_processes=1,
-                                           distributed_type="NO")
+        self.accelerator = SimpleNamespace(
+            is_main_process=True, unwrap_model=lambda m: m, num_processes=1, distributed_type="NO"
+        )
 
     def add_callback(self, callback):
         pass
@@ -489,9 +558,21 @@ class FakeTrainer:
         pass
 
 
-EVAL_KEYS = ("heldout_ce_loss", "safety_penalty", "heldout_total_loss", "refusal_rate_safety", "refusal_rate_benign",
-             "preference_accuracy", "reward_margin", "dpo_loss", "logp_chosen", "logp_rejected",
-             "pairwise_accuracy", "bt_loss", "mean_reward")
+EVAL_KEYS = (
+    "heldout_ce_loss",
+    "safety_penalty",
+    "heldout_total_loss",
+    "refusal_rate_safety",
+    "refusal_rate_benign",
+    "preference_accuracy",
+    "reward_margin",
+    "dpo_loss",
+    "logp_chosen",
+    "logp_rejected",
+    "pairwise_accuracy",
+    "bt_loss",
+    "mean_reward",
+)
 
 
 @pytest.mark.parametrize(
@@ -515,8 +596,12 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
     monkeypatch.setattr(module, "evaluate", evaluate)
     _replace(monkeypatch, module, [trainer], FakeTrainer)
     for name in loaders:
-        _replace(monkeypatch, module, [name], (lambda *a, **k: (None, None, None)) if name == "load_model_and_tokenizer"
-                 else (lambda *a, **k: "m"))
+        _replace(
+            monkeypatch,
+            module,
+            [name],
+            (lambda *a, **k: (None, None, None)) if name == "load_model_and_tokenizer" else (lambda *a, **k: "m"),
+        )
     _replace(monkeypatch, module, ["write_model_card"], lambda *a, **k: None)
     FakeTrainer.resumed_from = []
     out = tmp_path / "out"
@@ -532,11 +617,25 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
     module.main(*module.parse_args(["--output_dir", str(out), "--resume_from_checkpoint", "true"]))
     assert FakeTrainer.resumed_from == [None, str(out / "checkpoint-3")]
     # the summary counts the one step this process trained, not the 4 of the model
-    assert re.search(r": 1 step in \d+ s \(resumed from step 3; 4 in all\)\. ", " ".join(capsys.readouterr().out.split()))
+    assert re.search(
+        r": 1 step in \d+ s \(resumed from step 3; 4 in all\)\. ", " ".join(capsys.readouterr().out.split())
+    )
     assert len(evaluations) == 3  # only the evaluation after training ran again
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["before"][EVAL_KEYS[0] if recipe == "sft_instruct" else ("preference_accuracy" if recipe == "dpo" else "pairwise_accuracy")] == 0.25
-    assert metrics["after"]["bt_loss" if recipe == "reward_model" else "logp_chosen" if recipe == "dpo" else "safety_penalty"] == 0.75
+    assert (
+        metrics["before"][
+            EVAL_KEYS[0]
+            if recipe == "sft_instruct"
+            else ("preference_accuracy" if recipe == "dpo" else "pairwise_accuracy")
+        ]
+        == 0.25
+    )
+    assert (
+        metrics["after"][
+            "bt_loss" if recipe == "reward_model" else "logp_chosen" if recipe == "dpo" else "safety_penalty"
+        ]
+        == 0.75
+    )
     assert metrics["reused"] == ["eval_before"] and metrics["resumed_from"] == str(out / "checkpoint-3")
     assert metrics["resumed_from_step"] == 3 and metrics["train_steps"] == 4
 
@@ -559,8 +658,9 @@ def cpu_user(monkeypatch, tmp_path):
     from trl_ext import models
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name in GPU_ONLY_PACKAGES else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name in GPU_ONLY_PACKAGES else real(name, *a, **k)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -570,20 +670,27 @@ def cpu_user(monkeypatch, tmp_path):
 
 
 def _offline_model(name):
-    return (f"--model_name_or_path {name}: no such local folder (if it is a recipe's output, run that recipe first), "
-            "and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it where the Hub is reachable, "
-            "or pass a local model folder or --model_name_or_path embedded (the embedded SmolLM2-135M-Instruct)")
+    return (
+        f"--model_name_or_path {name}: no such local folder (if it is a recipe's output, run that recipe first), "
+        "and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); download it where the Hub is reachable, "
+        "or pass a local model folder or --model_name_or_path embedded (the embedded SmolLM2-135M-Instruct)"
+    )
 
 
 def _offline_dataset(name):
-    return (f"--dataset_name {name}: not a local file, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); "
-            "download it where the Hub is reachable, or pass a local .jsonl/.json/.parquet file with the same columns")
+    return (
+        f"--dataset_name {name}: not a local file, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set); "
+        "download it where the Hub is reachable, or pass a local .jsonl/.json/.parquet file with the same columns"
+    )
 
 
-VLLM_MISSING = ("--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a "
-                "CUDA machine")
-BF16_NO_GPU = ("--bf16 true: bf16 training needs a GPU that supports it (no CUDA GPU here); pass `--bf16 false` or "
-               "`--use_cpu true`")
+VLLM_MISSING = (
+    "--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA machine"
+)
+BF16_NO_GPU = (
+    "--bf16 true: bf16 training needs a GPU that supports it (no CUDA GPU here); pass `--bf16 false` or "
+    "`--use_cpu true`"
+)
 
 
 def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_nothing(cpu_user, capsys, monkeypatch):
@@ -613,37 +720,79 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
     data.write_text(json.dumps({"problem": "1+1?", "solution": "$\\boxed{2}$"}) + "\n")
     with pytest.raises(RecipeError) as err:
         grpo_math.parse_args(["--config", config, "--dataset_name", str(data)])
-    assert str(err.value).splitlines()[1:] == [f"  {VLLM_MISSING}", f"  {BF16_NO_GPU}",
-                                               f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}"]
+    assert str(err.value).splitlines()[1:] == [
+        f"  {VLLM_MISSING}",
+        f"  {BF16_NO_GPU}",
+        f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
+    ]
     with pytest.raises(RecipeError) as err:
         grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)
     with pytest.raises(RecipeError) as err:  # one problem left: one line, no count
-        grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"])
+        grpo_math.parse_args(
+            ["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"]
+        )
     assert str(err.value) == _offline_model("Qwen/Qwen2.5-Math-1.5B")
-    _, training_args, _ = grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false",
-                                                "--bf16", "false", "--model_name_or_path", str(tmp_path)])
+    _, training_args, _ = grpo_math.parse_args(
+        [
+            "--config",
+            config,
+            "--dataset_name",
+            str(data),
+            "--use_vllm",
+            "false",
+            "--bf16",
+            "false",
+            "--model_name_or_path",
+            str(tmp_path),
+        ]
+    )
     assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
 
 
 @pytest.mark.parametrize(
     "recipe, flags, message",
     [
-        ("eval_math", ["--backend", "vllm"],
-         "--backend vllm: vLLM is not installed here; pass `--backend hf`, or install the gpu extra on a CUDA machine"),
-        ("sft_instruct", ["--use_liger_kernel", "true"], "--use_liger_kernel true: liger-kernel is not installed here; "
-         "pass `--use_liger_kernel false`, or install the gpu extra on a CUDA machine"),
-        ("dpo", ["--load_in_4bit", "true"], "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; "
-         "pass `--load_in_4bit false`, or install the gpu extra on a CUDA machine"),
-        ("reward_model", ["--attn_implementation", "flash_attention_2"], "--attn_implementation flash_attention_2: "
-         "flash-attention is not installed here; pass `--attn_implementation sdpa`, or install the gpu extra on a CUDA "
-         "machine"),
-        ("rlhf", ["--bf16_full_eval", "true", "--use_cpu", "false"], "--bf16_full_eval true: bf16 training needs a GPU "
-         "that supports it (no CUDA GPU here); pass `--bf16 false` or `--use_cpu true`"),
+        (
+            "eval_math",
+            ["--backend", "vllm"],
+            "--backend vllm: vLLM is not installed here; pass `--backend hf`, or install the gpu extra on a CUDA "
+            "machine",
+        ),
+        (
+            "sft_instruct",
+            ["--use_liger_kernel", "true"],
+            "--use_liger_kernel true: liger-kernel is not installed here; "
+            "pass `--use_liger_kernel false`, or install the gpu extra on a CUDA machine",
+        ),
+        (
+            "dpo",
+            ["--load_in_4bit", "true"],
+            "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; "
+            "pass `--load_in_4bit false`, or install the gpu extra on a CUDA machine",
+        ),
+        (
+            "reward_model",
+            ["--attn_implementation", "flash_attention_2"],
+            "--attn_implementation flash_attention_2: "
+            "flash-attention is not installed here; pass `--attn_implementation sdpa`, or install the gpu extra on a "
+            "CUDA "
+            "machine",
+        ),
+        (
+            "rlhf",
+            ["--bf16_full_eval", "true", "--use_cpu", "false"],
+            "--bf16_full_eval true: bf16 training needs a GPU "
+            "that supports it (no CUDA GPU here); pass `--bf16 false` or `--use_cpu true`",
+        ),
         ("expert_iteration", ["--use_vllm", "true"], VLLM_MISSING),
         ("grpo_sort", ["--use_vllm", "true"], VLLM_MISSING),
         ("sft_instruct", ["--train_file", "nope.jsonl"], "--train_file nope.jsonl: no such file"),
-        ("eval_math", ["--dataset_name", "data/gsm8k_test.jsonl"], "--dataset_name data/gsm8k_test.jsonl: no such file"),
+        (
+            "eval_math",
+            ["--dataset_name", "data/gsm8k_test.jsonl"],
+            "--dataset_name data/gsm8k_test.jsonl: no such file",
+        ),
         ("compare_upstream", ["--dataset_name", "openai/gsm8k"], _offline_dataset("openai/gsm8k")),
         ("rlhf", ["--reward_model_path", "outputs/rm"], "--reward_model_path outputs/rm: no such folder"),
     ],
@@ -689,12 +838,24 @@ def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp
 
 
 # ------------------------------------------------------------------------------------------- --help says what runs
-RECIPES = ("grpo_math", "eval_math", "sft_instruct", "dpo", "reward_model", "rlhf", "grpo_sort", "compare_upstream",
-           "expert_iteration", "grpo_ablations")
+RECIPES = (
+    "grpo_math",
+    "eval_math",
+    "sft_instruct",
+    "dpo",
+    "reward_model",
+    "rlhf",
+    "grpo_sort",
+    "compare_upstream",
+    "expert_iteration",
+    "grpo_ablations",
+)
 OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir"}  # uv's, pip's and tensorboard's, in examples
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
-    "compare_upstream": ["resume_from_checkpoint"], "grpo_sort": ["resume_from_checkpoint"],
-    "grpo_ablations": ["resume_from_checkpoint"], "expert_iteration": ["resume_from_checkpoint", "max_steps"],
+    "compare_upstream": ["resume_from_checkpoint"],
+    "grpo_sort": ["resume_from_checkpoint"],
+    "grpo_ablations": ["resume_from_checkpoint"],
+    "expert_iteration": ["resume_from_checkpoint", "max_steps"],
 }
 
 
@@ -718,29 +879,63 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
     assert ("--resume_from_checkpoint true" in options["--overwrite_output_dir"].help) == resumable
     for name in REFUSED.get(recipe, []):
         assert options[f"--{name}"].help.startswith("Refused")
-        with pytest.raises(RecipeError, match="cannot be resumed" if name == "resume_from_checkpoint" else "--max_steps"):
+        with pytest.raises(
+            RecipeError, match="cannot be resumed" if name == "resume_from_checkpoint" else "--max_steps"
+        ):
             flags = {"resume_from_checkpoint": ["--resume_from_checkpoint", "true"], "max_steps": ["--max_steps", "2"]}
             module.main(*module.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
 
 
 # ------------------------------------------------------------------------------------------- no silent empty run
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
-TOO_FEW = "cannot fill one generation batch of {n} prompts ({c} completions = --per_device_train_batch_size {b} x 1 process(es) x {a}, in groups of --num_generations {g}), so TRL would train 0 steps; use at least {n} training prompts, or lower --per_device_train_batch_size or {w}"
-DROP_LAST = "cannot fill one batch of {n} (--per_device_train_batch_size {n} x 1 process(es)) with --dataloader_drop_last true, so the trainer would train 0 steps; use at least {n} training {u}, lower --per_device_train_batch_size, or pass --dataloader_drop_last false"
+TOO_FEW = (
+    "cannot fill one generation batch of {n} prompts ({c} completions = --per_device_train_batch_size {b} x 1 "
+    "process(es) x {a}, in groups of --num_generations {g}), so TRL would train 0 steps; use at least {n} training "
+    "prompts, or lower --per_device_train_batch_size or {w}"
+)
+DROP_LAST = (
+    "cannot fill one batch of {n} (--per_device_train_batch_size {n} x 1 process(es)) with --dataloader_drop_last "
+    "true, so the trainer would train 0 steps; use at least {n} training {u}, lower --per_device_train_batch_size, or "
+    "pass --dataloader_drop_last false"
+)
 
 
 def _gsm8k_file(tmp_path, rows):
     path = tmp_path / "gsm8k.jsonl"
-    path.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(rows)))
+    path.write_text(
+        "".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(rows))
+    )
     return path
 
 
-@pytest.mark.parametrize("recipe", ["grpo_math", "compare_upstream", "grpo_ablations", "grpo_sort", "rlhf", "sft_instruct",
-                                    "dpo", "reward_model", "expert_iteration"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "grpo_math",
+        "compare_upstream",
+        "grpo_ablations",
+        "grpo_sort",
+        "rlhf",
+        "sft_instruct",
+        "dpo",
+        "reward_model",
+        "expert_iteration",
+    ],
+)
 def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_work(recipe, tmp_path, monkeypatch):
     module = load_recipe(recipe)
-    _explode_loaders(monkeypatch, module, ("load_model_and_tokenizer", "load_model", "load_tokenizer",
-                                            "resolve_model_name_or_path", "train_reward_model", "run_comparison"))
+    _explode_loaders(
+        monkeypatch,
+        module,
+        (
+            "load_model_and_tokenizer",
+            "load_model",
+            "load_tokenizer",
+            "resolve_model_name_or_path",
+            "train_reward_model",
+            "run_comparison",
+        ),
+    )
     out = ["--output_dir", str(tmp_path / "out")]
     # the GRPO configs' batch geometry: 8 completions per device x 32 accumulation steps, in groups of 8 = 32 prompts
     gpu_sized = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "32", "--num_generations", "8"]
@@ -749,27 +944,52 @@ def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_wo
         data = _gsm8k_file(tmp_path, 10)  # 8 training rows, the last 2 held out
         flags = ["--dataset_name", str(data), *gpu_sized]
         source = f"--dataset_name {data} (its last 2 rows held out for evaluation)"
-        source += {"grpo_math": "", "compare_upstream": ", arm trl", "grpo_ablations": ", experiment baselines, arm no_baseline"}[recipe]
+        source += {
+            "grpo_math": "",
+            "compare_upstream": ", arm trl",
+            "grpo_ablations": ", experiment baselines, arm no_baseline",
+        }[recipe]
         expected = f"{source}: 8 training prompts " + TOO_FEW.format(**geometry)
     elif recipe == "grpo_sort":
         flags = ["--num_train_problems", "1"]  # 16 completions per step in groups of 8: 2 prompts
         expected = "--num_train_problems 1, arm raw: 1 training prompt " + TOO_FEW.format(
-            n=2, c=16, b=16, a="--gradient_accumulation_steps 1", g=8, w="--gradient_accumulation_steps")
+            n=2, c=16, b=16, a="--gradient_accumulation_steps 1", g=8, w="--gradient_accumulation_steps"
+        )
     elif recipe == "rlhf":
         flags = ["--per_device_train_batch_size", "16", "--steps_per_generation", "16", "--num_generations", "4"]
-        expected = f"--train_file {DATA / 'preferences_train.jsonl'} (unique prompts): 54 training prompts " + TOO_FEW.format(
-            n=64, c=256, b=16, a="--steps_per_generation 16", g=4, w="--steps_per_generation")
+        expected = (
+            f"--train_file {DATA / 'preferences_train.jsonl'} (unique prompts): 54 training prompts "
+            + TOO_FEW.format(n=64, c=256, b=16, a="--steps_per_generation 16", g=4, w="--steps_per_generation")
+        )
     elif recipe == "expert_iteration":  # (its too-few-questions check: tests/test_recipe_experiments.py)
-        flags = ["--ei_batch_size", "2", "--num_generations", "4", "--per_device_train_batch_size", "16",
-                 "--dataloader_drop_last", "true"]  # at most 2 x 4 = 8 kept samples per SFT, batches of 16 dropped
-        expected = ("--ei_batch_size 2 x --num_generations 4 (an EI step's SFT set if every sample is kept): 8 training "
-                    "samples " + DROP_LAST.format(n=16, u="samples"))
+        flags = [
+            "--ei_batch_size",
+            "2",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "16",
+            "--dataloader_drop_last",
+            "true",
+        ]  # at most 2 x 4 = 8 kept samples per SFT, batches of 16 dropped
+        expected = (
+            "--ei_batch_size 2 x --num_generations 4 (an EI step's SFT set if every sample is kept): 8 training "
+            "samples " + DROP_LAST.format(n=16, u="samples")
+        )
     else:
-        unit, rows, name = ("rows", 45, "instructions_train.jsonl") if recipe == "sft_instruct" else ("pairs", 54, "preferences_train.jsonl")
+        unit, rows, name = (
+            ("rows", 45, "instructions_train.jsonl")
+            if recipe == "sft_instruct"
+            else ("pairs", 54, "preferences_train.jsonl")
+        )
         flags = ["--dataloader_drop_last", "true", "--per_device_train_batch_size", "64"]
         expected = f"--train_file {DATA / name}: {rows} training {unit} " + DROP_LAST.format(n=64, u=unit)
-        _replace(monkeypatch, module, [{"sft_instruct": "SFTTrainer", "dpo": "DPOTrainer", "reward_model": "RewardTrainer"}[recipe]],
-                 _explode)
+        _replace(
+            monkeypatch,
+            module,
+            [{"sft_instruct": "SFTTrainer", "dpo": "DPOTrainer", "reward_model": "RewardTrainer"}[recipe]],
+            _explode,
+        )
     with pytest.raises(RecipeError) as err:
         module.main(*module.parse_args([*flags, *out]))
     assert str(err.value) == expected
@@ -778,16 +998,21 @@ def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_wo
 @pytest.mark.parametrize("kind", ["grpo", "sft"])
 def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_model, tokenizer, tmp_path):
     # the oracle: the trainers themselves, one row below and at the boundary check_fills_one_step computes
+    from conftest import CPU_TEST_ARGS, length_mod5_reward
     from datasets import Dataset
 
     import trl_ext
-    from conftest import CPU_TEST_ARGS, length_mod5_reward
     from trl_ext.cli import check_fills_one_step
 
     common = {**CPU_TEST_ARGS, "max_steps": 2, "output_dir": str(tmp_path)}
     if kind == "grpo":  # 4 completions per device x 2 accumulation steps in groups of 2: 4 prompts per step
-        args = trl_ext.GRPOConfig(**common, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                  num_generations=2, max_completion_length=3)
+        args = trl_ext.GRPOConfig(
+            **common,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            num_generations=2,
+            max_completion_length=3,
+        )
     else:  # one batch of 4 rows, the last incomplete batch dropped
         args = trl_ext.SFTConfig(**common, per_device_train_batch_size=4, dataloader_drop_last=True)
     needed = 4
@@ -799,9 +1024,16 @@ def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_
             check_fills_one_step(rows, args, "--train_file x")  # passes
         if kind == "grpo":
             data = Dataset.from_dict({"prompt": [f"{i} + {i} =" for i in range(rows)]})
-            trainer = trl_ext.GRPOTrainer(model=tiny_model, reward_funcs=length_mod5_reward, args=args, train_dataset=data,
-                                          processing_class=tokenizer)
+            trainer = trl_ext.GRPOTrainer(
+                model=tiny_model,
+                reward_funcs=length_mod5_reward,
+                args=args,
+                train_dataset=data,
+                processing_class=tokenizer,
+            )
         else:
-            data = Dataset.from_dict({"prompt": [f"{i} + {i} =" for i in range(rows)], "completion": [f" {2 * i}" for i in range(rows)]})
+            data = Dataset.from_dict(
+                {"prompt": [f"{i} + {i} =" for i in range(rows)], "completion": [f" {2 * i}" for i in range(rows)]}
+            )
             trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
         assert trainer.train().global_step == (0 if rows < needed else 2)

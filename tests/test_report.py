@@ -5,7 +5,13 @@ import subprocess
 
 import pytest
 
-from trl_ext.report import config_hyperparameters, entropy_collapsed, git_state, observe_training, write_experiment_record
+from trl_ext.report import (
+    config_hyperparameters,
+    entropy_collapsed,
+    git_state,
+    observe_training,
+    write_experiment_record,
+)
 
 
 def git(cwd, *args):
@@ -51,8 +57,13 @@ def log(step, **values):
 def test_observations_by_hand():
     rewards = [0.0, 0.0, 0.1, 0.1, 0.6, 0.9, 0.9, 1.0, 1.0, 1.0]
     history = [
-        log(s + 1, reward=r, entropy=1.0 if s < 5 else 0.05, grad_norm=50.0 if s == 3 else 1.0,
-            **{"completions/clipped_ratio": 0.8 if s == 9 else 0.0})
+        log(
+            s + 1,
+            reward=r,
+            entropy=1.0 if s < 5 else 0.05,
+            grad_norm=50.0 if s == 3 else 1.0,
+            **{"completions/clipped_ratio": 0.8 if s == 9 else 0.0},
+        )
         for s, r in enumerate(rewards)
     ]
     history.append({"step": 10, "train_runtime": 12.0})  # a summary entry without the keys is ignored
@@ -72,10 +83,16 @@ def test_observations_by_hand():
 
 def test_write_experiment_record(tmp_path):
     path = write_experiment_record(
-        tmp_path, "A run", configs=(Config(beta=0.1),), hyperparameters={"experiment": "baselines"},
-        results=[("accuracy", "9.0%", "60.0%")], results_header=("metric", "before", "after"),
-        plots=["curves.png"], observations=["Something happened."],
-        log_history=[log(1, reward=0.0), log(2, reward=1.0)], command="uv run x --flag 1",
+        tmp_path,
+        "A run",
+        configs=(Config(beta=0.1),),
+        hyperparameters={"experiment": "baselines"},
+        results=[("accuracy", "9.0%", "60.0%")],
+        results_header=("metric", "before", "after"),
+        plots=["curves.png"],
+        observations=["Something happened."],
+        log_history=[log(1, reward=0.0), log(2, reward=1.0)],
+        command="uv run x --flag 1",
         git={"commit": "abc123", "dirty": True},
     )
     text = path.read_text()
@@ -99,10 +116,18 @@ def test_finish_writes_the_record_from_memory_and_metrics_json_last(tmp_path, mo
     (run.output_dir / "curves.png").write_bytes(b"\x89PNG")
     order = []
     real_record, real_metrics = report.write_experiment_record, run.write_metrics
-    monkeypatch.setattr(report, "write_experiment_record", lambda *a, **k: order.append("experiment.md") or real_record(*a, **k))
+    monkeypatch.setattr(
+        report, "write_experiment_record", lambda *a, **k: order.append("experiment.md") or real_record(*a, **k)
+    )
     monkeypatch.setattr(run, "write_metrics", lambda m: order.append("metrics.json") or real_metrics(m))
-    metrics = {"accuracy_before": 0.09, "accuracy_after": 0.675, "n_eval": 200, "model": "m", "flag": True,
-               "log_history": [log(1, reward=0.1), log(2, reward=0.6)]}
+    metrics = {
+        "accuracy_before": 0.09,
+        "accuracy_after": 0.675,
+        "n_eval": 200,
+        "model": "m",
+        "flag": True,
+        "log_history": [log(1, reward=0.1), log(2, reward=0.6)],
+    }
     report.finish(run, metrics, title="GRPO", log_history=metrics["log_history"], records={"eval_after": [{"a": 1}]})
     assert order == ["experiment.md", "metrics.json"]  # metrics.json last: it marks a finished run
     text = (run.output_dir / "experiment.md").read_text()
@@ -118,8 +143,14 @@ def test_finish_writes_the_record_from_memory_and_metrics_json_last(tmp_path, mo
 def test_comparison_results_one_row_per_arm_and_its_observations():
     from trl_ext.report import comparison_results
 
-    arm = {"name": "course", "final_accuracy": 0.5, "final_accuracy_se": 0.05, "final_reward": 0.4, "train_seconds": 10.0,
-           "curves": {"reward": [[1, 0.0], [2, 0.5]], "entropy": [[1, 1.0], [2, 0.9]]}}
+    arm = {
+        "name": "course",
+        "final_accuracy": 0.5,
+        "final_accuracy_se": 0.05,
+        "final_reward": 0.4,
+        "train_seconds": 10.0,
+        "curves": {"reward": [[1, 0.0], [2, 0.5]], "entropy": [[1, 1.0], [2, 0.9]]},
+    }
     rows, notes = comparison_results([arm])
     assert rows == [("course", 0.5, 5.0, 0.4, 10.0)]
     assert any(n.startswith("course: Train reward rose from 0.000") for n in notes)

@@ -52,7 +52,7 @@ def comparable_logs(log_history):
 def assert_same_logs(resumed, uninterrupted):
     assert len(resumed) == len(uninterrupted)
     for got, want in zip(resumed, uninterrupted):
-        assert got.keys() == want.keys(), (got.keys() ^ want.keys())
+        assert got.keys() == want.keys(), got.keys() ^ want.keys()
         for key in want:
             same = got[key] == want[key] or (
                 isinstance(want[key], float) and math.isnan(want[key]) and math.isnan(got[key])
@@ -105,8 +105,11 @@ def constant_for_two_prompts(prompts, completions, **kwargs):
     [
         pytest.param(dict(beta=0.04), id="fixed-beta"),
         # k = 3 falls inside the second rollout cycle (steps 3-4 train on one rollout twice)
-        pytest.param(dict(beta=0.08, kl_target=0.001, kl_horizon=40, num_iterations=2), id="adaptive-beta-2-iterations"),
-        # extra rounds draw from trl_ext's own permutation: its position is in the checkpoint (step 4 generates after it)
+        pytest.param(
+            dict(beta=0.08, kl_target=0.001, kl_horizon=40, num_iterations=2), id="adaptive-beta-2-iterations"
+        ),
+        # extra rounds draw from trl_ext's own permutation: its position is in the checkpoint (step 4 generates after
+        # it)
         pytest.param(dict(beta=0.0, dynamic_sampling=True, max_sampling_rounds=3), id="dynamic-sampling"),
     ],
 )
@@ -117,13 +120,27 @@ def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
 
     def build(output_dir, callbacks):
         args = trl_ext.GRPOConfig(
-            **resume_args(output_dir, 4, 3, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                          learning_rate=1e-2, temperature=1.5),
+            **resume_args(
+                output_dir,
+                4,
+                3,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=8,
+                learning_rate=1e-2,
+                temperature=1.5,
+            ),
             **options,
         )
         reward = constant_for_two_prompts if options.get("dynamic_sampling") else length_mod5_reward
-        return trl_ext.GRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=args,
-                                   train_dataset=dataset, processing_class=tok, callbacks=callbacks)
+        return trl_ext.GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
 
     straight, state = check_resume(build, tmp_path, max_steps=4, stop_at=3)
     logs = [entry for entry in straight.state.log_history if "loss" in entry]
@@ -156,8 +173,13 @@ def test_sft_resume_with_unsafe_rows(tokenizer, tiny_model, tmp_path):
             **resume_args(output_dir, 3, 2, per_device_train_batch_size=2, learning_rate=1e-2),
             safety_penalty_weight=0.5,
         )
-        return trl_ext.SFTTrainer(model=copy.deepcopy(tiny_model), args=args, train_dataset=dataset,
-                                  processing_class=copy.deepcopy(tokenizer), callbacks=callbacks)
+        return trl_ext.SFTTrainer(
+            model=copy.deepcopy(tiny_model),
+            args=args,
+            train_dataset=dataset,
+            processing_class=copy.deepcopy(tokenizer),
+            callbacks=callbacks,
+        )
 
     straight, state = check_resume(build, tmp_path, max_steps=3, stop_at=2)
     logs = [entry for entry in straight.state.log_history if "loss" in entry]
@@ -177,8 +199,13 @@ PAIRS = dict(
 def test_dpo_resume(tokenizer, tiny_model_dir, tmp_path):
     def build(output_dir, callbacks):
         args = trl_ext.DPOConfig(**resume_args(output_dir, 3, 2, per_device_train_batch_size=2, learning_rate=1e-2))
-        return trl_ext.DPOTrainer(model=tiny_model_dir, args=args, train_dataset=Dataset.from_dict(PAIRS),
-                                  processing_class=copy.deepcopy(tokenizer), callbacks=callbacks)
+        return trl_ext.DPOTrainer(
+            model=tiny_model_dir,
+            args=args,
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=copy.deepcopy(tokenizer),
+            callbacks=callbacks,
+        )
 
     straight, state = check_resume(build, tmp_path, max_steps=3, stop_at=2)
     logs = [entry for entry in straight.state.log_history if "loss" in entry]
@@ -190,8 +217,13 @@ def test_reward_model_resume(tokenizer, tiny_model_dir, tmp_path):
         model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
         model.config.pad_token_id = tokenizer.pad_token_id
         args = trl_ext.RewardConfig(**resume_args(output_dir, 3, 2, per_device_train_batch_size=2, learning_rate=1e-2))
-        return trl_ext.RewardTrainer(model=model, args=args, train_dataset=Dataset.from_dict(PAIRS),
-                                     processing_class=copy.deepcopy(tokenizer), callbacks=callbacks)
+        return trl_ext.RewardTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=copy.deepcopy(tokenizer),
+            callbacks=callbacks,
+        )
 
     straight, state = check_resume(build, tmp_path, max_steps=3, stop_at=2)
     logs = [entry for entry in straight.state.log_history if "loss" in entry]

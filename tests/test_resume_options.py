@@ -21,16 +21,24 @@ from conftest import CPU_TEST_ARGS, length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.cli import RecipeError
+from trl_ext.models import tiny_model_for_tests
 from trl_ext.run import RecipeRun
 from trl_ext.trainers.upstream import ResumeMismatchError
 
 GRPO_OPTIONS = dict(
-    per_device_train_batch_size=4, num_generations=4, steps_per_generation=2, gradient_accumulation_steps=1,
-    max_completion_length=6, beta=0.0, learning_rate=1e-2,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    steps_per_generation=2,
+    gradient_accumulation_steps=1,
+    max_completion_length=6,
+    beta=0.0,
+    learning_rate=1e-2,
 )
-LIBRARY_END = ". Resume with the checkpoint's values, or start over: train without resume_from_checkpoint (into a new output_dir to keep these checkpoints)"
+LIBRARY_END = (
+    ". Resume with the checkpoint's values, or start over: train without resume_from_checkpoint (into a new "
+    "output_dir to keep these checkpoints)"
+)
 
 
 def grpo_trainer(tokenizer, output_dir, **overrides):
@@ -39,8 +47,11 @@ def grpo_trainer(tokenizer, output_dir, **overrides):
     options = {**CPU_TEST_ARGS, **GRPO_OPTIONS, "save_strategy": "steps", "save_steps": 1, **overrides}
     args = trl_ext.GRPOConfig(output_dir=str(output_dir), **options)
     return trl_ext.GRPOTrainer(
-        model=tiny_model_for_tests(tokenizer), reward_funcs=length_mod5_reward, args=args,
-        train_dataset=Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]}), processing_class=tok,
+        model=tiny_model_for_tests(tokenizer),
+        reward_funcs=length_mod5_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]}),
+        processing_class=tok,
     )
 
 
@@ -55,8 +66,14 @@ def checkpoint(tokenizer, tmp_path_factory):
 def test_the_checkpoint_saves_the_options_resume_depends_on(checkpoint):
     state = json.loads((checkpoint / "trl_ext_state.json").read_text())
     assert state["resume_options"] == {
-        "num_processes": 1, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "seed": 0,
-        "data_seed": None, "steps_per_generation": 2, "num_iterations": 1, "num_generations": 4,
+        "num_processes": 1,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "seed": 0,
+        "data_seed": None,
+        "steps_per_generation": 2,
+        "num_iterations": 1,
+        "num_generations": 4,
         "generation_batch_size": 8,  # 4 per device x 1 process x 2 steps per generation
     }
 
@@ -86,8 +103,11 @@ def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_compl
         (dict(steps_per_generation=1), "steps_per_generation was 2, now 1; generation_batch_size was 8, now 4"),
         # the same rollout, consumed by other optimizer steps (resumed silently before)
         (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps was 1, now 2"),
-        (dict(per_device_train_batch_size=2, num_generations=2),
-         "per_device_train_batch_size was 4, now 2; num_generations was 4, now 2; generation_batch_size was 8, now 4"),
+        (
+            dict(per_device_train_batch_size=2, num_generations=2),
+            "per_device_train_batch_size was 4, now 2; num_generations was 4, now 2; generation_batch_size was 8, now "
+            "4",
+        ),
         (dict(num_generations=2), "num_generations was 4, now 2"),
         (dict(seed=1), "seed was 0, now 1"),
         (dict(data_seed=5), "data_seed was None, now 5"),
@@ -133,7 +153,9 @@ def test_an_older_checkpoint_is_checked_for_what_its_files_tell(checkpoint, toke
     (old / "trl_ext_state.json").write_text(json.dumps(state))
     shutil.copy(old / "trl_ext_rank_state_0.pt", old / "trl_ext_rank_state_1.pt")  # written by 2 processes
     trainer = grpo_trainer(tokenizer, tmp_path / "out", per_device_train_batch_size=2, num_generations=2)
-    with pytest.raises(ResumeMismatchError, match=r"stopped: num_processes was 2, now 1; per_device_train_batch_size was 4, now 2\. "):
+    with pytest.raises(
+        ResumeMismatchError, match=r"stopped: num_processes was 2, now 1; per_device_train_batch_size was 4, now 2\. "
+    ):
         trainer.train(resume_from_checkpoint=str(old))
 
     (old / "trl_ext_rank_state_1.pt").unlink()  # 1 process, same batch size: resumes, with one warning
@@ -154,8 +176,9 @@ def test_options_that_may_change_on_resume_keep_working(checkpoint, tokenizer, t
     # other logging and save steps, TensorBoard logging, another output folder, more steps: resumes and trains.
     # (transformers keeps the checkpoint's logging/save/eval steps on resume, with a warning of its own)
     out = tmp_path / "elsewhere"
-    trainer = grpo_trainer(tokenizer, out, max_steps=3, logging_steps=2, save_steps=2, report_to=["tensorboard"],
-                           eval_strategy="no")
+    trainer = grpo_trainer(
+        tokenizer, out, max_steps=3, logging_steps=2, save_steps=2, report_to=["tensorboard"], eval_strategy="no"
+    )
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.state.global_step == 3
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry][-1] == 3
@@ -173,16 +196,28 @@ def test_the_recipes_refuse_before_loading_the_model(checkpoint, tmp_path):
         "--resume_from_checkpoint, with a new --output_dir (or --overwrite_output_dir to replace this run)"
     )
     same = trl_ext.GRPOConfig(output_dir=str(checkpoint.parent), **{**CPU_TEST_ARGS, **GRPO_OPTIONS})
-    assert RecipeRun("grpo_math", checkpoint.parent, {"training_args": same}, resume="true").resume_from_checkpoint == str(checkpoint)
+    assert RecipeRun(
+        "grpo_math", checkpoint.parent, {"training_args": same}, resume="true"
+    ).resume_from_checkpoint == str(checkpoint)
 
 
 def test_sft_refuses_a_changed_accumulation(tokenizer, tiny_model, tmp_path):
     fake = tmp_path / "checkpoint-2"
     fake.mkdir()
-    saved = {"num_processes": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "seed": 0, "data_seed": None}
+    saved = {
+        "num_processes": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "seed": 0,
+        "data_seed": None,
+    }
     (fake / "trl_ext_state.json").write_text(json.dumps({"total_train_tokens": 10, "resume_options": saved}))
     args = trl_ext.SFTConfig(output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "per_device_train_batch_size": 2})
-    trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, processing_class=copy.deepcopy(tokenizer),
-                                 train_dataset=Dataset.from_dict({"prompt": ["Say hi.\n"] * 2, "completion": ["Hi!"] * 2}))
+    trainer = trl_ext.SFTTrainer(
+        model=tiny_model,
+        args=args,
+        processing_class=copy.deepcopy(tokenizer),
+        train_dataset=Dataset.from_dict({"prompt": ["Say hi.\n"] * 2, "completion": ["Hi!"] * 2}),
+    )
     with pytest.raises(ResumeMismatchError, match=r"stopped: gradient_accumulation_steps was 4, now 1\. Resume"):
         trainer.train(resume_from_checkpoint=str(fake))

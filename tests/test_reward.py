@@ -7,9 +7,9 @@ import json
 import math
 
 import pytest
-from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 from datasets import Dataset
 from transformers import LlamaForSequenceClassification
 
@@ -77,11 +77,20 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tmp_path):
     import dataclasses
 
     args = trl.RewardConfig(
-        output_dir=str(tmp_path), **COMMON, pad_token=tokenizer.pad_token, eos_token=tokenizer.eos_token,
-        hub_token="hf_secret", max_length=64, center_rewards_coefficient=0.01,
+        output_dir=str(tmp_path),
+        **COMMON,
+        pad_token=tokenizer.pad_token,
+        eos_token=tokenizer.eos_token,
+        hub_token="hf_secret",
+        max_length=64,
+        center_rewards_coefficient=0.01,
     )
-    trainer = RewardTrainer(model=reward_model(tokenizer), args=args, train_dataset=Dataset.from_dict(PAIRS),
-                            processing_class=copy.deepcopy(tokenizer))
+    trainer = RewardTrainer(
+        model=reward_model(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=copy.deepcopy(tokenizer),
+    )
     assert isinstance(trainer.args, RewardConfig)
     for field in dataclasses.fields(args):
         if field.init:
@@ -95,8 +104,12 @@ def test_plain_training_arguments_are_converted_and_train(tokenizer, tmp_path):
     from transformers import TrainingArguments
 
     args = TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=1e-3)
-    trainer = RewardTrainer(model=reward_model(tokenizer), args=args, train_dataset=Dataset.from_dict(PAIRS),
-                            processing_class=copy.deepcopy(tokenizer))
+    trainer = RewardTrainer(
+        model=reward_model(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=copy.deepcopy(tokenizer),
+    )
     assert isinstance(trainer.args, RewardConfig) and trainer.args.learning_rate == 1e-3
     assert (trainer.args.max_length, trainer.args.skip_invalid_pairs) == (trl.RewardConfig.max_length, False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -181,10 +194,15 @@ def test_tool_call_rows_are_checked_like_any_other(tmp_path):
     from trl_ext.data.preferences import check_preference_dataset
 
     rows = copy.deepcopy(TOOL_ROWS)
-    rows[1]["chosen"][1] = {"name": "get_current_time", "content": "06:22"}  # a message without a role: no template can place it
+    rows[1]["chosen"][1] = {
+        "name": "get_current_time",
+        "content": "06:22",
+    }  # a message without a role: no template can place it
     rows[2]["rejected"] = copy.deepcopy(rows[2]["chosen"])  # the same tool call twice: no preference
     dataset = jsonl_dataset(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"row 1: field 'chosen' message 1 is \{'name': 'get_current_time', 'content': '06:22'\}"):
+    with pytest.raises(
+        ValueError, match=r"row 1: field 'chosen' message 1 is \{'name': 'get_current_time', 'content': '06:22'\}"
+    ):
         check_preference_dataset(dataset)
     with pytest.warns(UserWarning, match=r"skipped 2 invalid preference row\(s\) \(rows \[1, 2\]\)"):
         kept = check_preference_dataset(dataset, skip_invalid=True)
@@ -211,13 +229,28 @@ GOOD = {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}
         ({**GOOD, "margin": "big"}, r"row 1 \(line 2\): field 'margin' is 'big'"),
         ({**GOOD, "chosen": 7}, r"row 1 \(line 2\): field 'chosen' is int"),
         # what TRL fails on too: a message without a role, a string prompt joined to a conversation
-        ({**GOOD, "chosen": [{"role": "assistant", "content": "Paris."}, {"content": "Lyon."}]},
-         r"row 1 \(line 2\): field 'chosen' message 1 is \{'content': 'Lyon.'\}; expected .* a string 'role'"),
+        (
+            {**GOOD, "chosen": [{"role": "assistant", "content": "Paris."}, {"content": "Lyon."}]},
+            r"row 1 \(line 2\): field 'chosen' message 1 is \{'content': 'Lyon.'\}; expected .* a string 'role'",
+        ),
         ({**GOOD, "chosen": []}, r"row 1 \(line 2\): field 'chosen' is an empty list"),
-        ({**GOOD, "chosen": [{"role": "assistant", "content": "Paris."}], "rejected": [{"role": "assistant", "content": "Lyon."}]},
-         r"row 1 \(line 2\): field 'prompt' is a string but 'chosen' is a conversation"),
-        ({**GOOD, "prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": " "}],
-          "rejected": [{"role": "assistant", "content": "Lyon."}]}, r"row 1 \(line 2\): field 'chosen' is empty"),
+        (
+            {
+                **GOOD,
+                "chosen": [{"role": "assistant", "content": "Paris."}],
+                "rejected": [{"role": "assistant", "content": "Lyon."}],
+            },
+            r"row 1 \(line 2\): field 'prompt' is a string but 'chosen' is a conversation",
+        ),
+        (
+            {
+                **GOOD,
+                "prompt": [{"role": "user", "content": "Hi"}],
+                "chosen": [{"role": "assistant", "content": " "}],
+                "rejected": [{"role": "assistant", "content": "Lyon."}],
+            },
+            r"row 1 \(line 2\): field 'chosen' is empty",
+        ),
     ],
 )
 def test_preference_file_errors_name_file_row_and_field(tmp_path, bad, message):
@@ -238,8 +271,11 @@ def test_preference_dataset_margins_and_chat_format(tmp_path):
     assert chat[0]["chosen"] == [{"role": "assistant", "content": "Paris."}]
     plain = write_jsonl(tmp_path / "plain.jsonl", [GOOD])
     assert "margin" not in load_preference_dataset(plain).column_names
-    chat_row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello."}],
-                "rejected": [{"role": "assistant", "content": "Go away."}]}
+    chat_row = {
+        "prompt": [{"role": "user", "content": "Hi"}],
+        "chosen": [{"role": "assistant", "content": "Hello."}],
+        "rejected": [{"role": "assistant", "content": "Go away."}],
+    }
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [GOOD, chat_row])
     with pytest.raises(ValueError, match="valid row 1 has a conversational prompt"):
         load_preference_rows(mixed)

@@ -97,7 +97,8 @@ _PROBE = textwrap.dedent(
     from trl_ext import runtime
     setting = runtime.thread_setting()
     done = runtime.configure_cpu_threads(setting, on_gpu=False)
-    print("PROBE" + json.dumps({"explicit": setting.explicit, "source": setting.source, "env": os.environ.get("OMP_NUM_THREADS"),
+    print("PROBE" + json.dumps({"explicit": setting.explicit, "source": setting.source, "env":
+    os.environ.get("OMP_NUM_THREADS"),
                                  "threads": torch.get_num_threads(), "cores": runtime.available_cores()}))
     """
 )
@@ -191,7 +192,8 @@ def test_the_precision_label_names_the_weights_dtype_and_the_autocast(bf16, dtyp
     assert runtime.precision_label(args, dtype) == label
     assert runtime.enable_cpu_bf16(args, user_set=True, dtype=dtype) == label
     assert runtime.enable_cpu_bf16(_args(bf16=False), user_set=False, has_bf16=False, dtype="bfloat16") == (
-        "bf16 weights, no autocast (default: no bf16 instructions)")
+        "bf16 weights, no autocast (default: no bf16 instructions)"
+    )
 
 
 @pytest.mark.parametrize(

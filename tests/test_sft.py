@@ -7,9 +7,9 @@ import json
 import math
 
 import pytest
-from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 import torch
 import trl
+from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 from datasets import Dataset
 
 from trl_ext.data.instructions import (
@@ -218,13 +218,23 @@ def count_forwards(model):
 def test_every_batch_runs_the_unlikelihood_forward_whatever_its_rows(tokenizer, tiny_model, tmp_path):
     # rows 0-1 have no unsafe response, rows 2-3 have one: with 2 rows per batch, as on two ranks of one step
     dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "unsafe_completion": UNSAFE})
-    ours = make(SFTTrainer, SFTConfig, tiny_model, tokenizer, tmp_path, dataset, per_device_train_batch_size=2,
-                safety_penalty_weight=0.5)
+    ours = make(
+        SFTTrainer,
+        SFTConfig,
+        tiny_model,
+        tokenizer,
+        tmp_path,
+        dataset,
+        per_device_train_batch_size=2,
+        safety_penalty_weight=0.5,
+    )
     collate = ours.data_collator
     rows = [ours.train_dataset[i] for i in range(4)]
     safe, unsafe = collate(rows[:2]), collate(rows[2:])
     # the batch with no unsafe row carries one placeholder row with nothing to penalize
-    assert safe["unsafe_input_ids"].tolist() == [[tokenizer.pad_token_id]] and safe["unsafe_labels"].tolist() == [[-100]]
+    assert safe["unsafe_input_ids"].tolist() == [[tokenizer.pad_token_id]] and safe["unsafe_labels"].tolist() == [
+        [-100]
+    ]
     assert safe["unsafe_num_rows"].item() == 2 and unsafe["unsafe_input_ids"].shape[0] == 2
     ours.model.train()
     ours.current_gradient_accumulation_steps = 1
@@ -250,11 +260,17 @@ def test_accepts_the_upstream_config_with_the_same_values(tokenizer, tiny_model,
 
     dataset = Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS, "unsafe_completion": UNSAFE})
     args = trl.SFTConfig(
-        output_dir=str(tmp_path), **COMMON, eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
-        hub_token="hf_secret", max_length=64, learning_rate=3e-4,
+        output_dir=str(tmp_path),
+        **COMMON,
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+        hub_token="hf_secret",
+        max_length=64,
+        learning_rate=3e-4,
     )
-    trainer = SFTTrainer(model=copy.deepcopy(tiny_model), args=args, train_dataset=dataset,
-                         processing_class=copy.deepcopy(tokenizer))
+    trainer = SFTTrainer(
+        model=copy.deepcopy(tiny_model), args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer)
+    )
     assert isinstance(trainer.args, SFTConfig)
     for field in dataclasses.fields(args):
         if field.init:
@@ -273,16 +289,28 @@ def test_plain_training_arguments_are_converted_as_upstream_converts_them_and_tr
     def training_arguments():  # one each: transformers' Trainer keeps state on its args
         return TrainingArguments(output_dir=str(tmp_path), **COMMON, learning_rate=3e-4, hub_token="hf_secret")
 
-    ours = SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
-                      processing_class=copy.deepcopy(tokenizer))
-    upstream = trl.SFTTrainer(model=copy.deepcopy(tiny_model), args=training_arguments(), train_dataset=dataset,
-                              processing_class=copy.deepcopy(tokenizer))
+    ours = SFTTrainer(
+        model=copy.deepcopy(tiny_model),
+        args=training_arguments(),
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
+    upstream = trl.SFTTrainer(
+        model=copy.deepcopy(tiny_model),
+        args=training_arguments(),
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
     assert isinstance(ours.args, SFTConfig)
     # every field as upstream's conversion has it: TrainingArguments' values, SFTConfig's defaults for its own fields
     for field in dataclasses.fields(trl.SFTConfig):
         if field.init:
             assert getattr(ours.args, field.name) == getattr(upstream.args, field.name), field.name
-    assert (ours.args.learning_rate, ours.args.hub_token, ours.args.max_length) == (3e-4, "hf_secret", trl.SFTConfig.max_length)
+    assert (ours.args.learning_rate, ours.args.hub_token, ours.args.max_length) == (
+        3e-4,
+        "hf_secret",
+        trl.SFTConfig.max_length,
+    )
     assert ours.args.safety_penalty_weight == SFTConfig.safety_penalty_weight  # trl_ext fields: their defaults
     before = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
     ours.train()
@@ -291,19 +319,32 @@ def test_plain_training_arguments_are_converted_as_upstream_converts_them_and_tr
 
 
 def test_the_config_of_another_trainer_is_refused_naming_its_fields(tiny_model, tmp_path):
-    with pytest.raises(TypeError, match=r"args must be a SFTConfig, a trl.SFTConfig or a transformers.TrainingArguments, got a DPOConfig with fields SFTConfig does not have: .*beta"):
-        SFTTrainer(model=tiny_model, args=trl.DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True))
+    with pytest.raises(
+        TypeError,
+        match=r"args must be a SFTConfig, a trl.SFTConfig or a transformers.TrainingArguments, got a DPOConfig with "
+        r"fields SFTConfig does not have: .*beta",
+    ):
+        SFTTrainer(
+            model=tiny_model, args=trl.DPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
+        )
     with pytest.raises(TypeError, match="got dict"):
         SFTTrainer(model=tiny_model, args={"output_dir": str(tmp_path)})
 
 
 @pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
 def test_conversations_with_tool_calls_train_with_upstreams_loss(shape, tokenizer, tiny_model, tmp_path):
-    rows = [{"messages": r["prompt"] + r["chosen"]} if shape == "messages" else {"prompt": r["prompt"], "completion": r["chosen"]}
-            for r in TOOL_ROWS[:2]]
+    rows = [
+        {"messages": r["prompt"] + r["chosen"]}
+        if shape == "messages"
+        else {"prompt": r["prompt"], "completion": r["chosen"]}
+        for r in TOOL_ROWS[:2]
+    ]
     dataset = jsonl_dataset(tmp_path / "tools.jsonl", [{**row, "tools": r["tools"]} for row, r in zip(rows, TOOL_ROWS)])
     tok = tool_calling_tokenizer(tokenizer)
-    ours, upstream = make(SFTTrainer, SFTConfig, tiny_model, tok, tmp_path, dataset), make(trl.SFTTrainer, trl.SFTConfig, tiny_model, tok, tmp_path, dataset)
+    ours, upstream = (
+        make(SFTTrainer, SFTConfig, tiny_model, tok, tmp_path, dataset),
+        make(trl.SFTTrainer, trl.SFTConfig, tiny_model, tok, tmp_path, dataset),
+    )
     assert ours.train_dataset["input_ids"] == upstream.train_dataset["input_ids"]
     assert '{"name": "start_timer", "arguments": {"duration": 600}}' in tok.decode(ours.train_dataset[0]["input_ids"])
     batch = first_batch(ours)
@@ -319,8 +360,13 @@ def test_formatting_func_trains_every_token_of_the_formatted_text(tokenizer, tin
     def formatting_func(example):
         return f"Question: {example['question']}\nAnswer: {example['answer']}"
 
-    trainer = SFTTrainer(model=copy.deepcopy(tiny_model), args=SFTConfig(output_dir=str(tmp_path), **COMMON),
-                         train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), formatting_func=formatting_func)
+    trainer = SFTTrainer(
+        model=copy.deepcopy(tiny_model),
+        args=SFTConfig(output_dir=str(tmp_path), **COMMON),
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+        formatting_func=formatting_func,
+    )
     assert trainer.args.completion_only_loss is None and trainer.completion_only_loss is False
     row = trainer.train_dataset[0]
     text_ids = tokenizer(formatting_func(dataset[0]))["input_ids"]

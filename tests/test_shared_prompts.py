@@ -13,9 +13,9 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_gpt2
 from trl.trainer.utils import add_fused_lm_head
 
-from conftest import tiny_gpt2
 from trl_ext import shared_prompts
 from trl_ext.models import tiny_model_for_tests
 from trl_ext.shared_prompts import (
@@ -90,8 +90,17 @@ def fused_outputs(model, ids, mask, completion_length, shared, pack=False):
     prompt_length = ids.size(1) - completion_length
     model.zero_grad()
     if shared:
-        out = forward_with_shared_prompts(model, prompt_length, ids, mask, positions, cache_name=cache_argument(model),
-                                          labels=labels, fused_lm_head=True, pack=pack)
+        out = forward_with_shared_prompts(
+            model,
+            prompt_length,
+            ids,
+            mask,
+            positions,
+            cache_name=cache_argument(model),
+            labels=labels,
+            fused_lm_head=True,
+            pack=pack,
+        )
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True)
     log_probs, entropy = out.log_probs[:, -completion_length:], out.entropy[:, -completion_length:]
@@ -111,13 +120,17 @@ def fused_outputs(model, ids, mask, completion_length, shared, pack=False):
         (COMMON_PREFIX, [(1, 2), (2, 2), (6, 5)]),
     ],
 )
-def test_shared_forward_equals_plain_log_probs_entropies_and_gradients(model, tokenizer, monkeypatch, prompts, expected):
+def test_shared_forward_equals_plain_log_probs_entropies_and_gradients(
+    model, tokenizer, monkeypatch, prompts, expected
+):
     monkeypatch.setattr(shared_prompts, "MIN_SHARED_POSITIONS", 1)  # share any common prefix, however short
     model = no_dropout(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     ids, mask = batch(tokenizer, prompts)
     calls = []
-    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     plain = fused_outputs(model, ids, mask, 4, shared=False)
     shared = fused_outputs(model, ids, mask, 4, shared=True)
     assert calls == [(6, 9)] + expected
@@ -137,12 +150,15 @@ def test_packed_forward_equals_plain_log_probs_entropies_and_gradients(model, to
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     ids, mask = batch(tokenizer, PADDED)
     for row, kept in ((2, 2), (4, 1)):  # row 2 ends after 2 completion tokens, row 4 after 1 (row 5 after 3)
-        ids[row, 5 + kept:], mask[row, 5 + kept:] = tokenizer.pad_token_id, 0
+        ids[row, 5 + kept :], mask[row, 5 + kept :] = tokenizer.pad_token_id, 0
     calls = []
-    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     plain = fused_outputs(model, ids, mask, 4, shared=False)
     packed = fused_outputs(model, ids, mask, 4, shared=True, pack=True)
-    # the 2 distinct prompts' first 4 columns, then one row of 6 last prompt tokens + 4 + 4 + 2 + 4 + 1 + 3 completion tokens
+    # the 2 distinct prompts' first 4 columns, then one row of 6 last prompt tokens + 4 + 4 + 2 + 4 + 1 + 3 completion
+    # tokens
     assert calls == [(6, 9), (2, 4), (1, 24)]
     valid = mask[:, -4:].bool()
     assert packed[0][~valid].eq(0).all() and packed[1][~valid].eq(0).all()  # padding: zeros, as TRL's fused head gives
@@ -168,7 +184,9 @@ def test_distinct_prompts_run_the_plain_forward(tokenizer):
         (False, COMMON_PREFIX, [(1, 2), (2, 2), (2, 1)]),
     ],
 )
-def test_generation_with_shared_prefill_gives_the_same_tokens(model, tokenizer, monkeypatch, do_sample, prompts, expected):
+def test_generation_with_shared_prefill_gives_the_same_tokens(
+    model, tokenizer, monkeypatch, do_sample, prompts, expected
+):
     monkeypatch.setattr(shared_prompts, "MIN_SHARED_POSITIONS", 1)
     model = no_dropout(model).eval()
     ids, mask = batch(tokenizer, prompts)
@@ -183,7 +201,9 @@ def test_generation_with_shared_prefill_gives_the_same_tokens(model, tokenizer, 
         plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         shared_prompts.savings_decision(model)  # the once-per-model probe runs first, outside the recorded forwards
         prefills = []
-        handle = model.register_forward_pre_hook(lambda m, a, kw: prefills.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        handle = model.register_forward_pre_hook(
+            lambda m, a, kw: prefills.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
         generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), use_positions=True)
         torch.manual_seed(7)
         shared = generate(input_ids=ids, attention_mask=mask, **kwargs)

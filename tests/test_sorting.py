@@ -70,8 +70,16 @@ def test_parse_number_list():
     ],
 )
 def test_course_style_sort_rewards(response, shaped, fmt, exact):
-    assert sort_shaped_reward_fn(response, "3 7 19 42") == {"reward": shaped, "format_reward": fmt, "answer_reward": exact}
-    assert sort_exact_reward_fn(response, "3 7 19 42") == {"reward": exact, "format_reward": fmt, "answer_reward": exact}
+    assert sort_shaped_reward_fn(response, "3 7 19 42") == {
+        "reward": shaped,
+        "format_reward": fmt,
+        "answer_reward": exact,
+    }
+    assert sort_exact_reward_fn(response, "3 7 19 42") == {
+        "reward": exact,
+        "format_reward": fmt,
+        "answer_reward": exact,
+    }
 
 
 def test_course_style_rewards_reject_bad_ground_truth():
@@ -85,7 +93,9 @@ def test_trl_style_sort_rewards_read_the_answer_column():
     completions = [[{"role": "assistant", "content": "3 7 19 42"}], [{"role": "assistant", "content": "42 19 7 3"}]]
     answers = ["3 7 19 42", "3 7 19 42"]
     logged = {}
-    shaped = sort_shaped_reward(prompts=[[], []], completions=completions, answer=answers, log_metric=logged.__setitem__)
+    shaped = sort_shaped_reward(
+        prompts=[[], []], completions=completions, answer=answers, log_metric=logged.__setitem__
+    )
     assert shaped == [7.0, 4.0]  # reversed: 4 included, no ordered pair
     assert logged == {"rewards/sort_shaped_reward/format_reward": 1.0, "rewards/sort_shaped_reward/answer_reward": 0.5}
     assert sort_exact_reward(prompts=[[], []], completions=completions, answer=answers) == [1.0, 0.0]

@@ -1,4 +1,5 @@
-"""The trainers refuse a TRL whose seams or version differ from the ones trl_ext overrides (trl_ext.trainers.upstream)."""
+"""The trainers refuse a TRL whose seams or version differ from the ones trl_ext overrides
+(trl_ext.trainers.upstream)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def test_a_changed_signature_fails_naming_the_seam(monkeypatch):
         raise AssertionError("never called")
 
     monkeypatch.setattr(trl.GRPOTrainer, "_compute_loss", _compute_loss)
-    with pytest.raises(RuntimeError, match=r"GRPOTrainer\._compute_loss\(model, batch\) in trl .* differs from the \(model, inputs\)"):
+    with pytest.raises(
+        RuntimeError, match=r"GRPOTrainer\._compute_loss\(model, batch\) in trl .* differs from the \(model, inputs\)"
+    ):
         trl_ext.GRPOTrainer(model=None, reward_funcs=None)
     assert tuple(inspect.signature(_compute_loss).parameters)[1:] == ("model", "batch")
 
@@ -62,7 +65,9 @@ def test_an_untested_trl_version_fails_unless_allowed(monkeypatch):
         trl_ext.SFTTrainer(model=None)
     monkeypatch.setenv(upstream.ALLOW_UNTESTED_TRL_ENV, "1")
     with pytest.warns(UserWarning, match="trl 1.17.0 is installed"):
-        upstream.check_upstream(trl.SFTTrainer, {"compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch")})
+        upstream.check_upstream(
+            trl.SFTTrainer, {"compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch")}
+        )
     # the seams are still checked when the version is allowed
     monkeypatch.delattr(trl.SFTTrainer, "_prepare_dataset")
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="_prepare_dataset does not exist"):
@@ -107,8 +112,13 @@ def test_the_grouping_rule_the_recipes_check_is_upstreams():
                 if generation_batch is not None and generation_batch % batch:
                     continue  # upstream's other rule (a whole number of batches), not the grouping one
                 for group in (2, 3, 4, 8):
-                    values = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                                  steps_per_generation=steps, generation_batch_size=generation_batch, num_generations=group)
+                    values = dict(
+                        per_device_train_batch_size=batch,
+                        gradient_accumulation_steps=accumulation,
+                        steps_per_generation=steps,
+                        generation_batch_size=generation_batch,
+                        num_generations=group,
+                    )
                     try:
                         trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **values)
                         upstream_refuses = False
@@ -117,7 +127,11 @@ def test_the_grouping_rule_the_recipes_check_is_upstreams():
                     assert (generation_grouping_problem(values) is not None) == upstream_refuses, values
                     checked, refused = checked + 1, refused + upstream_refuses
     assert checked > 200 and 0 < refused < checked
-    assert generation_grouping_problem(dict(per_device_train_batch_size=16, gradient_accumulation_steps=1,
-                                            steps_per_generation=None, num_generations=3)) == (
+    assert generation_grouping_problem(
+        dict(
+            per_device_train_batch_size=16, gradient_accumulation_steps=1, steps_per_generation=None, num_generations=3
+        )
+    ) == (
         "--num_generations 3 must divide the completions generated per step, 16 = --per_device_train_batch_size 16 "
-        "x 1 process(es) x --gradient_accumulation_steps 1; change --num_generations or --per_device_train_batch_size")
+        "x 1 process(es) x --gradient_accumulation_steps 1; change --num_generations or --per_device_train_batch_size"
+    )

@@ -31,8 +31,22 @@ __version__ = "0.1.0"
 
 
 _SUBMODULES = (
-    "cli", "compare", "course", "cs336", "data", "eval", "grpo_speed", "models", "profiling", "report", "rewards", "run",
-    "runtime", "shared_prompts", "tasks", "trainers",
+    "cli",
+    "compare",
+    "course",
+    "cs336",
+    "data",
+    "eval",
+    "grpo_speed",
+    "models",
+    "profiling",
+    "report",
+    "rewards",
+    "run",
+    "runtime",
+    "shared_prompts",
+    "tasks",
+    "trainers",
 )
 
 

@@ -49,7 +49,6 @@ import yaml
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.models import EMBEDDED_ALIAS, model_source_problem
 
-
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
     "config names a model) selects the embedded SmolLM2-135M-Instruct, also over a --config file that names "
@@ -74,7 +73,6 @@ class RecipeArguments:
             "unfinished run instead."
         },
     )
-
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -122,11 +120,18 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
             from trl_ext.trainers.dynamic_sampling import whole_groups_problem
 
             which = "steps_per_generation" if values.get("steps_per_generation") else "gradient_accumulation_steps"
-            problem = whole_groups_problem(values["per_device_train_batch_size"], values.get(which) or 1,
-                                           values["num_generations"], flags=True, steps_name=which)
+            problem = whole_groups_problem(
+                values["per_device_train_batch_size"],
+                values.get(which) or 1,
+                values["num_generations"],
+                flags=True,
+                steps_name=which,
+            )
             if problem:
-                problems.append(f"--dynamic_sampling true keeps whole prompt groups on each process: {problem}; change "
-                                "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false")
+                problems.append(
+                    f"--dynamic_sampling true keeps whole prompt groups on each process: {problem}; change "
+                    "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false"
+                )
     return problems
 
 
@@ -174,17 +179,27 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
         if not is_torch_bf16_gpu_available():
             flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
             why = "this GPU has no bf16 (Ampere or newer)" if _cuda() else "no CUDA GPU here"
-            problems.append(f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or "
-                            "`--use_cpu true`")
+            problems.append(
+                f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or `--use_cpu true`"
+            )
     if values.get("load_in_4bit") and values.get("load_in_8bit"):
         problems.append("--load_in_4bit true and --load_in_8bit true: set at most one")
     for bits in ("4", "8"):
         if values.get(f"load_in_{bits}bit"):
-            problems.append(_gpu_fix(f"--load_in_{bits}bit true", f"--load_in_{bits}bit false",
-                                     f"{bits}-bit loading (bitsandbytes)", "bitsandbytes"))
+            problems.append(
+                _gpu_fix(
+                    f"--load_in_{bits}bit true",
+                    f"--load_in_{bits}bit false",
+                    f"{bits}-bit loading (bitsandbytes)",
+                    "bitsandbytes",
+                )
+            )
     if values.get("attn_implementation") == "flash_attention_2":
-        problems.append(_gpu_fix("--attn_implementation flash_attention_2", "--attn_implementation sdpa",
-                                 "flash-attention", "flash_attn"))
+        problems.append(
+            _gpu_fix(
+                "--attn_implementation flash_attention_2", "--attn_implementation sdpa", "flash-attention", "flash_attn"
+            )
+        )
     return [p for p in problems if p]
 
 
@@ -235,8 +250,11 @@ def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str =
         completions = batch * processes * steps
         needed = completions // training_args.num_generations
         if rows < needed:
-            which = ("--gradient_accumulation_steps" if steps == training_args.gradient_accumulation_steps
-                     else "--steps_per_generation")
+            which = (
+                "--gradient_accumulation_steps"
+                if steps == training_args.gradient_accumulation_steps
+                else "--steps_per_generation"
+            )
             raise RecipeError(
                 f"{source}: {have} cannot fill one generation batch of {needed} prompts ({completions} "
                 f"completions = --per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}, in "
@@ -250,8 +268,6 @@ def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str =
             f"use at least {batch * processes} training {unit}, lower --per_device_train_batch_size, or pass "
             "--dataloader_drop_last false"
         )
-
-
 
 
 def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
@@ -270,12 +286,14 @@ def check_model_options(model_args: Any) -> None:
 
     try:
         check_backend_available(
-            load_in_4bit=model_args.load_in_4bit, load_in_8bit=model_args.load_in_8bit,
+            load_in_4bit=model_args.load_in_4bit,
+            load_in_8bit=model_args.load_in_8bit,
             attn_implementation=model_args.attn_implementation,
         )
     except (ImportError, RuntimeError, ValueError) as err:
         raise RecipeError(str(err)) from None
     check_model_source(model_args.model_name_or_path)
+
 
 # ------------------------------------------------------------------------------------------- parsing
 def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
@@ -343,7 +361,9 @@ def build_parser(
 
     grouped = [type(t.__name__, (t,), {"_argument_group_name": title(i, t)}) for i, t in enumerate(dataclass_types)]
     parser = trl.TrlParser(
-        grouped, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+        grouped,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [--config FILE] [--OPTION VALUE ...]",
         epilog="The first group holds the recipe's own options; the others come from the classes in their titles, "
         "documented in full by TRL (https://huggingface.co/docs/trl) and transformers (TrainingArguments).",
@@ -354,17 +374,21 @@ def build_parser(
         except ValueError:
             shown = str(default_config)
     if default_config:
-        config_help = (f"YAML file of option: value pairs, layered over the recipe's default config ({shown}): options "
-                       "the file sets replace the defaults, the others keep them; command-line flags override both.")
+        config_help = (
+            f"YAML file of option: value pairs, layered over the recipe's default config ({shown}): options "
+            "the file sets replace the defaults, the others keep them; command-line flags override both."
+        )
     else:
         config_help = "YAML file of option: value pairs (as in TRL scripts); command-line flags override it."
     parser.add_argument("--config", metavar="FILE", help=config_help)
     for action in parser._actions:  # trl.ModelConfig's help does not know the embedded model
         if action.dest == "model_name_or_path":
-            action.help = (f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP)
+            action.help = f"{action.help} {MODEL_NAME_HELP}" if action.help else MODEL_NAME_HELP
     options = parser._option_string_actions
     overrides = dict(help_overrides or {})
-    if "--overwrite_output_dir" in options and ("--resume_from_checkpoint" not in options or "resume_from_checkpoint" in overrides):
+    if "--overwrite_output_dir" in options and (
+        "--resume_from_checkpoint" not in options or "resume_from_checkpoint" in overrides
+    ):
         overrides.setdefault("overwrite_output_dir", OVERWRITE_HELP_NO_RESUME)
     for name, text in overrides.items():
         if f"--{name}" not in options:
@@ -438,8 +462,10 @@ def parse(
             raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
         for key, value in env.items():  # TRL's `env:` block
             os.environ[key] = str(value)
-        layer = {DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
-                 for k, v in layer.items()}
+        layer = {
+            DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
+            for k, v in layer.items()
+        }
         drop_other_names(set(layer))
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
@@ -448,14 +474,20 @@ def parse(
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:
         keys = sorted({item[2:] for item in unknown[::2]})
-        problems.append("unknown option(s) " + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
-                        + "; see --help for the options of this recipe")
+        problems.append(
+            "unknown option(s) "
+            + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
+            + "; see --help for the options of this recipe"
+        )
     if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
         import torch
 
         if torch.cuda.is_available():
-            print(f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
-                  "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.", file=sys.stderr)
+            print(
+                f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
+                "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.",
+                file=sys.stderr,
+            )
     for alias, name in DEPRECATED_ALIASES.items():  # the command line's aliases, read as their new names
         if f"--{name}" in options:
             args = [f"--{name}" if a == f"--{alias}" else a.replace(f"--{alias}=", f"--{name}=", 1) for a in args]
@@ -469,8 +501,12 @@ def parse(
 
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp and "use_cpu" in values and (values["use_cpu"] or not _cuda()) and is_main_process():
-        print("note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
-              "data parallelism, every process holding the whole model", file=sys.stderr)
+        print(
+            "note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with "
+            "plain "
+            "data parallelism, every process holding the whole model",
+            file=sys.stderr,
+        )
     flagged = flag_problems(values)
     problems += flagged
     devices = device_problems(values)
@@ -478,8 +514,13 @@ def parse(
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:
-        constructed.update({k: False for k in ("use_vllm", "use_liger_kernel", "bf16", "bf16_full_eval",
-                                                "load_in_4bit", "load_in_8bit") if k in values})
+        constructed.update(
+            {
+                k: False
+                for k in ("use_vllm", "use_liger_kernel", "bf16", "bf16_full_eval", "load_in_4bit", "load_in_8bit")
+                if k in values
+            }
+        )
         if values.get("backend") == "vllm":
             constructed["backend"] = "hf"
         if values.get("attn_implementation") == "flash_attention_2":
@@ -516,10 +557,10 @@ def user_input(what: str = ""):
         raise RecipeError(f"{what}{err}") from None
 
 
-
 # ------------------------------------------------------------------------------------------- running
-def recipe(name: str, *, result_file: str | Callable[..., str] = "metrics.json",
-           not_resumable: tuple[str, str] | None = None):
+def recipe(
+    name: str, *, result_file: str | Callable[..., str] = "metrics.json", not_resumable: tuple[str, str] | None = None
+):
     """Decorate a recipe's ``main(run, *configs, **kwargs)``: calling ``main(*configs, **kwargs)`` opens the run first.
 
     The run is a :class:`trl_ext.run.RecipeRun` named ``name``, in the ``output_dir`` of the first config that has
@@ -552,7 +593,11 @@ def recipe(name: str, *, result_file: str | Callable[..., str] = "metrics.json",
                 refuse_resume(resume, *not_resumable)
                 resume = None
             run = RecipeRun(
-                name, output_dir, dict(zip(names, configs)), overwrite=overwrite, resume=resume,
+                name,
+                output_dir,
+                dict(zip(names, configs)),
+                overwrite=overwrite,
+                resume=resume,
                 result_file=result_file(*configs) if callable(result_file) else result_file,
                 handle_signals=handle_signals,
             )

@@ -71,7 +71,8 @@ def tokenize_prompt_and_output(
     """
     if len(prompt_strs) != len(output_strs):
         raise ValueError(
-            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}; expected one output per prompt"
+            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}; expected one output "
+            "per prompt"
         )
     if len(prompt_strs) == 0:
         raise ValueError("prompt_strs is empty; expected at least one prompt")
@@ -180,7 +181,10 @@ def mean_response_entropy(
             attention[i, : len(seq)] = 1
             response[i, len(p) - 1 : len(seq) - 1] = True  # labels that are response tokens
         out = get_response_log_probs(
-            model, ids[:, :-1].to(device), ids[:, 1:].to(device), return_token_entropy=True,
+            model,
+            ids[:, :-1].to(device),
+            ids[:, 1:].to(device),
+            return_token_entropy=True,
             attention_mask=attention[:, :-1].to(device),
         )
         entropy = out["token_entropy"].cpu()
@@ -257,8 +261,12 @@ def compute_group_normalized_rewards(
         "reward_std": valid.std().item() if valid.numel() > 1 else nan,
         "reward_max": valid.max().item() if valid.numel() else nan,
         "reward_min": valid.min().item() if valid.numel() else nan,
-        "format_reward_mean": sum(parts["format_reward"]) / len(parts["format_reward"]) if parts["format_reward"] else nan,
-        "answer_reward_mean": sum(parts["answer_reward"]) / len(parts["answer_reward"]) if parts["answer_reward"] else nan,
+        "format_reward_mean": sum(parts["format_reward"]) / len(parts["format_reward"])
+        if parts["format_reward"]
+        else nan,
+        "answer_reward_mean": sum(parts["answer_reward"]) / len(parts["answer_reward"])
+        if parts["answer_reward"]
+        else nan,
         "num_excluded": num_excluded,
     }
     return advantages, raw_rewards, metadata
@@ -407,9 +415,7 @@ def per_instance_dpo_loss(
     return dpo_loss(policy[:1], policy[1:], ref[:1], ref[1:], beta, label_smoothing)
 
 
-def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, gamma: float = 0.99, lam: float = 0.95
-) -> torch.Tensor:
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 0.99, lam: float = 0.95) -> torch.Tensor:
     """Generalized advantage estimation.
 
     delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}, with A_T = 0, i.e.

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from trl_ext import course as C
+from trl_ext import functional as F
 from trl_ext.course import (
     compute_gae,
     compute_group_normalized_rewards,
@@ -39,7 +40,6 @@ from trl_ext.course import (
     sft_microbatch_train_step,
     tokenize_prompt_and_output,
 )
-from trl_ext import functional as F
 from trl_ext.data.instructions import iterate_batches
 from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 
@@ -82,8 +82,11 @@ ALPACA_TEMPLATE = (
 
 
 # ------------------------------------------------------------------------------------------- handout, section 4
-def run_tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer: Any) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1): :func:`trl_ext.course.tokenize_prompt_and_output`."""
+def run_tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer: Any
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1):
+    :func:`trl_ext.course.tokenize_prompt_and_output`."""
     return C.tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
 
 
@@ -102,7 +105,8 @@ def run_get_response_log_probs(
 def run_masked_normalize(
     tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None, normalize_constant: float = 1.0
 ) -> torch.Tensor:
-    """Masked sum along ``dim`` (all when None) / ``normalize_constant``: :func:`trl_ext.functional.masked_normalize`."""
+    """Masked sum along ``dim`` (all when None) / ``normalize_constant``:
+    :func:`trl_ext.functional.masked_normalize`."""
     return F.masked_normalize(tensor, mask, dim, normalize_constant)
 
 
@@ -155,7 +159,9 @@ def run_compute_policy_gradient_loss(
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dispatch on ``loss_type``: :func:`trl_ext.functional.compute_policy_gradient_loss` (also ``"grpo_no_clip"``)."""
-    return F.compute_policy_gradient_loss(policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange)
+    return F.compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+    )
 
 
 def run_masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -176,8 +182,14 @@ def run_grpo_microbatch_train_step(
     """One GRPO microbatch backward with masked_mean length normalization (the handout's):
     :func:`trl_ext.course.grpo_microbatch_train_step`."""
     return C.grpo_microbatch_train_step(
-        policy_log_probs, response_mask, gradient_accumulation_steps, loss_type, raw_rewards, advantages,
-        old_log_probs, cliprange,
+        policy_log_probs,
+        response_mask,
+        gradient_accumulation_steps,
+        loss_type,
+        raw_rewards,
+        advantages,
+        old_log_probs,
+        cliprange,
     )
 
 
@@ -271,7 +283,9 @@ def get_packed_sft_dataset(
     return dataset
 
 
-def run_iterate_batches(dataset: torch.utils.data.Dataset, batch_size: int, shuffle: bool) -> torch.utils.data.DataLoader:
+def run_iterate_batches(
+    dataset: torch.utils.data.Dataset, batch_size: int, shuffle: bool
+) -> torch.utils.data.DataLoader:
     """One epoch of batches of ``dataset`` (dicts of stacked tensors; the last batch may be smaller):
     :func:`trl_ext.data.instructions.iterate_batches`."""
     return iterate_batches(dataset, batch_size, shuffle)

@@ -54,8 +54,8 @@ def parse_gsm8k_response(model_output: str) -> str | None:
 _LETTER = r"[(\[{]?\s*([A-D])\s*[)\]}]?(?![A-Za-z0-9])"
 # An answer statement: "answer is B", "Answer: (C)", "final answer - D", "correct option is D", "the best choice: A".
 _MMLU_STATED_RE = re.compile(
-    r"(?i:\banswer|\b(?:correct|right|best|final)\s+(?:option|choice))\s*(?:(?i:is|would\s+be|will\s+be)\b)?\s*[:\-]?\s*"
-    + _LETTER
+    r"(?i:\banswer|\b(?:correct|right|best|final)\s+(?:option|choice))"
+    r"\s*(?:(?i:is|would\s+be|will\s+be)\b)?\s*[:\-]?\s*" + _LETTER
 )
 # A bare mention of an option: "option B", "choice (C)".
 _MMLU_MENTION_RE = re.compile(r"(?i:\boption|\bchoice)\s*(?:(?i:is)\b)?\s*[:\-]?\s*" + _LETTER)
@@ -80,7 +80,8 @@ def strip_markup(text: str) -> str:
 
 
 def parse_mmlu_response(mmlu_example: Mapping[str, Any], model_output: str) -> str | None:
-    """The option letter ``"A"``-``"D"`` that ``model_output`` picks for ``mmlu_example``, or ``None`` (course supplement).
+    """The option letter ``"A"``-``"D"`` that ``model_output`` picks for ``mmlu_example``, or ``None`` (course
+    supplement).
 
     The output is read with its markup removed (:func:`strip_markup`: ``"Answer: *D*"``, ``"Answer: \\(D\\)"``,
     ``"**Answer:** $\\text{D}$"`` all read as ``"Answer: D"``). Rules, first match wins:
@@ -126,7 +127,9 @@ def parse_mmlu_response(mmlu_example: Mapping[str, Any], model_output: str) -> s
     if mentioned:
         return None
     lowered = model_output.lower()
-    found = [letter for letter, option in zip(MMLU_LETTERS, options) if option.strip() and option.strip().lower() in lowered]
+    found = [
+        letter for letter, option in zip(MMLU_LETTERS, options) if option.strip() and option.strip().lower() in lowered
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -184,7 +187,9 @@ def generate_completions(
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
     try:
         for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
-            batch = tokenizer.pad({"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt")
+            batch = tokenizer.pad(
+                {"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt"
+            )
             batch = {k: v.to(device) for k, v in batch.items()}
             generated = generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id

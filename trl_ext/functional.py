@@ -50,7 +50,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
     if a.shape != b.shape:
-        raise ValueError(f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}; expected equal shapes")
+        raise ValueError(
+            f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}; expected equal shapes"
+        )
 
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -191,7 +193,8 @@ def compute_group_advantages(
         raise ValueError(f"group_size={group_size}; expected a positive integer")
     if normalize_by_std and group_size < 2:
         raise ValueError(
-            f"group_size={group_size} with normalize_by_std=True; expected group_size >= 2 (the std of one sample is undefined)"
+            f"group_size={group_size} with normalize_by_std=True; expected group_size >= 2 (the std of one sample is "
+            "undefined)"
         )
     if raw_rewards.numel() % group_size != 0:
         raise ValueError(

@@ -79,7 +79,9 @@ class GRPOSpeedMixin:
         # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
         unwrapped = self.accelerator.unwrap_model(model)
         if any(kwargs.get(key) is not None for key in FORWARD_KEYS) or not accepts_position_ids(unwrapped):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
         # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
         # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
         # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
@@ -90,11 +92,14 @@ class GRPOSpeedMixin:
         def forward_with_positions(**inputs):
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
             if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
-                return forward_with_shared_prompts(model, prompt_length, cache_name=cache_name, prefill_model=unwrapped,
-                                                   pack=self._pack, **inputs)
+                return forward_with_shared_prompts(
+                    model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, pack=self._pack, **inputs
+                )
             return model(**inputs)
 
-        return super()._get_per_token_logps_and_entropies(forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        return super()._get_per_token_logps_and_entropies(
+            forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
 
     def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
         # transformers generation: prefill each distinct prompt once (share_prompt_cache). Upstream calls
@@ -143,7 +148,10 @@ class GRPOSpeedMixin:
         )
         with torch.no_grad():
             zero_logps, zero_entropies, _ = self._get_per_token_logps_and_entropies(
-                self.accelerator.unwrap_model(model), input_ids[zero_rows], attention_mask[zero_rows], logits_to_keep,
+                self.accelerator.unwrap_model(model),
+                input_ids[zero_rows],
+                attention_mask[zero_rows],
+                logits_to_keep,
                 compute_entropy=True,
             )
         # rows back in batch order: kept rows first, then the zero rows, permuted by where each came from

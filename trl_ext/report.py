@@ -42,7 +42,6 @@ from rich.table import Table
 
 from trl_ext.profiling import format_breakdown
 
-
 IMPORTANT_FIELDS = (
     "model_name_or_path",
     "learning_rate",
@@ -121,6 +120,7 @@ def config_hyperparameters(*configs: Any, important: Sequence[str] = IMPORTANT_F
     order = {name: i for i, name in enumerate(important)}
     return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
+
 # ----------------------------------------------------------------------------------------------- observations
 def _curve(log_history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
     return [
@@ -169,14 +169,17 @@ def observe_training(
         window = max(1, len(values) // 5)
         best_gain, best_at = -math.inf, 0
         for i in range(len(values) - window):
-            gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(values[max(0, i + 1 - window) : i + 1])
+            gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(
+                values[max(0, i + 1 - window) : i + 1]
+            )
             if gain > best_gain:
                 best_gain, best_at = gain, i
         trend = "rose" if last > first else "fell" if last < first else "stayed flat"
         note = f"Train reward {trend} from {first:.3f} (first logged steps) to {last:.3f} (last)"
         if best_gain > 0:
             note += (
-                f"; it rose fastest around steps {reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
+                "; it rose fastest around steps "
+                f"{reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
                 f" (+{best_gain:.3f} between consecutive {window}-point means)"
             )
         notes.append(note + ".")
@@ -191,7 +194,11 @@ def observe_training(
         collapsed = entropy_collapsed(first, last)
         notes.append(
             f"Entropy went from {first:.3f} to {last:.3f} nats/token"
-            + ("; it collapsed (the policy became nearly deterministic, so exploration is mostly gone)." if collapsed else "; no collapse.")
+            + (
+                "; it collapsed (the policy became nearly deterministic, so exploration is mostly gone)."
+                if collapsed
+                else "; no collapse."
+            )
         )
     clipped = _curve(log_history, "completions/clipped_ratio")
     mean_length = _curve(log_history, "completions/mean_length")
@@ -202,7 +209,9 @@ def observe_training(
             + ": answers are being cut off; raise max_completion_length or reward brevity."
         )
     elif mean_length and max_completion_length and mean_length[-1][1] >= 0.9 * max_completion_length:
-        notes.append(f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}.")
+        notes.append(
+            f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}."
+        )
     elif clipped or mean_length:
         tail = f"mean completion length {mean_length[-1][1]:.1f} tokens" if mean_length else ""
         share = f"{clipped[-1][1]:.0%} hit the length limit" if clipped else ""
@@ -229,6 +238,7 @@ def _history_from_curves(curves: Mapping[str, Sequence[Sequence[float]]]) -> lis
         for step, value in points:
             by_step.setdefault(int(step), {"step": int(step)})[key] = value
     return [by_step[s] for s in sorted(by_step)]
+
 
 # ------------------------------------------------------------------------------------------------------ record
 def _fmt(value: Any) -> str:
@@ -283,7 +293,8 @@ def write_experiment_record(
     lines = [
         f"# {title}",
         "",
-        f"- git commit: `{git['commit'] or 'unknown'}`" + ("" if git["dirty"] is None else f" (dirty: {str(git['dirty']).lower()})"),
+        f"- git commit: `{git['commit'] or 'unknown'}`"
+        + ("" if git["dirty"] is None else f" (dirty: {str(git['dirty']).lower()})"),
         f"- command: `{command}`",
         "",
         "## Hyperparameters (non-default and important ones)",
@@ -328,12 +339,20 @@ def comparison_results(arms: Sequence[Mapping[str, Any]]) -> tuple[list[tuple], 
     """Rows of :data:`COMPARISON_HEADER` (one per arm summary of ``trl_ext.compare.run_comparison``) and
     :func:`observe_training`'s observations of each arm's curves, prefixed with its name."""
     rows = [
-        (a["name"], a.get("final_accuracy"), None if a.get("final_accuracy_se") is None else 100 * a["final_accuracy_se"],
-         a.get("final_reward"), a.get("train_seconds"))
+        (
+            a["name"],
+            a.get("final_accuracy"),
+            None if a.get("final_accuracy_se") is None else 100 * a["final_accuracy_se"],
+            a.get("final_reward"),
+            a.get("train_seconds"),
+        )
         for a in arms
     ]
-    notes = [f"{a['name']}: {note}" for a in arms for note in observe_training(_history_from_curves(a.get("curves", {})))]
+    notes = [
+        f"{a['name']}: {note}" for a in arms for note in observe_training(_history_from_curves(a.get("curves", {})))
+    ]
     return rows, notes
+
 
 # ----------------------------------------------------------------------------------------- plots, table, card
 def plot_curves(
@@ -371,7 +390,9 @@ def plot_curves(
     return Path(path)
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], console: Console | None = None) -> Console:
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], console: Console | None = None
+) -> Console:
     """Print a table (rich); return the console, for the closing lines (soft-wrapped: paths stay whole)."""
     console = console or Console(soft_wrap=True)
     table = Table(title=title)
@@ -404,7 +425,9 @@ def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dic
 def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
     """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table)."""
     n = after["n"]
-    rows = [(name, f"{r['accuracy']:.1%}", f"{r['format_rate']:.1%}") for name, r in (("before", before), ("after", after))]
+    rows = [
+        (name, f"{r['accuracy']:.1%}", f"{r['format_rate']:.1%}") for name, r in (("before", before), ("after", after))
+    ]
     return f"{what} ({n} held-out problem{'s' if n != 1 else ''}, greedy)", ("", "accuracy", "format rate"), rows
 
 
@@ -446,6 +469,7 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
     path = Path(output_dir) / "README.md"
     path.write_text(text)
     return path
+
 
 # ------------------------------------------------------------------------------------------------- the one call
 def finish(
@@ -515,8 +539,14 @@ def finish(
         metrics.setdefault("log_history", log_history)
         if hasattr(trainer, "accelerator"):
             accelerator = trainer.accelerator
-            metrics.setdefault("runtime", {**(speed or {}), "processes": accelerator.num_processes,
-                                           "distributed_type": str(accelerator.distributed_type)})
+            metrics.setdefault(
+                "runtime",
+                {
+                    **(speed or {}),
+                    "processes": accelerator.num_processes,
+                    "distributed_type": str(accelerator.distributed_type),
+                },
+            )
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
     if model_card is not None:
@@ -530,9 +560,16 @@ def finish(
         header, rows = results if results is not None else (("metric", "value"), scalar_results(metrics))
         budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
         write_experiment_record(
-            out, title, configs=configs, results=rows, results_header=header,
-            plots=sorted(p.name for p in out.glob("*.png")), observations=observations, log_history=log_history,
-            max_completion_length=budget, git=git,
+            out,
+            title,
+            configs=configs,
+            results=rows,
+            results_header=header,
+            plots=sorted(p.name for p in out.glob("*.png")),
+            observations=observations,
+            log_history=log_history,
+            max_completion_length=budget,
+            git=git,
         )
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
@@ -585,23 +622,36 @@ def finish_comparison(
     from trl_ext.compare import DEFAULT_PANELS, write_comparison
 
     out = Path(output_dir if output_dir is not None else run.output_dir)
-    paths = write_comparison(results, out, setup, title=title, panels=panels or DEFAULT_PANELS, command=command,
-                             provenance=run.provenance())
+    paths = write_comparison(
+        results, out, setup, title=title, panels=panels or DEFAULT_PANELS, command=command, provenance=run.provenance()
+    )
     if record is None:
         rows, notes = comparison_results(results)
         header = COMPARISON_HEADER
     else:
         header, rows, notes = record
     configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
-    write_experiment_record(out, title, configs=configs, hyperparameters=hyperparameters, results=rows,
-                            results_header=header, plots=["comparison.png"], observations=notes, command=command, git=git)
+    write_experiment_record(
+        out,
+        title,
+        configs=configs,
+        hyperparameters=hyperparameters,
+        results=rows,
+        results_header=header,
+        plots=["comparison.png"],
+        observations=notes,
+        command=command,
+        git=git,
+    )
     print(paths["md"].read_text(), flush=True)
     print(f"Wrote {', '.join(str(p) for p in paths.values())}", flush=True)
     return paths
 
+
 # ------------------------------------------------------------------------------- recipes evaluated before and after
-def before_after_table(caption: str, before: Mapping[str, float], after: Mapping[str, float],
-                       keys: Sequence[str]) -> tuple[str, tuple[str, ...], list[tuple]]:
+def before_after_table(
+    caption: str, before: Mapping[str, float], after: Mapping[str, float], keys: Sequence[str]
+) -> tuple[str, tuple[str, ...], list[tuple]]:
     """``(caption, columns, rows)`` of :func:`finish`'s table for a recipe that evaluates held-out data before and
     after training (sft_instruct, reward_model, dpo): one row per name in ``keys``, its value in ``before`` and in
     ``after`` to 4 decimals (:func:`before_after_rows`).
@@ -612,8 +662,17 @@ def before_after_table(caption: str, before: Mapping[str, float], after: Mapping
     return caption, ("held-out", "before", "after"), before_after_rows(before, after, keys)
 
 
-def before_after_metrics(run: Any, trainer: Any, train_output: Any, before: Mapping[str, Any], after: Mapping[str, Any],
-                         *, model: str | None, script_args: Any, **data: Any) -> dict[str, Any]:
+def before_after_metrics(
+    run: Any,
+    trainer: Any,
+    train_output: Any,
+    before: Mapping[str, Any],
+    after: Mapping[str, Any],
+    *,
+    model: str | None,
+    script_args: Any,
+    **data: Any,
+) -> dict[str, Any]:
     """The ``metrics`` of a recipe that evaluates held-out data before and after training (sft_instruct,
     reward_model, dpo), keys in this order: ``recipe`` (``run.name``), ``model`` (None: the embedded model's name),
     ``data`` in the order given (row counts, the loss's settings), ``train_seconds`` (the run's ``train`` phase, to
@@ -627,8 +686,14 @@ def before_after_metrics(run: Any, trainer: Any, train_output: Any, before: Mapp
     from trl_ext.models import DEFAULT_MODEL
 
     return {
-        "recipe": run.name, "model": model or DEFAULT_MODEL, **data,
-        "train_seconds": round(run.phase_seconds["train"], 1), "train_steps": train_output.global_step,
-        "train_loss": train_output.training_loss, "before": before, "after": after,
-        "log_history": trainer.state.log_history, "script_args": dataclasses.asdict(script_args),
+        "recipe": run.name,
+        "model": model or DEFAULT_MODEL,
+        **data,
+        "train_seconds": round(run.phase_seconds["train"], 1),
+        "train_steps": train_output.global_step,
+        "train_loss": train_output.training_loss,
+        "before": before,
+        "after": after,
+        "log_history": trainer.state.log_history,
+        "script_args": dataclasses.asdict(script_args),
     }

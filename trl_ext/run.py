@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,6 @@ from transformers import TrainerCallback, TrainingArguments
 
 from trl_ext.cli import RecipeError
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
-
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -62,9 +61,11 @@ RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
 """What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
 cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
 
+
 def is_main_process() -> bool:
     """Whether this is the main process of a launch (``RANK`` 0, or no launch), without initializing anything."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
 
 # ------------------------------------------------------------------------------------------- output folder
 def check_output_dir(
@@ -115,7 +116,11 @@ def latest_checkpoint(output_dir: str | Path) -> str | None:
     folder = Path(output_dir)
     if not folder.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()
+    ]
     for _, path in sorted(found, reverse=True):
         if (path / "trainer_state.json").is_file():
             return str(path)
@@ -192,6 +197,7 @@ def resume_command(argv: Sequence[str] | None = None) -> str:
     launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
     return f"{launcher} {shlex.join([script, *kept, '--resume_from_checkpoint', 'true'])}"
 
+
 # ------------------------------------------------------------------------------------------- provenance
 def file_digest(path: str | Path) -> str:
     """``"<path> sha256:<hex>"`` of a file's bytes: what a cached result computed from that file depends on."""
@@ -218,7 +224,10 @@ def library_versions() -> dict[str, str]:
             pass
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
         if commit.returncode == 0:
@@ -254,8 +263,17 @@ class RecipeRun:
         RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
     """
 
-    def __init__(self, name: str, output_dir: str | Path, configs: Mapping[str, Any], *, overwrite: bool = False,
-                 resume: str | bool | None = None, result_file: str = "metrics.json", handle_signals: bool = False):
+    def __init__(
+        self,
+        name: str,
+        output_dir: str | Path,
+        configs: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        resume: str | bool | None = None,
+        result_file: str = "metrics.json",
+        handle_signals: bool = False,
+    ):
         self.name = name
         self.output_dir = Path(output_dir)
         self.configs = dict(configs)
@@ -265,8 +283,13 @@ class RecipeRun:
         if self.resume_from_checkpoint is not None and isinstance(training_args, TrainingArguments):
             check_resume(self.resume_from_checkpoint, training_args)
         # read now: save_total_limit may delete that checkpoint once this run saves a newer one
-        self.resumed_step = 0 if self.resume_from_checkpoint is None else int(json.loads(
-            (Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0))
+        self.resumed_step = (
+            0
+            if self.resume_from_checkpoint is None
+            else int(
+                json.loads((Path(self.resume_from_checkpoint) / "trainer_state.json").read_text()).get("global_step", 0)
+            )
+        )
         self.timer = PhaseTimer()
         self.reused: list[str] = []
         self.started = time.time()

@@ -55,11 +55,14 @@ def _read_proc(pid: int, name: str) -> list[str] | None:
 
 
 def _is_launcher(cmdline: Sequence[str]) -> bool:
-    """``accelerate launch ...`` / ``python -m accelerate.commands.launch`` / ``torchrun`` / ``torch.distributed.run``."""
+    """``accelerate launch ...`` / ``python -m accelerate.commands.launch`` / ``torchrun`` /
+    ``torch.distributed.run``."""
     names = [os.path.basename(a) for a in cmdline]
     if "launch" in cmdline and any(n == "accelerate" or n.startswith("accelerate.commands") for n in names):
         return True
-    return any(n in ("torchrun", "accelerate.commands.launch", "torch.distributed.run", "accelerate-launch") for n in names)
+    return any(
+        n in ("torchrun", "accelerate.commands.launch", "torch.distributed.run", "accelerate-launch") for n in names
+    )
 
 
 def find_launcher(pid: int | None = None, max_depth: int = 4) -> int | None:
@@ -209,7 +212,9 @@ def precision_label(training_args: Any, dtype: Any = "float32") -> str:
     """
     name = str(dtype).replace("torch.", "") if dtype is not None else "auto"
     weights = _WEIGHT_NAMES.get(name, "checkpoint-dtype" if name == "auto" else name)
-    autocast = "bf16" if getattr(training_args, "bf16", False) else "fp16" if getattr(training_args, "fp16", False) else None
+    autocast = (
+        "bf16" if getattr(training_args, "bf16", False) else "fp16" if getattr(training_args, "fp16", False) else None
+    )
     if autocast is None:
         return "fp32" if weights == "fp32" else f"{weights} weights, no autocast"
     return f"{autocast} autocast, {weights} weights"
@@ -230,7 +235,7 @@ def name_loaded_weights(precision: str, training_args: Any, requested_dtype: Any
     before = precision_label(training_args, requested_dtype)
     if not precision.startswith(before):
         return precision
-    return precision_label(training_args, getattr(model, "dtype", requested_dtype)) + precision[len(before):]
+    return precision_label(training_args, getattr(model, "dtype", requested_dtype)) + precision[len(before) :]
 
 
 def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None, dtype: Any = "float32") -> str:

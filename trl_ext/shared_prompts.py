@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -77,7 +78,9 @@ def group_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[tor
         the position in ``first`` of every row's prompt, so ``prompt_ids[first][inverse] == prompt_ids``.
     """
     if prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ in shape")
+        raise ValueError(
+            f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ in shape"
+        )
     key = torch.cat([prompt_ids.long(), prompt_mask.long()], dim=1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     rows = torch.arange(key.size(0), device=key.device)
@@ -140,7 +143,10 @@ def _call(model: Callable, cache_name: str, input_ids, attention_mask, position_
 
 
 def prefill_distinct(
-    model: Callable, cache_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    model: Callable,
+    cache_name: str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor] | None:
     """Key/value cache of each distinct row of ``input_ids`` (B, S), computed once, and which one every row is.
@@ -164,18 +170,29 @@ def prefill_distinct(
     ids, mask = input_ids[first], attention_mask[first]
     positions = None if position_ids is None else position_ids[first]
     if split_common:
-        cache = _call(model, cache_name, ids[:1, :common], mask[:1, :common], None if positions is None else positions[:1, :common])
+        cache = _call(
+            model,
+            cache_name,
+            ids[:1, :common],
+            mask[:1, :common],
+            None if positions is None else positions[:1, :common],
+        )
         if cache is None:
             return None
         cache.batch_select_indices(torch.zeros(distinct, dtype=torch.long, device=ids.device))
-        cache = _call(model, cache_name, ids[:, common:], mask, None if positions is None else positions[:, common:], cache)
+        cache = _call(
+            model, cache_name, ids[:, common:], mask, None if positions is None else positions[:, common:], cache
+        )
     else:
         cache = _call(model, cache_name, ids, mask, positions)
     return None if cache is None else (cache, inverse)
 
 
 def prefill(
-    model: Callable, cache_name: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    model: Callable,
+    cache_name: str,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
 ):
     """Key/value cache of ``input_ids`` (B, S) computed once per distinct row (:func:`prefill_distinct`), indexed
@@ -194,9 +211,16 @@ def prefill(
 
 
 def forward_with_shared_prompts(
-    model: Callable, prompt_length: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    position_ids: torch.Tensor | None = None, *, cache_name: str = "past_key_values", prefill_model: Callable | None = None,
-    pack: bool = False, **kwargs: Any,
+    model: Callable,
+    prompt_length: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    cache_name: str = "past_key_values",
+    prefill_model: Callable | None = None,
+    pack: bool = False,
+    **kwargs: Any,
 ):
     """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to what the last ``T - prompt_length
     + 1`` positions produce, with each distinct prompt's first ``prompt_length - 1`` tokens run once.
@@ -224,6 +248,7 @@ def forward_with_shared_prompts(
     Returns:
         The second forward's output, or the plain full forward's when no prompt repeats or no cache comes back.
     """
+
     def plain():
         extra = {} if position_ids is None else {"position_ids": position_ids}
         return model(input_ids=input_ids, attention_mask=attention_mask, **extra, **kwargs)
@@ -233,26 +258,46 @@ def forward_with_shared_prompts(
     split = prompt_length - 1  # the last prompt token stays in the second forward: its output scores token P
     prefix_positions = None if position_ids is None else position_ids[:, :split]
     if pack and position_ids is not None:
-        found = prefill_distinct(prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
+        found = prefill_distinct(
+            prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions
+        )
         if found is None:
             return plain()
         labels = kwargs.pop("labels", None)
         return packed_forward(
-            model, cache_name, *found, attention_mask[:, :split], input_ids[:, split:], attention_mask[:, split:],
-            position_ids[:, split:], labels=None if labels is None else labels[:, split:], **kwargs,
+            model,
+            cache_name,
+            *found,
+            attention_mask[:, :split],
+            input_ids[:, split:],
+            attention_mask[:, split:],
+            position_ids[:, split:],
+            labels=None if labels is None else labels[:, split:],
+            **kwargs,
         )
-    cache = prefill(prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions)
+    cache = prefill(
+        prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions
+    )
     if cache is None:
         return plain()
     if "labels" in kwargs and kwargs["labels"] is not None:
         kwargs["labels"] = kwargs["labels"][:, split:]
     extra = {} if position_ids is None else {"position_ids": position_ids[:, split:]}
-    return model(input_ids=input_ids[:, split:], attention_mask=attention_mask, **extra, **{cache_name: cache}, **kwargs)
+    return model(
+        input_ids=input_ids[:, split:], attention_mask=attention_mask, **extra, **{cache_name: cache}, **kwargs
+    )
 
 
 def packed_forward(
-    model: Callable, cache_name: str, cache: Any, inverse: torch.Tensor, prompt_mask: torch.Tensor,
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any,
+    model: Callable,
+    cache_name: str,
+    cache: Any,
+    inverse: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    **kwargs: Any,
 ):
     """The completion forward without its padding: every row's real tokens in one sequence (padding-free).
 
@@ -285,17 +330,27 @@ def packed_forward(
     cols = torch.arange(width, device=device).expand(rows_count, width)[real]  # (Q,)
     distinct = int(inverse.max()) + 1
     first = torch.full((distinct,), rows_count, dtype=torch.long, device=device).scatter_reduce(
-        0, inverse, torch.arange(rows_count, device=device), reduce="amin")
-    sees_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2) & prompt_mask[first].bool()
+        0, inverse, torch.arange(rows_count, device=device), reduce="amin"
+    )
+    sees_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2) & prompt_mask[
+        first
+    ].bool()
     sees_row = (rows.unsqueeze(1) == rows.unsqueeze(0)) & (cols.unsqueeze(0) <= cols.unsqueeze(1))
-    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[None, None]  # (1, 1, Q, U*S + Q), True: attend
+    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[
+        None, None
+    ]  # (1, 1, Q, U*S + Q), True: attend
     for layer in cache.layers:  # (U, H, S, d) -> (1, H, U*S, d): prompt u's positions at u*S .. u*S + S - 1
         layer.keys = layer.keys.transpose(0, 1).reshape(1, layer.keys.size(1), -1, layer.keys.size(-1))
         layer.values = layer.values.transpose(0, 1).reshape(1, layer.values.size(1), -1, layer.values.size(-1))
     if kwargs.get("labels") is not None:
         kwargs["labels"] = kwargs["labels"][real].unsqueeze(0)
-    outputs = model(input_ids=input_ids[real].unsqueeze(0), attention_mask=mask, position_ids=position_ids[real].unsqueeze(0),
-                    **{cache_name: cache}, **kwargs)
+    outputs = model(
+        input_ids=input_ids[real].unsqueeze(0),
+        attention_mask=mask,
+        position_ids=position_ids[real].unsqueeze(0),
+        **{cache_name: cache},
+        **kwargs,
+    )
     q = rows.numel()
     next_real = cols[1:] > 0  # shifted fields: packed position j scores packed token j + 1, when it is of the same row
 
@@ -305,7 +360,8 @@ def packed_forward(
         if value.size(1) == q:
             return value.new_zeros((rows_count, width, *value.shape[2:])).index_put((rows, cols), value[0])
         return value.new_zeros((rows_count, width - 1, *value.shape[2:])).index_put(
-            (rows[1:][next_real], cols[1:][next_real] - 1), value[0][next_real])
+            (rows[1:][next_real], cols[1:][next_real] - 1), value[0][next_real]
+        )
 
     return type(outputs)(**{key: unpack(value) for key, value in outputs.items()})
 
@@ -325,6 +381,7 @@ def generate_with_shared_prompts(
     call whose options sharing cannot honour (``generation_blocker``) run the plain ``generate``, each announced in
     one log line.
     """
+
     def wrapped(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         call = dict(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
         config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
@@ -338,7 +395,11 @@ def generate_with_shared_prompts(
                 announce(model, SavingsDecision(share_prompts=reason), ("prompt sharing in generation", ""))
                 return generate(**call)
         if blocker is not None:
-            announce(model, SavingsDecision(share_prompts=f"this generate call has {blocker}"), ("prompt sharing in generation", ""))
+            announce(
+                model,
+                SavingsDecision(share_prompts=f"this generate call has {blocker}"),
+                ("prompt sharing in generation", ""),
+            )
             return generate(**call)
         prefix_ids, prefix_mask = input_ids[:, :-1], attention_mask[:, :-1]
         positions = position_ids_from_attention_mask(prefix_mask) if use_positions else None
@@ -387,7 +448,9 @@ def _rope_types(config: Any) -> set[str]:
     types = set()
     for name in ("rope_parameters", "rope_scaling"):
         value = getattr(config, name, None)
-        values = value.values() if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()) else [value]
+        values = (
+            value.values() if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()) else [value]
+        )
         for params in values:  # per-layer-type parameters (e.g. Gemma 3: {"full_attention": {...}, ...}) or one dict
             if isinstance(params, dict):
                 types.add(str(params.get("rope_type", params.get("type", "default"))))
@@ -397,11 +460,19 @@ def _rope_types(config: Any) -> set[str]:
 def _noise_sources(model: Any) -> list[str]:
     """Dropout modules with p > 0 and config fields naming a dropout or jitter rate > 0: what can make a forward
     random in training (used to word ``training_noise``'s reason)."""
-    sources = [f"{name} p={module.p:g}" for name, module in _base_model(model).named_modules()
-               if isinstance(module, torch.nn.Dropout) and module.p > 0][:1]
+    sources = [
+        f"{name} p={module.p:g}"
+        for name, module in _base_model(model).named_modules()
+        if isinstance(module, torch.nn.Dropout) and module.p > 0
+    ][:1]
     for config in _configs(model):
         for key, value in vars(config).items():
-            if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            if (
+                ("dropout" in key or "jitter" in key)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value > 0
+            ):
                 sources.append(f"config.{key}={value:g}")
     return sources
 
@@ -437,8 +508,12 @@ def _noise_signature(model: Any) -> tuple:
     """What ``training_noise`` depends on: the rate of every Dropout module (in module order) and the config fields
     naming a dropout or jitter rate."""
     rates = tuple(m.p for m in _base_model(model).modules() if isinstance(m, torch.nn.Dropout))
-    fields = tuple((key, value) for config in _configs(model) for key, value in sorted(vars(config).items())
-                   if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)))
+    fields = tuple(
+        (key, value)
+        for config in _configs(model)
+        for key, value in sorted(vars(config).items())
+        if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float))
+    )
     return rates, fields
 
 
@@ -463,7 +538,10 @@ def _measure_training_noise(model: Any) -> str | None:
         return None
     sources = _noise_sources(model)
     where = "; ".join(sources) if sources else "dropout or noise in train mode"
-    return f"the training forward is random ({where}; disable_dropout=True keeps the saving where Dropout modules are the cause)"
+    return (
+        f"the training forward is random ({where}; disable_dropout=True keeps the saving where Dropout modules are "
+        "the cause)"
+    )
 
 
 def _cache_layer_kinds(model: Any) -> set[str]:
@@ -486,8 +564,10 @@ def static_sharing_blocker(model: Any) -> str | None:
     layers = _cache_layer_kinds(model)
     other = sorted(layers - set(ROW_INDEXED_CACHE_LAYERS))
     if other:
-        return (f"its cache has {', '.join(other)} layers (recurrent state), which cannot be indexed by row; only "
-                "key/value attention caches can be shared")
+        return (
+            f"its cache has {', '.join(other)} layers (recurrent state), which cannot be indexed by row; only "
+            "key/value attention caches can be shared"
+        )
     for config in _configs(model):
         model_type = getattr(config, "model_type", None)
         if model_type in CACHED_FORWARD_BUGS:
@@ -522,7 +602,9 @@ def static_packing_blocker(model: Any) -> str | None:
 
 def _probe_batch(model: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Three rows: prompt A twice and a shorter, left-padded prompt B, each followed by 3 completion tokens."""
-    vocab = next((getattr(c, "vocab_size", None) for c in reversed(_configs(model)) if getattr(c, "vocab_size", None)), 64)
+    vocab = next(
+        (getattr(c, "vocab_size", None) for c in reversed(_configs(model)) if getattr(c, "vocab_size", None)), 64
+    )
     low, high = min(4, vocab - 1), vocab
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(low, high, (5,), generator=g), torch.randint(low, high, (3,), generator=g)
@@ -557,13 +639,16 @@ def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tup
         with torch.no_grad():
             try:
                 plain_logits = model(input_ids=ids, attention_mask=mask, **extra).logits
-            except Exception as err:  # noqa: BLE001 -- nothing to compare with: both savings off, the plain path decides
+            # nothing to compare with: both savings off, the plain path decides
+            except Exception as err:  # noqa: BLE001
                 reason = f"the probe's plain forward failed ({type(err).__name__}: {str(err)[:120]})"
                 return reason, reason, reason
             tolerance = _tolerance(plain_logits.dtype, plain_logits)
             plain = _log_probs(plain_logits)
             try:  # the rows without gradient run as a batch of their own: a row must not depend on the others
-                alone = _log_probs(model(input_ids=ids[2:], attention_mask=mask[2:], **{k: v[2:] for k, v in extra.items()}).logits)
+                alone = _log_probs(
+                    model(input_ids=ids[2:], attention_mask=mask[2:], **{k: v[2:] for k, v in extra.items()}).logits
+                )
                 gap = (alone[0, 2:] - plain[2, 2:]).abs().max().item()
                 if not gap <= tolerance:
                     skip = f"a row's log-probs depend on the other rows of its batch (probe: {gap:.2g} apart)"
@@ -586,7 +671,9 @@ def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tup
                 try:  # row 0's completion ends a token early (right padding): only real positions are compared
                     ragged = mask.clone()
                     ragged[0, -1] = 0
-                    packed = forward_with_shared_prompts(model, 5, ids, ragged, positions, cache_name=cache_argument(model), pack=True)
+                    packed = forward_with_shared_prompts(
+                        model, 5, ids, ragged, positions, cache_name=cache_argument(model), pack=True
+                    )
                     real = ragged[:, 4:].bool()
                     gap = (_log_probs(packed.logits)[real] - plain[:, 4:][real]).abs().max().item()
                     if not gap <= tolerance:
@@ -598,7 +685,9 @@ def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tup
     return share, skip, pack
 
 
-def _probe_generation(model: Any, ids: torch.Tensor, mask: torch.Tensor, tolerance: float, exact_tokens: bool = True) -> str | None:
+def _probe_generation(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, tolerance: float, exact_tokens: bool = True
+) -> str | None:
     options = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
     config = getattr(model, "generation_config", None)
     pad = getattr(config, "pad_token_id", None)
@@ -607,12 +696,16 @@ def _probe_generation(model: Any, ids: torch.Tensor, mask: torch.Tensor, toleran
     if generation_blocker(config, options) is not None:  # the model's own defaults (e.g. use_cache=False): never shared
         return None
     plain = model.generate(input_ids=ids, attention_mask=mask, **options)
-    wrapped = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model), check_model=False)
+    wrapped = generate_with_shared_prompts(
+        model.generate, model, cache_argument(model), accepts_position_ids(model), check_model=False
+    )
     shared = wrapped(input_ids=ids, attention_mask=mask, **options)
     if exact_tokens and not torch.equal(plain.sequences, shared.sequences):
         return "greedy generation with a shared prompt cache picked other tokens than without it (probe)"
     steps = len(plain.logits) if exact_tokens else 1  # in half precision a near-tie may pick another token
-    gap = max((_log_probs(a) - _log_probs(b)).abs().max().item() for a, b in list(zip(plain.logits, shared.logits))[:steps])
+    gap = max(
+        (_log_probs(a) - _log_probs(b)).abs().max().item() for a, b in list(zip(plain.logits, shared.logits))[:steps]
+    )
     if not gap <= tolerance:
         return f"generation with a shared prompt cache is {gap:.2g} away from plain generation (probe)"
     return None
@@ -648,8 +741,11 @@ def savings_decision(model: Any) -> SavingsDecision:
 _announced: set[tuple[int, str]] = set()
 
 
-def announce(model: Any, decision: SavingsDecision,
-             names: tuple[str, ...] = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions")) -> str | None:
+def announce(
+    model: Any,
+    decision: SavingsDecision,
+    names: tuple[str, ...] = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions"),
+) -> str | None:
     """Log, once per model and message, one line naming the savings that are off for ``model`` and why (a saving
     whose name is empty is not named; packing, which runs over the shared prompts' cache, is named only while
     sharing is on -- with sharing off, sharing's reason is the one that counts).
@@ -662,7 +758,11 @@ def announce(model: Any, decision: SavingsDecision,
     if not parts:
         return None
     model_type = getattr(getattr(_base_model(model), "config", None), "model_type", type(_base_model(model)).__name__)
-    line = f"trl_ext speed savings on {model_type}: " + "; ".join(parts) + " (plain computation used, same numbers as upstream)"
+    line = (
+        f"trl_ext speed savings on {model_type}: "
+        + "; ".join(parts)
+        + " (plain computation used, same numbers as upstream)"
+    )
     key = (id(_base_model(model)), line)
     if key not in _announced:
         _announced.add(key)
@@ -677,6 +777,7 @@ def generation_blocker(generation_config: Any, kwargs: dict[str, Any]) -> str | 
     offloaded, even ``"dynamic"``) cannot be combined with a cache passed in; ``use_cache=False`` keeps none; chunked
     prefill and assisted generation (``assistant_model``, ``prompt_lookup_num_tokens``) prefill their own way.
     """
+
     def option(name, default=None):
         if name in kwargs:
             return kwargs[name]

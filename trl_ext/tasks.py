@@ -99,23 +99,46 @@ class Task:
     max_new_tokens: int = 20
     batch_size: int = 50
 
-    def evaluate(self, model: Any, tokenizer: Any, desc: str = "eval", *, progress: bool = True,
-                 num_examples: int = 3, jsonl_path: str | Path | None = None) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: Any,
+        tokenizer: Any,
+        desc: str = "eval",
+        *,
+        progress: bool = True,
+        num_examples: int = 3,
+        jsonl_path: str | Path | None = None,
+    ) -> dict[str, Any]:
         """Greedy accuracy of ``model`` on :attr:`test` (:func:`trl_ext.eval.evaluate_math`: ``accuracy``,
         ``format_rate``, ``records``, ``examples``, ...)."""
         from trl_ext.eval import evaluate_math
 
         return evaluate_math(
-            model, tokenizer, self.test, self.reward_fn, self.max_new_tokens, self.batch_size, desc, num_examples,
-            jsonl_path=jsonl_path, disable_progress=not progress, extract_fn=self.extract,
+            model,
+            tokenizer,
+            self.test,
+            self.reward_fn,
+            self.max_new_tokens,
+            self.batch_size,
+            desc,
+            num_examples,
+            jsonl_path=jsonl_path,
+            disable_progress=not progress,
+            extract_fn=self.extract,
         )
 
     def fingerprint(self) -> dict[str, Any]:
         """What an evaluation's result depends on besides the model: the held-out rows (sha256), the budget, the
         grader and the template (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
-        held_out = hashlib.sha256(json.dumps([self.test["prompt"], self.test["answer"]], default=str).encode()).hexdigest()
-        return {"held_out_sha256": held_out, "max_new_tokens": self.max_new_tokens, "reward": self.name,
-                "template": self.template}
+        held_out = hashlib.sha256(
+            json.dumps([self.test["prompt"], self.test["answer"]], default=str).encode()
+        ).hexdigest()
+        return {
+            "held_out_sha256": held_out,
+            "max_new_tokens": self.max_new_tokens,
+            "reward": self.name,
+            "template": self.template,
+        }
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
         """Refuse, before any model work, a training set that cannot fill one generation batch of ``training_args``
@@ -130,13 +153,16 @@ class MathTaskArguments(trl.ScriptArguments, RecipeArguments):
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
-                  "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."},
+        metadata={
+            "help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
+            "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."
+        },
     )
     dataset_kind: str | None = field(
         default=None,
-        metadata={"help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns "
-                  "when unset."},
+        metadata={
+            "help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns when unset."
+        },
     )
     template: str = field(
         default="chat", metadata={"help": "Prompt template: 'chat' (instruct models), 'r1_zero' or 'question_only'."}
@@ -153,8 +179,10 @@ class MathTaskArguments(trl.ScriptArguments, RecipeArguments):
     arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
     num_eval: int = field(
         default=200,
-        metadata={"help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
-                  "last rows (at most a fifth of it), a hub dataset uses dataset_test_split."},
+        metadata={
+            "help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
+            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split."
+        },
     )
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
@@ -199,30 +227,42 @@ class MathTask(Task):
                 test = make_arithmetic_dataset(args.num_eval, seed=1, split="test", **gen)
                 kind, source = "arithmetic", f"--num_train_problems {args.num_train_problems}"
             else:
-                load = dict(kind=args.dataset_kind, config_name=args.dataset_config, skip_bad_rows=args.skip_bad_rows,
-                            **common)
+                load = dict(
+                    kind=args.dataset_kind, config_name=args.dataset_config, skip_bad_rows=args.skip_bad_rows, **common
+                )
                 train = load_math_dataset(args.dataset_name, split=args.dataset_train_split, **load)
                 if Path(args.dataset_name).is_file():  # one local file: hold out its last rows (at most a fifth)
                     if len(train) < 2:
-                        raise RecipeError(f"--dataset_name {args.dataset_name}: {len(train)} usable row(s); need at "
-                                          "least 2 (training rows plus held-out rows)")
+                        raise RecipeError(
+                            f"--dataset_name {args.dataset_name}: {len(train)} usable row(s); need at "
+                            "least 2 (training rows plus held-out rows)"
+                        )
                     held_out = max(1, min(args.num_eval, len(train) // 5))
                     cut = len(train) - held_out
                     test, train = train.select(range(cut, len(train))), train.select(range(cut))
                     rows = f"{len(test)} row{'s' if len(test) != 1 else ''}"
                     source = f"--dataset_name {args.dataset_name} (its last {rows} held out for evaluation)"
                 else:
-                    test = load_math_dataset(args.dataset_name, split=args.dataset_test_split, max_rows=args.num_eval,
-                                             **load)
+                    test = load_math_dataset(
+                        args.dataset_name, split=args.dataset_test_split, max_rows=args.num_eval, **load
+                    )
                     source = f"--dataset_name {args.dataset_name} (split {args.dataset_train_split})"
                 kind = "math" if "problem" in train.column_names else "gsm8k"
         name = cls.grader_name(args.reward, args.template, kind)
         grader = GRADERS[name]
         return cls(
-            name=name, train=train, test=test, reward_funcs=grader.reward, reward_fn=grader.reward_fn,
-            extract=grader.extract, dataset=args.dataset_name or "generated arithmetic", source=source,
-            description=f"{args.template} prompt, {name} reward", template=args.template,
-            max_new_tokens=max_new_tokens, batch_size=args.eval_batch_size,
+            name=name,
+            train=train,
+            test=test,
+            reward_funcs=grader.reward,
+            reward_fn=grader.reward_fn,
+            extract=grader.extract,
+            dataset=args.dataset_name or "generated arithmetic",
+            source=source,
+            description=f"{args.template} prompt, {name} reward",
+            template=args.template,
+            max_new_tokens=max_new_tokens,
+            batch_size=args.eval_batch_size,
         )
 
     @classmethod
@@ -257,16 +297,30 @@ class MathTask(Task):
                 data = make_arithmetic_dataset(num_eval, seed=1, split="test", digits=arithmetic_digits, **common)
                 kind = "gsm8k"
             else:
-                data = load_math_dataset(dataset_name, split=split, kind=kind, config_name=config_name,
-                                         skip_bad_rows=skip_bad_rows, max_rows=num_eval, **common)
+                data = load_math_dataset(
+                    dataset_name,
+                    split=split,
+                    kind=kind,
+                    config_name=config_name,
+                    skip_bad_rows=skip_bad_rows,
+                    max_rows=num_eval,
+                    **common,
+                )
                 kind = "math" if (kind or infer_kind(data.column_names)) == "math" else "gsm8k"
         name = cls.grader_name(reward, template, kind)
         grader = GRADERS[name]
         return cls(
-            name=name, train=None, test=data, reward_funcs=grader.reward, reward_fn=grader.reward_fn,
-            extract=grader.extract, dataset=dataset_name or f"generated {arithmetic_digits}-digit addition",
+            name=name,
+            train=None,
+            test=data,
+            reward_funcs=grader.reward,
+            reward_fn=grader.reward_fn,
+            extract=grader.extract,
+            dataset=dataset_name or f"generated {arithmetic_digits}-digit addition",
             source=f"--dataset_name {dataset_name}" if dataset_name else f"--num_eval {num_eval}",
-            description=f"{template} prompt, {name} reward", template=template, max_new_tokens=max_new_tokens,
+            description=f"{template} prompt, {name} reward",
+            template=template,
+            max_new_tokens=max_new_tokens,
             batch_size=batch_size,
         )
 
@@ -305,4 +359,3 @@ class SortingTask(Task):
             max_new_tokens=max_new_tokens,
             batch_size=args.eval_batch_size,
         )
-

@@ -90,9 +90,15 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
         rates = [training_args.learning_rate * f for f in options.lr_factors]
         return [{**ref, "name": f"lr_{lr:.1e}", "learning_rate": lr} for lr in rates]
     if name == "baselines":
-        return [{**ref, "name": "no_baseline", "pg_loss_type": "no_baseline"}, {**ref, "name": "reinforce_with_baseline"}]
+        return [
+            {**ref, "name": "no_baseline", "pg_loss_type": "no_baseline"},
+            {**ref, "name": "reinforce_with_baseline"},
+        ]
     if name == "length_normalization":
-        return [{**ref, "name": "masked_mean"}, {**ref, "name": "masked_normalize", "length_normalization": "masked_normalize"}]
+        return [
+            {**ref, "name": "masked_mean"},
+            {**ref, "name": "masked_normalize", "length_normalization": "masked_normalize"},
+        ]
     if name == "std_normalization":
         return [{**ref, "name": "std_normalized"}, {**ref, "name": "no_std", "normalize_by_std": False}]
     if name == "off_policy":
@@ -107,7 +113,10 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
             off_policy_arm(f"grpo_no_clip_{s}", s, training_args, "grpo_no_clip", options.cliprange),
         ]
     if name == "dynamic_sampling":  # DAPO: extra rounds until every group of the batch has unequal rewards
-        return [{**ref, "name": "dynamic_sampling_off"}, {**ref, "name": "dynamic_sampling_on", "dynamic_sampling": True}]
+        return [
+            {**ref, "name": "dynamic_sampling_off"},
+            {**ref, "name": "dynamic_sampling_on", "dynamic_sampling": True},
+        ]
     if name == "prompt":
         return [{**ref, "name": template, "task": template} for template in PROMPT_TEMPLATES]
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")
@@ -123,7 +132,9 @@ def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
     if not scored:
         return []
     best = max(scored, key=lambda r: r["final_accuracy"])
-    notes = [f"Best final held-out accuracy: {best['name']} ({best['final_accuracy']:.1%} on {best['n_eval']} problems)."]
+    notes = [
+        f"Best final held-out accuracy: {best['name']} ({best['final_accuracy']:.1%} on {best['n_eval']} problems)."
+    ]
     for r in scored:
         if r is best:
             continue
@@ -132,8 +143,13 @@ def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
         if None in se:
             continue
         noise = (se[0] ** 2 + se[1] ** 2) ** 0.5
-        verdict = "a real difference (> 2 standard errors)" if gap > 2 * noise else "within noise (<= 2 standard errors)"
-        notes.append(f"{r['name']}: {r['final_accuracy']:.1%}, {gap * 100:.1f} points below ({gap / noise if noise else 0:.1f} SE of the gap): {verdict}.")
+        verdict = (
+            "a real difference (> 2 standard errors)" if gap > 2 * noise else "within noise (<= 2 standard errors)"
+        )
+        notes.append(
+            f"{r['name']}: {r['final_accuracy']:.1%}, {gap * 100:.1f} points below ({gap / noise if noise else 0:.1f} "
+            f"SE of the gap): {verdict}."
+        )
     for r in results:
         entropy = r["curves"].get("entropy")
         if entropy and len(entropy) >= 2 and entropy_collapsed(entropy[0][1], entropy[-1][1]):
@@ -155,13 +171,22 @@ def record_rows(results: Sequence[Mapping[str, Any]]) -> list[tuple]:
     """One :data:`RECORD_HEADER` row per arm: held-out accuracy at step 0 and at the end, its standard error in
     points, the train reward of the last 5 steps and the training seconds."""
     pct = lambda x: f"{x:.1%}" if x is not None else "n/a"  # noqa: E731
-    return [(r["name"], pct(r["accuracy_curve"][0][1]) if r["accuracy_curve"] else "n/a", pct(r["final_accuracy"]),
-             f"{100 * r['final_accuracy_se']:.1f}" if r.get("final_accuracy_se") is not None else "n/a",
-             r["final_reward"], r["train_seconds"]) for r in results]
+    return [
+        (
+            r["name"],
+            pct(r["accuracy_curve"][0][1]) if r["accuracy_curve"] else "n/a",
+            pct(r["final_accuracy"]),
+            f"{100 * r['final_accuracy_se']:.1f}" if r.get("final_accuracy_se") is not None else "n/a",
+            r["final_reward"],
+            r["train_seconds"],
+        )
+        for r in results
+    ]
 
 
-def write_report(out: Path, written: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], missing: Sequence[str],
-                 command: str) -> Path:
+def write_report(
+    out: Path, written: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], missing: Sequence[str], command: str
+) -> Path:
     """``out/report.md``: for each finished experiment (``(name, its arm summaries)``, in order) its plot, the final
     accuracies with their standard errors and links to its table and record; ``missing`` names the experiments not
     run yet."""
@@ -169,10 +194,20 @@ def write_report(out: Path, written: Sequence[tuple[str, Sequence[Mapping[str, A
     if missing:
         lines += [f"Not run yet: {', '.join(missing)}.", ""]
     for name, arms in written:
-        lines += [f"## {name}", "", f"[table]({name}/comparison.md), [record]({name}/experiment.md)", "",
-                  f"![{name}]({name}/comparison.png)", ""]
-        lines += [f"- {r['name']}: {r['final_accuracy']:.1%} ± {100 * (r['final_accuracy_se'] or 0):.1f} "
-                  f"({r['n_eval']} held-out problems)" for r in arms if r["final_accuracy"] is not None]
+        lines += [
+            f"## {name}",
+            "",
+            f"[table]({name}/comparison.md), [record]({name}/experiment.md)",
+            "",
+            f"![{name}]({name}/comparison.png)",
+            "",
+        ]
+        lines += [
+            f"- {r['name']}: {r['final_accuracy']:.1%} ± {100 * (r['final_accuracy_se'] or 0):.1f} "
+            f"({r['n_eval']} held-out problems)"
+            for r in arms
+            if r["final_accuracy"] is not None
+        ]
         lines.append("")
     path = Path(out) / "report.md"
     path.write_text("\n".join(lines))

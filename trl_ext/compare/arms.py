@@ -30,7 +30,13 @@ ARM_PRESETS: dict[str, dict[str, Any]] = {
         "beta": 0.0,
         "epsilon": 0.2,
     },
-    "no_std": {"trainer": "trl_ext", "pg_loss_type": "grpo_clip", "normalize_by_std": False, "beta": 0.0, "epsilon": 0.2},
+    "no_std": {
+        "trainer": "trl_ext",
+        "pg_loss_type": "grpo_clip",
+        "normalize_by_std": False,
+        "beta": 0.0,
+        "epsilon": 0.2,
+    },
     "masked_normalize": {
         "trainer": "trl_ext",
         "pg_loss_type": "grpo_clip",
@@ -50,9 +56,16 @@ ARM_PRESETS: dict[str, dict[str, Any]] = {
     # Course defaults plus a k3 KL penalty to the initial policy (TRL reloads the reference from the policy's path).
     "kl_k3": {"trainer": "trl_ext", "pg_loss_type": "grpo_clip", "beta": 0.04, "kl_estimator": "k3", "epsilon": 0.2},
 }
-"""Named arms usable as ``arms: [trl, course, ...]``; a mapping ``{preset: course, name: ..., field: value}`` extends one."""
+"""Named arms usable as ``arms: [trl, course, ...]``; a mapping ``{preset: course, name: ..., field: value}`` extends
+one."""
 
-_DERIVED_FIELDS = ("generation_batch_size", "loss_type", "scale_rewards", "gradient_checkpointing", "gradient_checkpointing_kwargs")
+_DERIVED_FIELDS = (
+    "generation_batch_size",
+    "loss_type",
+    "scale_rewards",
+    "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
+)
 
 
 # ------------------------------------------------------------------------------------------------------------ arms
@@ -84,7 +97,9 @@ class Arm:
         known = {f.name for f in dataclasses.fields(config_cls) if f.init}
         unknown = sorted(set(self.settings) - known)
         if unknown:
-            raise ValueError(f"arm {self.name!r}: {unknown} are not fields of {config_cls.__module__}.{config_cls.__name__}")
+            raise ValueError(
+                f"arm {self.name!r}: {unknown} are not fields of {config_cls.__module__}.{config_cls.__name__}"
+            )
         if self.trainer == "trl":
             missing = [k for k in UPSTREAM_REQUIRED if k not in self.settings]
             if missing:

@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from trl_ext.compare.arms import Arm
 
+
 def _rss_peak_resettable() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -167,7 +168,9 @@ def _eval_record(step: int, result: Mapping[str, Any], num_examples: int = 3) ->
     """The numbers of an evaluation result plus its first responses (``records`` of trl_ext.eval.evaluate_math)."""
     record = {"step": step, **{k: result[k] for k in _EVAL_KEYS if k in result}}
     if result.get("records"):
-        record["examples"] = [{"response": r["response"], "answer": r["answer"]} for r in result["records"][:num_examples]]
+        record["examples"] = [
+            {"response": r["response"], "answer": r["answer"]} for r in result["records"][:num_examples]
+        ]
     return record
 
 

@@ -33,8 +33,8 @@ def comparison_table(results: Sequence[Mapping[str, Any]]) -> str:
     problems is known; best@step), final train reward, median s/step, peak memory (GiB), generated tokens/s and the
     arm's settings."""
     lines = [
-        "| arm | trainer | held-out acc. (final) | best (step) | train reward (last 5) | s/step (median) | peak mem (GiB) "
-        + "| gen. tok/s | settings |",
+        "| arm | trainer | held-out acc. (final) | best (step) | train reward (last 5) | s/step (median) | peak mem "
+        "(GiB) " + "| gen. tok/s | settings |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -102,8 +102,17 @@ def plot_comparison(
         label = f"{r['name']} ({r['trainer']})"
         acc = r["accuracy_curve"]
         if acc:
-            axes[0].plot([s for s, _ in acc], [a for _, a in acc], style, marker="o", color=color, label=label, zorder=z,
-                         linewidth=width, markersize=marker)
+            axes[0].plot(
+                [s for s, _ in acc],
+                [a for _, a in acc],
+                style,
+                marker="o",
+                color=color,
+                label=label,
+                zorder=z,
+                linewidth=width,
+                markersize=marker,
+            )
         for ax, (key, _) in zip(axes[1:], panels):
             curve = r["curves"].get(key, [])
             if not curve:
@@ -146,8 +155,9 @@ def seconds_to_gain(result: Mapping[str, Any], gain: float) -> float | None:
     return next((seconds for seconds, accuracy in curve if accuracy - start >= gain - 1e-9), None)
 
 
-def plot_accuracy_against_seconds(results: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "",
-                                  gain: float | None = None) -> Path:
+def plot_accuracy_against_seconds(
+    results: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "", gain: float | None = None
+) -> Path:
     """Held-out accuracy of each arm against its training wall seconds (``accuracy_by_seconds``; evaluations take
     none of them); with ``gain``, a dotted line at step 0's accuracy + gain. Saves a PNG and returns its path."""
     import matplotlib
@@ -159,8 +169,13 @@ def plot_accuracy_against_seconds(results: Sequence[Mapping[str, Any]], path: st
     for r in results:
         curve = r.get("accuracy_by_seconds") or []
         if curve:
-            ax.plot([s for s, _ in curve], [a for _, a in curve], "--" if r["trainer"] == "trl" else "-", marker="o",
-                    label=f"{r['name']} ({r['trainer']})")
+            ax.plot(
+                [s for s, _ in curve],
+                [a for _, a in curve],
+                "--" if r["trainer"] == "trl" else "-",
+                marker="o",
+                label=f"{r['name']} ({r['trainer']})",
+            )
     if gain is not None:
         starts = [r["accuracy_by_seconds"][0][1] for r in results if r.get("accuracy_by_seconds")]
         if starts:
@@ -210,8 +225,13 @@ def write_comparison(
     return paths
 
 
-def setup_summary(training_args: Any, model_args: Any, eval_steps: Sequence[int], speed: Mapping[str, Any] | None = None,
-                  first: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def setup_summary(
+    training_args: Any,
+    model_args: Any,
+    eval_steps: Sequence[int],
+    speed: Mapping[str, Any] | None = None,
+    first: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """What every arm of a comparison shares, for the top of ``comparison.md``: ``first`` (the recipe's own
     entries: experiment, data, task), then the model, step budget, evaluation steps, completions per step (per
     device x accumulation x processes), group size, completion budget, learning rate, temperature, seed, device and
@@ -226,7 +246,8 @@ def setup_summary(training_args: Any, model_args: Any, eval_steps: Sequence[int]
         "model": first.get("model") or model_args.model_name_or_path or DEFAULT_MODEL,
         "steps per arm": training_args.max_steps,
         "held-out evaluation at steps": list(eval_steps),
-        "completions per step": training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+        "completions per step": training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
         * state.num_processes,
         "num_generations": training_args.num_generations,
         "max_completion_length": training_args.max_completion_length,

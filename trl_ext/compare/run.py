@@ -5,15 +5,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trl
 from transformers import set_seed
 
-from trl_ext.profiling import StepProfiler, time_breakdown
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
+from trl_ext.profiling import StepProfiler, time_breakdown
+
+if TYPE_CHECKING:
+    from trl_ext.tasks import Task
 
 
 def eval_steps(max_steps: int, every: int) -> list[int]:
@@ -102,7 +105,9 @@ def run_comparison(
                 if torch.cuda.is_available():
                     model = model.to("cuda")
                 record = _eval_record(0, evaluate(model))
-                log(f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}")
+                log(
+                    f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}"
+                )
             del model
             release_memory()
             cache[key] = record
@@ -113,13 +118,18 @@ def run_comparison(
         key = arm_key(arm, base_args)
         if key in cache:
             summary = {**cache[key], "name": arm.name, "settings": dict(arm.settings), "task": arm.task}
-            log(f"[{i + 1}/{len(arms)}] arm {arm.name!r}: already trained in this run as {cache[key]['name']!r}, reused")
+            log(
+                f"[{i + 1}/{len(arms)}] arm {arm.name!r}: already trained in this run as {cache[key]['name']!r}, reused"
+            )
             results.append(summary)
             continue
         arm_task = tasks[arm.task]
         first_eval = initial_eval(arm.task)
         config = arm_config(base_args, arm)
-        log(f"[{i + 1}/{len(arms)}] arm {arm.name!r} ({arm.trainer}{f', task {arm.task}' if arm.task else ''}): {arm.settings}")
+        log(
+            f"[{i + 1}/{len(arms)}] arm {arm.name!r} ({arm.trainer}{f', task {arm.task}' if arm.task else ''}): "
+            f"{arm.settings}"
+        )
         set_seed(config.seed)
         model, tokenizer, peft_config = load_model()
         trainer_cls = TRAINERS[arm.trainer][0]

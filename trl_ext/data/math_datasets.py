@@ -35,7 +35,8 @@ class _BadRow(ValueError):
 
 def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
-    of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem. Returns the rows and, for JSON lines, each row's line number."""
+    of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem.
+    Returns the rows and, for JSON lines, each row's line number."""
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; expected one JSON object per row")
@@ -135,7 +136,11 @@ def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
         try:
             return parse_gsm8k_ground_truth(text)
         except ValueError as err:
-            raise _BadRow(answer_field, f"{err} (for bare-number answers set the kind to 'arithmetic': --dataset_kind arithmetic, kind='arithmetic')") from None
+            raise _BadRow(
+                answer_field,
+                f"{err} (for bare-number answers set the kind to 'arithmetic': --dataset_kind arithmetic, "
+                "kind='arithmetic')",
+            ) from None
     if kind == "arithmetic":
         number = to_decimal(text)
         if number is None or number != number.to_integral_value():
@@ -260,7 +265,8 @@ def load_math_dataset(
         warnings.warn(
             f"{source}: {len(several_boxes)} row(s) of {len(raw)} have other \\boxed{{}} before the final answer, "
             "separated from it by text (a retracted guess or a boxed intermediate result?); their last box (group) "
-            f"was taken as the answer. First: row {several_boxes[0]} (0-based): ...{raw[several_boxes[0]][answer_field][-120:]!r}",
+            f"was taken as the answer. First: row {several_boxes[0]} (0-based): "
+            f"...{raw[several_boxes[0]][answer_field][-120:]!r}",
             UserWarning,
             stacklevel=2,
         )
@@ -308,7 +314,11 @@ def dataset_source_problem(name: str | None, flag: str = "--dataset_name") -> st
     if name.lower().endswith(tuple(LOCAL_FORMATS)) or looks_local(name):
         return f"{flag} {name}: no such file"
     return hub_source_problem(
-        name, "dataset", f"{flag} {name}: not a local file",
-        f"; download it where the Hub is reachable, or pass a local {'/'.join(LOCAL_FORMATS)} file with the same columns",
-        cached=lambda: _dataset_cached(name), offline_vars=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+        name,
+        "dataset",
+        f"{flag} {name}: not a local file",
+        f"; download it where the Hub is reachable, or pass a local {'/'.join(LOCAL_FORMATS)} file with the same "
+        "columns",
+        cached=lambda: _dataset_cached(name),
+        offline_vars=("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
     )

@@ -39,7 +39,11 @@ def _is_messages(value: Any) -> bool:
     dict with a string ``role``. Besides ``content`` (a string, or a list of typed content blocks) a message may
     carry ``tool_calls`` (an assistant turn calling tools, often without ``content``), ``name`` or ``tool_call_id``
     (a tool's result), ``reasoning_content`` ...: the chat template renders them, as upstream."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+    )
 
 
 def _says_something(message: dict[str, Any]) -> bool:
@@ -58,7 +62,9 @@ def _is_empty(value: Any) -> bool:
 def _type_error(name: str, value: Any) -> str:
     expected = "expected a string or a conversation: a non-empty list of messages, dicts with a string 'role'"
     if isinstance(value, list) and value:
-        index, bad = next((i, m) for i, m in enumerate(value) if not (isinstance(m, dict) and isinstance(m.get("role"), str)))
+        index, bad = next(
+            (i, m) for i, m in enumerate(value) if not (isinstance(m, dict) and isinstance(m.get("role"), str))
+        )
         return f"field {name!r} message {index} is {bad!r}; {expected}"
     return f"field {name!r} is {'an empty list' if value == [] else type(value).__name__}; {expected}"
 

@@ -179,7 +179,9 @@ def prompt_token_ids(tokenizer: Any, prompt: str | list[dict[str, str]], **chat_
     if isinstance(prompt, str):
         return list(tokenizer(strip_leading_bos(prompt, tokenizer))["input_ids"])
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs)
+        out = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
+        )
         return list(out["input_ids"])
     raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
@@ -203,6 +205,8 @@ def strip_leading_bos_columns(dataset: Any, tokenizer: Any, columns: tuple[str, 
 
 def _strip_bos_example(example: dict[str, Any], bos: str, adds_bos: bool, columns: list[str]) -> dict[str, Any]:
     return {
-        c: _strip_bos_text(example[c], bos, adds_bos) if isinstance(example[c], str) and example[c].startswith(bos) else example[c]
+        c: _strip_bos_text(example[c], bos, adds_bos)
+        if isinstance(example[c], str) and example[c].startswith(bos)
+        else example[c]
         for c in columns
     }

@@ -54,9 +54,7 @@ _WHOLE_NUMBER_RE = re.compile(rf"(?P<sign>-)?(?:{_NUMBER_BODY})")
 # "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"); and the braced decimal point "0{.}25". They are
 # rewritten to a plain "," (".") before numbers are read.
 _LATEX_SPACE = r"(?:\\[,!:; ]|\\thinspace\s*|~)"
-_LATEX_THOUSANDS_RE = re.compile(
-    rf"(?<=\d)(?:(?:\{{,\}}|,){_LATEX_SPACE}*|{_LATEX_SPACE}+)(?=\d{{3}}(?!\d))"
-)
+_LATEX_THOUSANDS_RE = re.compile(rf"(?<=\d)(?:(?:\{{,\}}|,){_LATEX_SPACE}*|{_LATEX_SPACE}+)(?=\d{{3}}(?!\d))")
 _LATEX_DECIMAL_RE = re.compile(r"(?<=\d)\{\.\}(?=\d)")
 
 
@@ -119,10 +117,8 @@ def extract_last_number(text: str) -> str | None:
     Returns:
         The number as a string, e.g. ``extract_last_number("The answer is 1,234.") == "1234"``, or ``None``.
     """
-    last = None
-    for last in _NUMBER_RE.finditer(normalize_number_text(text)):
-        pass
-    return None if last is None else _number_value(last)[0]
+    matches = list(_NUMBER_RE.finditer(normalize_number_text(text)))
+    return _number_value(matches[-1])[0] if matches else None
 
 
 def to_decimal(text: str) -> Decimal | None:
@@ -280,7 +276,9 @@ def extract_boxed_parts(text: str) -> tuple[list[str], int]:
     first = len(spans) - 1
     while first > 0 and spans[first - 1][2] is not None:
         gap = _GAP_MARKUP_RE.sub(lambda m: m.group(1) or "", text[spans[first - 1][1] : spans[first][0]])
-        gap = _GAP_ASSIGNMENT_RE.sub("", "".join(gap.split()).lower())  # "x=\boxed{2} and x=\boxed{4}": the name of the unknown
+        gap = _GAP_ASSIGNMENT_RE.sub(
+            "", "".join(gap.split()).lower()
+        )  # "x=\boxed{2} and x=\boxed{4}": the name of the unknown
         if gap not in _GAP_CONNECTORS:
             break
         first -= 1
@@ -326,7 +324,8 @@ def grade_math_answer(answer: str, ground_truth: str) -> bool:
     """True when ``answer`` is mathematically equivalent to ``ground_truth``.
 
     Checks in order: equal strings after stripping; equal values when both are numbers (``"3.50"`` vs ``"3.5"``,
-    ``"1.5e3"`` vs ``"1500"``, see :func:`to_decimal`); otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (symbolic / numeric
+    ``"1.5e3"`` vs ``"1500"``, see :func:`to_decimal`); otherwise ``math_verify.verify(parse(ground_truth),
+    parse(answer))`` (symbolic / numeric
     equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``), in a worker process bounded by
     :data:`MATH_VERIFY_TIMEOUT_S` seconds. Parse or comparison failures, expressions too large to evaluate (e.g.
     ``9^{9^{9^{9}}}``, ``(10^{10^{10}})!``) and timeouts count as not equivalent. Safe to call from any thread.

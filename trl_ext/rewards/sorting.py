@@ -42,8 +42,10 @@ def parse_number_list(text: str) -> list[int]:
 
 
 def _check_numbers(name: str, numbers: Sequence[int]) -> None:
-    if not isinstance(numbers, Sequence) or isinstance(numbers, str) or any(
-        not isinstance(x, int) or isinstance(x, bool) for x in numbers
+    if (
+        not isinstance(numbers, Sequence)
+        or isinstance(numbers, str)
+        or any(not isinstance(x, int) or isinstance(x, bool) for x in numbers)
     ):
         raise ValueError(f"{name} must be a sequence of ints, got {numbers!r}")
 

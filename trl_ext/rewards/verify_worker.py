@@ -58,10 +58,22 @@ STARTUP_TIMEOUT_S = 120.0
 
 # ------------------------------------------------------------------------------------------------ worker side
 _WARM_UP = [
-    ("\\frac{1}{2}", "0.5"), ("2\\sqrt{2}", "\\sqrt{8}"), ("[1, 3)", "[1,3)"), ("\\{1, 2\\}", "2, 1"), ("(1, -1)", "(1,-1)"),
-    ("(x+1)^2", "x^2 + 2x + 1"), ("x = 2", "2"), ("3\\pi", "3\\pi"), ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),
-    ("10\\%", "0.1"), ("\\text{(A)}", "A"), ("e^{i\\pi}", "-1"), ("\\log_2 8", "3"), ("x \\in (0, \\infty)", "(0,\\infty)"),
+    ("\\frac{1}{2}", "0.5"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("[1, 3)", "[1,3)"),
+    ("\\{1, 2\\}", "2, 1"),
+    ("(1, -1)", "(1,-1)"),
+    ("(x+1)^2", "x^2 + 2x + 1"),
+    ("x = 2", "2"),
+    ("3\\pi", "3\\pi"),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),
+    ("10\\%", "0.1"),
+    ("\\text{(A)}", "A"),
+    ("e^{i\\pi}", "-1"),
+    ("\\log_2 8", "3"),
+    ("x \\in (0, \\infty)", "(0,\\infty)"),
 ]
+
 
 def _too_large(expr) -> bool:
     """True when evaluating ``expr`` (a sympy object) would build a number of more than MAX_DIGITS digits."""
@@ -212,6 +224,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in a worker process
 # ------------------------------------------------------------------------------------------------ caller side
 TIMED_OUT, DIED = "timed out", "died"
 """The two ways a request ends without a verdict (see ``_Worker.request``)."""
+
 
 class _Zygote:
     """The child process that has imported math-verify and forks workers on request."""

@@ -43,8 +43,20 @@ _SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 
 # Upstream methods trl_ext.DPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": ("model", "ref_model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                 "compute_metrics", "callbacks", "optimizers", "quantization_config", "peft_config"),
+    "__init__": (
+        "model",
+        "ref_model",
+        "args",
+        "data_collator",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "compute_metrics",
+        "callbacks",
+        "optimizers",
+        "quantization_config",
+        "peft_config",
+    ),
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "_compute_loss": ("model", "inputs", "return_outputs"),
     "compute_ref_log_probs": ("model", "inputs"),
@@ -136,7 +148,8 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
 
     Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
     `trl.DPOConfig` or a plain `transformers.TrainingArguments` (fields copied by value, the others keep their
-    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each checkpoint also holds the
+    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each
+    checkpoint also holds the
     running token count behind `num_tokens`.
 
     The reference model, when `ref_model` is not given: a model passed as an object (not PEFT, no `peft_config`)
@@ -165,9 +178,11 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
         elif not isinstance(args, DPOConfig):
             args = config_from_upstream(DPOConfig, args)
         if ref_model is None:
-            peft_config = inspect.signature(trl.DPOTrainer.__init__).bind(
-                self, model, ref_model, args, *pos_args, **kwargs
-            ).arguments.get("peft_config")
+            peft_config = (
+                inspect.signature(trl.DPOTrainer.__init__)
+                .bind(self, model, ref_model, args, *pos_args, **kwargs)
+                .arguments.get("peft_config")
+            )
             ref_model = _frozen_reference(model, args, peft_config)
         super().__init__(model, ref_model, args, *pos_args, **kwargs)
         self.uses_course_loss = (

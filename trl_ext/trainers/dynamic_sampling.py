@@ -69,8 +69,13 @@ def _align(tensors: list[torch.Tensor], left: bool, value: float) -> list[torch.
     return out
 
 
-def whole_groups_problem(per_device_batch: int, steps_per_generation: int, group_size: int, flags: bool = False,
-                         steps_name: str = "steps_per_generation") -> str | None:
+def whole_groups_problem(
+    per_device_batch: int,
+    steps_per_generation: int,
+    group_size: int,
+    flags: bool = False,
+    steps_name: str = "steps_per_generation",
+) -> str | None:
     """Why one process's generation batch is not a whole number of prompt groups, or None: dynamic sampling picks
     whole groups on each process (upstream may split a group across processes).
 
@@ -86,15 +91,19 @@ def whole_groups_problem(per_device_batch: int, steps_per_generation: int, group
     if rows % group_size == 0:
         return None
     name = (lambda n, v: f"--{n} {v}") if flags else (lambda n, v: f"{n} ({v})")
-    return (f"{name('per_device_train_batch_size', per_device_batch)} x {name(steps_name, steps_per_generation)} "
-            f"= {rows} is not a multiple of {name('num_generations', group_size)}")
+    return (
+        f"{name('per_device_train_batch_size', per_device_batch)} x {name(steps_name, steps_per_generation)} "
+        f"= {rows} is not a multiple of {name('num_generations', group_size)}"
+    )
 
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 ROW_KEYS = ("advantages",)
 
 
-def merge_rounds(rounds: list[dict[str, Any]], picks: list[tuple[int, int]], group_size: int, pad_token_id: int) -> dict[str, Any]:
+def merge_rounds(
+    rounds: list[dict[str, Any]], picks: list[tuple[int, int]], group_size: int, pad_token_id: int
+) -> dict[str, Any]:
     """One batch from the picked groups of several rounds' outputs of ``_generate_and_score_completions``.
 
     Prompt tensors (``prompt_ids``, ``prompt_mask``: left-padded) are padded on the left to the longest round,
@@ -142,7 +151,7 @@ class DynamicSamplingState:
         return {"seed": self.seed, "size": self.size, "epoch": self.epoch, "position": self.position}
 
     @classmethod
-    def from_dict(cls, state: dict[str, int]) -> "DynamicSamplingState":
+    def from_dict(cls, state: dict[str, int]) -> DynamicSamplingState:
         return cls(**state)
 
 
@@ -154,7 +163,9 @@ class DynamicSamplingMixin:
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
-        problem = whole_groups_problem(args.per_device_train_batch_size, args.steps_per_generation, self.num_generations)
+        problem = whole_groups_problem(
+            args.per_device_train_batch_size, args.steps_per_generation, self.num_generations
+        )
         if problem:
             raise ValueError(f"dynamic_sampling needs whole groups on each process: {problem}")
         if args.max_sampling_rounds < 1:
@@ -166,7 +177,9 @@ class DynamicSamplingMixin:
         ``RepeatSampler`` gives them (processes take consecutive slices of the same global draw)."""
         total = local_groups * self.accelerator.num_processes
         indices = self._dynamic_state.take(total)
-        mine = indices[self.accelerator.process_index * local_groups : (self.accelerator.process_index + 1) * local_groups]
+        mine = indices[
+            self.accelerator.process_index * local_groups : (self.accelerator.process_index + 1) * local_groups
+        ]
         return [self.train_dataset[i] for i in mine for _ in range(self.num_generations)]
 
     def _generate_and_score_completions(self, inputs):
@@ -189,7 +202,9 @@ class DynamicSamplingMixin:
         items = output["completion_mask"].sum()
         output["num_items_in_batch"] = self.accelerator.gather(items.reshape(1)).sum()
         counts = torch.tensor(
-            [len(rounds), sum(f.numel() for f in found), sum(int(found[r][g]) for r, g in picks)], device=device, dtype=torch.float
+            [len(rounds), sum(f.numel() for f in found), sum(int(found[r][g]) for r, g in picks)],
+            device=device,
+            dtype=torch.float,
         )
         counts = self.accelerator.gather(counts.reshape(1, 3)).view(-1, 3)
         metrics = self._metrics["train"]

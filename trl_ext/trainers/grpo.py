@@ -63,24 +63,51 @@ ON_POLICY_PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline")
 
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
-                 "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config", "tools",
-                 "rollout_func", "environment_factory"),
+    "__init__": (
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "reward_processing_classes",
+        "callbacks",
+        "optimizers",
+        "quantization_config",
+        "peft_config",
+        "tools",
+        "rollout_func",
+        "environment_factory",
+    ),
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
     "_tokenize_prompts": ("prompts",),
-    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
-                                           "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
-                                           "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                                           "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"),
+    "_get_per_token_logps_and_entropies": (
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    ),
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
     "training_step": ("model", "inputs", "num_items_in_batch"),
     "_generate": ("prompts",),  # called by sample(): upstream's generation path, outside train()
     **TRAINER_MIXIN_SEAMS,
 }
-
 
 
 def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -> str | None:
@@ -103,7 +130,8 @@ def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -
     else:
         total = per_step * steps
         which = "--steps_per_generation" if values.get("steps_per_generation") else "--gradient_accumulation_steps"
-        how = f"--per_device_train_batch_size {values['per_device_train_batch_size']} x {processes} process(es) x {which} {steps}"
+        batch = values["per_device_train_batch_size"]
+        how = f"--per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}"
     if total % values["num_generations"] == 0:
         return None
     return (
@@ -157,7 +185,8 @@ class GRPOConfig(trl.GRPOConfig):
     kl_estimator: str = field(
         default="k3",
         metadata={
-            "help": "Per-token KL(pi || pi_ref) estimator used when beta > 0: 'k1', 'k2' or 'k3' (default; Schulman 2020, "
+            "help": "Per-token KL(pi || pi_ref) estimator used when beta > 0: 'k1', 'k2' or 'k3' (default; Schulman "
+            "2020, "
             "the one TRL uses). With a PEFT model and no ref_model, TRL's reference is the adapter as it was when "
             "training started: the base model with the adapter disabled for a new adapter, a frozen copy (named "
             "'ref') of the starting adapter when training continues a trained one."
@@ -169,7 +198,8 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Target KL for the adaptive KL coefficient (Ziegler et al. 2019). None (default) keeps beta fixed. "
             "When set, beta (> 0 required, the starting value) is updated once per batch of new samples (once per "
             "generation, however many optimizer steps num_iterations and steps_per_generation make of it; applied from "
-            "the optimizer step after the one that finishes the batch) and logged as 'beta' at every optimizer step. The measured KL is the per-token mean of the kl_estimator over the "
+            "the optimizer step after the one that finishes the batch) and logged as 'beta' at every optimizer step. "
+            "The measured KL is the per-token mean of the kl_estimator over the "
             "completion tokens of that batch, taken the first time each sample is trained on: a target from a paper "
             "that sums the KL over the response must be divided by the response length."
         },
@@ -284,7 +314,9 @@ class GRPOConfig(trl.GRPOConfig):
         self._resolve_upstream_options()
         for name, (off, why) in _UNSUPPORTED.items():
             if getattr(self, name) != off:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}"
+                )
         if self.epsilon_high not in (None, self.epsilon):
             raise ValueError(
                 f"epsilon_high={self.epsilon_high} differs from epsilon={self.epsilon}; GRPO-Clip clips symmetrically"
@@ -322,14 +354,19 @@ class GRPOConfig(trl.GRPOConfig):
                 None if isinstance(value, _Derived) else value
                 for value in (getattr(self, upstream_name), getattr(self, course_name))
             )
-            if upstream_name == "scale_rewards" and str(upstream).lower() in ("true", "false"):  # TRL's bools (CLI: text)
+            if upstream_name == "scale_rewards" and str(upstream).lower() in (
+                "true",
+                "false",
+            ):  # TRL's bools (CLI: text)
                 upstream = "group" if str(upstream).lower() == "true" else "none"
             if upstream is not None and upstream not in meaning:
                 raise ValueError(_UPSTREAM_REFUSALS[upstream_name].format(value=upstream))
             if upstream is not None and course is not None and meaning[upstream] != course:
                 hint = (
                     " (dataclasses.replace passes every field again: to change this setting give its new value under "
-                    "one name and None under the other)" if replayed else ""
+                    "one name and None under the other)"
+                    if replayed
+                    else ""
                 )
                 raise ValueError(
                     f"{upstream_name}={upstream!r} conflicts with {course_name}={course!r}: {upstream_name} is TRL's "
@@ -493,9 +530,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
     def _restore_checkpoint_rank_state(self, state: dict[str, Any]) -> None:
         buffered = state["buffered_inputs"]
         device = self.accelerator.device
-        self._buffered_inputs = None if buffered is None else [
-            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in buffered
-        ]
+        self._buffered_inputs = (
+            None
+            if buffered is None
+            else [
+                {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in buffered
+            ]
+        )
 
     # -- advantages -------------------------------------------------------------------------------------------
 
@@ -562,7 +603,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                 **extra_inputs,
             )
         else:
-            per_token_logps, entropies, aux_loss = self._logps_without_zero_rows(model, input_ids, attention_mask, completion_ids.size(1), zero_rows)
+            per_token_logps, entropies, aux_loss = self._logps_without_zero_rows(
+                model, input_ids, attention_mask, completion_ids.size(1), zero_rows
+            )
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
@@ -598,7 +641,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._log_loss_metrics(mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None)
+        self._log_loss_metrics(
+            mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None
+        )
         return loss
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
@@ -633,15 +678,25 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             def gathered_sequence_means(x):
                 return self.accelerator.gather((x.float() * float_mask).sum(-1) / float_mask.sum(-1))
 
-            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_sequence_means(clipped & ~positive)).item())
-            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_sequence_means(clipped & positive)).item())
+            self._metrics[mode]["clip_ratio/low_min"].append(
+                nanmin(gathered_sequence_means(clipped & ~positive)).item()
+            )
+            self._metrics[mode]["clip_ratio/high_max"].append(
+                nanmax(gathered_sequence_means(clipped & positive)).item()
+            )
         if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
             ratio = pg_metadata["ratio"]
             mean = global_masked_mean(ratio)
             self._metrics[mode]["ratio/mean"].append(mean)
             # a process without response tokens contributes -inf to both maxima (it has no ratio to report)
-            local = torch.stack([torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()])
-            low, high = self.accelerator.reduce(local, reduction="max").tolist() if self.accelerator.num_processes > 1 else local.tolist()
+            local = torch.stack(
+                [torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()]
+            )
+            low, high = (
+                self.accelerator.reduce(local, reduction="max").tolist()
+                if self.accelerator.num_processes > 1
+                else local.tolist()
+            )
             empty = math.isnan(mean)  # no response token on any process
             self._metrics[mode]["ratio/min"].append(math.nan if empty else -low)
             self._metrics[mode]["ratio/max"].append(math.nan if empty else high)
@@ -669,7 +724,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                     if count.item() == 0:  # no trained token in the rollout (all masked): no KL measured, beta stays
                         continue
                     self.beta = F.adaptive_kl_coefficient(
-                        self.beta, (total / count.clamp(min=1.0)).item(), self.args.kl_target, self.args.kl_horizon,
+                        self.beta,
+                        (total / count.clamp(min=1.0)).item(),
+                        self.args.kl_target,
+                        self.args.kl_horizon,
                         self.args.generation_batch_size,
                     )
                 self._finished_rollout_kl.clear()

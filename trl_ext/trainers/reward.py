@@ -24,9 +24,21 @@ from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_
 
 # Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": ("model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                 "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
-                 "preprocess_logits_for_metrics", "quantization_config", "peft_config"),
+    "__init__": (
+        "model",
+        "args",
+        "data_collator",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "compute_metrics",
+        "callbacks",
+        "optimizers",
+        "optimizer_cls_and_kwargs",
+        "preprocess_logits_for_metrics",
+        "quantization_config",
+        "peft_config",
+    ),
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
     **TRAINER_MIXIN_SEAMS,

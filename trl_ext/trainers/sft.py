@@ -48,9 +48,23 @@ _UNSAFE_BATCH_KEYS = ("unsafe_input_ids", "unsafe_attention_mask", "unsafe_label
 
 # Upstream methods trl_ext.SFTTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": ("model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-                 "compute_loss_func", "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
-                 "preprocess_logits_for_metrics", "quantization_config", "peft_config", "formatting_func"),
+    "__init__": (
+        "model",
+        "args",
+        "data_collator",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "compute_loss_func",
+        "compute_metrics",
+        "callbacks",
+        "optimizers",
+        "optimizer_cls_and_kwargs",
+        "preprocess_logits_for_metrics",
+        "quantization_config",
+        "peft_config",
+        "formatting_func",
+    ),
     "_prepare_dataset": ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
     "_set_signature_columns_if_needed": (),
@@ -179,7 +193,8 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
     responses and is refused when they would be penalized.
 
     `args` is a `trl_ext.SFTConfig`, or a `trl.SFTConfig` or plain `transformers.TrainingArguments` (converted as
-    upstream converts the latter: every field copied with its value; the fields it lacks keep their defaults). Each checkpoint also holds the running token count behind `num_tokens`.
+    upstream converts the latter: every field copied with its value; the fields it lacks keep their defaults). Each
+    checkpoint also holds the running token count behind `num_tokens`.
 
     Raises:
         ValueError: packing with an `unsafe_completion` column and a positive `safety_penalty_weight`; a banned

@@ -91,7 +91,8 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
             another trainer, e.g. a ``trl.DPOConfig`` given to the SFT trainer); the message names them.
     """
     base = config_cls.__mro__[1]
-    expected = f"args must be a {config_cls.__name__}, a {base.__module__.split('.')[0]}.{base.__name__} or a transformers.TrainingArguments"
+    upstream = f"{base.__module__.split('.')[0]}.{base.__name__}"
+    expected = f"args must be a {config_cls.__name__}, a {upstream} or a transformers.TrainingArguments"
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"{expected}, got {type(args).__name__}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
@@ -133,7 +134,9 @@ class ResumeMismatchError(ValueError):
         changes: ``[(option, value in the checkpoint, value now), ...]``.
     """
 
-    def __init__(self, checkpoint: str, changes: list[tuple[str, Any, Any]], how_to_start_over: str = LIBRARY_START_OVER):
+    def __init__(
+        self, checkpoint: str, changes: list[tuple[str, Any, Any]], how_to_start_over: str = LIBRARY_START_OVER
+    ):
         self.checkpoint, self.changes = checkpoint, changes
         listed = "; ".join(f"{name} was {old!r}, now {new!r}" for name, old, new in changes)
         super().__init__(
@@ -156,7 +159,9 @@ def _options_from_files(checkpoint: str, args: Any) -> dict[str, Any]:
     """What an older checkpoint (no saved options) still tells: its number of processes (one per-process state or
     RNG file each) and the per-device batch size in ``trainer_state.json`` (as transformers reads it)."""
     found: dict[str, Any] = {}
-    ranks = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.format("*"))) or glob.glob(os.path.join(checkpoint, "rng_state_*.pth"))
+    ranks = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.format("*"))) or glob.glob(
+        os.path.join(checkpoint, "rng_state_*.pth")
+    )
     if ranks:
         found["num_processes"] = len(ranks)
     elif os.path.exists(os.path.join(checkpoint, "rng_state.pth")):
@@ -200,7 +205,9 @@ def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_
     if older and unchecked:
         logger.warning(
             "%s was written by an older trl_ext that did not save its options: checked %s only; resume with the %s it "
-            "was written with, or the run will not continue exactly", checkpoint, ", ".join(saved) or "nothing",
+            "was written with, or the run will not continue exactly",
+            checkpoint,
+            ", ".join(saved) or "nothing",
             ", ".join(unchecked),
         )
 
@@ -285,13 +292,18 @@ class TrainerMixin:
         # trl_ext's files go in first: transformers writes trainer_state.json last, and a checkpoint that has it is
         # complete (what resume_from_checkpoint=True and the recipes pick); written after it, a kill in between left
         # a "complete" checkpoint that could not be resumed
-        output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        output_dir = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
         os.makedirs(output_dir, exist_ok=True)
         if self.args.should_save:
             with open(os.path.join(output_dir, self.STATE_FILE), "w") as f:
                 json.dump({**self._checkpoint_state(), "resume_options": resume_options(self.args)}, f)
         if self.has_rank_state:
-            torch.save(self._checkpoint_rank_state(), os.path.join(output_dir, self.RANK_STATE_FILE.format(self.args.process_index)))
+            torch.save(
+                self._checkpoint_rank_state(),
+                os.path.join(output_dir, self.RANK_STATE_FILE.format(self.args.process_index)),
+            )
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
