@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_ext import functional as F
+from trl_ext import functional
 
 
 class CharTokenizer:
@@ -27,7 +27,7 @@ class CharTokenizer:
 
 def test_entropy_with_minus_inf_logits_by_hand():
     logits = torch.tensor([[0.0, -math.inf, -math.inf], [0.0, 0.0, -math.inf]])
-    h = F.compute_entropy(logits)
+    h = functional.compute_entropy(logits)
     assert h[0].item() == 0.0
     assert h[1].item() == pytest.approx(math.log(2), abs=1e-6)
     assert not torch.isnan(h).any()
@@ -37,14 +37,14 @@ def test_entropy_matches_categorical_and_uniform():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 11) * 3
     expected = torch.distributions.Categorical(logits=logits).entropy()
-    torch.testing.assert_close(F.compute_entropy(logits), expected, atol=1e-5, rtol=1e-5)
-    assert F.compute_entropy(torch.zeros(7)).item() == pytest.approx(math.log(7), abs=1e-6)
+    torch.testing.assert_close(functional.compute_entropy(logits), expected, atol=1e-5, rtol=1e-5)
+    assert functional.compute_entropy(torch.zeros(7)).item() == pytest.approx(math.log(7), abs=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_entropy_finite_in_low_precision(dtype):
     logits = torch.tensor([[60000.0, 0.0, -60000.0, -math.inf], [0.0, 0.0, 0.0, 0.0]]).to(dtype)
-    h = F.compute_entropy(logits)
+    h = functional.compute_entropy(logits)
     assert h.dtype == dtype and torch.isfinite(h).all()
     assert h[0].item() == pytest.approx(0.0, abs=1e-3)
     assert h[1].float().item() == pytest.approx(math.log(4), abs=2e-2)
@@ -57,31 +57,35 @@ def test_length_normalization_example_by_hand():
     loss = torch.tensor([[2.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     # masked_mean per example: [2, 1] -> batch mean 1.5 ; masked_normalize by 4: [4/4, 4/4] -> 1.0
-    assert F.compute_grpo_loss(loss, mask, "masked_mean").item() == pytest.approx(1.5)
-    assert F.compute_grpo_loss(loss, mask, "masked_normalize", normalize_constant=4).item() == pytest.approx(1.0)
+    assert functional.compute_grpo_loss(loss, mask, "masked_mean").item() == pytest.approx(1.5)
+    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", normalize_constant=4).item() == pytest.approx(
+        1.0
+    )
     # padding holding garbage never enters numerator or denominator
     garbage = loss.clone()
     garbage[0, 2:] = torch.tensor([math.nan, math.inf])
-    assert F.compute_grpo_loss(garbage, mask, "masked_mean").item() == pytest.approx(1.5)
-    assert F.compute_grpo_loss(garbage, mask, "masked_normalize", normalize_constant=4).item() == pytest.approx(1.0)
+    assert functional.compute_grpo_loss(garbage, mask, "masked_mean").item() == pytest.approx(1.5)
+    assert functional.compute_grpo_loss(
+        garbage, mask, "masked_normalize", normalize_constant=4
+    ).item() == pytest.approx(1.0)
 
 
 def test_masked_mean_and_normalize_dims_and_empty_slices():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     m = torch.tensor([[1, 0, 1], [0, 0, 0]])
-    assert F.masked_mean(x, m).item() == pytest.approx(2.0)  # (1 + 3) / 2
-    per_row = F.masked_mean(x, m, dim=1)
+    assert functional.masked_mean(x, m).item() == pytest.approx(2.0)  # (1 + 3) / 2
+    per_row = functional.masked_mean(x, m, dim=1)
     assert per_row[0].item() == pytest.approx(2.0) and math.isnan(per_row[1].item())  # 0/0 for the empty row
-    assert F.masked_mean(x, m, dim=0).tolist()[0] == pytest.approx(1.0)
-    assert F.masked_normalize(x, m, dim=1, normalize_constant=2.0).tolist() == [2.0, 0.0]
-    assert F.masked_normalize(x, m).item() == pytest.approx(4.0)
+    assert functional.masked_mean(x, m, dim=0).tolist()[0] == pytest.approx(1.0)
+    assert functional.masked_normalize(x, m, dim=1, normalize_constant=2.0).tolist() == [2.0, 0.0]
+    assert functional.masked_normalize(x, m).item() == pytest.approx(4.0)
 
 
 def test_masked_functions_reject_shape_mismatch():
     with pytest.raises(ValueError, match="mask has shape"):
-        F.masked_mean(torch.zeros(2, 3), torch.ones(2, 4))
+        functional.masked_mean(torch.zeros(2, 3), torch.ones(2, 4))
     with pytest.raises(ValueError, match="mask has shape"):
-        F.masked_normalize(torch.zeros(2, 3), torch.ones(3))
+        functional.masked_normalize(torch.zeros(2, 3), torch.ones(3))
 
 
 @settings(max_examples=50, deadline=None)
@@ -90,14 +94,14 @@ def test_masked_mean_ignores_masked_values(rows):
     values = torch.tensor([r[0] for r in rows], dtype=torch.float64)
     mask = torch.tensor([r[1] for r in rows])
     other = torch.where(mask, values, torch.tensor([r[2] for r in rows], dtype=torch.float64))
-    a, b = F.masked_mean(values, mask), F.masked_mean(other, mask)
+    a, b = functional.masked_mean(values, mask), functional.masked_mean(other, mask)
     if mask.any():
         assert a.item() == pytest.approx(b.item())
         assert a.item() == pytest.approx(values[mask].mean().item())
     else:
         assert math.isnan(a.item()) and math.isnan(b.item())
-    assert F.masked_normalize(values, mask, normalize_constant=3.0).item() == pytest.approx(
-        F.masked_normalize(other, mask, normalize_constant=3.0).item()
+    assert functional.masked_normalize(values, mask, normalize_constant=3.0).item() == pytest.approx(
+        functional.masked_normalize(other, mask, normalize_constant=3.0).item()
     )
 
 
@@ -109,18 +113,18 @@ def test_group_advantages_agree_with_torch_std():
     r = torch.rand(12)
     grouped = r.view(3, 4).double()
     expected = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(F.compute_group_advantages(r, 4), expected.flatten().float())
+    torch.testing.assert_close(functional.compute_group_advantages(r, 4), expected.flatten().float())
 
 
 def test_equal_rewards_give_exactly_zero_advantage():
     for value in (0.1, 1 / 3, 7.0, 0.0):
-        adv = F.compute_group_advantages(torch.full((6,), value), group_size=3)
+        adv = functional.compute_group_advantages(torch.full((6,), value), group_size=3)
         assert adv.tolist() == [0.0] * 6
 
 
 def test_nearly_equal_rewards_give_finite_advantages():
     # centred values +-5e-6, unbiased std sqrt(2 * 25e-12) = 7.07e-6 -> 5e-6 / (7.07e-6 + 1e-6) = 0.62
-    adv = F.compute_group_advantages(torch.tensor([1.0, 1.00001]), group_size=2, advantage_eps=1e-6)
+    adv = functional.compute_group_advantages(torch.tensor([1.0, 1.00001]), group_size=2, advantage_eps=1e-6)
     assert torch.isfinite(adv).all()
     assert adv.tolist() == pytest.approx([-0.62, 0.62], abs=0.005)
 
@@ -136,7 +140,9 @@ def test_nearly_equal_rewards_give_finite_advantages():
 )
 def test_advantages_sum_to_zero_per_group(group_and_rewards, normalize_by_std):
     group_size, rewards = group_and_rewards
-    adv = F.compute_group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size, 1e-6, normalize_by_std)
+    adv = functional.compute_group_advantages(
+        torch.tensor(rewards, dtype=torch.float64), group_size, 1e-6, normalize_by_std
+    )
     sums = adv.double().view(-1, group_size).sum(dim=1)
     assert torch.allclose(sums, torch.zeros_like(sums), atol=1e-3)
     assert torch.isfinite(adv).all()
@@ -147,7 +153,7 @@ def test_advantages_sum_to_zero_per_group(group_and_rewards, normalize_by_std):
 
 def test_naive_policy_gradient_loss_by_hand():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.25]])
-    loss = F.compute_naive_policy_gradient_loss(torch.tensor([[2.0], [-1.0]]), logp)
+    loss = functional.compute_naive_policy_gradient_loss(torch.tensor([[2.0], [-1.0]]), logp)
     assert loss.tolist() == [[2.0, 4.0], [-0.5, -0.25]]
 
 
@@ -157,7 +163,7 @@ def test_grpo_clip_loss_by_hand():
     old = torch.zeros(4, 1)
     logp = torch.log(torch.tensor([[1.5], [1.5], [0.5], [0.5]]))
     adv = torch.tensor([[1.0], [-1.0], [1.0], [-1.0]])
-    loss, meta = F.compute_grpo_clip_loss(adv, logp, old, cliprange=0.2)
+    loss, meta = functional.compute_grpo_clip_loss(adv, logp, old, cliprange=0.2)
     assert loss.flatten().tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8])
     assert meta["clipped"].flatten().tolist() == [True, False, False, True]
 
@@ -166,7 +172,7 @@ def test_grpo_clip_loss_by_hand():
 def test_grpo_clip_never_differentiates_through_old_log_probs(same_object):
     logp = torch.tensor([[-1.0, -0.3, -2.0]], requires_grad=True)
     old = logp if same_object else logp.detach().clone().requires_grad_(True)
-    loss, _ = F.compute_grpo_clip_loss(torch.tensor([[2.0]]), logp, old, cliprange=0.2)
+    loss, _ = functional.compute_grpo_clip_loss(torch.tensor([[2.0]]), logp, old, cliprange=0.2)
     loss.sum().backward()
     assert logp.grad.tolist() == [[-2.0, -2.0, -2.0]]  # ratio = 1, d(-ratio * A)/d logp = -A
     if not same_object:
@@ -176,7 +182,7 @@ def test_grpo_clip_never_differentiates_through_old_log_probs(same_object):
 @settings(max_examples=100, deadline=None)
 @given(st.floats(-3, 3), st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3), st.floats(0.0, 0.5))
 def test_grpo_clip_loss_bounds(log_ratio, advantage, eps):
-    loss, _ = F.compute_grpo_clip_loss(
+    loss, _ = functional.compute_grpo_clip_loss(
         torch.tensor([[advantage]], dtype=torch.float64),
         torch.tensor([[log_ratio]], dtype=torch.float64),
         torch.zeros(1, 1, dtype=torch.float64),
@@ -195,18 +201,20 @@ def test_grpo_clip_loss_bounds(log_ratio, advantage, eps):
 def test_policy_gradient_loss_dispatch_and_errors():
     logp = torch.tensor([[-1.0, -2.0]])
     a = torch.tensor([[3.0]])
-    assert F.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=a)[0].tolist() == [[3.0, 6.0]]
-    assert F.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=a)[0].tolist() == [[3.0, 6.0]]
+    assert functional.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=a)[0].tolist() == [[3.0, 6.0]]
+    assert functional.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=a)[0].tolist() == [
+        [3.0, 6.0]
+    ]
     with pytest.raises(ValueError, match="loss_type='ppo' is not supported"):
-        F.compute_policy_gradient_loss(logp, "ppo", advantages=a)
+        functional.compute_policy_gradient_loss(logp, "ppo", advantages=a)
     with pytest.raises(ValueError, match="needs raw_rewards"):
-        F.compute_policy_gradient_loss(logp, "no_baseline", advantages=a)
+        functional.compute_policy_gradient_loss(logp, "no_baseline", advantages=a)
     with pytest.raises(ValueError, match="needs old_log_probs, cliprange"):
-        F.compute_policy_gradient_loss(logp, "grpo_clip", advantages=a)
+        functional.compute_policy_gradient_loss(logp, "grpo_clip", advantages=a)
     with pytest.raises(ValueError, match=r"advantages has shape \(2, 1\)"):
-        F.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=torch.ones(2, 1))
+        functional.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=torch.ones(2, 1))
     with pytest.raises(ValueError, match="old_log_probs has shape"):
-        F.compute_grpo_clip_loss(a, logp, torch.zeros(1, 3), 0.2)
+        functional.compute_grpo_clip_loss(a, logp, torch.zeros(1, 3), 0.2)
 
 
 # ---------------------------------------------------------------- train steps
@@ -218,13 +226,13 @@ def test_policy_gradient_loss_dispatch_and_errors():
 def test_kl_estimators_by_hand():
     logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
     # d = ref - logp = -0.5: k1 = 0.5, k2 = 0.125, k3 = e^-0.5 + 0.5 - 1 = 0.10653
-    assert F.compute_kl(logp, ref, "k1").item() == pytest.approx(0.5)
-    assert F.compute_kl(logp, ref, "k2").item() == pytest.approx(0.125)
-    assert F.compute_kl(logp, ref).item() == pytest.approx(0.1065, abs=1e-4)
+    assert functional.compute_kl(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert functional.compute_kl(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert functional.compute_kl(logp, ref).item() == pytest.approx(0.1065, abs=1e-4)
     with pytest.raises(ValueError, match="estimator='k4' is not supported"):
-        F.compute_kl(logp, ref, "k4")
+        functional.compute_kl(logp, ref, "k4")
     with pytest.raises(ValueError, match="ref_log_probs has shape"):
-        F.compute_kl(logp, torch.zeros(2))
+        functional.compute_kl(logp, torch.zeros(2))
 
 
 def test_k3_is_an_unbiased_kl_estimate():
@@ -234,7 +242,7 @@ def test_k3_is_an_unbiased_kl_estimate():
     q = torch.tensor([0.3, 0.3, 0.4])
     exact = (p * (p / q).log()).sum().item()
     tokens = torch.multinomial(p, 200_000, replacement=True)
-    k3 = F.compute_kl(p.log()[tokens], q.log()[tokens], "k3").mean().item()
+    k3 = functional.compute_kl(p.log()[tokens], q.log()[tokens], "k3").mean().item()
     assert k3 == pytest.approx(exact, abs=0.01)
 
 
@@ -242,36 +250,38 @@ def test_k3_is_an_unbiased_kl_estimate():
 @given(st.floats(-30, 0), st.floats(-30, 0))
 def test_k3_and_k2_never_negative(logp, ref):
     for estimator in ("k2", "k3"):
-        assert F.compute_kl(torch.tensor([logp]), torch.tensor([ref]), estimator).item() >= 0.0
+        assert functional.compute_kl(torch.tensor([logp]), torch.tensor([ref]), estimator).item() >= 0.0
 
 
 def test_compute_grpo_loss_empty_rows_count_as_zero_when_allowed():
     # TRL's convention for rows masked out entirely (mask_truncated_completions): they add 0 but count in the mean
     loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    assert F.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(1.0)  # (2 + 0) / 2
+    assert functional.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(1.0)  # (2 + 0) / 2
 
 
 def test_compute_grpo_loss_empty_rows_is_one_named_option():
     loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
     with pytest.raises(ValueError, match=r"rows \[1\] have no response token"):  # the default, "raise"
-        F.compute_grpo_loss(loss, mask)
-    assert F.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(2.0)  # row 0 alone: (3 + 1) / 2
+        functional.compute_grpo_loss(loss, mask)
+    assert functional.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(
+        2.0
+    )  # row 0 alone: (3 + 1) / 2
     # masked_normalize is defined on an empty row under the default: sum 0 / 2, counted in the mean -> (4/2 + 0) / 2
-    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
+    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
     with pytest.raises(
         ValueError, match=r"empty_rows='keep' is not supported; expected one of 'raise', 'zero', 'drop'"
     ):
-        F.compute_grpo_loss(loss, mask, empty_rows="keep")
+        functional.compute_grpo_loss(loss, mask, empty_rows="keep")
 
 
 def test_adaptive_kl_coefficient_by_hand():
     # measured 0.12 vs target 0.1: error 0.2 (at the clip) -> beta * (1 + 0.2 * 100 / 1000) = 0.05 * 1.02
-    assert F.adaptive_kl_coefficient(0.05, 0.12, 0.1, 1000, n_steps=100) == pytest.approx(0.051)
+    assert functional.adaptive_kl_coefficient(0.05, 0.12, 0.1, 1000, n_steps=100) == pytest.approx(0.051)
     # measured 0.09: error -0.1 -> 0.05 * (1 - 0.1 * 10 / 1000) = 0.04995
-    assert F.adaptive_kl_coefficient(0.05, 0.09, 0.1, 1000, n_steps=10) == pytest.approx(0.04995)
+    assert functional.adaptive_kl_coefficient(0.05, 0.09, 0.1, 1000, n_steps=10) == pytest.approx(0.04995)
     # far above target: the error is clipped at +0.2
-    assert F.adaptive_kl_coefficient(1.0, 100.0, 0.1, 10, n_steps=1) == pytest.approx(1.02)
+    assert functional.adaptive_kl_coefficient(1.0, 100.0, 0.1, 10, n_steps=1) == pytest.approx(1.02)
     with pytest.raises(ValueError, match="kl_target=0"):
-        F.adaptive_kl_coefficient(0.05, 0.1, 0, 1000)
+        functional.adaptive_kl_coefficient(0.05, 0.1, 0, 1000)

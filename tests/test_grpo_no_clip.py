@@ -9,14 +9,14 @@ from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, m
 
 import trl_ext
 from trl_ext import course as C
-from trl_ext import functional as F
+from trl_ext import functional
 
 RATIO = math.exp(0.5)  # log-prob -0.5 under the policy, -1.0 under the old policy: ratio = e^(-0.5 - -1.0)
 
 
 def test_grpo_no_clip_loss_and_gradient_by_hand():
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    loss, meta = F.compute_grpo_no_clip_loss(torch.tensor([[2.0]]), logp, torch.tensor([[-1.0]]))
+    loss, meta = functional.compute_grpo_no_clip_loss(torch.tensor([[2.0]]), logp, torch.tensor([[-1.0]]))
     # loss = -ratio * A = -2 e^0.5 = -3.29744; d loss / d logp = -A * d ratio / d logp = -A * ratio = -3.29744
     assert loss.item() == pytest.approx(-3.2974, abs=1e-4)
     assert loss.item() == pytest.approx(-2 * RATIO, rel=1e-6)
@@ -29,7 +29,7 @@ def test_grpo_no_clip_loss_and_gradient_by_hand():
 def test_grpo_no_clip_differs_from_grpo_clip_where_the_clip_binds():
     # same token with cliprange 0.2: -min(1.6487 * 2, 1.2 * 2) = -2.4 and no gradient (the clipped term is constant)
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    clip_loss, clip_meta = F.compute_grpo_clip_loss(torch.tensor([[2.0]]), logp, torch.tensor([[-1.0]]), 0.2)
+    clip_loss, clip_meta = functional.compute_grpo_clip_loss(torch.tensor([[2.0]]), logp, torch.tensor([[-1.0]]), 0.2)
     assert clip_loss.item() == pytest.approx(-2.4)
     assert clip_meta["clipped"].tolist() == [[True]]
     clip_loss.sum().backward()
@@ -43,7 +43,7 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     logp = torch.tensor([[-0.5, -0.5, -7.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0]])
-    per_token, _ = F.compute_policy_gradient_loss(
+    per_token, _ = functional.compute_policy_gradient_loss(
         logp, "grpo_no_clip", advantages=torch.tensor([2.0]), old_log_probs=old
     )
     assert per_token[0, :2].tolist() == pytest.approx([-2 * RATIO] * 2, rel=1e-6)
@@ -54,9 +54,9 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     assert logp.grad[0].tolist() == pytest.approx([-RATIO / 2, -RATIO / 2, 0.0], rel=1e-6)
     assert "ratio" in meta
     with pytest.raises(ValueError, match="loss_type='grpo_no_clip' needs old_log_probs"):
-        F.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]))
+        functional.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]))
     with pytest.raises(ValueError, match="old_log_probs has shape"):
-        F.compute_grpo_no_clip_loss(torch.tensor([2.0]), logp, torch.zeros(1, 2))
+        functional.compute_grpo_no_clip_loss(torch.tensor([2.0]), logp, torch.zeros(1, 2))
 
 
 def test_config_accepts_grpo_no_clip_with_reused_rollouts(tmp_path):
@@ -72,7 +72,7 @@ def test_config_accepts_grpo_no_clip_with_reused_rollouts(tmp_path):
         num_generations=4,
     )
     assert config.pg_loss_type == "grpo_no_clip" and config.num_iterations == 2
-    assert "grpo_no_clip" in F.OFF_POLICY_PG_LOSS_TYPES
+    assert "grpo_no_clip" in functional.OFF_POLICY_PG_LOSS_TYPES
 
 
 def test_trainer_uses_old_log_probs_with_num_iterations_2(tokenizer, tiny_model_dir, tmp_path):
@@ -93,7 +93,7 @@ def test_trainer_uses_old_log_probs_with_num_iterations_2(tokenizer, tiny_model_
     raw = torch.tensor(
         length_mod5_reward(trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True))
     )
-    advantages = F.compute_group_advantages(raw, 4, 1e-6, True)
+    advantages = functional.compute_group_advantages(raw, 4, 1e-6, True)
     torch.testing.assert_close(batch["advantages"], advantages)
     # Pretend the policy moved since sampling: old log-probs shifted by -0.5 -> ratio e^0.5 on every token.
     inputs = dict(batch)

@@ -11,7 +11,7 @@ from conftest import tiny_gpt2
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import functional as F
+from trl_ext import functional
 from trl_ext.models import tiny_model_for_tests
 
 
@@ -111,26 +111,30 @@ def test_generation_and_log_prob_pass_use_the_same_positions(model_kind, tokeniz
 def test_rows_without_trained_tokens_leave_the_batch_mean():
     loss = torch.ones(2, 5, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])  # A: 3 tokens; B: truncated and masked
-    assert F.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(1.0)
-    assert F.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(0.5)  # upstream's dilution
+    assert functional.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(1.0)
+    assert functional.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(
+        0.5
+    )  # upstream's dilution
     # masked_normalize: mean over the remaining rows of sum / max_completion_length = 3 / 5
-    assert F.compute_grpo_loss(loss, mask, "masked_normalize", 5, empty_rows="drop").item() == pytest.approx(0.6)
+    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", 5, empty_rows="drop").item() == pytest.approx(
+        0.6
+    )
     three = torch.tensor([[2.0, 2.0, 0.0], [1.0, 3.0, 5.0], [7.0, 7.0, 7.0]])
     three_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     # rows: mean 2 and mean 3 -> 2.5; sums 4 and 9 over 3 -> (4/3 + 3) / 2
-    assert F.compute_grpo_loss(three, three_mask, empty_rows="drop").item() == pytest.approx(2.5)
-    assert F.compute_grpo_loss(three, three_mask, "masked_normalize", 3, empty_rows="drop").item() == pytest.approx(
-        (4 / 3 + 3) / 2
-    )
+    assert functional.compute_grpo_loss(three, three_mask, empty_rows="drop").item() == pytest.approx(2.5)
+    assert functional.compute_grpo_loss(
+        three, three_mask, "masked_normalize", 3, empty_rows="drop"
+    ).item() == pytest.approx((4 / 3 + 3) / 2)
     # every row masked: 0 with finite (zero) gradients, for both normalizations
     for normalization, constant in (("masked_mean", None), ("masked_normalize", 5)):
         x = torch.full((2, 5), 3.0, requires_grad=True)
-        total = F.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, empty_rows="drop")
+        total = functional.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, empty_rows="drop")
         total.backward()
         assert total.item() == 0.0
         assert torch.equal(x.grad, torch.zeros(2, 5))
     # masked_mean itself keeps the course semantics: NaN on an empty slice
-    assert torch.isnan(F.masked_mean(torch.ones(2, 5), mask, dim=-1)[1])
+    assert torch.isnan(functional.masked_mean(torch.ones(2, 5), mask, dim=-1)[1])
 
 
 @pytest.mark.parametrize("length_normalization", ["masked_mean", "masked_normalize"])

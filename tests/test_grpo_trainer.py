@@ -11,7 +11,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import functional as F
+from trl_ext import functional
 
 
 def toy_dataset(n=4):
@@ -281,13 +281,13 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
     if options["pg_loss_type"] == "no_baseline":
         expected_adv = raw
     else:
-        expected_adv = F.compute_group_advantages(raw, 4, 1e-6, options.get("normalize_by_std", True))
+        expected_adv = functional.compute_group_advantages(raw, 4, 1e-6, options.get("normalize_by_std", True))
     torch.testing.assert_close(batch["advantages"], expected_adv)
 
     inputs = perturb_for_clipping(batch)
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     logp = independent_log_probs(trainer.model, inputs, COMMON["temperature"])
-    per_token, _ = F.compute_policy_gradient_loss(
+    per_token, _ = functional.compute_policy_gradient_loss(
         logp,
         options["pg_loss_type"],
         raw_rewards=raw[:, None],
@@ -295,8 +295,8 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
         old_log_probs=inputs["old_per_token_logps"],
         cliprange=0.2,
     )
-    per_token = per_token + 0.1 * F.compute_kl(logp, inputs["ref_per_token_logps"], options["kl_estimator"])
-    expected = F.compute_grpo_loss(
+    per_token = per_token + 0.1 * functional.compute_kl(logp, inputs["ref_per_token_logps"], options["kl_estimator"])
+    expected = functional.compute_grpo_loss(
         per_token, inputs["completion_mask"], options.get("length_normalization", "masked_mean"), normalize_constant=8
     )
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
@@ -333,7 +333,7 @@ def test_two_training_steps_change_parameters_and_log_metrics(tokenizer, tiny_mo
         assert key in logs[0] and math.isfinite(logs[0][key]), key
     # the adaptive controller moved beta by the clipped proportional rule from 0.05
     kl0 = logs[0]["kl"]
-    expected_beta = F.adaptive_kl_coefficient(0.05, kl0, 0.01, 10, n_steps=4)
+    expected_beta = functional.adaptive_kl_coefficient(0.05, kl0, 0.01, 10, n_steps=4)
     assert logs[0]["beta"] == pytest.approx(expected_beta, rel=1e-4)
 
 
@@ -618,7 +618,7 @@ def test_rewards_from_an_environment_alone_become_the_course_advantages(tokenize
         )
         scores = trainer._gathered_rewards[:, 0] if isinstance(trainer, trl_ext.GRPOTrainer) else None
     assert scores.std() > 0, "the environment should score the group unevenly"
-    expected = F.compute_group_advantages(scores, 4, advantage_eps=1e-4, normalize_by_std=True)
+    expected = functional.compute_group_advantages(scores, 4, advantage_eps=1e-4, normalize_by_std=True)
     torch.testing.assert_close(batches[1]["advantages"], expected)
     torch.testing.assert_close(batches[1]["advantages"], batches[0]["advantages"], atol=1e-6, rtol=1e-6)
 

@@ -9,8 +9,7 @@ from conftest import CPU_TEST_ARGS
 from datasets import Dataset
 
 import trl_ext
-import trl_ext.functional as F
-from trl_ext import profiling
+from trl_ext import functional, profiling
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
 
 
@@ -88,7 +87,7 @@ def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path)
 def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path, monkeypatch):
     """Master weights fp32; log-probs (LM head in fp32), ratio inputs, advantages and KL fp32 under bf16 autocast."""
     seen = {}
-    pg_loss, kl = F.compute_policy_gradient_loss, F.compute_kl
+    pg_loss, kl = functional.compute_policy_gradient_loss, functional.compute_kl
 
     def spy_pg(policy_log_probs, loss_type, raw_rewards=None, advantages=None, old_log_probs=None, cliprange=None):
         seen.update(policy=policy_log_probs.dtype, old=old_log_probs.dtype, advantages=advantages.dtype)
@@ -99,8 +98,8 @@ def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path
         seen.update(kl=(log_probs.dtype, ref_log_probs.dtype, out.dtype))
         return out
 
-    monkeypatch.setattr(F, "compute_policy_gradient_loss", spy_pg)
-    monkeypatch.setattr(F, "compute_kl", spy_kl)
+    monkeypatch.setattr(functional, "compute_policy_gradient_loss", spy_pg)
+    monkeypatch.setattr(functional, "compute_kl", spy_kl)
     mlp_out = []
     tiny_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: mlp_out.append(o.dtype))
     trainer = _toy_trainer(tiny_model, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True, max_steps=1)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from trl_ext import course as C
-from trl_ext import functional as F
+from trl_ext import functional
 from trl_ext.course import (
     compute_gae,
     compute_group_normalized_rewards,
@@ -92,7 +92,7 @@ def run_tokenize_prompt_and_output(
 
 def run_compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Per-token entropy (B, T) of (B, T, V) logits: :func:`trl_ext.functional.compute_entropy`."""
-    return F.compute_entropy(logits)
+    return functional.compute_entropy(logits)
 
 
 def run_get_response_log_probs(
@@ -107,7 +107,7 @@ def run_masked_normalize(
 ) -> torch.Tensor:
     """Masked sum along ``dim`` (all when None) / ``normalize_constant``:
     :func:`trl_ext.functional.masked_normalize`."""
-    return F.masked_normalize(tensor, mask, dim, normalize_constant)
+    return functional.masked_normalize(tensor, mask, dim, normalize_constant)
 
 
 def run_sft_microbatch_train_step(
@@ -140,14 +140,14 @@ def run_compute_naive_policy_gradient_loss(
     raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
 ) -> torch.Tensor:
     """-A * log p, (B, T): :func:`trl_ext.functional.compute_naive_policy_gradient_loss`."""
-    return F.compute_naive_policy_gradient_loss(raw_rewards_or_advantages, policy_log_probs)
+    return functional.compute_naive_policy_gradient_loss(raw_rewards_or_advantages, policy_log_probs)
 
 
 def run_compute_grpo_clip_loss(
     advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor, cliprange: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(-min(ratio A, clip(ratio) A) (B, T), metadata)``: :func:`trl_ext.functional.compute_grpo_clip_loss`."""
-    return F.compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+    return functional.compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
 
 
 def run_compute_policy_gradient_loss(
@@ -159,14 +159,14 @@ def run_compute_policy_gradient_loss(
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dispatch on ``loss_type``: :func:`trl_ext.functional.compute_policy_gradient_loss` (also ``"grpo_no_clip"``)."""
-    return F.compute_policy_gradient_loss(
+    return functional.compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )
 
 
 def run_masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean over ``mask == 1`` along ``dim`` (all when None): :func:`trl_ext.functional.masked_mean`."""
-    return F.masked_mean(tensor, mask, dim)
+    return functional.masked_mean(tensor, mask, dim)
 
 
 def run_grpo_microbatch_train_step(

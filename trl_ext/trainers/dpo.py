@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import trl
 
-from trl_ext import functional as F
+from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
 from trl_ext.data.prompts import strip_leading_bos_columns
 
@@ -230,7 +230,7 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
             ref_model = self.ref_model if self.ref_model is not None else self.model  # PEFT: adapters disabled there
             ref_chosen_logps, ref_rejected_logps = self.compute_ref_log_probs(ref_model, inputs)
 
-        loss = F.dpo_loss(
+        loss = functional.dpo_loss(
             chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, self.beta, self.label_smoothing
         )
 

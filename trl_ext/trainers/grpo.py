@@ -41,7 +41,7 @@ import trl
 from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional as F
+from .. import functional
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
@@ -302,13 +302,13 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         choices = {
-            "pg_loss_type": F.PG_LOSS_TYPES,
-            "length_normalization": F.LENGTH_NORMALIZATIONS,
-            "kl_estimator": F.KL_ESTIMATORS,
+            "pg_loss_type": functional.PG_LOSS_TYPES,
+            "length_normalization": functional.LENGTH_NORMALIZATIONS,
+            "kl_estimator": functional.KL_ESTIMATORS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) is not None:  # None: unset, resolved below
-                F._check_choice(name, getattr(self, name), allowed)
+                functional._check_choice(name, getattr(self, name), allowed)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
         self._resolve_upstream_options()
@@ -559,7 +559,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         if self.args.pg_loss_type == "no_baseline":
             advantages = torch.nan_to_num(rewards, nan=0.0)
         else:
-            advantages = F.compute_group_advantages(
+            advantages = functional.compute_group_advantages(
                 rewards,
                 group_size,
                 advantage_eps=self.args.advantage_eps,
@@ -611,7 +611,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
 
-        per_token_loss, pg_metadata = F.compute_policy_gradient_loss(
+        per_token_loss, pg_metadata = functional.compute_policy_gradient_loss(
             per_token_logps,
             self.args.pg_loss_type,
             raw_rewards=advantages,  # for "no_baseline", "advantages" holds the raw rewards (see above)
@@ -622,12 +622,12 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]  # TRL's sampler-mismatch correction
         if self.beta != 0.0:
-            per_token_kl = F.compute_kl(per_token_logps, inputs["ref_per_token_logps"], self.args.kl_estimator)
+            per_token_kl = functional.compute_kl(per_token_logps, inputs["ref_per_token_logps"], self.args.kl_estimator)
             if self.args.use_bias_correction_kl:
                 per_token_kl = per_token_kl * torch.exp(per_token_logps - old_log_probs)
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
-        loss = F.compute_grpo_loss(
+        loss = functional.compute_grpo_loss(
             per_token_loss,
             mask,
             self.args.length_normalization,
@@ -723,7 +723,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                 for total, count in self._finished_rollout_kl:
                     if count.item() == 0:  # no trained token in the rollout (all masked): no KL measured, beta stays
                         continue
-                    self.beta = F.adaptive_kl_coefficient(
+                    self.beta = functional.adaptive_kl_coefficient(
                         self.beta,
                         (total / count.clamp(min=1.0)).item(),
                         self.args.kl_target,

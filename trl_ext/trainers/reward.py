@@ -17,7 +17,7 @@ from typing import Any
 
 import trl
 
-from trl_ext import functional as F
+from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
 
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
@@ -107,7 +107,7 @@ class RewardTrainer(TrainerMixin, trl.RewardTrainer):
                 "expected (2B, 1): one scalar per sequence, B chosen then B rejected (set num_labels=1)"
             )
         chosen, rejected = rewards[:, 0].chunk(2)
-        loss = F.bradley_terry_loss(chosen, rejected, margin=inputs.get("margin"))
+        loss = functional.bradley_terry_loss(chosen, rejected, margin=inputs.get("margin"))
         if self.args.center_rewards_coefficient is not None:  # upstream's reward centering (Eisenstein et al. 2023)
             loss = loss + self.args.center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
         return (loss, outputs) if return_outputs else loss

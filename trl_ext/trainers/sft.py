@@ -35,7 +35,7 @@ import trl
 from datasets import Dataset
 from trl.data_utils import is_conversational
 
-from trl_ext import functional as F
+from trl_ext import functional
 from trl_ext.data.prompts import strip_leading_bos_columns
 
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
@@ -330,11 +330,11 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
             fused_lm_head=True,
             use_cache=False,
         )
-        per_row = F.unlikelihood_loss(outputs.log_probs, outputs.label_mask)
+        per_row = functional.unlikelihood_loss(outputs.log_probs, outputs.label_mask)
         return per_row.sum() / unsafe["unsafe_num_rows"].clamp(min=1)
 
     def _banned_token_penalty(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """Mean over rows of the banned-token unlikelihood at the positions that predict completion tokens."""
         logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
         mask = inputs["labels"][:, 1:] != -100
-        return F.banned_token_unlikelihood_loss(logits[:, :-1], self._banned_token_ids, mask).mean()
+        return functional.banned_token_unlikelihood_loss(logits[:, :-1], self._banned_token_ids, mask).mean()
