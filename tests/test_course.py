@@ -201,14 +201,14 @@ def test_grpo_microbatch_train_step_errors():
             advantages=torch.ones(2, 1),
             length_normalization="masked_normalize",
         )
-    with pytest.raises(ValueError, match="length_normalization='token_mean'"):
+    with pytest.raises(ValueError, match="length_normalization='seq_mean_token_sum'"):
         C.grpo_microbatch_train_step(
             logp,
             torch.ones(2, 3),
             1,
             "reinforce_with_baseline",
             advantages=torch.ones(2, 1),
-            length_normalization="token_mean",
+            length_normalization="seq_mean_token_sum",
         )
 
 

@@ -217,6 +217,90 @@ def test_policy_gradient_loss_dispatch_and_errors():
         functional.compute_grpo_clip_loss(a, logp, torch.zeros(1, 3), 0.2)
 
 
+def test_token_mean_by_hand():
+    # DAPO's token-level loss: every response token of the batch weighs the same
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
+    # tokens 1, 3, 6 -> sum 10 over 3 tokens (masked_mean would give ((1 + 3) / 2 + 6) / 2 = 4)
+    for name in ("token_mean", "local_token_mean"):
+        assert functional.compute_grpo_loss(loss, mask, name).item() == pytest.approx(10 / 3)
+    # the count of a larger batch the mean is over (the trainer passes the whole batch's tokens)
+    assert functional.compute_grpo_loss(loss, mask, "token_mean", normalize_constant=8).item() == pytest.approx(1.25)
+    assert functional.compute_grpo_loss(
+        loss, mask, "token_mean", normalize_constant=torch.tensor(8.0)
+    ).item() == pytest.approx(1.25)
+    # an empty row changes nothing, whatever empty_rows says: it adds no token to the sum or the count
+    with_empty = torch.cat([loss, torch.tensor([[math.nan, 7.0, 7.0]])])
+    empty_mask = torch.cat([mask, torch.tensor([[0, 0, 0]])])
+    for empty_rows in functional.EMPTY_ROWS:
+        assert functional.compute_grpo_loss(with_empty, empty_mask, "token_mean", empty_rows=empty_rows).item() == (
+            pytest.approx(10 / 3)
+        )
+    # no token at all: 0 / max(0, 1) = 0 with a finite zero gradient, as TRL's clamp(min=1)
+    logp = torch.ones(2, 3, requires_grad=True)
+    out = functional.compute_grpo_loss(logp * 2, torch.zeros(2, 3), "token_mean")
+    out.backward()
+    assert out.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
+
+
+def test_token_mean_gradient_weighs_every_token_the_same():
+    # d loss / d l_t = 1 / N for each of the N response tokens of the batch, whatever the row lengths
+    per_token = torch.zeros(3, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
+    functional.compute_grpo_loss(per_token, mask, "token_mean").backward()
+    assert torch.equal(per_token.grad, mask / 7)
+
+
+def test_the_builtin_registry_entries():
+    assert list(functional.POLICY_GRADIENT_LOSSES) == [
+        "no_baseline",
+        "reinforce_with_baseline",
+        "grpo_clip",
+        "grpo_no_clip",
+    ]
+    assert [e.name for e in functional.POLICY_GRADIENT_LOSSES.values() if e.uses_old_log_probs] == [
+        "grpo_clip",
+        "grpo_no_clip",
+    ]
+    assert functional.get_policy_gradient_loss("no_baseline").weights == "raw_rewards"
+    assert functional.get_policy_gradient_loss("grpo_clip").required == ("advantages", "old_log_probs", "cliprange")
+    upstream = {e.upstream_loss_type: name for name, e in functional.LENGTH_NORMALIZATIONS.items()}
+    assert upstream == {
+        "grpo": "masked_mean",
+        "dr_grpo": "masked_normalize",
+        "dapo": "token_mean",
+        "bnpo": "local_token_mean",
+    }
+    with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported; expected one of 'no_baseline'"):
+        functional.get_policy_gradient_loss("ppo")
+    with pytest.raises(ValueError, match="already registered"):
+        functional.register_policy_gradient_loss(functional.POLICY_GRADIENT_LOSSES["grpo_clip"])
+    with pytest.raises(ValueError, match="loss_type 'dapo' already means 'token_mean'"):
+        functional.register_length_normalization(
+            functional.LengthNormalization("token_sum", lambda *a: a[0].sum(), upstream_loss_type="dapo")
+        )
+
+
+@pytest.mark.parametrize("name", list(functional.POLICY_GRADIENT_LOSSES))
+def test_each_loss_keeps_what_its_entry_declares(name):
+    """What the trainer and the speed paths rely on, checked on each entry: a rollout of weight 0 has loss 0 and
+    gradient 0 at every token (zero_weight_zero_gradient); the loss reads the old log-probs iff it says so."""
+    entry = functional.get_policy_gradient_loss(name)
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(4, 5, generator=g) * 3).requires_grad_()
+    old = logp.detach() + (torch.rand(4, 5, generator=g) - 0.5)  # ratios away from 1, some clipped
+    weights = torch.tensor([[0.0], [1.5], [0.0], [-0.7]])
+    args = {"raw_rewards": weights, "advantages": weights, "old_log_probs": old, "cliprange": 0.2}
+    loss, _ = functional.compute_policy_gradient_loss(logp, name, **args)
+    loss.sum().backward()
+    if entry.zero_weight_zero_gradient:
+        assert torch.equal(loss[[0, 2]].detach(), torch.zeros(2, 5))
+        assert torch.equal(logp.grad[[0, 2]], torch.zeros(2, 5))
+    assert (logp.grad[[1, 3]] != 0).any(dim=1).all()  # a weighted rollout does learn (clipped tokens may not)
+    moved, _ = functional.compute_policy_gradient_loss(logp, name, **{**args, "old_log_probs": old - 0.3})
+    assert (not torch.equal(moved, loss)) == entry.uses_old_log_probs
+
+
 # ---------------------------------------------------------------- train steps
 
 

@@ -72,7 +72,7 @@ def test_config_accepts_grpo_no_clip_with_reused_rollouts(tmp_path):
         num_generations=4,
     )
     assert config.pg_loss_type == "grpo_no_clip" and config.num_iterations == 2
-    assert "grpo_no_clip" in functional.OFF_POLICY_PG_LOSS_TYPES
+    assert functional.POLICY_GRADIENT_LOSSES["grpo_no_clip"].uses_old_log_probs
 
 
 def test_trainer_uses_old_log_probs_with_num_iterations_2(tokenizer, tiny_model_dir, tmp_path):

@@ -78,6 +78,22 @@ DR_GRPO_SETTINGS = (
     dict(normalize_by_std=False, length_normalization="masked_normalize"),
     dict(scale_rewards="none", loss_type="dr_grpo", use_bias_correction_kl=False),
 )
+# DAPO's token-level loss (TRL's default loss_type): the sum over every response token of the batch / their count
+DAPO_SETTINGS = (
+    dict(normalize_by_std=True, length_normalization="token_mean", use_bias_correction_kl=True),
+    dict(scale_rewards="group", loss_type="dapo", use_bias_correction_kl=True),
+)
+# TRL's bnpo: the same token mean over each process's micro-batch
+BNPO_SETTINGS = (
+    dict(normalize_by_std=False, length_normalization="local_token_mean"),
+    dict(scale_rewards="none", loss_type="bnpo", use_bias_correction_kl=False),
+)
+UPSTREAM_LOSS_TYPES = {
+    "grpo": "masked_mean",
+    "dr_grpo": "masked_normalize",
+    "dapo": "token_mean",
+    "bnpo": "local_token_mean",
+}
 
 
 # gradient_checkpointing=False: trl_ext shares each prompt's key/value cache (share_prompt_cache) in generation and in
@@ -89,9 +105,14 @@ DR_GRPO_SETTINGS = (
         (*GRPO_SETTINGS, False),
         (*DR_GRPO_SETTINGS, True),
         (*DR_GRPO_SETTINGS, False),
+        (*DAPO_SETTINGS, True),
+        (*DAPO_SETTINGS, False),
+        (*BNPO_SETTINGS, False),
         # TRL's own option names given alone to trl_ext.GRPOConfig mean what they mean upstream
         (GRPO_SETTINGS[1], GRPO_SETTINGS[1], False),
         (DR_GRPO_SETTINGS[1], DR_GRPO_SETTINGS[1], False),
+        (DAPO_SETTINGS[1], DAPO_SETTINGS[1], False),
+        (BNPO_SETTINGS[1], BNPO_SETTINGS[1], False),
     ],
 )
 def test_same_advantages_loss_and_gradients_as_upstream(
@@ -104,10 +125,7 @@ def test_same_advantages_loss_and_gradients_as_upstream(
     )
     ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
     # whichever names were given, both hold the same setting
-    course = (
-        {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}[upstream["loss_type"]],
-        upstream["scale_rewards"] == "group",
-    )
+    course = UPSTREAM_LOSS_TYPES[upstream["loss_type"]], upstream["scale_rewards"] == "group"
     assert (ext.args.length_normalization, ext.args.normalize_by_std) == course
     assert (ext.args.loss_type, ext.args.scale_rewards) == (upstream["loss_type"], upstream["scale_rewards"])
     rows_seen = []  # (rows, tokens) of each forward of trl_ext's policy
@@ -361,8 +379,9 @@ def test_sample_is_upstreams_generation_and_makes_vllm_reload_the_weights(tokeni
 
 def test_config_rejects_unsupported_options(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
-    with pytest.raises(ValueError, match="loss_type='dapo' is not implemented by the course loss"):
-        trl_ext.GRPOConfig(loss_type="dapo", **base)
+    for loss_type in ("cispo", "sapo", "luspo", "vespo"):  # TRL losses with another per-token objective
+        with pytest.raises(ValueError, match=f"loss_type='{loss_type}' is not implemented by the course loss.*'dapo' "):
+            trl_ext.GRPOConfig(loss_type=loss_type, **base)
     with pytest.raises(ValueError, match="scale_rewards='batch' is not implemented by the course advantages"):
         trl_ext.GRPOConfig(scale_rewards="batch", **base)
     with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported"):
@@ -388,6 +407,9 @@ def test_config_rejects_unsupported_options(tmp_path):
         (dict(scale_rewards=False), ("masked_mean", False, "grpo", "none")),
         (dict(scale_rewards=True), ("masked_mean", True, "grpo", "group")),
         (dict(scale_rewards="False"), ("masked_mean", False, "grpo", "none")),
+        (dict(loss_type="dapo"), ("token_mean", True, "dapo", "group")),
+        (dict(loss_type="bnpo", scale_rewards="none"), ("local_token_mean", False, "bnpo", "none")),
+        (dict(length_normalization="token_mean"), ("token_mean", True, "dapo", "group")),
         # the course names alone
         (
             dict(length_normalization="masked_normalize", normalize_by_std=False),
@@ -694,6 +716,8 @@ def test_a_missing_engine_says_how_to_install_it(flag, module, tokenizer, tiny_m
         ("grpo", "group", "masked_mean", True),
         ("dr_grpo", "none", "masked_normalize", False),
         ("grpo", False, "masked_mean", False),
+        ("dapo", "group", "token_mean", True),
+        ("bnpo", "none", "local_token_mean", False),
     ],
 )
 def test_trainer_accepts_the_upstream_config(
@@ -741,8 +765,7 @@ def test_trainer_accepts_the_upstream_config(
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(), "loss_type='dapo' is not implemented by the course loss.*default is 'dapo'"),  # upstream's default
-        (dict(loss_type="bnpo"), "loss_type='bnpo' is not implemented"),
+        (dict(loss_type="cispo"), "loss_type='cispo' is not implemented by the course loss"),
         (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' is not implemented"),
         (
             dict(loss_type="grpo", importance_sampling_level="sequence"),
@@ -872,3 +895,103 @@ def test_adaptive_beta_with_rollouts_that_end_inside_an_optimizer_step(tokenizer
     assert logged == pytest.approx([beta0, betas[0], betas[1]], rel=1e-9)
     # micro-batch 4 belongs to optimizer step 2, which began with beta0: the update waits for the step to end
     assert beta_in_loss == pytest.approx([beta0] * 4 + [betas[0]] * 2, rel=1e-12)
+
+
+def train_from_upstream_config(trainer_cls, tokenizer, model_dir, settings):
+    args = trl.GRPOConfig(**settings)
+    trainer = trainer_cls(
+        model=model_dir,
+        reward_funcs=length_mod5_reward,
+        args=args,
+        train_dataset=toy_dataset(8),
+        processing_class=copy.deepcopy(tokenizer),
+    )
+    if trainer_cls is trl_ext.GRPOTrainer:
+        trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4; trl_ext's default is the course's 1e-6
+    torch.manual_seed(0)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return dict(trainer.model.named_parameters()), losses
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_upstream_default_token_means_train_as_upstream_with_accumulation(
+    loss_type, tokenizer, tiny_model_dir, tmp_path
+):
+    """An unchanged upstream config (TRL's default loss_type 'dapo', or 'bnpo') trains trl_ext.GRPOTrainer with the
+    course's advantages and clip, and the same weights as upstream: 2 optimizer steps of 2 accumulated micro-batches of
+    2 completions each, all from one generation batch of 8 (steps_per_generation 4), so the token counts differ
+    between micro-batches and steps. 'dapo' divides each micro-batch's token sum by the generation batch's tokens
+    spread over its micro-batches, 'bnpo' by the micro-batch's own tokens: the two end with different weights."""
+    settings = dict(
+        COMMON,
+        output_dir=str(tmp_path / loss_type),
+        loss_type=loss_type,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        max_completion_length=12,
+        # a random model almost never ends early; +14 on the EOS logit (before temperature 1.5) ends ~1 token in 5
+        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 14.0]]},
+        # plain SGD: the weights move by the (clipped) gradients themselves, so weights equal up to float rounding
+        # mean gradients equal up to float rounding (Adam's first steps move every element by +-lr, whatever its size)
+        optim="sgd",
+        learning_rate=0.5,
+    )
+    ours, our_losses = train_from_upstream_config(trl_ext.GRPOTrainer, tokenizer, tiny_model_dir, settings)
+    theirs, their_losses = train_from_upstream_config(trl.GRPOTrainer, tokenizer, tiny_model_dir, settings)
+    other = "bnpo" if loss_type == "dapo" else "dapo"
+    elsewhere, _ = train_from_upstream_config(
+        trl.GRPOTrainer, tokenizer, tiny_model_dir, dict(settings, loss_type=other)
+    )
+    assert len(our_losses) == 2 and our_losses == pytest.approx(their_losses, abs=1e-6)
+    initial = dict(trl_ext.models.load_model(tiny_model_dir).named_parameters())
+    moved = max((theirs[n] - initial[n]).abs().max().item() for n in theirs)
+    assert moved > 1e-3  # the steps did train
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-5)
+    # the normalization matters here: the other token mean ends elsewhere, by far more than the tolerance
+    assert max((elsewhere[n] - theirs[n]).abs().max().item() for n in theirs) > 100 * 1e-6
+
+
+@pytest.fixture
+def registered_loss():
+    """A loss added for one test, as a user would add one: on-policy, and a rollout of weight 0 still learns."""
+    entry = functional.register_policy_gradient_loss(
+        functional.PolicyGradientLoss(
+            "shifted_reinforce",
+            lambda weights, log_probs, old, cliprange: (-(weights + 0.1) * log_probs, {}),
+            formula="-(A + 0.1) * log p",
+        )
+    )
+    yield entry
+    del functional.POLICY_GRADIENT_LOSSES[entry.name]
+
+
+def test_a_registered_loss_brings_its_refusals_and_turns_the_row_skipping_off(
+    registered_loss, tokenizer, tiny_model_dir, tmp_path, caplog
+):
+    base = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, pg_loss_type="shifted_reinforce")
+    assert trl_ext.GRPOConfig(**base).pg_loss_type == "shifted_reinforce"
+    with pytest.raises(ValueError, match="pg_loss_type='shifted_reinforce' is an on-policy loss"):
+        trl_ext.GRPOConfig(**base, num_iterations=2)
+    with pytest.raises(
+        ValueError, match="dynamic_sampling=True needs a loss whose rollouts of weight 0 have no gradient"
+    ):
+        trl_ext.GRPOConfig(**base, dynamic_sampling=True)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer = make_trainer(
+            trl_ext.GRPOTrainer,
+            trl_ext.GRPOConfig,
+            tiny_model_dir,
+            tokenizer,
+            tmp_path,
+            pg_loss_type="shifted_reinforce",
+        )
+    assert not trainer._skip_zero_advantage and trainer._share_prompts
+    assert "skip_zero_advantage_rows off: pg_loss_type='shifted_reinforce' does not declare" in caplog.text
+    # the trainer computes it: a row of advantage 0 gets the gradient of -0.1 * log p
+    inputs = generation_batch(trainer)
+    inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+    loss, grads = loss_and_grads(trainer, inputs)
+    assert loss.item() > 0 and any(g.abs().max() > 0 for g in grads.values())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -276,12 +276,12 @@ def grpo_microbatch_train_step(
     policy_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
     gradient_accumulation_steps: int,
-    loss_type: Literal["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"],
+    loss_type: str,
     raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
-    length_normalization: Literal["masked_mean", "masked_normalize"] = "masked_mean",
+    length_normalization: str = "masked_mean",
     normalize_constant: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward-and-backward of one GRPO microbatch.
@@ -294,8 +294,11 @@ def grpo_microbatch_train_step(
         policy_log_probs: (B, T), requires grad.
         response_mask: (B, T).
         gradient_accumulation_steps: microbatches per optimizer step (>= 1).
-        loss_type, raw_rewards, advantages, old_log_probs, cliprange: see ``compute_policy_gradient_loss``.
-        length_normalization, normalize_constant: see ``compute_grpo_loss``.
+        loss_type, raw_rewards, advantages, old_log_probs, cliprange: see ``compute_policy_gradient_loss`` (any
+            name of ``trl_ext.functional.POLICY_GRADIENT_LOSSES``).
+        length_normalization, normalize_constant: see ``compute_grpo_loss`` (any name of
+            ``trl_ext.functional.LENGTH_NORMALIZATIONS``; ``"token_mean"`` with no constant is the token mean of this
+            microbatch).
 
     Returns:
         ``(loss, metadata)``: the 0-d loss that was back-propagated (already divided by the accumulation steps,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import functional
 from .shared_prompts import (
     SavingsDecision,
     accepts_position_ids,
@@ -60,9 +61,16 @@ class GRPOSpeedMixin:
         if self._share_prompts or self._skip_zero_advantage:
             # Exact or off, per model (trl_ext.shared_prompts.savings_decision): one log line names what is off and why.
             decision, noise = savings_decision(self.model), training_noise(self.model)
+            # Skipping a row is exact only where a zero weight gives a zero gradient: the loss's registry entry says.
+            loss = functional.get_policy_gradient_loss(self.args.pg_loss_type)
+            loss_reason = (
+                None
+                if loss.zero_weight_zero_gradient
+                else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
+            )
             decision = SavingsDecision(
                 share_prompts=(decision.share_prompts or noise) if self._share_prompts else None,
-                skip_rows=(decision.skip_rows or noise) if self._skip_zero_advantage else None,
+                skip_rows=(loss_reason or decision.skip_rows or noise) if self._skip_zero_advantage else None,
                 pack=(decision.pack or noise) if self._pack else None,
             )
             announce(self.model, decision)

@@ -58,9 +58,6 @@ _UNSUPPORTED = {
     "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed, then normalized per group"),
 }
 
-# Policy-gradient losses that assume the samples come from the current policy (they ignore the old log-probs).
-ON_POLICY_PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline")
-
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
     "__init__": (
@@ -140,6 +137,19 @@ def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -
     )
 
 
+def _choices_help(registry: Mapping[str, Any]) -> str:
+    """ "'name' (formula), ..." for a field's help, from a registry of trl_ext.functional."""
+    return ", ".join(f"{name!r} ({entry.formula})" for name, entry in registry.items())
+
+
+_UPSTREAM_LOSS_TYPES = {
+    entry.upstream_loss_type: name
+    for name, entry in functional.LENGTH_NORMALIZATIONS.items()
+    if entry.upstream_loss_type is not None
+}
+"""TRL's ``loss_type`` -> the course's ``length_normalization`` that reduces the same way (from the registry)."""
+
+
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
@@ -154,10 +164,10 @@ class GRPOConfig(trl.GRPOConfig):
     pg_loss_type: str = field(
         default="grpo_clip",
         metadata={
-            "help": "Policy-gradient loss: 'grpo_clip' (default; -min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A)), "
-            "'grpo_no_clip' (-ratio*A, the handout's clip ablation; ratio = pi/pi_old, so it stays off-policy-correct "
-            "with num_iterations > 1), 'reinforce_with_baseline' (-A * log p with group-normalized A) or 'no_baseline' "
-            "(-r * log p with the raw reward r). CS336 A5 sections 7.2 and 8."
+            "help": "Per-token policy-gradient loss (trl_ext.functional.POLICY_GRADIENT_LOSSES; default 'grpo_clip'): "
+            + _choices_help(functional.POLICY_GRADIENT_LOSSES)
+            + ". A loss that ignores the old log-probs is on-policy only: with it num_iterations must be 1 and "
+            "steps_per_generation must not exceed gradient_accumulation_steps."
         },
     )
     advantage_eps: float = field(
@@ -176,19 +186,19 @@ class GRPOConfig(trl.GRPOConfig):
     length_normalization: str | None = field(
         default=None,
         metadata={
-            "help": "How per-token losses become one loss per response: 'masked_mean' (mean over the response tokens) "
-            "or 'masked_normalize' (sum divided by max_completion_length, Dr. GRPO). Unset (None, the default): what "
-            "TRL's loss_type says when it is given ('grpo' -> 'masked_mean', 'dr_grpo' -> 'masked_normalize'), else "
-            "'masked_mean'. After construction it holds the value in use."
+            "help": "How the per-token losses of a batch become one loss (trl_ext.functional.LENGTH_NORMALIZATIONS): "
+            + _choices_help(functional.LENGTH_NORMALIZATIONS)
+            + ". Unset (None, the default): what TRL's loss_type says when it is given ("
+            + ", ".join(f"{upstream!r} -> {course!r}" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
+            + "), else 'masked_mean'. After construction it holds the value in use."
         },
     )
     kl_estimator: str = field(
         default="k3",
         metadata={
             "help": "Per-token KL(pi || pi_ref) estimator used when beta > 0: 'k1', 'k2' or 'k3' (default; Schulman "
-            "2020, "
-            "the one TRL uses). With a PEFT model and no ref_model, TRL's reference is the adapter as it was when "
-            "training started: the base model with the adapter disabled for a new adapter, a frozen copy (named "
+            "2020, the one TRL uses). With a PEFT model and no ref_model, TRL's reference is the adapter as it was "
+            "when training started: the base model with the adapter disabled for a new adapter, a frozen copy (named "
             "'ref') of the starting adapter when training continues a trained one."
         },
     )
@@ -259,13 +269,14 @@ class GRPOConfig(trl.GRPOConfig):
         default=False,
         metadata={
             "help": "Dynamic sampling (DAPO, Yu et al. 2025): keep drawing extra generation rounds of new prompt "
-            "groups until every process's generation batch holds only groups with a gradient (rewards not all "
-            "equal; for pg_loss_type='no_baseline', raw rewards not all 0, since an all-equal nonzero group still "
-            "has a gradient there), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
+            "groups until every process's generation batch holds only groups with a gradient (some rollout's weight "
+            "not 0: rewards not all equal; for pg_loss_type='no_baseline', whose weights are the raw rewards, rewards "
+            "not all 0), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
             "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
             "seeded permutation of the training set (position saved with each checkpoint). Logs "
             "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted. Needs per_device_train_batch_size x "
-            "steps_per_generation to be a multiple of num_generations. Default False (TRL's behaviour)."
+            "steps_per_generation to be a multiple of num_generations, and a pg_loss_type whose zero weights give "
+            "zero gradients (all built-in ones). Default False (TRL's behaviour)."
         },
     )
     max_sampling_rounds: int = field(
@@ -278,10 +289,11 @@ class GRPOConfig(trl.GRPOConfig):
     loss_type: str | None = field(
         default=None,
         metadata={
-            "help": "TRL's name for length_normalization, with TRL's meaning: 'grpo' (= 'masked_mean') or 'dr_grpo' "
-            "(= 'masked_normalize'); TRL's other loss types ('dapo', TRL's default, 'bnpo', 'cispo', 'sapo', 'luspo', "
-            "'vespo') are not the course loss and raise. Give this or length_normalization (both: they must agree). "
-            "Unset (None, the default): derived from length_normalization."
+            "help": "TRL's name for length_normalization, with TRL's meaning: "
+            + ", ".join(f"{upstream!r} (= {course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
+            + "; TRL's other loss types (cispo, sapo, luspo, vespo) change the per-token objective and raise. Give "
+            "this or length_normalization (both: they must agree). Unset (None, the default): derived from "
+            "length_normalization."
         },
     )
     scale_rewards: str | None = field(
@@ -296,14 +308,14 @@ class GRPOConfig(trl.GRPOConfig):
     # Options that name the same setting: TRL's name -> (the course field, TRL value -> course value, course default).
     # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.cli.parse).
     UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, dict[Any, Any], Any]]] = {
-        "loss_type": ("length_normalization", {"grpo": "masked_mean", "dr_grpo": "masked_normalize"}, "masked_mean"),
+        "loss_type": ("length_normalization", _UPSTREAM_LOSS_TYPES, "masked_mean"),
         "scale_rewards": ("normalize_by_std", {"group": True, "none": False}, True),
     }
 
     def __post_init__(self):
         choices = {
-            "pg_loss_type": functional.PG_LOSS_TYPES,
-            "length_normalization": functional.LENGTH_NORMALIZATIONS,
+            "pg_loss_type": tuple(functional.POLICY_GRADIENT_LOSSES),
+            "length_normalization": tuple(functional.LENGTH_NORMALIZATIONS),
             "kl_estimator": functional.KL_ESTIMATORS,
         }
         for name, allowed in choices.items():
@@ -328,13 +340,20 @@ class GRPOConfig(trl.GRPOConfig):
             )
         super().__post_init__()
         reused = self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
-        if self.pg_loss_type in ON_POLICY_PG_LOSS_TYPES and reused:
+        loss = functional.get_policy_gradient_loss(self.pg_loss_type)
+        if not loss.uses_old_log_probs and reused:
             raise ValueError(
                 f"pg_loss_type={self.pg_loss_type!r} is an on-policy loss (it ignores the old log-probs), but "
                 f"num_iterations={self.num_iterations} and steps_per_generation={self.steps_per_generation} (> "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}?) train on samples from an older "
                 "policy. Set num_iterations=1 and steps_per_generation=gradient_accumulation_steps, or use an "
                 "off-policy-corrected loss such as pg_loss_type='grpo_clip'."
+            )
+        if self.dynamic_sampling and not loss.zero_weight_zero_gradient:
+            raise ValueError(
+                f"dynamic_sampling=True needs a loss whose rollouts of weight 0 have no gradient, and "
+                f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_weight_zero_gradient in "
+                "trl_ext.functional.POLICY_GRADIENT_LOSSES): every group may carry a gradient, so none can be dropped"
             )
 
     def _resolve_upstream_options(self) -> None:
@@ -394,7 +413,8 @@ class GRPOConfig(trl.GRPOConfig):
 
         Raises:
             ValueError: where upstream asks for math the course loss does not implement (``loss_type`` other than
-                'grpo'/'dr_grpo' -- upstream's default 'dapo' included --, ``scale_rewards='batch'``, and whatever
+                'grpo', 'dr_grpo', 'dapo' (upstream's default) and 'bnpo', which differ only in how token losses are
+                averaged --, ``scale_rewards='batch'``, and whatever
                 else ``__post_init__`` rejects).
         """
         # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
@@ -415,10 +435,12 @@ class _Derived(str):
 
 
 _UPSTREAM_REFUSALS = {
-    "loss_type": "loss_type={value!r} is not implemented by the course loss; trl_ext.GRPOTrainer supports TRL's "
-    "loss_type='grpo' (= length_normalization='masked_mean', the mean over each response's tokens) and 'dr_grpo' "
-    "(= 'masked_normalize', the sum over tokens / max_completion_length). trl.GRPOConfig's default is 'dapo': an "
-    "upstream config must set one of the two.",
+    "loss_type": "loss_type={value!r} is not implemented by the course loss: it changes the per-token objective. "
+    "trl_ext.GRPOTrainer supports TRL's loss types that differ only in how token losses are averaged: "
+    + ", ".join(
+        f"{upstream!r} (= length_normalization={course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items()
+    )
+    + ".",
     "scale_rewards": "scale_rewards={value!r} is not implemented by the course advantages; trl_ext.GRPOTrainer "
     "supports TRL's scale_rewards='group' or True (= normalize_by_std=True) and 'none' or False "
     "(= normalize_by_std=False).",
@@ -556,8 +578,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
-        if self.args.pg_loss_type == "no_baseline":
-            advantages = torch.nan_to_num(rewards, nan=0.0)
+        if functional.get_policy_gradient_loss(self.args.pg_loss_type).weights == "raw_rewards":
+            advantages = torch.nan_to_num(rewards, nan=0.0)  # the loss weighs each rollout by its reward itself
         else:
             advantages = functional.compute_group_advantages(
                 rewards,
@@ -614,7 +636,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         per_token_loss, pg_metadata = functional.compute_policy_gradient_loss(
             per_token_logps,
             self.args.pg_loss_type,
-            raw_rewards=advantages,  # for "no_baseline", "advantages" holds the raw rewards (see above)
+            raw_rewards=advantages,  # a loss weighted by raw rewards finds them under "advantages" (see above)
             advantages=advantages,
             old_log_probs=old_log_probs,
             cliprange=self.args.epsilon,
@@ -627,14 +649,14 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                 per_token_kl = per_token_kl * torch.exp(per_token_logps - old_log_probs)
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
+        mode = "train" if self.model.training else "eval"
         loss = functional.compute_grpo_loss(
             per_token_loss,
             mask,
             self.args.length_normalization,
-            normalize_constant=self.max_completion_length,
+            normalize_constant=self._normalize_constant(inputs, mode),
             empty_rows="drop",  # rows masked by mask_truncated_completions leave the mean (upstream: "zero")
         )
-        mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss / accumulation
         if self.aux_loss_enabled:
@@ -645,6 +667,22 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None
         )
         return loss
+
+    def _normalize_constant(self, inputs, mode: str) -> float | torch.Tensor | None:
+        """The divisor ``functional.compute_grpo_loss`` needs for this config's length normalization (its registry
+        entry's ``divisor``): ``max_completion_length``; or, for ``batch_tokens`` (DAPO's token mean), the response
+        tokens of the whole batch as the average share of one micro-batch on one process -- ``num_items_in_batch``
+        (the generation batch's tokens, every process) / processes / ``steps_per_generation`` in training, so that
+        after the division by the accumulation steps the summed micro-batch losses, averaged over processes by DDP,
+        are the sum over every token / their count (trl.GRPOTrainer._compute_loss's ``dapo`` normalizer, TRL 1.16,
+        which spreads a generation batch over its optimizer steps by the same average); None otherwise."""
+        divisor = functional.get_length_normalization(self.args.length_normalization).divisor
+        if divisor == "max_completion_length":
+            return self.max_completion_length
+        if divisor == "batch_tokens":
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            return tokens / self.args.steps_per_generation if mode == "train" else tokens
+        return None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
         # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
