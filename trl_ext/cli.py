@@ -38,16 +38,20 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trl
 import yaml
 
+# RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
+# trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
 from trl_ext.data.math_datasets import dataset_source_problem
+from trl_ext.errors import RecipeError as RecipeError
+from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, model_source_problem
+from trl_ext.options import RecipeArguments as RecipeArguments
+from trl_ext.options import check_fills_one_step as check_fills_one_step
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -55,24 +59,6 @@ MODEL_NAME_HELP = (
     "another model."
 )
 """What every recipe's ``--help`` adds to ``--model_name_or_path`` (trl.ModelConfig's own help)."""
-
-
-class RecipeError(ValueError):
-    """Bad user input (a flag, a config file, a data file, an output folder): shown as one line, no traceback."""
-
-
-@dataclass
-class RecipeArguments:
-    """Options every recipe has (mixed into each recipe's own arguments dataclass)."""
-
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Replace a finished run (metrics.json) or an unfinished run's checkpoints in --output_dir. "
-            "Without it the recipe refuses, so results are never lost; --resume_from_checkpoint true continues an "
-            "unfinished run instead."
-        },
-    )
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -216,58 +202,6 @@ def source_problems(values: Mapping[str, Any]) -> list[str]:
     if values.get("reward_model_path") and not Path(values["reward_model_path"]).is_dir():
         problems.append(f"--reward_model_path {values['reward_model_path']}: no such folder")
     return [p for p in problems if p]
-
-
-def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str = "rows") -> None:
-    """Refuse, before any model work, a training set from which the trainer would take no batch at all: it would
-    train 0 steps and exit 0 after evaluating before and after (transformers only says "There seems not to be a
-    single sample in your epoch_iterator").
-
-    * GRPO (``training_args`` has ``num_generations``): TRL's sampler hands out whole generation batches of
-      ``generation_batch_size / num_generations`` prompts (``generation_batch_size`` = ``per_device_train_batch_size``
-      x processes x ``steps_per_generation``, which defaults to ``gradient_accumulation_steps``) and drops an
-      incomplete one, so fewer prompts than one generation batch train 0 steps.
-    * SFT, DPO, reward (transformers' dataloader): a last incomplete batch or accumulation window still makes an
-      optimizer step, so only ``dataloader_drop_last`` with fewer rows than one batch on every process
-      (``per_device_train_batch_size`` x processes) trains 0 steps.
-
-    ``max_steps`` does not help: with 0 batches per epoch transformers stops at step 0 whatever the budget.
-
-    Args:
-        rows: training examples (prompts for GRPO).
-        training_args: the trainer's config.
-        source: what the rows come from, as the user set it (``"--train_file x.jsonl"``).
-        unit: what a row is called in the message (``"rows"``, ``"pairs"``, ``"prompts"``).
-
-    Raises:
-        RecipeError: naming the numbers and the flags that change them.
-    """
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    batch = training_args.per_device_train_batch_size
-    have = f"{rows} training {unit[:-1] if rows == 1 and unit.endswith('s') else unit}"
-    if getattr(training_args, "num_generations", None):
-        steps = training_args.steps_per_generation or training_args.gradient_accumulation_steps
-        completions = batch * processes * steps
-        needed = completions // training_args.num_generations
-        if rows < needed:
-            which = (
-                "--gradient_accumulation_steps"
-                if steps == training_args.gradient_accumulation_steps
-                else "--steps_per_generation"
-            )
-            raise RecipeError(
-                f"{source}: {have} cannot fill one generation batch of {needed} prompts ({completions} "
-                f"completions = --per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}, in "
-                f"groups of --num_generations {training_args.num_generations}), so TRL would train 0 steps; use at "
-                f"least {needed} training prompts, or lower --per_device_train_batch_size or {which}"
-            )
-    elif training_args.dataloader_drop_last and rows < batch * processes:
-        raise RecipeError(
-            f"{source}: {have} cannot fill one batch of {batch * processes} (--per_device_train_batch_size "
-            f"{batch} x {processes} process(es)) with --dataloader_drop_last true, so the trainer would train 0 steps; "
-            f"use at least {batch * processes} training {unit}, lower --per_device_train_batch_size, or pass "
-            "--dataloader_drop_last false"
-        )
 
 
 def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
@@ -544,17 +478,6 @@ COMPARISON_HELP = {
 }
 """``help_overrides`` of the comparison recipes (compare_upstream, grpo_sort, grpo_ablations): the inherited options
 they treat their own way."""
-
-
-@contextmanager
-def user_input(what: str = ""):
-    """Turn ValueError/FileNotFoundError raised while reading user input (data files, options) into RecipeError."""
-    try:
-        yield
-    except RecipeError:
-        raise
-    except (ValueError, FileNotFoundError) as err:
-        raise RecipeError(f"{what}{err}") from None
 
 
 # ------------------------------------------------------------------------------------------- running

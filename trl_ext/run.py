@@ -46,7 +46,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainingArguments
 
-from trl_ext.cli import RecipeError
+from trl_ext.errors import RecipeError
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
 
 OVERWRITE_FLAG = "--overwrite_output_dir"

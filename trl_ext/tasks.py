@@ -31,10 +31,11 @@ from typing import Any
 import trl
 
 from trl_ext import rewards
-from trl_ext.cli import RecipeArguments, RecipeError, check_fills_one_step, user_input
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
+from trl_ext.errors import RecipeError, user_input
+from trl_ext.options import RecipeArguments, check_fills_one_step
 
 
 def _r1_zero_answer(response: str) -> str | None:
@@ -142,7 +143,7 @@ class Task:
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
         """Refuse, before any model work, a training set that cannot fill one generation batch of ``training_args``
-        (:func:`trl_ext.cli.check_fills_one_step`); ``what`` is added to the source (``", arm course"``)."""
+        (:func:`trl_ext.options.check_fills_one_step`); ``what`` is added to the source (``", arm course"``)."""
         check_fills_one_step(len(self.train), training_args, self.source + what, "prompts")
 
 
