@@ -172,7 +172,7 @@ def summary(before, steps, seconds, cpu_seconds):
         f"Held-out accuracy per EI step: {', '.join(format(s['accuracy'], '.1%') for s in steps)} (n = {before['n']}).",
         f"Kept fraction per EI step: {', '.join(format(s['kept'] / s['generated'], '.0%') for s in steps)}.",
         f"Response entropy {'fell' if h1 < h0 else 'did not fall'} from {h0:.3f} to {h1:.3f} nats/token"
-        + (" (collapsed)." if report.entropy_collapsed(h0, h1) else "."),
+        + (" (collapsed)." if trl_ext.observations.entropy_collapsed(h0, h1) else "."),
     ]
     line = (
         f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {last['accuracy']:.1%} ({before['n']} "

@@ -126,11 +126,11 @@ def test_a_recipe_calls_no_private_method(path):
 
 
 def test_the_embedded_models_name_and_the_entropy_rule_live_once():
-    """``DEFAULT_MODEL`` names the embedded model (trl_ext/models.py) and ``report.entropy_collapsed`` is the
+    """``DEFAULT_MODEL`` names the embedded model (trl_ext/models.py) and ``observations.entropy_collapsed`` is the
     entropy-collapse rule; neither is written again elsewhere in the library or the recipes."""
     for path in [*sorted((ROOT / "trl_ext").rglob("*.py")), *RECIPES]:
         text = path.read_text()
         if path.name != "models.py":
             assert '"embedded:SmolLM2-135M-Instruct"' not in text, path
-        if path.name != "report.py":
+        if path.name != "observations.py":
             assert "< 0.1 or" not in text and " / 5" not in text, path

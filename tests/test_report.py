@@ -1,17 +1,13 @@
-"""trl_ext.report: git provenance, hyperparameters, automatic observations, experiment.md and the one closing call."""
+"""trl_ext.report: git provenance, hyperparameters, experiment.md and the one closing call; the automatic
+observations it writes (trl_ext.observations)."""
 
 import dataclasses
 import subprocess
 
 import pytest
 
-from trl_ext.report import (
-    config_hyperparameters,
-    entropy_collapsed,
-    git_state,
-    observe_training,
-    write_experiment_record,
-)
+from trl_ext.observations import entropy_collapsed, observe_training
+from trl_ext.report import config_hyperparameters, git_state, write_experiment_record
 
 
 def git(cwd, *args):

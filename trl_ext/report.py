@@ -17,20 +17,15 @@ same for a comparison of arms (``comparison.json``/``.md``/``.png`` through :mod
 - the hyperparameters that differ from their defaults, plus the important ones whatever their value (learning
   rate, group size, loss type, normalization, beta, steps, ...), from the run's config dataclasses;
 - a results table (before/after, final reward, time) and the plot(s);
-- automatic observations from the training log (:func:`observe_training`): where the reward rose fastest, whether
-  the entropy collapsed (:func:`entropy_collapsed`), whether completions hit the length limit, gradient-norm
-  spikes, KL growth.
-
-The observations are plain functions of TRL's ``trainer.state.log_history`` and can be called on any run's log.
+- automatic observations from the training log (``trl_ext.observations.observe_training``): where the reward rose
+  fastest, whether the entropy collapsed, whether completions hit the length limit, gradient-norm spikes, KL growth.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,6 +35,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trl_ext.observations import observe_training
 from trl_ext.profiling import format_breakdown
 
 IMPORTANT_FIELDS = (
@@ -121,116 +117,6 @@ def config_hyperparameters(*configs: Any, important: Sequence[str] = IMPORTANT_F
     return dict(sorted(out.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 
 
-# ----------------------------------------------------------------------------------------------- observations
-def _curve(log_history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [
-        (int(e["step"]), float(e[key]))
-        for e in log_history
-        if "step" in e and isinstance(e.get(key), (int, float)) and math.isfinite(e[key])
-    ]
-
-
-def _head_tail_means(values: Sequence[float], k: int) -> tuple[float, float]:
-    k = max(1, min(k, len(values) // 2 or 1))
-    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
-
-
-def entropy_collapsed(first: float, last: float) -> bool:
-    """Whether the policy's entropy collapsed between two measurements (nats/token): the last is below 0.1, or below
-    a fifth of the first -- the policy became nearly deterministic, so exploration is mostly gone."""
-    return last < 0.1 or last < first / 5
-
-
-def observe_training(
-    log_history: Sequence[Mapping[str, Any]],
-    max_completion_length: int | None = None,
-    reward_key: str = "reward",
-) -> list[str]:
-    """Sentences about a training log (TRL's ``trainer.state.log_history``) that a reader would check first.
-
-    - reward (``reward_key``): first vs last values (mean of up to 3 logged points each) and the window of about a
-      fifth of the run where its running mean rose fastest;
-    - ``loss`` when no reward was logged (SFT, reward models, DPO): first vs last;
-    - ``entropy``: first vs last, and "collapsed" when the last value is below 0.1 nats/token or below a fifth of
-      the first;
-    - completion length: ``completions/clipped_ratio`` (share of completions that hit ``max_completion_length``)
-      above 0.5 at the end, or the mean length within 10% of the limit;
-    - ``grad_norm``: a spike when the largest value exceeds 5x the median;
-    - ``kl``: its last value when logged.
-
-    Returns:
-        A list of sentences (empty for an empty log).
-    """
-    notes: list[str] = []
-    reward = _curve(log_history, reward_key)
-    if len(reward) >= 2:
-        values = [v for _, v in reward]
-        first, last = _head_tail_means(values, 3)
-        window = max(1, len(values) // 5)
-        best_gain, best_at = -math.inf, 0
-        for i in range(len(values) - window):
-            gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(
-                values[max(0, i + 1 - window) : i + 1]
-            )
-            if gain > best_gain:
-                best_gain, best_at = gain, i
-        trend = "rose" if last > first else "fell" if last < first else "stayed flat"
-        note = f"Train reward {trend} from {first:.3f} (first logged steps) to {last:.3f} (last)"
-        if best_gain > 0:
-            note += (
-                "; it rose fastest around steps "
-                f"{reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
-                f" (+{best_gain:.3f} between consecutive {window}-point means)"
-            )
-        notes.append(note + ".")
-    elif not reward:
-        loss = _curve(log_history, "loss")
-        if len(loss) >= 2:
-            first, last = _head_tail_means([v for _, v in loss], 3)
-            notes.append(f"Training loss went from {first:.4f} to {last:.4f} ({last - first:+.4f}).")
-    entropy = _curve(log_history, "entropy")
-    if len(entropy) >= 2:
-        first, last = _head_tail_means([v for _, v in entropy], 3)
-        collapsed = entropy_collapsed(first, last)
-        notes.append(
-            f"Entropy went from {first:.3f} to {last:.3f} nats/token"
-            + (
-                "; it collapsed (the policy became nearly deterministic, so exploration is mostly gone)."
-                if collapsed
-                else "; no collapse."
-            )
-        )
-    clipped = _curve(log_history, "completions/clipped_ratio")
-    mean_length = _curve(log_history, "completions/mean_length")
-    if clipped and clipped[-1][1] > 0.5:
-        notes.append(
-            f"{clipped[-1][1]:.0%} of the last step's completions hit the length limit"
-            + (f" ({max_completion_length} tokens)" if max_completion_length else "")
-            + ": answers are being cut off; raise max_completion_length or reward brevity."
-        )
-    elif mean_length and max_completion_length and mean_length[-1][1] >= 0.9 * max_completion_length:
-        notes.append(
-            f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}."
-        )
-    elif clipped or mean_length:
-        tail = f"mean completion length {mean_length[-1][1]:.1f} tokens" if mean_length else ""
-        share = f"{clipped[-1][1]:.0%} hit the length limit" if clipped else ""
-        notes.append("At the end: " + ", ".join(x for x in (tail, share) if x) + ".")
-    grad = _curve(log_history, "grad_norm")
-    if len(grad) >= 3:
-        values = [v for _, v in grad]
-        median = statistics.median(values)
-        step, peak = max(grad, key=lambda sv: sv[1])
-        if median > 0 and peak > 5 * median:
-            notes.append(f"Gradient norm spiked to {peak:.3g} at step {step} (median {median:.3g}).")
-        else:
-            notes.append(f"Gradient norm stayed within 5x its median {median:.3g} (max {peak:.3g}).")
-    kl = _curve(log_history, "kl")
-    if kl:
-        notes.append(f"KL to the reference ended at {kl[-1][1]:.4f} (step {kl[-1][0]}).")
-    return notes
-
-
 def _history_from_curves(curves: Mapping[str, Sequence[Sequence[float]]]) -> list[dict[str, Any]]:
     """``{key: [[step, value], ...]}`` (trl_ext.compare summaries) back into log_history-like entries."""
     by_step: dict[int, dict[str, Any]] = {}
@@ -275,7 +161,7 @@ def write_experiment_record(
         results_header: column titles of ``results``.
         plots: image paths (absolute or relative to ``output_dir``) embedded under "Plots".
         observations: sentences written first under "Observations".
-        log_history: TRL's log; :func:`observe_training` adds its observations.
+        log_history: TRL's log; ``observe_training`` adds its observations.
         max_completion_length: the generation budget, for the length-limit observation.
         command: the command line that reproduces the run (default: ``sys.argv``).
         extra_markdown: appended at the end (e.g. a comparison table).
@@ -337,7 +223,7 @@ COMPARISON_HEADER = ("arm", "held-out accuracy (final)", "SE (points)", "train r
 
 def comparison_results(arms: Sequence[Mapping[str, Any]]) -> tuple[list[tuple], list[str]]:
     """Rows of :data:`COMPARISON_HEADER` (one per arm summary of ``trl_ext.compare.run_comparison``) and
-    :func:`observe_training`'s observations of each arm's curves, prefixed with its name."""
+    ``observe_training``'s observations of each arm's curves, prefixed with its name."""
     rows = [
         (
             a["name"],
@@ -510,7 +396,7 @@ def finish(
         log_history: the training log for ``curves`` and for the record's observations.
         records: file stem -> rows, each written as JSON lines (``{"eval_after": [...]}`` -> ``eval_after.jsonl``).
         results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
-        observations: sentences for the record, before :func:`observe_training`'s.
+        observations: sentences for the record, before ``observe_training``'s.
         record: write ``experiment.md``.
         git: ``{"commit", "dirty"}`` taken when the run started (default: now).
         wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.

@@ -26,9 +26,10 @@ Used by ``recipes/compare_upstream.py`` (math), ``recipes/grpo_sort.py`` (the le
 
 from trl_ext.compare import ablations
 from trl_ext.compare.arms import ARM_PRESETS, TRAINERS, UPSTREAM_REQUIRED, Arm, arm_config, arm_key, parse_arms
-from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, metric_curve, release_memory, summarize_arm
+from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, release_memory, summarize_arm
 from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, setup_summary, write_comparison
 from trl_ext.compare.run import eval_steps, run_comparison
+from trl_ext.observations import metric_curve
 
 __all__ = [
     "ablations",

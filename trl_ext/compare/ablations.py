@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_ext.compare.monitoring import binomial_standard_error
+from trl_ext.observations import entropy_collapsed
 
 EXPERIMENTS = (  # the order of --experiment all: the reference arm first, reused by the next four experiments
     "baselines",
@@ -125,9 +126,7 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
 def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which arm ended best, and whether each gap to it exceeds the noise of the held-out estimate (2 standard
     errors of the difference of two binomial accuracies); per arm, entropy collapse
-    (``trl_ext.report.entropy_collapsed``), completions cut at the length limit, the largest importance ratio."""
-    from trl_ext.report import entropy_collapsed
-
+    (``trl_ext.observations.entropy_collapsed``), completions cut at the length limit, the largest importance ratio."""
     scored = [r for r in results if r.get("final_accuracy") is not None]
     if not scored:
         return []

@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext.compare.arms import Arm
+from trl_ext.observations import metric_curve
 
 
 def _rss_peak_resettable() -> bool:
@@ -184,15 +185,6 @@ def binomial_standard_error(accuracy: float | None, n: int | None) -> float | No
     if accuracy is None or not n:
         return None
     return math.sqrt(max(accuracy * (1.0 - accuracy), 0.0) / n)
-
-
-def metric_curve(log_history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
-    """``[(step, value), ...]`` of every ``log_history`` entry that has ``key`` with a finite number."""
-    return [
-        (int(e["step"]), float(e[key]))
-        for e in log_history
-        if isinstance(e.get(key), (int, float)) and math.isfinite(e[key]) and "step" in e
-    ]
 
 
 def summarize_arm(
