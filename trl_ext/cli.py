@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import inspect
 import os
 import sys
@@ -46,6 +45,7 @@ import yaml
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
+from trl_ext import machine
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import user_input as user_input
@@ -133,59 +133,31 @@ def raise_problems(problems: Sequence[str]) -> None:
         )
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _gpu_fix(flag: str, fix: str, what: str, package: str | None) -> str | None:
-    """The problem of a GPU-only option on this machine (``package`` missing or no CUDA GPU), or None."""
-    if package is not None and importlib.util.find_spec(package) is None:
-        return f"{flag}: {what} is not installed here; pass `{fix}`, or install the gpu extra on a CUDA machine"
-    if not _cuda():
-        return f"{flag}: {what} needs a CUDA GPU (torch.cuda.is_available() is False); pass `{fix}`"
-    return None
-
-
 def device_problems(values: Mapping[str, Any]) -> list[str]:
-    """What the options ask of this machine and it cannot do, each naming the flag that fixes it: vLLM (``use_vllm``,
-    eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``), 4/8-bit loading and
-    flash-attention without their packages or a CUDA GPU."""
+    """What the options ask of this machine and it cannot do (:func:`trl_ext.machine.problem`), each naming the flag
+    that fixes it: vLLM (``use_vllm``, eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless
+    ``use_cpu``), 4/8-bit loading and flash-attention without their packages or a CUDA GPU."""
     problems = []
-    if values.get("use_vllm"):
-        problems.append(_gpu_fix("--use_vllm true", "--use_vllm false", "vLLM", "vllm"))
-    if values.get("backend") == "vllm":
-        problems.append(_gpu_fix("--backend vllm", "--backend hf", "vLLM", "vllm"))
-    if values.get("use_liger_kernel"):
-        problems.append(_gpu_fix("--use_liger_kernel true", "--use_liger_kernel false", "liger-kernel", "liger_kernel"))
-    if (values.get("bf16") or values.get("bf16_full_eval")) and not values.get("use_cpu"):
-        from transformers.utils import is_torch_bf16_gpu_available
 
-        if not is_torch_bf16_gpu_available():
-            flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
-            why = "this GPU has no bf16 (Ampere or newer)" if _cuda() else "no CUDA GPU here"
-            problems.append(
-                f"{flag}: bf16 training needs a GPU that supports it ({why}); pass `--bf16 false` or `--use_cpu true`"
-            )
+    def need(name: str, option: str, off: str) -> None:
+        problems.append(machine.problem(name, option, f"pass {off}"))
+
+    if values.get("use_vllm"):
+        need("vllm", "--use_vllm true", "`--use_vllm false`")
+    if values.get("backend") == "vllm":
+        need("vllm", "--backend vllm", "`--backend hf`")
+    if values.get("use_liger_kernel"):
+        need("liger_kernel", "--use_liger_kernel true", "`--use_liger_kernel false`")
+    if (values.get("bf16") or values.get("bf16_full_eval")) and not values.get("use_cpu"):
+        flag = "--bf16 true" if values.get("bf16") else "--bf16_full_eval true"
+        need("bf16", flag, "`--bf16 false` or `--use_cpu true`")
     if values.get("load_in_4bit") and values.get("load_in_8bit"):
         problems.append("--load_in_4bit true and --load_in_8bit true: set at most one")
     for bits in ("4", "8"):
         if values.get(f"load_in_{bits}bit"):
-            problems.append(
-                _gpu_fix(
-                    f"--load_in_{bits}bit true",
-                    f"--load_in_{bits}bit false",
-                    f"{bits}-bit loading (bitsandbytes)",
-                    "bitsandbytes",
-                )
-            )
+            need(f"load_in_{bits}bit", f"--load_in_{bits}bit true", f"`--load_in_{bits}bit false`")
     if values.get("attn_implementation") == "flash_attention_2":
-        problems.append(
-            _gpu_fix(
-                "--attn_implementation flash_attention_2", "--attn_implementation sdpa", "flash-attention", "flash_attn"
-            )
-        )
+        need("flash_attention_2", "--attn_implementation flash_attention_2", "`--attn_implementation sdpa`")
     return [p for p in problems if p]
 
 
@@ -414,9 +386,7 @@ def parse(
             + "; see --help for the options of this recipe"
         )
     if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
-        import torch
-
-        if torch.cuda.is_available():
+        if machine.cuda_available():
             print(
                 f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
                 "set it, so this run stays on the CPU. Set use_cpu: false in your file to use the GPU.",
@@ -434,7 +404,7 @@ def parse(
     from trl_ext.run import is_main_process
 
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if fsdp and "use_cpu" in values and (values["use_cpu"] or not _cuda()) and is_main_process():
+    if fsdp and "use_cpu" in values and (values["use_cpu"] or not machine.cuda_available()) and is_main_process():
         print(
             "note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with "
             "plain "

@@ -16,7 +16,6 @@ The course supplement's parsers are here too: :func:`parse_gsm8k_response` and :
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from trl_ext import machine
 from trl_ext.data.prompts import prompt_token_ids
 from trl_ext.rewards.math_answers import extract_last_number
 from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
@@ -201,13 +201,9 @@ def generate_completions(
     return outputs
 
 
-def vllm_available() -> bool:
-    """True when the ``vllm`` package is installed and a CUDA GPU is visible."""
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
 def resolve_backend(backend: str = "auto") -> str:
-    """Map ``"auto"`` to ``"vllm"`` when :func:`vllm_available`, else ``"hf"``; check an explicit choice.
+    """Map ``"auto"`` to ``"vllm"`` when this machine can run vLLM (``trl_ext.machine.can_run``), else ``"hf"``;
+    check an explicit choice.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -217,12 +213,9 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "vllm" if vllm_available() else "hf"
+        return "vllm" if machine.can_run("vllm") else "hf"
     if backend == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ImportError("backend='vllm' needs the `vllm` package (install the GPU extra: `uv sync --extra gpu`)")
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend='vllm' needs a CUDA GPU (torch.cuda.is_available() is False); use backend='hf'")
+        machine.require("vllm", "backend='vllm'", "pass `backend='hf'`")
     return backend
 
 

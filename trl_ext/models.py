@@ -58,6 +58,8 @@ from transformers import (
 )
 from trl import get_peft_config, get_quantization_config
 
+from trl_ext import machine
+
 if TYPE_CHECKING:
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
@@ -101,7 +103,6 @@ CACHE_ENV_VAR = "TRL_EXT_CACHE"
 _CACHE_FORMAT = 1
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_GPU_EXTRA_HINT = "install the GPU extra with `uv sync --extra gpu`"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -409,18 +410,11 @@ def load_tokenizer(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _package_available(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def check_backend_available(
     *, load_in_4bit: bool = False, load_in_8bit: bool = False, attn_implementation: str | None = None
 ) -> None:
-    """Fail early, with a message that says what to install, when a requested GPU-only feature cannot run here.
+    """Fail early, with a message that says what to install, when a requested GPU-only feature cannot run here
+    (:func:`trl_ext.machine.require`, the decision and wording the recipes' flag checks share).
 
     - `load_in_4bit`/`load_in_8bit` (bitsandbytes QLoRA) need the `bitsandbytes` package and a CUDA GPU.
     - `attn_implementation="flash_attention_2"` needs the `flash_attn` package and a CUDA GPU.
@@ -429,28 +423,18 @@ def check_backend_available(
 
     Raises:
         ValueError: both `load_in_4bit` and `load_in_8bit` are set.
-        ImportError: a required package is missing (message names it and `uv sync --extra gpu`).
+        ImportError: a required package is missing (the message says how to install the gpu extra).
         RuntimeError: the packages are there but no CUDA GPU is visible.
     """
     if load_in_4bit and load_in_8bit:
-        raise ValueError("load_in_4bit and load_in_8bit are mutually exclusive; set at most one.")
-    requirements: list[tuple[str, str]] = []  # (feature, package)
-    if load_in_4bit or load_in_8bit:
-        requirements.append(("load_in_4bit=True" if load_in_4bit else "load_in_8bit=True", "bitsandbytes"))
+        raise ValueError("load_in_4bit=True and load_in_8bit=True: set at most one")
+    for bits, asked in (("4", load_in_4bit), ("8", load_in_8bit)):
+        if asked:
+            machine.require(f"load_in_{bits}bit", f"load_in_{bits}bit=True", f"pass `load_in_{bits}bit=False`")
     if attn_implementation == "flash_attention_2":
-        requirements.append(("attn_implementation='flash_attention_2'", "flash_attn"))
-    for feature, package in requirements:
-        missing_package = not _package_available(package)
-        missing_cuda = not _cuda_available()
-        if missing_package:
-            needs = f"the `{package}` package ({_GPU_EXTRA_HINT})"
-            if missing_cuda:
-                needs += " and a CUDA GPU (torch.cuda.is_available() is False here)"
-            raise ImportError(f"{feature} needs {needs}.")
-        if missing_cuda:
-            raise RuntimeError(
-                f"{feature} needs a CUDA GPU, but torch.cuda.is_available() is False; drop the option to run on CPU."
-            )
+        machine.require(
+            "flash_attention_2", "attn_implementation='flash_attention_2'", "pass `attn_implementation='sdpa'`"
+        )
 
 
 def load_model(

@@ -30,7 +30,6 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ import trl
 from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional
+from .. import functional, machine
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
@@ -421,10 +420,6 @@ class GRPOConfig(trl.GRPOConfig):
         return config_from_upstream(cls, args, generation_batch_size=None)
 
 
-def _missing_engine(flag: str, module: str) -> str:
-    return f"{flag}=True needs the '{module}' package: install the GPU extra with `uv sync --extra gpu`"
-
-
 class _Derived(str):
     """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
     course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
@@ -462,9 +457,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
 
     Raises:
         TypeError: ``args`` is not a ``TrainingArguments``. ValueError: see ``GRPOConfig.from_upstream``, and
-        whatever ``trl.GRPOTrainer`` raises (no reward source, ...). ImportError: ``use_vllm`` or
-        ``use_liger_kernel`` without the package (after upstream's own option checks). RuntimeError: the installed
-        TRL is untested or lacks a seam this trainer overrides (``trl_ext.trainers.upstream``).
+        whatever ``trl.GRPOTrainer`` raises (no reward source, ...). ImportError / RuntimeError: ``use_vllm`` or
+        ``use_liger_kernel`` without the package or a CUDA GPU (``trl_ext.machine``; after upstream's own option
+        checks). RuntimeError: the installed TRL is untested or lacks a seam this trainer overrides
+        (``trl_ext.trainers.upstream``).
     """
 
     has_rank_state = True
@@ -483,11 +479,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         try:
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         except ImportError as err:
-            if args.use_vllm and "vllm" in str(err).lower() and importlib.util.find_spec("vllm") is None:
-                raise ImportError(_missing_engine("use_vllm", "vllm")) from err
+            if args.use_vllm and "vllm" in str(err).lower():
+                machine.require("vllm", "use_vllm=True", "pass `use_vllm=False`")
             raise
-        if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:  # upstream: only at train()
-            raise ImportError(_missing_engine("use_liger_kernel", "liger_kernel"))
+        if args.use_liger_kernel:  # upstream: only at train()
+            machine.require("liger_kernel", "use_liger_kernel=True", "pass `use_liger_kernel=False`")
         if args.dynamic_sampling:
             self._check_dynamic_sampling()
         self._gathered_rewards: torch.Tensor | None = None
