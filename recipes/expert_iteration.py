@@ -201,7 +201,6 @@ def main(run, script_args, training_args, model_args, speed=None):
             f"--max_steps {training_args.max_steps}: the SFT length is set by --sft_epochs; leave max_steps unset"
         )
     training_args.num_train_epochs = script_args.sft_epochs
-    git = report.git_state()  # the code this run starts from
     with run.phase("load_data"):
         task = tasks.MathTask.from_args(script_args, max_new_tokens=script_args.max_completion_length)
     n_steps, questions, group = script_args.n_ei_steps, script_args.ei_batch_size, script_args.num_generations
@@ -297,7 +296,6 @@ def main(run, script_args, training_args, model_args, speed=None):
         trainer=trl_ext.SFTTrainer,
         model_card=(model_args.model_name_or_path, task.dataset),
         log_history=log_history,
-        git=git,
         wrote=["ei_curves.png"],
         **summary(before, steps, seconds, cpu_seconds),
     )

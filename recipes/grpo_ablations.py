@@ -138,7 +138,6 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     if training_args.max_steps <= 0:
         raise cli.RecipeError(f"--max_steps {training_args.max_steps}: the experiments need a fixed step budget (>= 1)")
     command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
-    git = report.git_state()  # the code this run starts from (commits made while it runs are not its code)
     budget = training_args.max_completion_length
     with run.phase("load_data"):
         task = tasks.MathTask.from_args(script_args, max_new_tokens=budget)
@@ -183,8 +182,8 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
                 {"experiment": name, "task": task.description + described, "held-out problems": len(task.test)},
             ),
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
-            "git commit": git["commit"],
-            "dirty": git["dirty"],
+            "git commit": run.git["commit"],  # the code this run started from
+            "dirty": run.git["dirty"],
         }
         report.finish_comparison(
             run,
@@ -196,7 +195,6 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
             command=command.replace(f"--experiment {script_args.experiment}", f"--experiment {name}"),
             record=(ablations.RECORD_HEADER, ablations.record_rows(results), ablations.observations(results)),
             hyperparameters={"arms": "; ".join(f"{a.name}: {a.settings}" for a in arms[name])},
-            git=git,
         )
         written.append((name, results))
         if script_args.experiment == "all":  # rewritten after every experiment, so a stopped run still has one

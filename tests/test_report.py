@@ -1,5 +1,5 @@
-"""trl_ext.report: git provenance, hyperparameters, experiment.md and the one closing call; the automatic
-observations it writes (trl_ext.observations)."""
+"""trl_ext.report: hyperparameters, experiment.md and the one closing call; what it records of git
+(trl_ext.run.git_state) and of the training log (trl_ext.observations)."""
 
 import dataclasses
 import subprocess
@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from trl_ext.observations import entropy_collapsed, observe_training
-from trl_ext.report import config_hyperparameters, git_state, write_experiment_record
+from trl_ext.report import config_hyperparameters, write_experiment_record
+from trl_ext.run import git_state
 
 
 def git(cwd, *args):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -64,23 +63,6 @@ IMPORTANT_FIELDS = (
 
 
 _NOISE_FIELDS = {"output_dir", "logging_dir", "run_name", "hub_token", "push_to_hub_token", "report_to"}
-
-
-def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the git repository holding ``path`` (default: this
-    package's source tree). ``dirty`` is True when tracked files differ from the commit or untracked files that git
-    does not ignore exist. None where git or the repository is unavailable (e.g. an installed wheel)."""
-    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": bool(status.strip())}
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -165,14 +147,18 @@ def write_experiment_record(
         max_completion_length: the generation budget, for the length-limit observation.
         command: the command line that reproduces the run (default: ``sys.argv``).
         extra_markdown: appended at the end (e.g. a comparison table).
-        git: ``{"commit", "dirty"}`` taken when the run started (default: :func:`git_state` now). Take it at the
-            start of long runs, so that commits made while the run goes on are not credited with its results.
+        git: ``{"commit", "dirty"}`` taken when the run started (``trl_ext.run.RecipeRun.git``; default:
+            ``trl_ext.run.git_state`` now), so that commits made while the run goes on are not credited with its
+            results.
 
     The record starts with the git commit and dirty flag of the project.
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    git = dict(git) if git is not None else git_state()
+    if git is None:
+        from trl_ext.run import git_state
+
+        git = git_state()
     params = config_hyperparameters(*configs)
     params.update(hyperparameters or {})
     command = command or " ".join([Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]])
@@ -398,7 +384,7 @@ def finish(
         results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
         observations: sentences for the record, before ``observe_training``'s.
         record: write ``experiment.md``.
-        git: ``{"commit", "dirty"}`` taken when the run started (default: now).
+        git: ``{"commit", "dirty"}`` of the code (default: ``run.git``, taken when the run started).
         wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.
         speed: what ``trl_ext.runtime.apply_speed_defaults`` chose (threads, precision); with a trainer, recorded
             as ``runtime`` with the number of processes and accelerate's distributed type (FSDP shows there, not
@@ -455,7 +441,7 @@ def finish(
             observations=observations,
             log_history=log_history,
             max_completion_length=budget,
-            git=git,
+            git=run.git if git is None else git,
         )
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
@@ -500,7 +486,7 @@ def finish_comparison(
         command: the command that reproduces it.
         record: ``(header, rows, observations)`` of ``experiment.md`` (default :func:`comparison_results`).
         hyperparameters: extra rows of the record's hyperparameter table.
-        git: ``{"commit", "dirty"}`` taken when the run started (default: now).
+        git: ``{"commit", "dirty"}`` of the code (default: ``run.git``, taken when the run started).
 
     Returns:
         ``{"json", "md", "png"}`` paths.
@@ -527,7 +513,7 @@ def finish_comparison(
         plots=["comparison.png"],
         observations=notes,
         command=command,
-        git=git,
+        git=run.git if git is None else git,
     )
     print(paths["md"].read_text(), flush=True)
     print(f"Wrote {', '.join(str(p) for p in paths.values())}", flush=True)

@@ -214,26 +214,36 @@ def _json_config(obj: Any) -> Any:
     return obj
 
 
-def library_versions() -> dict[str, str]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and the git commit of this checkout if any."""
+def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the git repository holding ``path`` (default: this
+    package's source tree): the one place trl_ext reads git. ``dirty`` is True when tracked files differ from the
+    commit or untracked files that git does not ignore exist. None where git or the repository is unavailable (e.g.
+    an installed wheel)."""
+    cwd = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit or None, "dirty": bool(status.strip())}
+
+
+def library_versions(git: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and ``git_commit``: the commit of ``git``
+    (default: :func:`git_state` now), if any."""
     versions = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:
         try:
             versions[name] = metadata.version(name.replace("_", "-"))
         except metadata.PackageNotFoundError:
             pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        if commit.returncode == 0:
-            versions["git_commit"] = commit.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
+    commit = (git_state() if git is None else git).get("commit")
+    if commit:
+        versions["git_commit"] = commit
     return versions
 
 
@@ -258,6 +268,8 @@ class RecipeRun:
         timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
         reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
+        git: :func:`git_state` when the run started: the code it runs (``metrics.json``'s ``versions``,
+            ``experiment.md``), whatever is committed while it goes on.
 
     Raises:
         RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
@@ -293,6 +305,7 @@ class RecipeRun:
         self.timer = PhaseTimer()
         self.reused: list[str] = []
         self.started = time.time()
+        self.git = git_state()
         self._saving = False
         self._exit_after_save: str | None = None
         if handle_signals:
@@ -364,7 +377,7 @@ class RecipeRun:
             "recipe": self.name,
             "command": shlex.join(sys.argv),
             "config": {k: _json_config(v) for k, v in self.configs.items()},
-            "versions": library_versions(),
+            "versions": library_versions(self.git),
             "phase_seconds": {**self.phase_seconds, "total": round(self.seconds, 3)},
             "resumed_from": self.resume_from_checkpoint,
             "resumed_from_step": self.resumed_step,
