@@ -18,9 +18,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from tiny import tiny_model_for_tests  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
 
-from trl_ext.models import ensure_embedded_model, load_tokenizer, tiny_model_for_tests  # noqa: E402
+from trl_ext.models import ensure_embedded_model, load_tokenizer  # noqa: E402
 from trl_ext.rewards import completion_text  # noqa: E402
 
 TOKENIZER_DIR_ENV = "TRL_EXT_TEST_TOKENIZER_DIR"

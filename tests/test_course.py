@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_model_for_tests
 
 from trl_ext import course as C
-from trl_ext.models import tiny_model_for_tests
 
 
 class TableLM(torch.nn.Module):

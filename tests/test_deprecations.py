@@ -76,8 +76,8 @@ def test_gpu_configs_that_ask_for_activation_checkpointing_get_it(hub_has_every_
 
 def test_an_upstream_config_with_a_deprecated_option_warns_once(tokenizer, tmp_path):
     from datasets import Dataset
+    from tiny import tiny_model_for_tests
 
-    from trl_ext.models import tiny_model_for_tests
     from trl_ext.trainers.dpo import DPOTrainer
 
     with pytest.warns(FutureWarning, match="`pad_token` is deprecated") as built:

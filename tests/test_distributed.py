@@ -135,10 +135,10 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from tiny import tiny_model_for_tests  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_ext.functional import compute_group_advantages  # noqa: E402
-from trl_ext.models import tiny_model_for_tests  # noqa: E402
 
 
 def hand_group_advantages(rewards: list[float], eps: float) -> list[float]:

@@ -78,8 +78,7 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------------------------------------------
 
 import pytest  # noqa: E402
-
-from trl_ext.models import tiny_model_for_tests  # noqa: E402
+from tiny import tiny_model_for_tests  # noqa: E402
 
 
 def instruction_rows(path: Path, unsafe: bool, count: int) -> list[dict]:

@@ -12,9 +12,9 @@ import torch
 import trl
 from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param_digest, tool_calling_tokenizer
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 
 from trl_ext import course as C
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 
 COMMON = dict(

@@ -29,10 +29,10 @@ import torch
 import trl
 from conftest import length_mod5_reward
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 from transformers import LlamaForSequenceClassification
 
 import trl_ext
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer

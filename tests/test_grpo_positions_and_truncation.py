@@ -9,10 +9,10 @@ import torch
 import trl
 from conftest import tiny_gpt2
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 
 import trl_ext
 from trl_ext import functional
-from trl_ext.models import tiny_model_for_tests
 
 
 def constant_reward(completions, **kwargs):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig
+from tiny import tiny_model_for_tests
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import ModelConfig
 
@@ -355,24 +356,24 @@ def test_tiny_model_seeded_without_touching_global_rng(tokenizer):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    a = models.tiny_model_for_tests(tokenizer, seed=7, num_layers=1)
+    a = tiny_model_for_tests(tokenizer, seed=7, num_layers=1)
     assert torch.equal(torch.rand(3), expected)
 
-    b = models.tiny_model_for_tests(tokenizer, seed=7, num_layers=1)
-    c = models.tiny_model_for_tests(tokenizer, seed=8, num_layers=1)
+    b = tiny_model_for_tests(tokenizer, seed=7, num_layers=1)
+    c = tiny_model_for_tests(tokenizer, seed=8, num_layers=1)
     wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
 
 
 def test_tiny_model_gqa_and_bad_sizes(tokenizer):
-    m = models.tiny_model_for_tests(tokenizer, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+    m = tiny_model_for_tests(tokenizer, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
     assert m.model.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 32)  # kv_heads * head_dim, hidden
     with pytest.raises(ValueError, match=r"hidden_size \(30\) must be divisible by num_heads \(4\)"):
-        models.tiny_model_for_tests(tokenizer, hidden_size=30)
+        tiny_model_for_tests(tokenizer, hidden_size=30)
     with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"):
-        models.tiny_model_for_tests(tokenizer, num_kv_heads=3)
+        tiny_model_for_tests(tokenizer, num_kv_heads=3)
     with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
-        models.tiny_model_for_tests(tokenizer, num_layers=0)
+        tiny_model_for_tests(tokenizer, num_layers=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import CPU_TEST_ARGS
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 
 import trl_ext
 from trl_ext.data import adds_bos_token, format_prompt, prompt_token_ids, render_chat_prompt, strip_leading_bos
 from trl_ext.eval import generate_completions
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
 

@@ -121,7 +121,7 @@ def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path
 
 def test_bf16_two_thread_runs_are_deterministic(tokenizer, tmp_path):
     """Same seed, same thread count, bf16 autocast: two runs end with bit-identical weights."""
-    from trl_ext.models import tiny_model_for_tests
+    from tiny import tiny_model_for_tests
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -19,10 +19,10 @@ import shutil
 import pytest
 from conftest import CPU_TEST_ARGS, length_mod5_reward
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 
 import trl_ext
 from trl_ext.cli import RecipeError
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.run import RecipeRun
 from trl_ext.trainers.upstream import ResumeMismatchError
 

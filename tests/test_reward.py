@@ -11,10 +11,10 @@ import torch
 import trl
 from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 from transformers import LlamaForSequenceClassification
 
 from trl_ext.data.preferences import load_preference_dataset, load_preference_rows
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
 
 COMMON = dict(

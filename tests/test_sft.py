@@ -11,6 +11,7 @@ import torch
 import trl
 from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, tool_calling_tokenizer
 from datasets import Dataset
+from tiny import tiny_model_for_tests
 
 from trl_ext.data.instructions import (
     format_instruction_prompt,
@@ -19,7 +20,6 @@ from trl_ext.data.instructions import (
     load_instruction_rows,
     pack_instruction_dataset,
 )
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.trainers.sft import SFTConfig, SFTTrainer
 
 COMMON = dict(

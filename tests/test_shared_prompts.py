@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 from conftest import tiny_gpt2
+from tiny import tiny_model_for_tests
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_ext import shared_prompts
-from trl_ext.models import tiny_model_for_tests
 from trl_ext.shared_prompts import (
     cache_argument,
     common_prefix_length,
