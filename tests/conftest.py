@@ -144,14 +144,15 @@ def llama_stand_in(tmp_path_factory, tokenizer) -> str:
 @pytest.fixture
 def hub_has_every_repo(monkeypatch):
     """Parse configs that name Hub models and datasets (the GPU configs) on this offline machine: the recipes' source
-    checks (trl_ext.models.model_source_problem / trl_ext.data.math_datasets.dataset_source_problem) are told the Hub
-    has every repository. Nothing is downloaded; loading such a model or dataset would still fail."""
-    from trl_ext import models
+    checks (trl_ext.models.model_source_problem / trl_ext.data.math_datasets.dataset_source_problem, both through
+    trl_ext.machine.hub_source_problem) are told the Hub has every repository. Nothing is downloaded; loading such a
+    model or dataset would still fail."""
+    from trl_ext import machine
 
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(name, "0")
-    monkeypatch.setattr(models, "hub_problem", lambda name, repo_type: None)
-    monkeypatch.setattr(models, "_SOURCE_CACHE", {})
+    monkeypatch.setattr(machine, "hub_problem", lambda name, repo_type: None)
+    monkeypatch.setattr(machine, "_SOURCE_CACHE", {})
 
 
 @pytest.fixture(scope="session")

@@ -655,7 +655,7 @@ def cpu_user(monkeypatch, tmp_path):
     import torch
     import transformers.utils
 
-    from trl_ext import models
+    from trl_ext import machine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -666,7 +666,7 @@ def cpu_user(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
-    monkeypatch.setattr(models, "_SOURCE_CACHE", {})
+    monkeypatch.setattr(machine, "_SOURCE_CACHE", {})
 
 
 def _offline_model(name):

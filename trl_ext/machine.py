@@ -1,4 +1,5 @@
-"""What this machine can run: the one check of each option that needs a package or a GPU (a leaf module).
+"""What this machine can run and reach: the one check of each option that needs a package or a GPU, and of each
+Hub repository an option names (a leaf module).
 
 Every option that only runs with the gpu extra or a CUDA GPU is an entry of :data:`NEEDS` -- vLLM, Liger kernels,
 4/8-bit loading (bitsandbytes), flash-attention -- or bf16, which needs a GPU that has it. :func:`problem` is the one
@@ -12,11 +13,17 @@ decision and the one wording; its callers differ only in how their user named th
         pass `load_in_4bit=False`
 
 A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU.
+
+:func:`hub_source_problem` says why a Hub model or dataset cannot be loaded here (not in the local cache and
+``HF_HUB_OFFLINE`` set, or one Hub request says it is missing or unreachable); ``trl_ext.models.model_source_problem``
+and ``trl_ext.data.math_datasets.dataset_source_problem`` word it for their flag.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GPU_EXTRA = "install the gpu extra on a CUDA machine"
@@ -118,3 +125,64 @@ def require(need: str, option: str, off: str) -> None:
     refusal = _refusal(need, option, off)
     if refusal is not None:
         raise refusal
+
+
+# ------------------------------------------------------------------------------------------------ reach
+_SOURCE_CACHE: dict[tuple, str | None] = {}  # (kind, name, offline) -> problem: one Hub query per name and process
+
+
+def offline(*names: str) -> bool:
+    """Whether any of the environment variables ``names`` (``HF_HUB_OFFLINE``...) is set to a true value."""
+    return any(os.environ.get(n, "0").lower() in ("1", "true", "yes", "on") for n in names)
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` can only be a path (``./x``, ``/x``, ``~/x``, ``a/b/c``), never a Hub id (``owner/name``)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def hub_problem(name: str, repo_type: str) -> str | None:
+    """None when the Hub has ``name``; else why not (``"not found"`` or ``"unreachable (ConnectError)"``). One
+    request with a 10 s timeout, no retries."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
+    except RepositoryNotFoundError:
+        return "not found"
+    except Exception as err:  # no network, proxy, DNS, gated repository...: say so instead of retrying later
+        return f"unreachable ({type(err).__name__})"
+    return None
+
+
+def hub_source_problem(
+    name: str,
+    repo_type: str,
+    local: str,
+    alternative: str,
+    cached: Callable[[], bool],
+    offline_vars: tuple[str, ...] = ("HF_HUB_OFFLINE",),
+) -> str | None:
+    """Why Hub repository ``name`` (``repo_type`` "model" or "dataset") cannot be loaded here, or None.
+
+    None when ``cached()`` (its files are in the local cache); else, when one of ``offline_vars`` is set, that it is
+    not in the cache; else one :func:`hub_problem` request. ``local`` starts the message (what the name is not
+    locally), ``alternative`` ends it (what to pass instead). Remembered per name for the process.
+    """
+    key = (repo_type, name, offline(*offline_vars))
+    if key not in _SOURCE_CACHE:
+        if cached():
+            _SOURCE_CACHE[key] = None
+        elif key[2]:
+            _SOURCE_CACHE[key] = (
+                f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
+            )
+        else:
+            hub = hub_problem(name, repo_type)
+            _SOURCE_CACHE[key] = hub and (
+                f"{local}, nor a {repo_type} on the Hugging Face Hub"
+                if hub == "not found"
+                else f"{local}, and the Hugging Face Hub is {hub}{alternative}"
+            )
+    return _SOURCE_CACHE[key]

@@ -527,66 +527,8 @@ def load_model_and_tokenizer(
 
 # --------------------------------------------------------------------------------------------------------------
 # What this machine can reach: the embedded model, local folders, the Hugging Face cache, one Hub request
+# (trl_ext.machine.hub_source_problem)
 # --------------------------------------------------------------------------------------------------------------
-
-_SOURCE_CACHE: dict[tuple, str | None] = {}  # (kind, name, offline) -> problem: one Hub query per name and process
-
-
-def offline(*names: str) -> bool:
-    """Whether any of the environment variables ``names`` (``HF_HUB_OFFLINE``...) is set to a true value."""
-    return any(os.environ.get(n, "0").lower() in ("1", "true", "yes", "on") for n in names)
-
-
-def looks_local(name: str) -> bool:
-    """Whether ``name`` can only be a path (``./x``, ``/x``, ``~/x``, ``a/b/c``), never a Hub id (``owner/name``)."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-
-
-def hub_problem(name: str, repo_type: str) -> str | None:
-    """None when the Hub has ``name``; else why not (``"not found"`` or ``"unreachable (ConnectError)"``). One
-    request with a 10 s timeout, no retries."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        HfApi().repo_info(name, repo_type=repo_type, timeout=10)
-    except RepositoryNotFoundError:
-        return "not found"
-    except Exception as err:  # no network, proxy, DNS, gated repository...: say so instead of retrying later
-        return f"unreachable ({type(err).__name__})"
-    return None
-
-
-def hub_source_problem(
-    name: str,
-    repo_type: str,
-    local: str,
-    alternative: str,
-    cached: Callable[[], bool],
-    offline_vars: tuple[str, ...] = ("HF_HUB_OFFLINE",),
-) -> str | None:
-    """Why Hub repository ``name`` (``repo_type`` "model" or "dataset") cannot be loaded here, or None.
-
-    None when ``cached()`` (its files are in the local cache); else, when one of ``offline_vars`` is set, that it is
-    not in the cache; else one :func:`hub_problem` request. ``local`` starts the message (what the name is not
-    locally), ``alternative`` ends it (what to pass instead). Remembered per name for the process.
-    """
-    key = (repo_type, name, offline(*offline_vars))
-    if key not in _SOURCE_CACHE:
-        if cached():
-            _SOURCE_CACHE[key] = None
-        elif key[2]:
-            _SOURCE_CACHE[key] = (
-                f"{local}, and not in the local Hugging Face cache (HF_HUB_OFFLINE is set){alternative}"
-            )
-        else:
-            hub = hub_problem(name, repo_type)
-            _SOURCE_CACHE[key] = hub and (
-                f"{local}, nor a {repo_type} on the Hugging Face Hub"
-                if hub == "not found"
-                else f"{local}, and the Hugging Face Hub is {hub}{alternative}"
-            )
-    return _SOURCE_CACHE[key]
 
 
 def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_path") -> str | None:
@@ -613,11 +555,11 @@ def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_
         return None
     name_or_path = str(name_or_path)
     local = f"{flag} {name_or_path}: no such local folder (if it is a recipe's output, run that recipe first)"
-    if looks_local(name_or_path):
+    if machine.looks_local(name_or_path):
         return local
     from huggingface_hub import try_to_load_from_cache
 
-    return hub_source_problem(
+    return machine.hub_source_problem(
         name_or_path,
         "model",
         local,

@@ -14,6 +14,7 @@ from typing import Any
 
 from datasets import Dataset, load_dataset
 
+from trl_ext import machine
 from trl_ext.data.prompts import format_prompt
 from trl_ext.rewards.math_answers import extract_boxed_parts, parse_gsm8k_ground_truth, to_decimal
 
@@ -306,14 +307,12 @@ def dataset_source_problem(name: str | None, flag: str = "--dataset_name") -> st
     or -- unless ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` is set -- answer one Hub request (10 s timeout, no
     retries: ``datasets`` itself would retry for most of a minute, then print a long traceback).
     """
-    from trl_ext.models import hub_source_problem, looks_local
-
     if name is None or Path(name).exists():
         return None  # unset (generated data), or an existing path: the loader reads it and names what is wrong
     name = str(name)
-    if name.lower().endswith(tuple(LOCAL_FORMATS)) or looks_local(name):
+    if name.lower().endswith(tuple(LOCAL_FORMATS)) or machine.looks_local(name):
         return f"{flag} {name}: no such file"
-    return hub_source_problem(
+    return machine.hub_source_problem(
         name,
         "dataset",
         f"{flag} {name}: not a local file",
