@@ -1,14 +1,19 @@
-"""The shape of the code a newcomer reads first (issue 20), measured: thin recipes that nothing imports, one report
-mechanism, one home for each rule that used to be copied.
+"""The shape of the code a newcomer reads first (issues 20 and 28), measured: thin recipes that nothing imports, one
+report mechanism, one home for each rule that used to be copied, and imports that point down.
 
 Each recipe in recipes/ is a script read top to bottom (config -> task/data -> model -> trainer -> evaluation ->
 report): ``main`` fits on a screen, it imports few trl_ext names, it writes its results through ``trl_ext.report``
 only, and it calls no private method of TRL. Tests load recipes to run them in-process; nothing else imports one.
+
+The library's modules form layers (:data:`LAYERS`): every ``import`` of a trl_ext module -- at the top of a file or
+inside a function, ``TYPE_CHECKING`` blocks aside -- goes to the same layer or one below, and the import graph has no
+cycle. A lazy import is there for speed (not loading TRL's trainers at ``import trl_ext``), never to hide a circle.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,28 @@ RECIPES = sorted((ROOT / "recipes").glob("*.py"))
 RECIPE_NAMES = {p.stem for p in RECIPES}
 MAIN_MAX_LINES = 70
 TRL_EXT_MAX_NAMES = 4
+LIBRARY = ROOT / "trl_ext"
+
+LAYERS = (  # bottom first; a module imports modules of its own layer or of a layer below, never above
+    # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
+    # (options), what this machine can run and reach (machine), what a training log says (observations), timers
+    # (profiling), threads and CPU precision (runtime)
+    ("functional", "errors", "options", "machine", "observations", "profiling", "runtime"),
+    ("course",),  # the course's helpers beyond what the trainers run
+    ("rewards",),
+    ("data", "models"),
+    ("shared_prompts", "grpo_speed"),  # the GRPO speed paths (evaluation shares the prompt-cache generation)
+    ("trainers",),
+    ("eval",),
+    ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API
+    ("compare",),
+    ("run",),  # a recipe's run: output folder, resume, signals, provenance
+    ("report",),  # the closing call
+    ("cli",),  # the command line
+    ("trl_ext",),  # the package itself: the public names, its trainers imported on first use
+)
+"""The layers of trl_ext, named by room: a top-level module (``cli``) or a subpackage (``compare`` for
+``trl_ext.compare.*``); ``trl_ext`` is the package's ``__init__``."""
 
 
 def _tree(path: Path) -> ast.Module:
@@ -134,3 +161,138 @@ def test_the_embedded_models_name_and_the_entropy_rule_live_once():
             assert '"embedded:SmolLM2-135M-Instruct"' not in text, path
         if path.name != "observations.py":
             assert "< 0.1 or" not in text and " / 5" not in text, path
+
+
+# ------------------------------------------------------------------------------------------- imports point down
+def _library_modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(LIBRARY.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _room(module: str) -> str:
+    """``trl_ext.compare.arms`` -> ``compare``; ``trl_ext.cli`` -> ``cli``; ``trl_ext`` -> ``trl_ext``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:`` (imports for annotations only, never executed)."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            inside |= {id(n) for statement in node.body for n in ast.walk(statement)}
+    return inside
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """``(imported trl_ext module, line)`` for every import statement of ``module``, top-level or inside a function
+    (``TYPE_CHECKING`` blocks aside); ``from X import name`` counts as an import of ``X.name`` when that is a module,
+    else of ``X``; relative imports are resolved against ``module``'s package."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _type_checking_nodes(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] == "trl_ext" and (found := resolve(target)) and found != module:
+                yield found, node.lineno
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    """``{module: {imported module: first line}}`` over every module of trl_ext."""
+    modules = _library_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in modules.items():
+        edges = graph.setdefault(module, {})
+        for target, line in _imports(module, path, modules):
+            edges.setdefault(target, line)
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module], path[len(path) :] = "open", [module]
+        for target in sorted(graph.get(module, {})):
+            if state.get(target) == "open":
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def _layer_problems(graph: dict[str, dict[str, int]], layers=LAYERS) -> list[str]:
+    """Every module whose room has no layer, and every import that points up, as ``file:line: a imports b``."""
+    rank = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    modules = _library_modules()
+    problems = sorted(
+        {f"{_room(m)} ({modules[m].relative_to(ROOT)}) is in no layer of LAYERS" for m in graph if _room(m) not in rank}
+    )
+    for module, edges in sorted(graph.items()):
+        for target, line in sorted(edges.items()):
+            low, high = rank.get(_room(module)), rank.get(_room(target))
+            if low is not None and high is not None and high > low:
+                problems.append(
+                    f"{modules[module].relative_to(ROOT)}:{line}: {module} (layer {low}: {_room(module)}) imports "
+                    f"{target} (layer {high}: {_room(target)}), above it"
+                )
+    return problems
+
+
+def test_the_library_has_no_import_cycle():
+    graph = _import_graph()
+    assert len(graph) >= 40 and graph["trl_ext.cli"], "the graph must cover the library"
+    cycle = _cycle(graph)
+    modules = _library_modules()
+    assert cycle is None, f"import cycle {' -> '.join(cycle)}: " + "; ".join(
+        f"{modules[a].relative_to(ROOT)}:{graph[a][b]} imports {b}" for a, b in zip(cycle, cycle[1:])
+    )
+
+
+def test_the_library_imports_point_down():
+    problems = _layer_problems(_import_graph())
+    assert not problems, "imports that point up (or modules in no layer):\n" + "\n".join(problems)
+
+
+def test_the_import_check_finds_what_it_must():
+    """The check itself, on made-up graphs: an upward arrow (named with its file and line), a cycle, a lazy import."""
+    graph = _import_graph()
+    bad = {**graph, "trl_ext.errors": {**graph["trl_ext.errors"], "trl_ext.cli": 7}}
+    assert _layer_problems(bad) == [
+        "trl_ext/errors.py:7: trl_ext.errors (layer 0: errors) imports trl_ext.cli (layer 11: cli), above it"
+    ]
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
+    # lazy imports count, TYPE_CHECKING ones do not
+    assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.upstream" in graph["trl_ext.run"]
+    assert "trl_ext.tasks" not in graph["trl_ext.compare.run"]

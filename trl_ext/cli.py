@@ -45,13 +45,14 @@ import yaml
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import machine
+from trl_ext import machine, runtime
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import user_input as user_input
-from trl_ext.models import EMBEDDED_ALIAS, model_source_problem
+from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
+from trl_ext.run import RecipeRun, install_interrupt_handler, is_main_process, refuse_resume
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -99,7 +100,8 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
     if problems:  # the grouping rule below divides by values this list already refused
         return problems
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
-        from trl_ext.trainers.grpo import generation_grouping_problem  # the rule lives beside the seam check
+        # the rule lives beside the seam check; imported here because trl_ext.trainers loads TRL's trainers (~13 s)
+        from trl_ext.trainers.grpo import generation_grouping_problem
 
         problems += [p for p in [generation_grouping_problem(values, int(os.environ.get("WORLD_SIZE", "1")))] if p]
         if values.get("dynamic_sampling") and not problems:
@@ -188,8 +190,6 @@ def check_model_options(model_args: Any) -> None:
     Raises:
         RecipeError: with the message of ``trl_ext.models.check_backend_available`` or :func:`check_model_source`.
     """
-    from trl_ext.models import check_backend_available
-
     try:
         check_backend_available(
             load_in_4bit=model_args.load_in_4bit,
@@ -401,8 +401,6 @@ def parse(
         parser.error(f"unrecognized arguments: {' '.join(remaining)}")
     values = vars(namespace)
     values.pop("config", None)
-    from trl_ext.run import is_main_process
-
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp and "use_cpu" in values and (values["use_cpu"] or not machine.cuda_available()) and is_main_process():
         print(
@@ -477,8 +475,6 @@ def recipe(
 
         @functools.wraps(fn)
         def opened(*configs: Any, handle_signals: bool = False, **kwargs: Any) -> Any:
-            from trl_ext.run import RecipeRun, refuse_resume
-
             output_dir = next(c.output_dir for c in configs if hasattr(c, "output_dir"))
             overwrite = any(c.overwrite_output_dir for c in configs if isinstance(c, RecipeArguments))
             resume = next((c.resume_from_checkpoint for c in configs if hasattr(c, "resume_from_checkpoint")), None)
@@ -516,16 +512,12 @@ def main(
     trainer config is derived from them -- and ``main`` gets what it chose as ``speed=``. A ``main`` decorated with
     :func:`recipe` gets ``handle_signals=True``: its run handles Ctrl-C from then on.
     """
-    from trl_ext.run import install_interrupt_handler
-
     install_interrupt_handler()
     try:
         args = parse()
         if speed_defaults is not None:
-            from trl_ext.runtime import apply_speed_defaults
-
             dtype = getattr(args[2], "dtype", "float32") if len(args) > 2 else "float32"  # the ModelConfig's
-            main_kwargs["speed"] = apply_speed_defaults(args[1], default_config=speed_defaults, dtype=dtype)
+            main_kwargs["speed"] = runtime.apply_speed_defaults(args[1], default_config=speed_defaults, dtype=dtype)
         if hasattr(main, "recipe_name"):
             main_kwargs["handle_signals"] = True
         return main(*args, **main_kwargs)

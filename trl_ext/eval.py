@@ -232,12 +232,8 @@ def load_eval_model(
     Raises:
         see :func:`resolve_backend`.
     """
-    from trl_ext.models import (
-        is_embedded,
-        load_model_and_tokenizer,
-        load_tokenizer,
-        resolve_model_name_or_path,
-    )
+    # here, not at the top: trl_ext.eval (and trl_ext.cs336) load without TRL, which trl_ext.models imports
+    from trl_ext.models import is_embedded, load_model_and_tokenizer, load_tokenizer, resolve_model_name_or_path
 
     backend = resolve_backend(backend)
     if backend == "vllm":

@@ -34,8 +34,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id
 from trl_ext.observations import observe_training
 from trl_ext.profiling import format_breakdown
+from trl_ext.run import git_state, is_main_process
 
 IMPORTANT_FIELDS = (
     "model_name_or_path",
@@ -156,8 +158,6 @@ def write_experiment_record(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if git is None:
-        from trl_ext.run import git_state
-
         git = git_state()
     params = config_hyperparameters(*configs)
     params.update(hyperparameters or {})
@@ -310,8 +310,6 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
     runs)."""
     from trl.trainer.utils import generate_model_card
 
-    from trl_ext.models import EMBEDDED_BASE_MODEL, base_model_id
-
     base = base_model_id(base_model)
     embedded = base == EMBEDDED_BASE_MODEL and str(base_model) != EMBEDDED_BASE_MODEL  # our dequantized copy of it
     card = generate_model_card(
@@ -393,8 +391,6 @@ def finish(
     Returns:
         The console (for a recipe's own closing lines), or None on other processes.
     """
-    from trl_ext.run import is_main_process
-
     if not is_main_process():
         return None
     out = Path(run.output_dir)
@@ -491,7 +487,7 @@ def finish_comparison(
     Returns:
         ``{"json", "md", "png"}`` paths.
     """
-    from trl_ext.compare import DEFAULT_PANELS, write_comparison
+    from trl_ext.compare import DEFAULT_PANELS, write_comparison  # comparisons only: compare loads TRL's trainers
 
     out = Path(output_dir if output_dir is not None else run.output_dir)
     paths = write_comparison(
@@ -555,8 +551,6 @@ def before_after_metrics(
     Raises:
         KeyError: the run has no ``train`` phase yet.
     """
-    from trl_ext.models import DEFAULT_MODEL
-
     return {
         "recipe": run.name,
         "model": model or DEFAULT_MODEL,

@@ -162,7 +162,10 @@ def check_resume(checkpoint: str | Path, training_args: Any) -> None:
     Raises:
         RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
     """
-    from trl_ext.trainers.upstream import ResumeMismatchError, check_resume_options
+    from trl_ext.trainers.upstream import (
+        ResumeMismatchError,
+        check_resume_options,
+    )  # only on resume: loads TRL's trainers
 
     try:
         check_resume_options(checkpoint, training_args, RECIPE_START_OVER)

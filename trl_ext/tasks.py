@@ -35,6 +35,7 @@ from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, user_input
+from trl_ext.eval import evaluate_math
 from trl_ext.options import RecipeArguments, check_fills_one_step
 
 
@@ -112,8 +113,6 @@ class Task:
     ) -> dict[str, Any]:
         """Greedy accuracy of ``model`` on :attr:`test` (:func:`trl_ext.eval.evaluate_math`: ``accuracy``,
         ``format_rate``, ``records``, ``examples``, ...)."""
-        from trl_ext.eval import evaluate_math
-
         return evaluate_math(
             model,
             tokenizer,

@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trl_ext.models import DEFAULT_MODEL
+
 
 def _fmt_pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
@@ -237,8 +239,6 @@ def setup_summary(
     device x accumulation x processes), group size, completion budget, learning rate, temperature, seed, device and
     -- set once for every arm by ``trl_ext.runtime`` -- threads and precision."""
     from accelerate import PartialState
-
-    from trl_ext.models import DEFAULT_MODEL
 
     state, first = PartialState(), dict(first or {})
     return {

@@ -29,6 +29,8 @@ import trl
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..models import base_model_id, name_base_model
+
 logger = logging.getLogger(__name__)
 
 TESTED_TRL_VERSIONS = ("1.16.0",)
@@ -330,8 +332,6 @@ class TrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         # checkpoints come here too (transformers' _save_checkpoint calls save_model)
-        from trl_ext.models import name_base_model
-
         result = super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             name_base_model(output_dir if output_dir is not None else self.args.output_dir)
@@ -340,8 +340,6 @@ class TrainerMixin:
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         # TRL 1.16 BaseTrainer.create_model_card names config._name_or_path as the base model, or none for a local
         # folder (the embedded model's cache); name the model base_model_id gives instead, for the card alone
-        from trl_ext.models import base_model_id
-
         config = self.model.config
         loaded_from = config._name_or_path
         config._name_or_path = base_model_id(loaded_from) if loaded_from else loaded_from
