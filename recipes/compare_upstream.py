@@ -18,8 +18,6 @@ from scratch): --resume_from_checkpoint is refused. comparison.json also records
 library versions and phase times.
 """
 
-import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,22 +43,9 @@ class CompareArguments(tasks.MathTaskArguments):
     )
 
 
-def parse_args(argv=None):
-    return cli.parse(
-        (CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
-    )
-
-
-@cli.recipe(
-    "compare_upstream",
-    result_file="comparison.json",
-    not_resumable=("a comparison trains every arm from scratch", "comparison"),
-)
+@cli.recipe("compare_upstream", (CompareArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, comparison=True)
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     compare, models = trl_ext.compare, trl_ext.models
-    cli.check_model_options(model_args)
-    if training_args.max_steps <= 0:
-        raise cli.RecipeError(f"--max_steps {training_args.max_steps}: a comparison needs a fixed step budget (>= 1)")
     with cli.user_input("--arms: "):
         arms = compare.parse_arms(script_args.arms)
     with run.phase("load_data"):
@@ -90,6 +75,5 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
 
 
 if __name__ == "__main__":
-    command = ("uv run accelerate launch recipes/compare_upstream.py " + shlex.join(sys.argv[1:])).strip()
-    # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same ones
-    cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG, command=command)
+    # threads and precision are set once (speed=), before the arms' configs are derived: every arm runs on them
+    cli.main(main)

@@ -56,14 +56,9 @@ def evaluate(trainer) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None):
-    return cli.parse((ScriptArguments, trl_ext.DPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
-
-
-@cli.recipe("dpo")
+@cli.recipe("dpo", (ScriptArguments, trl_ext.DPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args: ScriptArguments, training_args, model_args: trl.ModelConfig) -> dict:
-    # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
-    cli.check_model_options(model_args)
+    # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):  # DPO has no margin: a margin column is dropped
         pairs = {
             "conversational": script_args.conversational,
@@ -129,4 +124,4 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
 
 
 if __name__ == "__main__":
-    cli.main(main, parse_args)
+    cli.main(main)

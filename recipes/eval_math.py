@@ -59,16 +59,11 @@ class EvalArguments(cli.RecipeArguments):
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
 
 
-def parse_args(argv=None):
-    return cli.parse((EvalArguments, trl.ModelConfig), None, argv, __doc__)
-
-
-@cli.recipe("eval_math")
+@cli.recipe("eval_math", (EvalArguments, trl.ModelConfig))
 def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     args = eval_args  # the decorator records it under this parameter's name
     if args.backend not in trl_ext.eval.BACKENDS:
         raise cli.RecipeError(f"--backend {args.backend!r}: expected one of {trl_ext.eval.BACKENDS}")
-    cli.check_model_options(model_args)
     with run.phase("load_data"):
         task = tasks.MathTask.held_out(
             args.dataset_name,
@@ -126,4 +121,4 @@ def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
 
 
 if __name__ == "__main__":
-    cli.main(main, parse_args)
+    cli.main(main)

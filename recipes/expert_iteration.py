@@ -93,10 +93,6 @@ class EIArguments(tasks.MathTaskArguments):
             raise ValueError(f"--temperature={self.temperature}; expected > 0 (expert iteration samples)")
 
 
-def parse_args(argv=None):
-    return cli.parse((EIArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, HELP)
-
-
 def make_sampler(model, tokenizer, task, script_args, training_args):
     """A trl_ext.GRPOTrainer used only for ``sample``, so rollouts take GRPO's generation path (train mode: groups of
     num_generations)."""
@@ -182,10 +178,15 @@ def summary(before, steps, seconds, cpu_seconds):
     return {"results": (("", "first / before", "last / after"), rows), "observations": observations, "lines": [line]}
 
 
-@cli.recipe("expert_iteration", not_resumable=NOT_RESUMABLE)
+@cli.recipe(
+    "expert_iteration",
+    (EIArguments, trl_ext.SFTConfig, trl.ModelConfig),
+    DEFAULT_CONFIG,
+    help_overrides=HELP,
+    not_resumable=NOT_RESUMABLE,
+)
 def main(run, script_args, training_args, model_args, speed=None):
-    # the decorator refused a resume and checked the folder; then options and data, all before the model loads
-    cli.check_model_options(model_args)
+    # the decorator refused a resume, checked the folder and the model's options; then the data, before the model loads
     state = PartialState()
     if state.num_processes > 1:
         raise cli.RecipeError(
@@ -302,5 +303,5 @@ def main(run, script_args, training_args, model_args, speed=None):
 
 
 if __name__ == "__main__":
-    # threads and CPU precision are chosen before main, so before the sampler's GRPOConfig copies bf16 from them
-    cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG)
+    # threads and CPU precision are chosen before main (speed=), so before the sampler's GRPOConfig copies bf16
+    cli.main(main)

@@ -36,8 +36,6 @@ from scratch): --resume_from_checkpoint is refused.
 from __future__ import annotations
 
 import copy
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,16 +115,12 @@ def first_finished(script_args, training_args, model_args) -> str:
     return next((m for m in markers if (Path(training_args.output_dir) / m).is_file()), markers[0])
 
 
-def parse_args(argv=None):
-    return cli.parse(
-        (AblationArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
-    )
-
-
 @cli.recipe(
     "grpo_ablations",
+    (AblationArguments, trl.GRPOConfig, trl.ModelConfig),
+    DEFAULT_CONFIG,
     result_file=first_finished,
-    not_resumable=("a comparison trains every arm from scratch", "comparison"),
+    comparison=True,
 )
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     ablations, compare, models = trl_ext.compare.ablations, trl_ext.compare, trl_ext.models
@@ -134,9 +128,6 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     if script_args.overwrite_output_dir and state.is_main_process:
         for name in names:  # the other experiments this run redoes: no stale result survives a stopped run
             (run.output_dir / name / "comparison.json").unlink(missing_ok=True)
-    cli.check_model_options(model_args)
-    if training_args.max_steps <= 0:
-        raise cli.RecipeError(f"--max_steps {training_args.max_steps}: the experiments need a fixed step budget (>= 1)")
     command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
     budget = training_args.max_completion_length
     with run.phase("load_data"):
@@ -202,6 +193,5 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
 
 
 if __name__ == "__main__":
-    command = ("uv run accelerate launch recipes/grpo_ablations.py " + shlex.join(sys.argv[1:])).strip()
-    # threads and precision are set once, before the arms' configs are derived, so every arm runs on the same ones
-    cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG, command=command)
+    # threads and precision are set once (speed=), before the arms' configs are derived: every arm runs on them
+    cli.main(main)

@@ -33,14 +33,9 @@ PANELS = (
 )
 
 
-def parse_args(argv=None):
-    return cli.parse((tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
-
-
-@cli.recipe("grpo_math")
+@cli.recipe("grpo_math", (tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args, training_args, model_args, speed=None):
-    # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
-    cli.check_model_options(model_args)
+    # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):
         task = tasks.MathTask.from_args(script_args, max_new_tokens=training_args.max_completion_length)
     task.check_fills_one_step(training_args)
@@ -111,4 +106,4 @@ def main(run, script_args, training_args, model_args, speed=None):
 
 
 if __name__ == "__main__":
-    cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG)
+    cli.main(main)

@@ -23,8 +23,6 @@ from scratch): --resume_from_checkpoint is refused. comparison.json also records
 library versions and phase times.
 """
 
-import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,22 +76,9 @@ class SortArguments(tasks.SortingTaskArguments):
     eval_every: int = field(default=10, metadata={"help": "Held-out evaluation every this many steps (+0, +last)."})
 
 
-def parse_args(argv=None):
-    return cli.parse(
-        (SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__, cli.COMPARISON_HELP
-    )
-
-
-@cli.recipe(
-    "grpo_sort",
-    result_file="comparison.json",
-    not_resumable=("a comparison trains every arm from scratch", "comparison"),
-)
+@cli.recipe("grpo_sort", (SortArguments, trl.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, comparison=True)
 def main(run, script_args, training_args, model_args, command=None):
     compare, models = trl_ext.compare, trl_ext.models
-    cli.check_model_options(model_args)
-    if training_args.max_steps <= 0:
-        raise cli.RecipeError(f"--max_steps {training_args.max_steps}: a comparison needs a fixed step budget (>= 1)")
     with cli.user_input("--arms: "):
         arms = compare.parse_arms(script_args.arms, presets=SORT_ARMS)
     task = tasks.SortingTask.from_args(script_args, max_new_tokens=training_args.max_completion_length)
@@ -135,5 +120,4 @@ def main(run, script_args, training_args, model_args, command=None):
 
 
 if __name__ == "__main__":
-    command = ("uv run accelerate launch recipes/grpo_sort.py " + shlex.join(sys.argv[1:])).strip()
-    cli.main(main, parse_args, command=command)
+    cli.main(main)

@@ -123,14 +123,9 @@ def score(trainer, tokenizer, reward_model, rm_tokenizer, prompts: list[str], de
     return sum(reward_scores(reward_model, rm_tokenizer, prompts, completions)) / len(prompts), completions
 
 
-def parse_args(argv=None):
-    return cli.parse((RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
-
-
-@cli.recipe("rlhf")
+@cli.recipe("rlhf", (RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelConfig) -> None:
-    # the decorator checked the folder and the checkpoint; then options and prompts, all before any model loads
-    cli.check_model_options(model_args)
+    # the decorator checked the folder, the checkpoint and the model's options; then the prompts, before any model
     if script_args.reward_model_path is not None and not Path(script_args.reward_model_path).is_dir():
         raise cli.RecipeError(f"--reward_model_path {script_args.reward_model_path}: no such folder")
     with run.phase("load_data"):
@@ -211,4 +206,4 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
 
 
 if __name__ == "__main__":
-    cli.main(main, parse_args)
+    cli.main(main)

@@ -76,14 +76,9 @@ def evaluate(trainer, tokenizer, test_rows, script_args) -> dict:
     return result
 
 
-def parse_args(argv: list[str] | None = None):
-    return cli.parse((ScriptArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
-
-
-@cli.recipe("sft_instruct")
+@cli.recipe("sft_instruct", (ScriptArguments, trl_ext.SFTConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args: ScriptArguments, training_args, model_args: trl.ModelConfig) -> dict:
-    # the decorator checked the folder and the checkpoint; then options and data, all before the model loads
-    cli.check_model_options(model_args)
+    # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):
         with cli.user_input("--train_file: "):
             train = instructions.load_instruction_dataset(
@@ -152,4 +147,4 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
 
 
 if __name__ == "__main__":
-    cli.main(main, parse_args)
+    cli.main(main)

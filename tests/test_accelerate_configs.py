@@ -186,12 +186,12 @@ def test_an_fsdp_launch_on_the_cpu_is_said_to_run_plain_data_parallel(capsys):
     _, env = launch_env(CONFIG_DIR / "multi_gpu_fsdp2.yaml")
     grpo_math = load_recipe("grpo_math")
     with patch_environment(**env):
-        grpo_math.parse_args(["--max_steps", "1"])  # the CPU defaults: use_cpu true
+        grpo_math.main.parse_args(["--max_steps", "1"])  # the CPU defaults: use_cpu true
     assert capsys.readouterr().err == (
         "note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with plain "
         "data parallelism, every process holding the whole model\n"
     )
-    grpo_math.parse_args(["--max_steps", "1"])  # no FSDP launch: no note
+    grpo_math.main.parse_args(["--max_steps", "1"])  # no FSDP launch: no note
     assert capsys.readouterr().err == ""
 
 

@@ -46,7 +46,7 @@ def test_every_bundled_config_parses_without_a_deprecation_warning(config, hub_h
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
-        module.parse_args(argv)
+        module.main.parse_args(argv)
 
 
 def _cpu_flags(module) -> list[str]:
@@ -56,7 +56,7 @@ def _cpu_flags(module) -> list[str]:
 
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        module.main.parse_args(["--help"])
     return [part for flag, value in CPU_FLAGS.items() if f"{flag} " in shown.getvalue() for part in (flag, value)]
 
 
@@ -70,7 +70,7 @@ def test_gpu_configs_that_ask_for_activation_checkpointing_get_it(hub_has_every_
         ("grpo_math", "grpo_math_math.yaml"),
     ):
         module = load_recipe(recipe)
-        args = module.parse_args(["--config", str(ROOT / "recipes" / "configs" / config), *_cpu_flags(module)])
+        args = module.main.parse_args(["--config", str(ROOT / "recipes" / "configs" / config), *_cpu_flags(module)])
         assert args[1].activation_checkpointing is True, config
 
 

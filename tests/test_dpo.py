@@ -276,7 +276,7 @@ def test_identical_chosen_and_rejected_raise_naming_the_row(tokenizer, tmp_path)
 
 def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tmp_path):
     recipe = load_recipe("dpo")
-    defaults_script, defaults, model_defaults = recipe.parse_args([])
+    defaults_script, defaults, model_defaults = recipe.main.parse_args([])
     assert model_defaults.model_name_or_path is None and isinstance(defaults, DPOConfig)
     assert defaults.precompute_ref_log_probs and defaults.loss_type == ["sigmoid"]
     tiny_model_for_tests(tokenizer).save_pretrained(tmp_path / "tiny")
@@ -287,7 +287,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tmp_path):
         files[split] = tmp_path / f"{split}.jsonl"
         files[split].write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    args = recipe.parse_args(
+    args = recipe.main.parse_args(
         [
             "--model_name_or_path",
             str(tmp_path / "tiny"),

@@ -79,7 +79,7 @@ def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recip
     monkeypatch.setattr(tasks, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
     argv = ["--model_name_or_path", "", "--output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_:
-        recipe_main(grpo_math.main, lambda: grpo_math.parse_args(argv))
+        recipe_main(grpo_math.main, argv)
     assert exit_.value.code == 2 and capsys.readouterr().err == f"error: {EMPTY_NAME}\n"
 
 
@@ -88,7 +88,7 @@ def test_embedded_selects_the_embedded_model_over_a_config_that_names_another(mo
     config = ROOT / "recipes" / "configs" / "grpo_math_gsm8k.yaml"
     data = tmp_path / "gsm8k.jsonl"  # the config's Hub dataset is not reachable offline (the recipe checks it too)
     data.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
-    _, _, model_args = grpo_math.parse_args(
+    _, _, model_args = grpo_math.main.parse_args(
         [
             "--config",
             str(config),
@@ -113,7 +113,7 @@ def test_every_recipes_help_documents_the_embedded_switch(recipe):
     module = load_recipe(recipe)
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        module.main.parse_args(["--help"])
     text = " ".join(shown.getvalue().split())
     assert "--model_name_or_path MODEL_NAME_OR_PATH" in text and " ".join(MODEL_NAME_HELP.split()) in text
     assert MODEL_NAME_HELP.startswith("A Hub id or a local folder. `embedded` (also `embedded:SmolLM2-135M-Instruct`")
@@ -369,7 +369,7 @@ def test_every_recipe_that_saves_names_the_hub_model(recipe, tiny_model, tokeniz
             "4",
         ]
     elif recipe in ("sft_instruct", "dpo", "reward_model"):
-        defaults = module.parse_args([])[0]
+        defaults = module.main.parse_args([])[0]
         flags += [
             *lora,
             *checkpoints,
@@ -417,7 +417,7 @@ def test_every_recipe_that_saves_names_the_hub_model(recipe, tiny_model, tokeniz
             "2",
         ]
         adapters = False
-    module.main(*module.parse_args(flags))
+    module.main(*module.main.parse_args(flags))
     assert_names_the_hub_model(out, folder, adapters=adapters)
     if recipe in ("grpo_math", "sft_instruct", "dpo", "reward_model"):
         assert list(out.glob("checkpoint-*/adapter_config.json"))

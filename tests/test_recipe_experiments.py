@@ -36,7 +36,7 @@ def parse_ablations(*argv, config=None):
             "false",
         ]
     )
-    return grpo_ablations.parse_args([*gpu, *argv])
+    return grpo_ablations.main.parse_args([*gpu, *argv])
 
 
 def arms_of(name, script_args, training_args):
@@ -123,26 +123,26 @@ def test_gpu_configs_hold_the_handout_hyperparameters(config, hub_has_every_repo
 
 
 def test_expert_iteration_configs_parse(hub_has_every_repo):
-    script_args, training_args, model_args = expert_iteration.parse_args([])
+    script_args, training_args, model_args = expert_iteration.main.parse_args([])
     assert model_args.model_name_or_path is None and script_args.num_eval == 200  # the main job's held-out set
     assert training_args.completion_only_loss and training_args.max_grad_norm == 1.0
     assert script_args.overwrite_output_dir is False  # RecipeArguments: the flag exists
     path = expert_iteration.DEFAULT_CONFIG.parent / "expert_iteration_math.yaml"
-    script_args, training_args, model_args = expert_iteration.parse_args(
+    script_args, training_args, model_args = expert_iteration.main.parse_args(
         ["--config", str(path), "--bf16", "false", "--use_vllm", "false"]  # bf16 needs a GPU here
     )
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-Math-1.5B" and script_args.template == "r1_zero"
     # layered over the CPU defaults, the GPU file must switch the CPU off itself
     assert training_args.use_cpu is False and script_args.ei_batch_size == 1024 and script_args.num_eval == 1024
     with pytest.raises(RecipeError, match="--num_generations 0: expected >= 2"):
-        expert_iteration.parse_args(["--num_generations", "0"])
+        expert_iteration.main.parse_args(["--num_generations", "0"])
     with pytest.raises(RecipeError, match="--n_ei_steps=0; expected an integer >= 1"):
-        expert_iteration.parse_args(["--n_ei_steps", "0"])
+        expert_iteration.main.parse_args(["--n_ei_steps", "0"])
 
 
 @pytest.mark.parametrize("config", ["grpo_ablations_math.yaml", "grpo_ablations_gsm8k.yaml"])
 def test_gpu_ablation_configs_switch_the_cpu_off(config, hub_has_every_repo):
-    _, training_args, _ = grpo_ablations.parse_args(
+    _, training_args, _ = grpo_ablations.main.parse_args(
         ["--config", str(grpo_ablations.DEFAULT_CONFIG.parent / config), "--bf16", "false", "--use_vllm", "false"]
     )
     assert training_args.use_cpu is False  # the CPU defaults underneath say use_cpu: true
@@ -155,21 +155,23 @@ def test_expert_iteration_refuses_bad_options_and_resume_before_the_model(tmp_pa
     monkeypatch.setattr(trl_ext.models, "load_model_and_tokenizer", explode)  # the loader the recipe calls
     out = str(tmp_path / "out")
     with pytest.raises(RecipeError, match="expert iteration keeps no checkpoints.*cannot be resumed"):
-        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--resume_from_checkpoint", "true"]))
+        expert_iteration.main(
+            *expert_iteration.main.parse_args(["--output_dir", out, "--resume_from_checkpoint", "true"])
+        )
     with pytest.raises(RecipeError, match="--max_steps 5: the SFT length is set by --sft_epochs"):
-        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--max_steps", "5"]))
+        expert_iteration.main(*expert_iteration.main.parse_args(["--output_dir", out, "--max_steps", "5"]))
     # 3 steps x 16 questions drawn without replacement from 40 training problems
     with pytest.raises(
         RecipeError, match="--n_ei_steps 3 x --ei_batch_size 16 = 48 questions, but the training split has 40"
     ):
-        expert_iteration.main(*expert_iteration.parse_args(["--output_dir", out, "--num_train_problems", "40"]))
+        expert_iteration.main(*expert_iteration.main.parse_args(["--output_dir", out, "--num_train_problems", "40"]))
 
 
 def test_grpo_ablations_refuse_resume_and_a_step_budget_of_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(trl_ext.models, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer loaded"))
     with pytest.raises(RecipeError, match="cannot be resumed"):
         grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"))
-    with pytest.raises(RecipeError, match=r"--max_steps -1: the experiments need a fixed step budget"):
+    with pytest.raises(RecipeError, match=r"--max_steps -1: a comparison needs a fixed step budget"):
         grpo_ablations.main(*parse_ablations("--output_dir", str(tmp_path), "--max_steps", "-1"))
 
 
@@ -209,7 +211,7 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     grader = dataclasses.replace(tasks.GRADERS["arithmetic"], reward_fn=even_length_reward_fn)  # filter and evaluation
     monkeypatch.setitem(tasks.GRADERS, "arithmetic", grader)
     out = tmp_path / "out"
-    args = expert_iteration.parse_args(
+    args = expert_iteration.main.parse_args(
         [
             "--model_name_or_path",
             tiny_model_dir,

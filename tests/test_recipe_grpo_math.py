@@ -162,7 +162,7 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     AutoModelForCausalLM.from_pretrained(out)  # the saved model loads
     # a second run into the finished folder is refused, naming both ways forward
     with pytest.raises(RecipeError) as refused:
-        grpo_math.main(*grpo_math.parse_args(_recipe_flags(model_dir, data, out)[1:]))
+        grpo_math.main(*grpo_math.main.parse_args(_recipe_flags(model_dir, data, out)[1:]))
     assert str(refused.value) == (
         f"--output_dir {out} holds a finished run (metrics.json); choose a new --output_dir, or pass "
         "--overwrite_output_dir to replace it"
@@ -207,7 +207,7 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
     killed.wait(timeout=60)
     assert not (cut / "metrics.json").exists()  # unfinished: resuming is allowed, restarting is refused
     with pytest.raises(RecipeError, match=f"--output_dir {cut} holds an unfinished run"):
-        grpo_math.main(*grpo_math.parse_args(_recipe_flags(model_dir, data, cut, *flags)[1:]))
+        grpo_math.main(*grpo_math.main.parse_args(_recipe_flags(model_dir, data, cut, *flags)[1:]))
     resumed = run(cut, "--resume_from_checkpoint", "true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

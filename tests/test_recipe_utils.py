@@ -30,7 +30,7 @@ CPU_DEFAULTS = yaml.safe_load(grpo_math.DEFAULT_CONFIG.read_text())
 def test_user_config_is_layered_over_the_recipe_defaults_and_flags_win(tmp_path):
     user = tmp_path / "mine.yaml"
     user.write_text("max_steps: 3\nnum_eval: 7\nlearning_rate: 1.0e-4\n")
-    script_args, training_args, _ = grpo_math.parse_args(["--config", str(user), "--learning_rate", "3e-5"])
+    script_args, training_args, _ = grpo_math.main.parse_args(["--config", str(user), "--learning_rate", "3e-5"])
     assert training_args.max_steps == 3 and script_args.num_eval == 7  # from the user's file
     assert training_args.learning_rate == 3e-5  # the flag beats the file
     # everything the file does not set keeps the recipe's default, not TRL's dataclass default
@@ -42,7 +42,7 @@ def test_user_config_is_layered_over_the_recipe_defaults_and_flags_win(tmp_path)
 
 def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
     def settings(argv):
-        args = grpo_math.parse_args(argv)[1]
+        args = grpo_math.main.parse_args(argv)[1]
         return args.length_normalization, args.normalize_by_std, args.loss_type, args.scale_rewards
 
     # the recipe's defaults set the course names (length_normalization: masked_mean, normalize_by_std: true)
@@ -85,7 +85,7 @@ def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, modu
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
     with pytest.raises(RecipeError) as err:
-        grpo_math.parse_args([f"--{flag}", "true"])
+        grpo_math.main.parse_args([f"--{flag}", "true"])
     assert str(err.value) == (
         f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
         "extra on a CUDA machine"
@@ -96,9 +96,9 @@ def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
     user = tmp_path / "typo.yaml"
     user.write_text("max_step: 3\n")
     with pytest.raises(RecipeError, match=rf"unknown option\(s\) 'max_step' \(from {user}\)"):
-        grpo_math.parse_args(["--config", str(user)])
+        grpo_math.main.parse_args(["--config", str(user)])
     with pytest.raises(RecipeError, match="--config .*nope.yaml: no such file"):
-        grpo_math.parse_args(["--config", str(tmp_path / "nope.yaml")])
+        grpo_math.main.parse_args(["--config", str(tmp_path / "nope.yaml")])
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
 )
 def test_bad_flag_values_are_named_as_the_user_typed_them(flags, message):
     with pytest.raises(RecipeError, match=message):
-        grpo_math.parse_args(flags)
+        grpo_math.main.parse_args(flags)
 
 
 def test_dynamic_sampling_needs_whole_groups_on_each_process_before_any_model(monkeypatch):
@@ -154,7 +154,7 @@ def test_dynamic_sampling_needs_whole_groups_on_each_process_before_any_model(mo
 
 
 def test_valid_grouping_passes():
-    _, training_args, _ = grpo_math.parse_args(["--num_generations", "4", "--per_device_train_batch_size", "12"])
+    _, training_args, _ = grpo_math.main.parse_args(["--num_generations", "4", "--per_device_train_batch_size", "12"])
     assert training_args.generation_batch_size == 12  # 3 groups of 4
 
 
@@ -181,11 +181,12 @@ def trl_ext_grpo_config():
 
 
 def test_recipe_main_turns_user_errors_into_one_line(capsys):
-    def main(*args):
+    def main(*configs, handle_signals=False):
         raise RecipeError("--dataset_name x.jsonl line 3: invalid JSON (Expecting value)")
 
+    main.parse_args = lambda argv=None: ()
     with pytest.raises(SystemExit) as exit_info:
-        recipe_main(main, lambda: ())
+        recipe_main(main, [])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --dataset_name x.jsonl line 3: invalid JSON (Expecting value)\n"
     import signal
@@ -194,28 +195,43 @@ def test_recipe_main_turns_user_errors_into_one_line(capsys):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def test_recipe_main_applies_speed_defaults_to_the_training_args_before_main(monkeypatch):
+def test_recipe_main_applies_speed_defaults_to_the_training_config_found_by_type(monkeypatch, tmp_path):
     import signal
 
+    import transformers
+
     import trl_ext.runtime
+    from trl_ext.run import command_line
 
     seen = []
 
     def fake_apply(training_args, argv=None, default_config=None, dtype="float32"):
-        seen.append((training_args, default_config, dtype))
-        training_args["threads_set"] = True  # main must see the arguments after the defaults were applied
+        seen.append((training_args, argv, default_config, dtype))
+        training_args.seed = 7  # main must see the configs after the defaults were applied
         return {"threads": 2, "threads_source": "default", "precision": "fp32", "cores": 2}
 
     monkeypatch.setattr(trl_ext.runtime, "apply_speed_defaults", fake_apply)
-    script, training, model = object(), {}, trl.ModelConfig(dtype="bfloat16")
-    got = recipe_main(
-        lambda *a, **kw: (a, kw), lambda: (script, training, model), speed_defaults="cpu.yaml", command="c"
-    )
-    assert seen == [(training, "cpu.yaml", "bfloat16")]  # the model's dtype, for the precision label
-    assert got == ((script, {"threads_set": True}, model), {"command": "c", "speed": fake_apply({}, None)})
-    # without speed_defaults nothing is applied and main gets no speed argument
-    assert recipe_main(lambda *a, **kw: kw, lambda: (script, training, model)) == {}
-    assert len(seen) == 2  # the one call above building the expected value
+    script, training = object(), transformers.TrainingArguments(output_dir=str(tmp_path), seed=1)
+    model = trl.ModelConfig(dtype="bfloat16")
+
+    def main(*configs, handle_signals=False, speed=None, command=None):  # what cli.recipe's decoration looks like
+        return configs, {"handle_signals": handle_signals, "speed": speed, "command": command}
+
+    main.parse_args, main.default_config = (lambda argv=None: (model, script, training)), "cpu.yaml"  # any order
+    got = recipe_main(main, ["--seed", "1"])
+    assert seen == [(training, ["--seed", "1"], "cpu.yaml", "bfloat16")]  # the model's dtype, for the precision label
+    assert got[0] == (model, script, training) and training.seed == 7
+    assert got[1] == {
+        "handle_signals": True,
+        "speed": {"threads": 2, "threads_source": "default", "precision": "fp32", "cores": 2},
+        "command": command_line([sys.argv[0], "--seed", "1"]),
+    }
+
+    def plain(*configs, handle_signals=False):  # without a speed parameter nothing is applied, and none is passed
+        return handle_signals
+
+    plain.parse_args, plain.default_config = (lambda argv=None: (model, script, training)), "cpu.yaml"
+    assert recipe_main(plain, []) is True and len(seen) == 1
     signal.signal(signal.SIGINT, signal.default_int_handler)  # recipe_main installed the recipe's handler
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -311,7 +327,9 @@ def test_before_evaluation_is_reused_only_on_resume_with_the_same_key(tmp_path):
 
 def test_metrics_json_records_command_configs_versions_and_phases(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["recipes/grpo_math.py", "--max_steps", "1"])
-    script_args, training_args, model_args = grpo_math.parse_args(["--output_dir", str(tmp_path), "--max_steps", "1"])
+    script_args, training_args, model_args = grpo_math.main.parse_args(
+        ["--output_dir", str(tmp_path), "--max_steps", "1"]
+    )
     run = RecipeRun(
         "grpo_math", tmp_path, {"script_args": script_args, "training_args": training_args, "model_args": model_args}
     )
@@ -448,7 +466,7 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
     bad = _bad_file(tmp_path, "bad.jsonl", first + '{"question": oops}\n')
     argv = [f.format(bad=bad) for f in flags] + ["--output_dir", str(tmp_path / "out")]
     with pytest.raises(RecipeError, match=rf"{bad} (row 1 \()?line 2\)?: invalid JSON"):
-        module.main(*module.parse_args(argv))
+        module.main(*module.main.parse_args(argv))
 
 
 @pytest.mark.parametrize(
@@ -498,21 +516,23 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
     (out / marker).parent.mkdir(exist_ok=True)
     (out / marker).write_text("{}")
     with pytest.raises(RecipeError, match=rf"--output_dir {out} holds a finished run \({marker}\)"):
-        module.main(*module.parse_args(["--output_dir", str(out)]))
+        module.main(*module.main.parse_args(["--output_dir", str(out)]))
     blocked = tmp_path / "file"
     blocked.write_text("")
     with pytest.raises(RecipeError, match="is not writable"):
-        module.main(*module.parse_args(["--output_dir", str(blocked / "out")]))
+        module.main(*module.main.parse_args(["--output_dir", str(blocked / "out")]))
 
 
 def test_grpo_math_checks_the_reward_and_the_model_path_before_loading(tmp_path, monkeypatch):
     _explode_loaders(monkeypatch, grpo_math, ("load_model_and_tokenizer", "load_math_dataset"))
     with pytest.raises(RecipeError, match=r"--reward 'nope' is not supported"):
-        grpo_math.main(*grpo_math.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
+        grpo_math.main(*grpo_math.main.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RecipeError, match="--model_name_or_path outputs/nothing_here: no such local folder"):
         grpo_math.main(
-            *grpo_math.parse_args(["--model_name_or_path", "outputs/nothing_here", "--output_dir", str(tmp_path / "b")])
+            *grpo_math.main.parse_args(
+                ["--model_name_or_path", "outputs/nothing_here", "--output_dir", str(tmp_path / "b")]
+            )
         )
 
 
@@ -525,7 +545,7 @@ def test_wrong_columns_name_the_recipe_flag(tmp_path):
 def test_comparisons_refuse_resume(tmp_path):
     module = load_recipe("grpo_sort")
     with pytest.raises(RecipeError, match="cannot be resumed"):
-        module.main(*module.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"]))
+        module.main(*module.main.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"]))
 
 
 # ------------------------------------------------------------------------------------------- resume in every recipe
@@ -605,7 +625,7 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
     _replace(monkeypatch, module, ["write_model_card"], lambda *a, **k: None)
     FakeTrainer.resumed_from = []
     out = tmp_path / "out"
-    module.main(*module.parse_args(["--output_dir", str(out)]))
+    module.main(*module.main.parse_args(["--output_dir", str(out)]))
     assert FakeTrainer.resumed_from == [None] and len(evaluations) == 2  # before and after
     assert re.search(r": 4 steps in \d+ s\. ", " ".join(capsys.readouterr().out.split()))  # FakeTrainer ends at step 4
     # the run is cut after its checkpoint at step 3 (no metrics.json), then resumed from the command line
@@ -614,7 +634,7 @@ def test_every_training_recipe_resumes_the_latest_checkpoint_and_reuses_its_befo
         (out / f"checkpoint-{step}").mkdir()
         (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (out / "checkpoint-4").mkdir()  # cut short by the kill: no trainer_state.json, skipped
-    module.main(*module.parse_args(["--output_dir", str(out), "--resume_from_checkpoint", "true"]))
+    module.main(*module.main.parse_args(["--output_dir", str(out), "--resume_from_checkpoint", "true"]))
     assert FakeTrainer.resumed_from == [None, str(out / "checkpoint-3")]
     # the summary counts the one step this process trained, not the 4 of the model
     assert re.search(
@@ -702,7 +722,7 @@ def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_n
     monkeypatch.setattr(datasets, "load_dataset", _explode)
     config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_gsm8k.yaml")
     with pytest.raises(SystemExit) as exit_info:
-        recipe_main(grpo_math.main, lambda: grpo_math.parse_args(["--config", config]))
+        recipe_main(grpo_math.main, ["--config", config])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # recipe_main installed the recipe's handler
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert exit_info.value.code == 2
@@ -719,21 +739,21 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "solution": "$\\boxed{2}$"}) + "\n")
     with pytest.raises(RecipeError) as err:
-        grpo_math.parse_args(["--config", config, "--dataset_name", str(data)])
+        grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data)])
     assert str(err.value).splitlines()[1:] == [
         f"  {VLLM_MISSING}",
         f"  {BF16_NO_GPU}",
         f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
     ]
     with pytest.raises(RecipeError) as err:
-        grpo_math.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
+        grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)
     with pytest.raises(RecipeError) as err:  # one problem left: one line, no count
-        grpo_math.parse_args(
+        grpo_math.main.parse_args(
             ["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"]
         )
     assert str(err.value) == _offline_model("Qwen/Qwen2.5-Math-1.5B")
-    _, training_args, _ = grpo_math.parse_args(
+    _, training_args, _ = grpo_math.main.parse_args(
         [
             "--config",
             config,
@@ -801,7 +821,7 @@ def test_each_problem_names_the_flag_that_fixes_it(cpu_user, monkeypatch, tmp_pa
     monkeypatch.chdir(tmp_path)
     module = load_recipe(recipe)
     with pytest.raises(RecipeError) as err:
-        module.parse_args(flags)
+        module.main.parse_args(flags)
     assert str(err.value) == message
 
 
@@ -820,7 +840,7 @@ def test_an_unreachable_hub_dataset_is_one_request_and_one_line(cpu_user, monkey
     monkeypatch.setattr(HfApi, "repo_info", unreachable)
     monkeypatch.setattr(datasets, "load_dataset", _explode)  # datasets would retry for most of a minute
     with pytest.raises(RecipeError) as err:
-        grpo_math.parse_args(["--dataset_name", "openai/gsm8k"])
+        grpo_math.main.parse_args(["--dataset_name", "openai/gsm8k"])
     assert str(err.value) == (
         "--dataset_name openai/gsm8k: not a local file, and the Hugging Face Hub is unreachable (ConnectionError); "
         "download it where the Hub is reachable, or pass a local .jsonl/.json/.parquet file with the same columns"
@@ -833,7 +853,7 @@ def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp
     mine = tmp_path / "mine.yaml"
     mine.write_text("gradient_checkpointing: true\n")
     for argv in (["--config", str(mine)], ["--gradient_checkpointing", "true"], ["--gradient_checkpointing=true"]):
-        _, training_args, _ = grpo_math.parse_args(argv)
+        _, training_args, _ = grpo_math.main.parse_args(argv)
         assert training_args.activation_checkpointing is True and training_args.gradient_checkpointing is True
 
 
@@ -870,7 +890,7 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
     real = cli.build_parser
     monkeypatch.setattr(cli, "build_parser", lambda *a, **k: parsers.append(real(*a, **k)) or parsers[-1])
     with pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        module.main.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     options = parsers[0]._option_string_actions
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", text))
@@ -883,7 +903,7 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
             RecipeError, match="cannot be resumed" if name == "resume_from_checkpoint" else "--max_steps"
         ):
             flags = {"resume_from_checkpoint": ["--resume_from_checkpoint", "true"], "max_steps": ["--max_steps", "2"]}
-            module.main(*module.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
+            module.main(*module.main.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
 
 
 # ------------------------------------------------------------------------------------------- no silent empty run
@@ -991,7 +1011,7 @@ def test_a_training_set_that_cannot_fill_one_step_is_refused_before_any_model_wo
             _explode,
         )
     with pytest.raises(RecipeError) as err:
-        module.main(*module.parse_args([*flags, *out]))
+        module.main(*module.main.parse_args([*flags, *out]))
     assert str(err.value) == expected
 
 

@@ -286,12 +286,12 @@ def test_preference_dataset_margins_and_chat_format(tmp_path):
 
 def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tiny_model, tmp_path):
     recipe = load_recipe("reward_model")
-    _, defaults, model_defaults = recipe.parse_args([])
+    _, defaults, model_defaults = recipe.main.parse_args([])
     assert model_defaults.model_name_or_path is None and isinstance(defaults, RewardConfig)
     tiny_model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     out = tmp_path / "out"
-    args = recipe.parse_args(
+    args = recipe.main.parse_args(
         [
             "--model_name_or_path",
             str(tmp_path / "tiny"),

@@ -500,7 +500,7 @@ def test_pack_instruction_dataset_respects_documents(tokenizer, tiny_model):
 
 def test_recipe_defaults_come_from_its_config():
     recipe = load_recipe("sft_instruct")
-    script_args, training_args, model_args = recipe.parse_args([])
+    script_args, training_args, model_args = recipe.main.parse_args([])
     assert model_args.model_name_or_path is None  # the embedded model
     assert isinstance(training_args, SFTConfig) and training_args.completion_only_loss is True
     assert training_args.safety_penalty_weight == 1.0 and script_args.prompt_format == "chat"
@@ -512,7 +512,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tiny_model, tmp_path)
     recipe = load_recipe("sft_instruct")
     tiny_model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    defaults = recipe.parse_args([])[0]
+    defaults = recipe.main.parse_args([])[0]
     test_rows = load_instruction_rows(defaults.test_file)
     small_test = [r for r in test_rows if r["safety_category"] == "none"][:2] + [
         r for r in test_rows if r["safety_category"] != "none"
@@ -521,7 +521,7 @@ def test_recipe_runs_end_to_end_on_a_tiny_model(tokenizer, tiny_model, tmp_path)
         tmp_path / "test.jsonl", [{k: v for k, v in r.items() if v is not None} for r in small_test]
     )
     out = tmp_path / "out"
-    args = recipe.parse_args(
+    args = recipe.main.parse_args(
         [
             "--model_name_or_path",
             str(tmp_path / "tiny"),

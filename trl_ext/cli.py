@@ -1,16 +1,16 @@
 """The command line of a recipe: parse its config, check every option before any model loads, run it.
 
-A recipe is a script of three parts (recipes/grpo_math.py)::
+A recipe states what it is once, in :func:`recipe`, and its script ends with one call (recipes/grpo_math.py)::
 
-    def parse_args(argv=None):           # defaults YAML < --config FILE < flags; every problem reported at once
-        return cli.parse((MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG, argv, __doc__)
-
-    @cli.recipe("grpo_math")             # the run: output folder, resume, Ctrl-C, phases (trl_ext.run.RecipeRun)
-    def main(run, script_args, training_args, model_args, speed=None):
+    @cli.recipe("grpo_math", (tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
+    def main(run, script_args, training_args, model_args, speed=None):  # the run: output folder, resume, Ctrl-C
         ...                              # task -> model -> trainer -> evaluation -> report.finish(run, ...)
 
     if __name__ == "__main__":
-        cli.main(main, parse_args, speed_defaults=DEFAULT_CONFIG)   # RecipeError -> one `error:` line, exit 2
+        cli.main(main)                   # defaults YAML < --config FILE < flags; RecipeError -> one `error:` line
+
+``main.parse_args(argv)`` parses the flags alone (tests, tools); the training config and the model config are found
+among the configs by type (``transformers.TrainingArguments``, ``trl.ModelConfig``), never by position.
 
 :func:`parse` checks everything that needs no model -- flag values and GRPO's grouping (:func:`flag_problems`), what
 this machine cannot do (:func:`device_problems`: vLLM, bf16, 4/8-bit, flash-attention, liger), models, datasets and
@@ -42,6 +42,7 @@ from typing import Any
 
 import trl
 import yaml
+from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
@@ -52,7 +53,7 @@ from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
-from trl_ext.run import RecipeRun, install_interrupt_handler, is_main_process, refuse_resume
+from trl_ext.run import RecipeRun, command_line, install_interrupt_handler, is_main_process, refuse_resume
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -444,37 +445,69 @@ COMPARISON_HELP = {
     "(--overwrite_output_dir replaces an earlier comparison in the same --output_dir).",
     "max_steps": "Optimizer steps of every arm (>= 1: the arms are compared at one fixed step budget).",
 }
-"""``help_overrides`` of the comparison recipes (compare_upstream, grpo_sort, grpo_ablations): the inherited options
-they treat their own way."""
+"""``help_overrides`` of a comparison recipe (``recipe(..., comparison=True)``: compare_upstream, grpo_sort,
+grpo_ablations): the inherited options it treats its own way."""
+
+COMPARISON_NOT_RESUMABLE = ("a comparison trains every arm from scratch", "comparison")
+"""Why a comparison refuses ``--resume_from_checkpoint`` (:func:`trl_ext.run.refuse_resume`)."""
 
 
 # ------------------------------------------------------------------------------------------- running
 def recipe(
-    name: str, *, result_file: str | Callable[..., str] = "metrics.json", not_resumable: tuple[str, str] | None = None
+    name: str,
+    configs: Sequence[type],
+    default_config: str | Path | None = None,
+    *,
+    help_overrides: Mapping[str, str] | None = None,
+    result_file: str | Callable[..., str] | None = None,
+    not_resumable: tuple[str, str] | None = None,
+    comparison: bool = False,
 ):
-    """Decorate a recipe's ``main(run, *configs, **kwargs)``: calling ``main(*configs, **kwargs)`` opens the run first.
+    """Declare a recipe around its ``main(run, *configs, **kwargs)``: everything about it is stated here, once.
 
-    The run is a :class:`trl_ext.run.RecipeRun` named ``name``, in the ``output_dir`` of the first config that has
-    one, with ``--overwrite_output_dir`` from the recipe's :class:`RecipeArguments` and ``--resume_from_checkpoint``
-    from the training config; its configs are recorded under ``main``'s parameter names (``script_args``,
-    ``training_args``, ...). So the output folder, the checkpoint and the options a resume depends on are checked
-    before ``main``'s first line, and every recipe does it the same way.
+    The decorated ``main`` is called with the parsed configs (``main(*configs, **kwargs)``) and opens the run first:
+    a :class:`trl_ext.run.RecipeRun` named ``name``, in the ``output_dir`` of the first config that has one, with
+    ``--overwrite_output_dir`` from the recipe's :class:`RecipeArguments` and ``--resume_from_checkpoint`` from the
+    config that has it; its configs are recorded under ``main``'s parameter names (``script_args``,
+    ``training_args``, ...). Then the model options that need no model are checked (:func:`check_model_options`, for
+    the ``trl.ModelConfig``). So the output folder, the checkpoint, the options a resume depends on and the model's
+    backend are checked before ``main``'s first line, and every recipe does it the same way.
+
+    ``main.parse_args(argv=None)`` parses the recipe's flags (:func:`parse` with ``configs``, ``default_config``,
+    ``help_overrides`` and the recipe module's docstring as the usage ``--help`` shows first); :func:`main` runs it
+    all from the command line.
 
     Args:
         name: the recipe's name, recorded in ``metrics.json``.
-        result_file: the file whose presence marks a finished run (``"comparison.json"``), or a function of the
-            configs that returns it.
+        configs: the recipe's argument classes, its own first (``(ScriptArguments, trl_ext.GRPOConfig,
+            trl.ModelConfig)``); the training config and the model config are found among them by type.
+        default_config: the recipe's default YAML (None: the dataclasses' defaults).
+        help_overrides: option name -> help text of inherited options the recipe treats its own way
+            (:func:`build_parser`).
+        result_file: the file whose presence marks a finished run (default ``metrics.json``; ``comparison.json`` for
+            a comparison), or a function of the configs that returns it.
         not_resumable: for a recipe that cannot be resumed, (why, what ``--overwrite_output_dir`` replaces):
             ``--resume_from_checkpoint`` is refused with them (:func:`trl_ext.run.refuse_resume`).
+        comparison: a comparison of arms: not resumable (:data:`COMPARISON_NOT_RESUMABLE`), its help says so
+            (:data:`COMPARISON_HELP`), its result is ``comparison.json`` and ``--max_steps`` must be >= 1 (the arms
+            are compared at one fixed step budget).
 
     ``trl_ext.cli.main`` passes ``handle_signals=True`` (Ctrl-C handling of the run); other callers keep theirs.
     """
+    if comparison:
+        help_overrides = {**COMPARISON_HELP, **(help_overrides or {})}
+        not_resumable = not_resumable or COMPARISON_NOT_RESUMABLE
+        result_file = result_file or "comparison.json"
+    result_file = result_file or "metrics.json"
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         names = list(inspect.signature(fn).parameters)[1:]
 
         @functools.wraps(fn)
         def opened(*configs: Any, handle_signals: bool = False, **kwargs: Any) -> Any:
+            training = _find(configs, TrainingArguments)
+            if comparison and training.max_steps <= 0:
+                raise RecipeError(f"--max_steps {training.max_steps}: a comparison needs a fixed step budget (>= 1)")
             output_dir = next(c.output_dir for c in configs if hasattr(c, "output_dir"))
             overwrite = any(c.overwrite_output_dir for c in configs if isinstance(c, RecipeArguments))
             resume = next((c.resume_from_checkpoint for c in configs if hasattr(c, "resume_from_checkpoint")), None)
@@ -490,37 +523,55 @@ def recipe(
                 result_file=result_file(*configs) if callable(result_file) else result_file,
                 handle_signals=handle_signals,
             )
+            model_args = _find(configs, trl.ModelConfig)
+            if model_args is not None:
+                check_model_options(model_args)
             return fn(run, *configs, **kwargs)
 
-        opened.recipe_name = name
+        def parse_args(argv: Sequence[str] | None = None) -> tuple:
+            """The recipe's configs from its flags (``argv``, default ``sys.argv[1:]``): see :func:`parse`."""
+            return parse(configs, default_config, argv, fn.__globals__.get("__doc__"), help_overrides)
+
+        opened.recipe_name, opened.configs, opened.default_config = name, tuple(configs), default_config
+        opened.parse_args = parse_args
         return opened
 
     return decorate
 
 
-def main(
-    main: Callable[..., Any],
-    parse: Callable[[], tuple],
-    speed_defaults: str | Path | None = None,
-    **main_kwargs: Any,
-) -> Any:
-    """Run a recipe from the command line: Ctrl-C handling, then ``main(*parse(), **main_kwargs)``; a
+def _find(configs: Sequence[Any], kind: type) -> Any:
+    """The first of ``configs`` that is a ``kind`` (``transformers.TrainingArguments``, ``trl.ModelConfig``), or
+    None."""
+    return next((c for c in configs if isinstance(c, kind)), None)
+
+
+def main(recipe_main: Callable[..., Any], argv: Sequence[str] | None = None) -> Any:
+    """Run a recipe (a ``main`` decorated with :func:`recipe`) from the command line: Ctrl-C handling, its flags
+    (``argv``, default ``sys.argv[1:]``; ``recipe_main.parse_args``), then ``recipe_main(*configs, ...)``. A
     :class:`RecipeError` (or a missing file) becomes one ``error: ...`` line on stderr and exit status 2.
 
-    With ``speed_defaults`` (the recipe's default config), ``trl_ext.runtime.apply_speed_defaults`` picks threads and
-    CPU precision on the parsed training arguments (the second dataclass) before ``main`` runs -- so before any
-    trainer config is derived from them -- and ``main`` gets what it chose as ``speed=``. A ``main`` decorated with
-    :func:`recipe` gets ``handle_signals=True``: its run handles Ctrl-C from then on.
+    What ``recipe_main`` gets besides its configs: ``handle_signals=True`` (its run handles Ctrl-C from then on);
+    ``speed=`` when it has a ``speed`` parameter -- ``trl_ext.runtime.apply_speed_defaults`` picks threads and CPU
+    precision on the training config (the ``TrainingArguments`` among the configs) before ``main`` runs, so before any
+    trainer config is derived from it, and names the ``trl.ModelConfig``'s dtype; ``command=`` when it has a
+    ``command`` parameter: the command line that reproduces this run (:func:`trl_ext.run.command_line`).
     """
     install_interrupt_handler()
     try:
-        args = parse()
-        if speed_defaults is not None:
-            dtype = getattr(args[2], "dtype", "float32") if len(args) > 2 else "float32"  # the ModelConfig's
-            main_kwargs["speed"] = runtime.apply_speed_defaults(args[1], default_config=speed_defaults, dtype=dtype)
-        if hasattr(main, "recipe_name"):
-            main_kwargs["handle_signals"] = True
-        return main(*args, **main_kwargs)
+        configs = recipe_main.parse_args(argv)
+        wants = inspect.signature(recipe_main).parameters
+        kwargs: dict[str, Any] = {"handle_signals": True}
+        if "speed" in wants:
+            model_args = _find(configs, trl.ModelConfig)
+            kwargs["speed"] = runtime.apply_speed_defaults(
+                _find(configs, TrainingArguments),
+                argv,
+                default_config=recipe_main.default_config,
+                dtype=getattr(model_args, "dtype", "float32"),
+            )
+        if "command" in wants:
+            kwargs["command"] = command_line(None if argv is None else [sys.argv[0], *argv])
+        return recipe_main(*configs, **kwargs)
     except (RecipeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)

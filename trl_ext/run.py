@@ -179,10 +179,24 @@ RECIPE_START_OVER = (
 """How a recipe's user starts over instead of resuming (see :func:`check_resume`)."""
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher (``uv
+    run accelerate launch`` under accelerate, else ``uv run python``), the script relative to the working directory
+    (as given when it lies outside), the flags."""
+    script, *flags = list(sys.argv if argv is None else argv)
+    try:
+        relative = os.path.relpath(script)
+        script = script if relative.startswith("..") else relative
+    except ValueError:
+        pass
+    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
+    return f"{launcher} {shlex.join([script, *flags])}"
+
+
 def resume_command(argv: Sequence[str] | None = None) -> str:
     """The command that resumes this run: the same flags, ``--resume_from_checkpoint true`` instead of any given."""
     argv = list(sys.argv if argv is None else argv)
-    script, args, kept, i = argv[0], argv[1:], [], 0
+    args, kept, i = argv[1:], [], 0
     while i < len(args):
         if args[i] == "--resume_from_checkpoint":
             i += 2
@@ -192,13 +206,7 @@ def resume_command(argv: Sequence[str] | None = None) -> str:
             continue
         kept.append(args[i])
         i += 1
-    try:
-        relative = os.path.relpath(script)
-        script = script if relative.startswith("..") else relative
-    except ValueError:
-        pass
-    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
-    return f"{launcher} {shlex.join([script, *kept, '--resume_from_checkpoint', 'true'])}"
+    return command_line([argv[0], *kept, "--resume_from_checkpoint", "true"])
 
 
 # ------------------------------------------------------------------------------------------- provenance
