@@ -178,20 +178,14 @@ def summary(before, steps, seconds, cpu_seconds):
     return {"results": (("", "first / before", "last / after"), rows), "observations": observations, "lines": [line]}
 
 
-@cli.recipe(
-    "expert_iteration",
-    (EIArguments, trl_ext.SFTConfig, trl.ModelConfig),
-    DEFAULT_CONFIG,
-    help_overrides=HELP,
-    not_resumable=NOT_RESUMABLE,
-)
-def main(run, script_args, training_args, model_args, speed=None):
-    # the decorator refused a resume, checked the folder and the model's options; then the data, before the model loads
-    state = PartialState()
-    if state.num_processes > 1:
+def check_options(script_args, training_args, model_args, train_rows: int) -> None:
+    """What expert iteration refuses before the model loads: several processes, LoRA, --max_steps; more questions
+    than the training split holds (they are drawn without replacement across the whole run); an EI step's SFT set
+    that could not fill one optimizer step even if every sample were kept."""
+    if PartialState().num_processes > 1:
         raise cli.RecipeError(
-            "expert_iteration.py runs in one process (its SFT batches are small); launch without "
-            "multi-process accelerate"
+            "expert_iteration.py runs in one process (its SFT batches are small); launch without multi-process "
+            "accelerate"
         )
     if model_args.use_peft:
         raise cli.RecipeError(
@@ -201,78 +195,95 @@ def main(run, script_args, training_args, model_args, speed=None):
         raise cli.RecipeError(
             f"--max_steps {training_args.max_steps}: the SFT length is set by --sft_epochs; leave max_steps unset"
         )
-    training_args.num_train_epochs = script_args.sft_epochs
-    with run.phase("load_data"):
-        task = tasks.MathTask.from_args(script_args, max_new_tokens=script_args.max_completion_length)
     n_steps, questions, group = script_args.n_ei_steps, script_args.ei_batch_size, script_args.num_generations
-    if n_steps * questions > len(task.train):  # questions are drawn without replacement across the whole run
+    if n_steps * questions > train_rows:
         raise cli.RecipeError(
             f"--n_ei_steps {n_steps} x --ei_batch_size {questions} = {n_steps * questions} questions, "
-            f"but the training split has {len(task.train)}; lower one of them or use more training problems"
+            f"but the training split has {train_rows}; lower one of them or use more training problems"
         )
     cli.check_fills_one_step(
         questions * group,
         training_args,
         f"--ei_batch_size {questions} x --num_generations {group} (an EI step's SFT set if every sample is kept)",
         "samples",
-    )  # else an SFT of 0 steps
-    model_name = model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL
+    )
+
+
+def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, training_args) -> tuple[dict, list]:
+    """One EI step on ``batch`` (its questions): sample G outputs per question from the current policy, keep those
+    whose reward is 1, fine-tune on them (:func:`sft`), evaluate on the held-out set; returns the step's record and
+    its SFT log."""
+    group = script_args.num_generations
+    prompts, answers = ([value for value in batch[column] for _ in range(group)] for column in ("prompt", "answer"))
+    t0 = time.perf_counter()
+    with run.phase("sample"):  # G outputs per question from the current policy
+        prompt_ids, completion_ids, completions = sampler.sample(prompts)
+    generation_seconds = time.perf_counter() - t0
+    texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
+    rewards = [task.reward_fn(text, answer)["reward"] for text, answer in zip(texts, answers)]
+    with run.phase("entropy"):
+        entropy = trl_ext.course.mean_response_entropy(
+            model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
+        )
+    kept = [i for i, r in enumerate(rewards) if r == 1.0]  # filter: the correct outputs
+    record = {
+        "step": step,
+        "questions": len(batch["prompt"]),
+        "generated": len(texts),
+        "kept": len(kept),
+        "mean_reward": sum(rewards) / len(rewards),
+        "entropy": entropy,
+        "generation_seconds": generation_seconds,
+        "sft_loss": None,
+        "sft_steps": 0,
+        "sft_seconds": 0.0,
+    }
+    log = []
+    if kept:  # SFT on them
+        fields, log = sft(
+            run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step
+        )
+        record.update(fields)
+    with run.phase("eval_steps"):
+        after = task.evaluate(model, tokenizer, f"eval after EI step {step}", progress=False)
+    record.update(accuracy=after["accuracy"], format_rate=after["format_rate"])
+    print(
+        f"EI step {step}: kept {len(kept)}/{len(texts)} samples (mean reward {record['mean_reward']:.3f}), response "
+        f"entropy {entropy:.3f}, {record['sft_steps']} SFT steps, held-out accuracy {after['accuracy']:.1%}",
+        flush=True,
+    )
+    return record, log
+
+
+@cli.recipe(
+    "expert_iteration",
+    (EIArguments, trl_ext.SFTConfig, trl.ModelConfig),
+    DEFAULT_CONFIG,
+    help_overrides=HELP,
+    not_resumable=NOT_RESUMABLE,
+)
+def main(run, script_args, training_args, model_args, speed=None):
+    # the decorator refused a resume, checked the folder and the model's options; then the data, before the model loads
+    with run.phase("load_data"):
+        task = tasks.MathTask.from_args(script_args, max_new_tokens=script_args.max_completion_length)
+    check_options(script_args, training_args, model_args, len(task.train))
+    training_args.num_train_epochs = script_args.sft_epochs
     with run.phase("load_model"):
         model, tokenizer, _ = trl_ext.models.load_model_and_tokenizer(model_args)
-    if speed:  # --dtype auto: the checkpoint's own dtype, known now
-        speed["precision"] = trl_ext.runtime.name_loaded_weights(
-            speed["precision"], training_args, model_args.dtype, model
-        )
-    model.to(state.device)
+    trl_ext.runtime.note_loaded_weights(speed, training_args, model_args.dtype, model)  # --dtype auto: known now
+    model.to(PartialState().device)
     with run.phase("eval_before"):
         before = task.evaluate(model, tokenizer, "eval before", progress=False)
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} problems", flush=True)
     sampler = make_sampler(model, tokenizer, task, script_args, training_args)
     order = random.Random(training_args.seed).sample(range(len(task.train)), len(task.train))
+    questions = script_args.ei_batch_size
     steps, log_history, start, cpu_start = [], [], time.perf_counter(), trl_ext.profiling.cpu_seconds()
-    for step in range(1, n_steps + 1):
+    for step in range(1, script_args.n_ei_steps + 1):  # each step's questions, drawn without replacement
         batch = task.train[order[(step - 1) * questions : step * questions]]
-        prompts, answers = ([value for value in batch[column] for _ in range(group)] for column in ("prompt", "answer"))
-        t0 = time.perf_counter()
-        with run.phase("sample"):  # G outputs per question from the current policy
-            prompt_ids, completion_ids, completions = sampler.sample(prompts)
-        generation_seconds = time.perf_counter() - t0
-        texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
-        rewards = [task.reward_fn(text, answer)["reward"] for text, answer in zip(texts, answers)]
-        with run.phase("entropy"):
-            entropy = trl_ext.course.mean_response_entropy(
-                model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
-            )
-        kept = [i for i, r in enumerate(rewards) if r == 1.0]  # filter: the correct outputs
-        steps.append(
-            {
-                "step": step,
-                "questions": len(batch["prompt"]),
-                "generated": len(texts),
-                "kept": len(kept),
-                "mean_reward": sum(rewards) / len(rewards),
-                "entropy": entropy,
-                "generation_seconds": generation_seconds,
-                "sft_loss": None,
-                "sft_steps": 0,
-                "sft_seconds": 0.0,
-            }
-        )
-        if kept:  # SFT on them
-            fields, log = sft(
-                run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step
-            )
-            steps[-1].update(fields)
-            log_history += log
-        with run.phase("eval_steps"):
-            after = task.evaluate(model, tokenizer, f"eval after EI step {step}", progress=False)
-        steps[-1].update(accuracy=after["accuracy"], format_rate=after["format_rate"])
-        print(
-            f"EI step {step}: kept {len(kept)}/{len(texts)} samples (mean reward {steps[-1]['mean_reward']:.3f}), "
-            "response "
-            f"entropy {entropy:.3f}, {steps[-1]['sft_steps']} SFT steps, held-out accuracy {after['accuracy']:.1%}",
-            flush=True,
-        )
+        record, log = ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, training_args)
+        steps.append(record)
+        log_history += log
     seconds, cpu_seconds = time.perf_counter() - start, trl_ext.profiling.cpu_seconds() - cpu_start
     with run.phase("save"):
         model.save_pretrained(run.output_dir)
@@ -282,12 +293,12 @@ def main(run, script_args, training_args, model_args, speed=None):
         run,
         {
             "accuracy_before": before["accuracy"],
-            "accuracy_after": after["accuracy"],
+            "accuracy_after": steps[-1]["accuracy"],
             "n_eval": before["n"],
             "ei_steps": steps,
             "train_seconds": seconds,
             "train_cpu_seconds": cpu_seconds,
-            "model": model_name,
+            "model": model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL,
             "dataset": task.dataset,
             "reward": task.name,
             "runtime": speed or {},

@@ -109,25 +109,22 @@ class AblationArguments(tasks.MathTaskArguments):
         return list(trl_ext.compare.ablations.EXPERIMENTS) if self.experiment == "all" else [self.experiment]
 
 
-def first_finished(script_args, training_args, model_args) -> str:
-    """A finished experiment leaves <NAME>/comparison.json: the first one this run would redo (else the first)."""
-    markers = [f"{name}/comparison.json" for name in script_args.experiments]
-    return next((m for m in markers if (Path(training_args.output_dir) / m).is_file()), markers[0])
+def result_files(script_args, *configs) -> list[str]:
+    """A finished experiment leaves <NAME>/comparison.json: any of those this run would redo refuses the folder, and
+    --overwrite_output_dir deletes them all first, so no stale result survives a stopped run."""
+    return [f"{name}/comparison.json" for name in script_args.experiments]
 
 
 @cli.recipe(
     "grpo_ablations",
     (AblationArguments, trl.GRPOConfig, trl.ModelConfig),
     DEFAULT_CONFIG,
-    result_file=first_finished,
+    result_file=result_files,
     comparison=True,
 )
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     ablations, compare, models = trl_ext.compare.ablations, trl_ext.compare, trl_ext.models
     names, state = script_args.experiments, PartialState()
-    if script_args.overwrite_output_dir and state.is_main_process:
-        for name in names:  # the other experiments this run redoes: no stale result survives a stopped run
-            (run.output_dir / name / "comparison.json").unlink(missing_ok=True)
     command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
     budget = training_args.max_completion_length
     with run.phase("load_data"):
@@ -161,16 +158,14 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
             )
         if not state.is_main_process:
             continue
-        described = (
-            "; arms: " + ", ".join(f"{k}: {t.description}" for k, t in prompt_tasks.items()) if name == "prompt" else ""
-        )
+        described = ablations.task_description(name, task, prompt_tasks)
         setup = {
             **compare.setup_summary(
                 training_args,
                 model_args,
                 steps,
                 speed,
-                {"experiment": name, "task": task.description + described, "held-out problems": len(task.test)},
+                {"experiment": name, "task": described, "held-out problems": len(task.test)},
             ),
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
             "git commit": run.git["commit"],  # the code this run started from

@@ -43,10 +43,7 @@ def main(run, script_args, training_args, model_args, speed=None):
     state = PartialState()
     with run.phase("load_model", breakdown="model_load"):
         model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
-    if speed:  # --dtype auto: the checkpoint's own dtype, known now
-        speed["precision"] = trl_ext.runtime.name_loaded_weights(
-            speed["precision"], training_args, model_args.dtype, model
-        )
+    trl_ext.runtime.note_loaded_weights(speed, training_args, model_args.dtype, model)  # --dtype auto: known now
     sharded = state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if not (model_args.load_in_4bit or model_args.load_in_8bit or sharded):
         model.to(state.device)  # evaluate on the GPU when there is one; bitsandbytes and sharded engines place it
@@ -90,7 +87,7 @@ def main(run, script_args, training_args, model_args, speed=None):
         title="GRPO on math problems",
         table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
         lines=[
-            f"{run.steps_summary(steps, run.phase_seconds['train'])}; gain {gain:+.1%}. "
+            f"{run.steps_summary(steps)}; gain {gain:+.1%}. "
             f"Example after: {example['response']!r} (answer {example['answer']})"
         ],
         trainer=trainer,

@@ -17,7 +17,7 @@ never overwritten unless `--overwrite_output_dir` is given. metrics.json also re
 configs, library versions and phase times.
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
@@ -60,15 +60,13 @@ def evaluate(trainer) -> dict:
 def main(run, script_args: ScriptArguments, training_args, model_args: trl.ModelConfig) -> dict:
     # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):
-        pairs = {
-            "conversational": script_args.conversational,
-            "skip_invalid": script_args.skip_bad_rows,
-            "margin": script_args.use_margin,
-        }
-        with cli.user_input("--train_file: "):
-            train = preferences.load_training_pairs(script_args.train_file, **pairs)
-        with cli.user_input("--test_file: "):
-            test = preferences.load_training_pairs(script_args.test_file, **pairs)
+        train, test = preferences.load_pair_files(
+            script_args.train_file,
+            script_args.test_file,
+            conversational=script_args.conversational,
+            skip_invalid=script_args.skip_bad_rows,
+            margin=script_args.use_margin,
+        )
     cli.check_fills_one_step(len(train), training_args, f"--train_file {script_args.train_file}", "pairs")
     model_path = trl_ext.models.resolve_model_name_or_path(model_args.model_name_or_path)  # embedded -> local folder
     training_args.model_init_kwargs = {
@@ -86,22 +84,9 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
             processing_class=tokenizer,
             peft_config=trl.get_peft_config(model_args),
         )
-    run.attach(trainer)
     # a resumed run reuses the before-evaluation of the same model, held-out file and recipe options
-    key = {
-        "model": model_args.model_name_or_path,
-        "test_file": trl_ext.run.file_digest(script_args.test_file),
-        "script_args": asdict(script_args),
-        "beta": getattr(training_args, "beta", None),
-    }
-    key["script_args"].pop("overwrite_output_dir")
-    with run.phase("eval_before"):
-        before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer))
-    with run.phase("train"):
-        train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
-    trained = run.steps_summary(train_output.global_step, run.phase_seconds["train"])
-    with run.phase("eval_after"):
-        after = evaluate(trainer)
+    key = trl_ext.run.evaluation_key(model_args.model_name_or_path, script_args.test_file, script_args=script_args)
+    before, train_output, after = run.train_and_evaluate(trainer, lambda: evaluate(trainer), key)
     trainer.save_model(training_args.output_dir)
     if not trainer.accelerator.is_main_process:
         return {}
@@ -120,7 +105,7 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
         run,
         metrics,
         title="Bradley-Terry reward model",
-        lines=[f"Trained on {len(train)} pairs: {trained}."],
+        lines=[f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step)}."],
         table=report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
         trainer=trainer,
         model_card=(model_args.model_name_or_path, script_args.train_file),

@@ -113,21 +113,21 @@ def reward_scores(reward_model, tokenizer, prompts: list[str], completions: list
     return reward_model(**batch).logits[:, 0].tolist()
 
 
-def score(trainer, tokenizer, reward_model, rm_tokenizer, prompts: list[str], desc: str) -> tuple[float, list[str]]:
+def score(trainer, tokenizer, reward_model, rm_tokenizer, prompts: list[str]) -> dict:
     """Mean reward-model score of the policy's greedy answers to ``prompts`` (budget: max_completion_length tokens),
-    and the answers."""
+    and the answers: ``{"score", "completions"}``."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     completions = trl_ext.eval.generate_completions(
-        model, tokenizer, prompts, trainer.args.max_completion_length, desc=desc
+        model, tokenizer, prompts, trainer.args.max_completion_length, desc="reward-model score"
     )
-    return sum(reward_scores(reward_model, rm_tokenizer, prompts, completions)) / len(prompts), completions
+    mean = sum(reward_scores(reward_model, rm_tokenizer, prompts, completions)) / len(prompts)
+    return {"score": mean, "completions": completions}
 
 
 @cli.recipe("rlhf", (RLHFArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelConfig) -> None:
-    # the decorator checked the folder, the checkpoint and the model's options; then the prompts, before any model
-    if script_args.reward_model_path is not None and not Path(script_args.reward_model_path).is_dir():
-        raise cli.RecipeError(f"--reward_model_path {script_args.reward_model_path}: no such folder")
+    # the decorator checked the folder, the checkpoint and the model's options (cli.parse: --reward_model_path
+    # exists); then the prompts, before any model
     with run.phase("load_data"):
         with cli.user_input("--train_file: "):
             train_prompts = preferences.unique_prompts(script_args.train_file)
@@ -143,53 +143,41 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
         )
     reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1).eval()
     rm_tokenizer = trl_ext.models.load_tokenizer(str(rm_path))
-    policy_path = trl_ext.models.resolve_model_name_or_path(
-        model_args.model_name_or_path
-    )  # TRL reloads it as the reference
     tokenizer = trl_ext.models.load_tokenizer(model_args.model_name_or_path)
     trainer = trl_ext.GRPOTrainer(
-        model=policy_path,
+        model=trl_ext.models.resolve_model_name_or_path(model_args.model_name_or_path),  # reloaded as the reference
         reward_funcs=reward_model,
         reward_processing_classes=rm_tokenizer,
         args=training_args,
         train_dataset=Dataset.from_dict({"prompt": train_prompts}),
         processing_class=tokenizer,
     )
-    run.attach(trainer)
     # a resumed run reuses the before-score of the same reward model, policy, held-out prompts and budget
     weights = rm_path / "model.safetensors"
-    key = {
-        "reward_model": trl_ext.run.file_digest(weights) if weights.is_file() else str(rm_path),
-        "policy": model_args.model_name_or_path,
-        "test_file": trl_ext.run.file_digest(script_args.test_file),
-        "max_completion_length": training_args.max_completion_length,
-    }
-    with run.phase("eval_before"):
-        before = run.reuse_or_compute(
-            "eval_before",
-            key,
-            lambda: score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts, "eval before")[0],
-        )
-    with run.phase("train"):
-        trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
+    key = trl_ext.run.evaluation_key(
+        model_args.model_name_or_path,
+        script_args.test_file,
+        reward_model=trl_ext.run.file_digest(weights) if weights.is_file() else str(rm_path),
+        max_completion_length=training_args.max_completion_length,
+    )
+    before, _, after = run.train_and_evaluate(
+        trainer, lambda: score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts), key
+    )
     trainer.save_model(str(run.output_dir))
-    trained = run.steps_summary(trainer.state.global_step, run.phase_seconds["train"])
-    curves = {k: [(e["step"], e[k]) for e in trainer.state.log_history if "reward" in e and k in e] for k, _ in PANELS}
-    with run.phase("eval_after"):
-        after, completions = score(trainer, tokenizer, reward_model, rm_tokenizer, test_prompts, "eval after")
     if not trainer.accelerator.is_main_process:
         return
+    curves = {k: [(e["step"], e[k]) for e in trainer.state.log_history if "reward" in e and k in e] for k, _ in PANELS}
     metrics = {
         "reward_model": str(rm_path),
-        "rm_score_before": before,
-        "rm_score_after": after,
+        "rm_score_before": before["score"],
+        "rm_score_after": after["score"],
         "n_eval_prompts": len(test_prompts),
         "kl_final": curves["kl"][-1][1] if curves["kl"] else None,
         "beta_initial": training_args.beta,
         "beta_final": trainer.beta,
         "train_steps": trainer.state.global_step,
         "curves": curves,
-        "example_after": {"prompt": test_prompts[0], "completion": completions[0]},
+        "example_after": {"prompt": test_prompts[0], "completion": after["completions"][0]},
     }
     report.finish(
         run,
@@ -199,8 +187,9 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
         model_card=(model_args.model_name_or_path, script_args.train_file),
         curves=("rlhf.png", PANELS, None),
         lines=[
-            f"reward-model score on {len(test_prompts)} held-out prompts: {before:.3f} -> {after:.3f}; KL "
-            f"{metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after {trained}."
+            f"reward-model score on {len(test_prompts)} held-out prompts: {before['score']:.3f} -> "
+            f"{after['score']:.3f}; KL {metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after "
+            f"{run.steps_summary(trainer.state.global_step)}."
         ],
     )
 

@@ -98,22 +98,17 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    run.attach(trainer)
     # a resumed run reuses the before-evaluation of the same model, held-out file, prompts, budget and penalty
-    key = {
-        "model": model_args.model_name_or_path,
-        "test_file": trl_ext.run.file_digest(script_args.test_file),
-        "prompt_format": script_args.prompt_format,
-        "max_new_tokens": script_args.max_new_tokens,
-        "safety_penalty_weight": training_args.safety_penalty_weight,
-    }
-    with run.phase("eval_before"):
-        before = run.reuse_or_compute("eval_before", key, lambda: evaluate(trainer, tokenizer, test_rows, script_args))
-    with run.phase("train"):
-        train_output = trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
-    trained = run.steps_summary(train_output.global_step, run.phase_seconds["train"])
-    with run.phase("eval_after"):
-        after = evaluate(trainer, tokenizer, test_rows, script_args)
+    key = trl_ext.run.evaluation_key(
+        model_args.model_name_or_path,
+        script_args.test_file,
+        prompt_format=script_args.prompt_format,
+        max_new_tokens=script_args.max_new_tokens,
+        safety_penalty_weight=training_args.safety_penalty_weight,
+    )
+    before, train_output, after = run.train_and_evaluate(
+        trainer, lambda: evaluate(trainer, tokenizer, test_rows, script_args), key
+    )
     if not trainer.accelerator.is_main_process:
         return {}
     metrics = report.before_after_metrics(
@@ -139,7 +134,7 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
             KEYS,
         ),
         lines=[
-            f"Trained on {len(train)} rows: {trained}. Safety prompts after:",
+            f"Trained on {len(train)} rows: {run.steps_summary(train_output.global_step)}. Safety prompts after:",
             *(f"  {s['instruction']!r} -> {s['answer'][:80]!r}" for s in after["samples_safety"][:2]),
         ],
     )

@@ -459,7 +459,7 @@ def recipe(
     default_config: str | Path | None = None,
     *,
     help_overrides: Mapping[str, str] | None = None,
-    result_file: str | Callable[..., str] | None = None,
+    result_file: str | Sequence[str] | Callable[..., str | Sequence[str]] | None = None,
     not_resumable: tuple[str, str] | None = None,
     comparison: bool = False,
 ):
@@ -485,7 +485,8 @@ def recipe(
         help_overrides: option name -> help text of inherited options the recipe treats its own way
             (:func:`build_parser`).
         result_file: the file whose presence marks a finished run (default ``metrics.json``; ``comparison.json`` for
-            a comparison), or a function of the configs that returns it.
+            a comparison), or several (any of them; ``--overwrite_output_dir`` deletes them all), or a function of
+            the configs that returns them.
         not_resumable: for a recipe that cannot be resumed, (why, what ``--overwrite_output_dir`` replaces):
             ``--resume_from_checkpoint`` is refused with them (:func:`trl_ext.run.refuse_resume`).
         comparison: a comparison of arms: not resumable (:data:`COMPARISON_NOT_RESUMABLE`), its help says so

@@ -69,14 +69,17 @@ def is_main_process() -> bool:
 
 # ------------------------------------------------------------------------------------------- output folder
 def check_output_dir(
-    output_dir: str | Path, overwrite: bool = False, resuming: bool = False, result_file: str = "metrics.json"
+    output_dir: str | Path,
+    overwrite: bool = False,
+    resuming: bool = False,
+    result_file: str | Sequence[str] = "metrics.json",
 ) -> Path:
     """Make sure ``output_dir`` can take this run's results, before any model work.
 
-    * A finished run (``result_file``, default ``metrics.json``) or an unfinished run's ``checkpoint-*`` folders:
-      refused, unless
-      ``resuming`` (continue it) or ``overwrite`` (the previous run's :data:`RUN_ARTIFACTS` are deleted first,
-      on the main process, so TensorBoard logs and checkpoints of two runs never mix).
+    * A finished run (``result_file``, default ``metrics.json``; of several result files, the first that exists) or
+      an unfinished run's ``checkpoint-*`` folders: refused, unless ``resuming`` (continue it) or ``overwrite`` (the
+      previous run's :data:`RUN_ARTIFACTS` and every result file are deleted first, on the main process, so
+      TensorBoard logs and checkpoints of two runs never mix and no stale result survives a stopped run).
     * The folder is created and a probe file written and removed, so an unwritable folder fails now.
 
     Raises:
@@ -84,18 +87,19 @@ def check_output_dir(
             ``--resume_from_checkpoint true``), or why it cannot be written.
     """
     out = Path(output_dir)
-    finished = (out / result_file).is_file()
+    result_files = [result_file] if isinstance(result_file, str) else list(result_file)
+    finished = next((name for name in result_files if (out / name).is_file()), None)
     checkpoints = sorted(out.glob("checkpoint-*")) if out.is_dir() else []
     if (finished or checkpoints) and not resuming:
         if not overwrite:
-            what = f"a finished run ({result_file})" if finished else f"an unfinished run ({checkpoints[-1].name})"
+            what = f"a finished run ({finished})" if finished else f"an unfinished run ({checkpoints[-1].name})"
             resume = "" if finished else ", or --resume_from_checkpoint true to continue it"
             raise RecipeError(
                 f"--output_dir {out} holds {what}; choose a new --output_dir, or pass {OVERWRITE_FLAG} to replace "
                 f"it{resume}"
             )
         if is_main_process():
-            for pattern in (*RUN_ARTIFACTS, result_file):
+            for pattern in (*RUN_ARTIFACTS, *result_files):
                 for path in out.glob(pattern):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
     try:
@@ -217,6 +221,18 @@ def file_digest(path: str | Path) -> str:
     return f"{path} sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()}"
 
 
+def evaluation_key(model: str | None, test_file: str | Path, **depends_on: Any) -> dict[str, Any]:
+    """What a before-evaluation depends on (a :meth:`RecipeRun.reuse_or_compute` key): the starting ``model``, the
+    held-out file's bytes (:func:`file_digest`) and ``depends_on``, where a dataclass (a recipe's own options) counts
+    without the options that change no result (``overwrite_output_dir``)."""
+    key: dict[str, Any] = {"model": model, "test_file": file_digest(test_file)}
+    for name, value in depends_on.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = {k: v for k, v in dataclasses.asdict(value).items() if k != "overwrite_output_dir"}
+        key[name] = value
+    return key
+
+
 def _json_config(obj: Any) -> Any:
     if hasattr(obj, "to_dict"):  # TrainingArguments: enums to values, *_token fields masked
         return obj.to_dict()
@@ -269,7 +285,7 @@ class RecipeRun:
             in ``metrics.json`` (TrainingArguments through ``to_dict``, which masks ``*_token`` values).
         overwrite: ``--overwrite_output_dir``.
         resume: ``--resume_from_checkpoint`` as parsed (None, "true" or a path); see :func:`resolve_resume`.
-        result_file: the file whose presence marks a finished run of this recipe.
+        result_file: the file whose presence marks a finished run of this recipe (or several: any of them).
         handle_signals: install the Ctrl-C / SIGTERM handler of this run (:meth:`interrupted`); the command line
             (``trl_ext.cli.main``) asks for it, a library caller keeps its own handlers.
 
@@ -294,7 +310,7 @@ class RecipeRun:
         *,
         overwrite: bool = False,
         resume: str | bool | None = None,
-        result_file: str = "metrics.json",
+        result_file: str | Sequence[str] = "metrics.json",
         handle_signals: bool = False,
     ):
         self.name = name
@@ -336,9 +352,10 @@ class RecipeRun:
         """Wall seconds since the run started."""
         return time.time() - self.started
 
-    def steps_summary(self, global_step: int, seconds: float) -> str:
-        """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`),
-        ``"(resumed from step 1; 3 in all)"`` added on resume."""
+    def steps_summary(self, global_step: int, seconds: float | None = None) -> str:
+        """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`) in
+        ``seconds`` (default: the ``train`` phase), ``"(resumed from step 1; 3 in all)"`` added on resume."""
+        seconds = self.phase_seconds["train"] if seconds is None else seconds
         done = global_step - self.resumed_step
         text = f"{done} step{'s' if done != 1 else ''} in {seconds:.0f} s"
         return text + (f" (resumed from step {self.resumed_step}; {global_step} in all)" if self.resuming else "")
@@ -379,6 +396,26 @@ class RecipeRun:
         if is_main_process() and result is not None:
             path.write_text(json.dumps({"key": key, "result": result}, default=str))
         return result
+
+    def train_and_evaluate(
+        self, trainer: Any, evaluate: Callable[[], Any], key: Mapping[str, Any]
+    ) -> tuple[Any, Any, Any]:
+        """The phases of a recipe that evaluates held-out data before and after training, in order: this run
+        attached to ``trainer`` (:meth:`attach`), ``eval_before`` (``evaluate()``, read back on resume when ``key``
+        is the same: :meth:`reuse_or_compute`), ``train`` (``trainer.train``, from :attr:`resume_from_checkpoint`)
+        and ``eval_after`` (``evaluate()`` again).
+
+        Returns:
+            ``(before, what trainer.train() returned, after)``.
+        """
+        self.attach(trainer)
+        with self.phase("eval_before"):
+            before = self.reuse_or_compute("eval_before", key, evaluate)
+        with self.phase("train"):
+            output = trainer.train(resume_from_checkpoint=self.resume_from_checkpoint)
+        with self.phase("eval_after"):
+            after = evaluate()
+        return before, output, after
 
     def provenance(self) -> dict[str, Any]:
         """``recipe``, ``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,

@@ -238,6 +238,13 @@ def name_loaded_weights(precision: str, training_args: Any, requested_dtype: Any
     return precision_label(training_args, getattr(model, "dtype", requested_dtype)) + precision[len(before) :]
 
 
+def note_loaded_weights(speed: dict[str, Any] | None, training_args: Any, requested_dtype: Any, model: Any) -> None:
+    """Once the model is loaded, name the weights it really has in ``speed["precision"]``
+    (:func:`name_loaded_weights`); nothing when ``speed`` is None (no speed defaults were applied)."""
+    if speed:
+        speed["precision"] = name_loaded_weights(speed["precision"], training_args, requested_dtype, model)
+
+
 def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None, dtype: Any = "float32") -> str:
     """On a CPU run whose precision the user did not set: bf16 autocast where the CPU has bf16 instructions, else fp32.
 

@@ -123,6 +123,14 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")
 
 
+def task_description(name: str, task: Any, prompt_tasks: Mapping[str, Any]) -> str:
+    """What experiment ``name`` trains on, for its setup table: ``task``'s description, and for the prompt
+    experiment each arm's task (``prompt_tasks``: template -> task)."""
+    if name != "prompt":
+        return task.description
+    return task.description + "; arms: " + ", ".join(f"{k}: {t.description}" for k, t in prompt_tasks.items())
+
+
 def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which arm ended best, and whether each gap to it exceeds the noise of the held-out estimate (2 standard
     errors of the difference of two binomial accuracies); per arm, entropy collapse

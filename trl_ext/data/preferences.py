@@ -29,6 +29,7 @@ from typing import Any
 from datasets import Dataset, IterableDataset
 
 from trl_ext.data.instructions import collect_valid_rows
+from trl_ext.errors import user_input
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 """Required fields of a preference row."""
@@ -245,6 +246,21 @@ def load_training_pairs(
     if not margin and "margin" in dataset.column_names:
         dataset = dataset.remove_columns("margin")
     return dataset
+
+
+def load_pair_files(
+    train_file: str | os.PathLike, test_file: str | os.PathLike, **options: Any
+) -> tuple[Dataset, Dataset]:
+    """A recipe's training and held-out pairs (:func:`load_training_pairs` of each file, with ``options``).
+
+    Raises:
+        RecipeError: what is wrong with a file, after the flag that names it (``--train_file: ...``).
+    """
+    with user_input("--train_file: "):
+        train = load_training_pairs(train_file, **options)
+    with user_input("--test_file: "):
+        test = load_training_pairs(test_file, **options)
+    return train, test
 
 
 def unique_prompts(path: str | os.PathLike) -> list[str]:
