@@ -4,11 +4,14 @@ The trainers are imported on first use (``trl_ext.GRPOTrainer``, ``from trl_ext 
 submodules (``trl_ext.models``, ``trl_ext.tasks``...): importing TRL's trainers takes ~13 s on a 2-core machine,
 which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or the data and reward modules should not pay.
 
-The rooms, from the math up (README "Layout"): ``functional`` (what the trainers compute) and ``course`` (the rest of
-the course's API, re-exported by ``cs336``); ``trainers`` (the four TRL subclasses and their configs) with the GRPO
-speed paths in ``grpo_speed``/``shared_prompts``; ``rewards``, ``data`` and ``tasks`` (a task owns its data, reward
-and evaluation); ``models`` (loading, the embedded model); ``eval``; ``compare`` (arms against upstream); and the
-run lifecycle of a recipe: ``cli`` (flags, checks), ``run`` (output folder, resume, signals), ``report`` (results).
+The rooms, from the math up (README "Layout"; imports point down, tests/test_layout.py's ``LAYERS``): ``functional``
+(what the trainers compute) and the leaves ``errors`` (bad user input), ``options`` (what every recipe's options
+share), ``machine`` (what this machine can run and reach), ``observations`` (what a training log says), ``profiling``
+and ``runtime``; ``course`` (the rest of the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
+``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed``; ``trainers`` (the
+four TRL subclasses and their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation);
+``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run`` (output folder,
+resume, signals), ``report`` (results), ``cli`` (flags, checks, the command line).
 """
 
 import importlib
@@ -36,9 +39,13 @@ _SUBMODULES = (
     "course",
     "cs336",
     "data",
+    "errors",
     "eval",
     "grpo_speed",
+    "machine",
     "models",
+    "observations",
+    "options",
     "profiling",
     "report",
     "rewards",
