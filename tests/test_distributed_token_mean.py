@@ -102,8 +102,7 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-
-from trl_ext.models import tiny_model_for_tests  # noqa: E402
+from tiny import tiny_model_for_tests  # noqa: E402
 
 
 @pytest.mark.slow
