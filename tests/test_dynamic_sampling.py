@@ -77,7 +77,7 @@ def position_reward(prompts, completions, **kwargs):
     return [1.0 if p.startswith("same") else float(i % 2) for i, p in enumerate(prompts)]
 
 
-def make_trainer(tokenizer, tmp_path, prompts, **options):
+def make_trainer(tokenizer, tmp_path, prompts, reward_funcs=position_reward, **options):
     args = trl_ext.GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -101,7 +101,7 @@ def make_trainer(tokenizer, tmp_path, prompts, **options):
     data = Dataset.from_dict({"prompt": prompts})
     model = tiny_model("llama", len(tokenizer))
     return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=position_reward, args=args, train_dataset=data, processing_class=tok
+        model=model, reward_funcs=reward_funcs, args=args, train_dataset=data, processing_class=tok
     )
 
 
@@ -210,3 +210,60 @@ def test_dynamic_sampling_refuses_groups_split_across_processes(tokenizer, tmp_p
         r"is not a multiple of num_generations \(4\)",
     ):
         trainer._check_dynamic_sampling()
+
+
+def first_part(prompts, completions, **kwargs):
+    """Rows alternate 0.1, 0.2 within each group of 2."""
+    return [0.1 if i % 2 == 0 else 0.2 for i in range(len(prompts))]
+
+
+def second_part(prompts, completions, **kwargs):
+    """Rows alternate 0.6, 0.5: sums 0.1 + 0.6 and 0.2 + 0.5, equal in exact arithmetic, one float32 ulp apart; for
+    prompts starting with 'real' 0.6, 0.5001: sums 1e-4 apart, a real difference."""
+    return [0.6 if i % 2 == 0 else (0.5001 if p.startswith("real") else 0.5) for i, p in enumerate(prompts)]
+
+
+def test_float_equal_rewards_are_dropped_and_truly_informative_groups_kept(tokenizer, tmp_path):
+    """NVIDIA-NeMo/RL#4158: a group whose summed rewards differ only by float32 rounding has advantages of exactly 0,
+    so dynamic sampling drops it like any group of equal rewards and keeps the 'real' groups; frac_reward_zero_std
+    is logged by the same rule (upstream's isclose(std, 0) would count the float-equal groups as informative)."""
+    prompts = [f"float {i}:" for i in range(6)] + [f"real {i}:" for i in range(6)]
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        prompts,
+        reward_funcs=[first_part, second_part],
+        dynamic_sampling=True,
+        max_sampling_rounds=8,
+    )
+    rounds = record_rounds(trainer)
+    first = [{"prompt": "float 0:"}] * 2 + [{"prompt": "float 1:"}] * 2  # round 1: two float-equal groups
+    batch = trainer._generate_and_score_completions(first)
+    assert (torch.tensor(0.1) + torch.tensor(0.6)).item() != (torch.tensor(0.2) + torch.tensor(0.5)).item()
+    assert len(rounds) > 1
+    groups = [p[::2] for p, _ in rounds]  # one prompt per group of 2 rows, per round
+    for (_, out), prompts_of_round in zip(rounds, groups):
+        for g, prompt in enumerate(prompts_of_round):
+            advantages = out["advantages"][2 * g : 2 * g + 2].tolist()
+            if prompt.startswith("float"):
+                assert advantages == [0.0, 0.0], prompt
+            else:  # -+(d/2) / (d/sqrt(2) + 1e-6), d = 1e-4: 0.7071 / 1.01414 = 0.6972
+                assert advantages == pytest.approx([-0.6972, 0.6972], abs=1e-4), prompt
+    kept = [(r, g) for r, prompts_of_round in enumerate(groups) for g, p in enumerate(prompts_of_round)]
+    kept = [(r, g) for r, g in kept if groups[r][g].startswith("real")][:2]
+    assert len(kept) == 2 and kept[-1][0] == len(rounds) - 1
+    expected = torch.cat([rounds[r][1]["advantages"][2 * g : 2 * g + 2] for r, g in kept])
+    assert torch.equal(batch["advantages"], expected)
+    # by hand: per round, the share of its groups that are float-equal
+    fractions = [sum(p.startswith("float") for p in prompts_of_round) / 2 for prompts_of_round in groups]
+    assert trainer._metrics["train"]["frac_reward_zero_std"] == fractions
+
+
+def test_plain_grpo_trains_nothing_on_float_equal_rewards_and_logs_them_as_zero_std(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, ["float 0:", "real 0:"], reward_funcs=[first_part, second_part])
+    trainer.model.train()
+    rows = [{"prompt": "float 0:"}] * 2 + [{"prompt": "real 0:"}] * 2
+    out = trainer._generate_and_score_completions(rows)
+    assert out["advantages"][:2].tolist() == [0.0, 0.0]
+    assert out["advantages"][2:].tolist() == pytest.approx([-0.6972, 0.6972], abs=1e-4)
+    assert trainer._metrics["train"]["frac_reward_zero_std"] == [0.5]  # 1 of 2 groups; upstream's rule: 0.0

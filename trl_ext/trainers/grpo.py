@@ -574,7 +574,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
         rewards_per_func = self._gathered_rewards
         # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
+        terms = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
+        rewards = terms.nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
@@ -586,7 +588,12 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                 group_size,
                 advantage_eps=self.args.advantage_eps,
                 normalize_by_std=self.args.normalize_by_std and group_size > 1,
+                reward_terms=terms,
             ).to(rewards.device)
+        # Upstream logged frac_reward_zero_std by torch.isclose(std, 0) (atol 1e-8): a group of float-equal rewards
+        # (std ~3e-8) would count as informative there. Log it by the rule the advantages use.
+        equal = functional.equal_reward_groups(rewards, group_size, terms)
+        self._metrics["train" if train else "eval"]["frac_reward_zero_std"][-1] = equal.float().mean().item()
         local = output["completion_ids"].size(0)
         start = self.accelerator.process_index * local
         output["advantages"] = advantages[start : start + local]
