@@ -238,9 +238,10 @@ class GRPOConfig(trl.GRPOConfig):
             "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
             "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
             "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
-            "ranks must run the same forwards), and wherever it cannot be exact for the model, decided once per "
-            "model and said in one log line (trl_ext.shared_prompts.savings_decision: length-dependent RoPE, "
-            "caches that cannot be indexed by row such as linear-attention/SSM layers, active dropout, ...) or for a "
+            "ranks must run the same forwards), and wherever it cannot be exact for the model, said in one log "
+            "line: decided once per model for the architecture (trl_ext.shared_prompts.savings_decision: "
+            "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
+            "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
             "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
         },
     )
