@@ -267,3 +267,75 @@ def test_plain_grpo_trains_nothing_on_float_equal_rewards_and_logs_them_as_zero_
     assert out["advantages"][:2].tolist() == [0.0, 0.0]
     assert out["advantages"][2:].tolist() == pytest.approx([-0.6972, 0.6972], abs=1e-4)
     assert trainer._metrics["train"]["frac_reward_zero_std"] == [0.5]  # 1 of 2 groups; upstream's rule: 0.0
+
+
+# ----- a streaming training set (datasets.IterableDataset, issue 30) -----
+
+
+def test_a_stream_is_drawn_as_a_shuffle_per_epoch_and_resumes_at_its_position():
+    """Each epoch of the stream is a permutation of its rows (every row once), epochs differ, and a state restored
+    from ``as_dict`` continues exactly where the original goes on."""
+    prompts = [f"p{i}" for i in range(7)]
+    stream = Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+    state = DynamicSamplingState(seed=3, size=None)
+    first = [row["prompt"] for row in state.take_rows(stream, 5)]
+    saved = state.as_dict()
+    assert saved == {"seed": 3, "size": None, "epoch": 0, "position": 5}
+    rest = [row["prompt"] for row in state.take_rows(stream, 9)]  # 2 to end epoch 0, then 7 of epoch 1
+    assert sorted(first + rest[:2]) == prompts and sorted(rest[2:]) == prompts
+    assert first + rest[:2] != rest[2:]  # another order in the next epoch
+    assert (state.epoch, state.position) == (1, 7)
+    again = DynamicSamplingState.from_dict(saved)
+    assert [row["prompt"] for row in again.take_rows(stream, 9)] == rest
+    with pytest.raises(ValueError, match="the streaming training set yields no row"):
+        empty = Dataset.from_dict({"prompt": ["x"]}).to_iterable_dataset().filter(lambda row: False)
+        DynamicSamplingState(seed=0, size=None).take_rows(empty, 1)
+
+
+def test_a_streaming_training_set_trains_with_dynamic_sampling_and_resumes_on_the_same_prompts(tokenizer, tmp_path):
+    """Construction read len(train_dataset) (TypeError for a stream); now the extra rounds are drawn from the stream,
+    and a run resumed from its step-1 checkpoint draws the same extra prompts at step 2 as the uninterrupted run."""
+    prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
+
+    def run(out, resume=None):
+        args = trl_ext.GRPOConfig(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=3,
+            max_steps=2,
+            learning_rate=1e-2,
+            optim="sgd",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            save_strategy="steps",
+            save_steps=1,
+            disable_tqdm=True,
+            logging_steps=1,
+            gradient_checkpointing=False,
+            dynamic_sampling=True,
+            max_sampling_rounds=4,
+        )
+        tok = copy.deepcopy(tokenizer)
+        tok.padding_side = "left"
+        trainer = trl_ext.GRPOTrainer(
+            model=tiny_model("llama", len(tokenizer)),
+            reward_funcs=position_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}).to_iterable_dataset(),
+            processing_class=tok,
+        )
+        rounds = record_rounds(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, [p for p, _ in rounds]
+
+    whole, drawn = run(tmp_path / "whole")
+    assert whole.state.global_step == 2 and whole._dynamic_state.size is None
+    assert len(drawn) > 2  # extra rounds were drawn from the stream
+    resumed, drawn_again = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    step_1_rounds = len(drawn) - len(drawn_again)
+    assert len(drawn_again) > 1 and drawn_again == drawn[step_1_rounds:]  # step 2: its first and extra rounds
+    assert resumed._dynamic_state.as_dict() == whole._dynamic_state.as_dict()
