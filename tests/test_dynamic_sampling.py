@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -339,3 +340,26 @@ def test_a_streaming_training_set_trains_with_dynamic_sampling_and_resumes_on_th
     step_1_rounds = len(drawn) - len(drawn_again)
     assert len(drawn_again) > 1 and drawn_again == drawn[step_1_rounds:]  # step 2: its first and extra rounds
     assert resumed._dynamic_state.as_dict() == whole._dynamic_state.as_dict()
+
+
+def test_upstream_metrics_cover_every_round_and_dynamic_sampling_ones_the_trained_batch(tokenizer, tmp_path):
+    """One meaning per name (issue 30): reward, reward_std, frac_reward_zero_std, completions/* and num_tokens keep
+    upstream's meaning over everything generated -- every round appends its own value, and the logging window
+    averages them -- while dynamic_sampling/reward, reward_std and frac_reward_zero_std describe the trained batch."""
+    prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
+    trainer = make_trainer(tokenizer, tmp_path, prompts, dynamic_sampling=True, max_sampling_rounds=8)
+    rounds = record_rounds(trainer)
+    first = [{"prompt": "same 0:"}] * 2 + [{"prompt": "diff 0:"}] * 2  # round 1: 1 of its 2 groups informative
+    trainer._generate_and_score_completions(first)
+    assert len(rounds) >= 2
+    # by hand (position_reward): a 'same' group scores 1, 1 (mean 1); a 'diff' group 0, 1 (mean 0.5)
+    groups = [p[::2] for p, _ in rounds]
+    metrics = trainer._metrics["train"]
+    assert metrics["reward"] == [sum(1.0 if p.startswith("same") else 0.5 for p in g) / 2 for g in groups]
+    assert metrics["frac_reward_zero_std"] == [sum(p.startswith("same") for p in g) / 2 for g in groups]
+    tokens = sum(int(out["prompt_mask"].sum() + out["completion_mask"].sum()) for _, out in rounds)
+    assert metrics["num_tokens"] == [tokens]  # a running count: every round's prompts and completions
+    # the trained batch: two 'diff' groups, rewards 0, 1, 0, 1: mean 0.5, unbiased std sqrt(4 x 0.25 / 3)
+    assert metrics["dynamic_sampling/reward"] == [0.5]
+    assert metrics["dynamic_sampling/reward_std"] == [pytest.approx(math.sqrt(1 / 3))]
+    assert metrics["dynamic_sampling/frac_reward_zero_std"] == [0.0]

@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 from datasets import IterableDataset
+from trl.trainer.utils import nanstd
+
+from .. import functional
 
 
 def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -216,6 +219,22 @@ class DynamicSamplingMixin:
         size = None if streaming else len(self.train_dataset)
         self._dynamic_state = DynamicSamplingState(seed=args.seed + 1_000_003, size=size)
 
+    def _log_trained_rewards(self, rewards: list[tuple[torch.Tensor, torch.Tensor]], picks: list[tuple[int, int]]):
+        """Log the trained batch's ``dynamic_sampling/reward``, ``reward_std`` and ``frac_reward_zero_std`` (all
+        processes), beside upstream's ``reward``, ``reward_std`` and ``frac_reward_zero_std``, which keep their
+        meaning over everything generated (every round, as each round appends its own value)."""
+        size = self.num_generations
+        picked = [
+            (rewards[r][0][g * size : (g + 1) * size], rewards[r][1][g * size : (g + 1) * size]) for r, g in picks
+        ]
+        batch = self.accelerator.gather(torch.cat([reward for reward, _ in picked]))
+        terms = self.accelerator.gather(torch.cat([term for _, term in picked]))
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/reward"].append(torch.nanmean(batch).item())
+        metrics["dynamic_sampling/reward_std"].append(nanstd(batch).item())
+        equal = functional.equal_reward_groups(batch, size, terms)
+        metrics["dynamic_sampling/frac_reward_zero_std"].append(equal.float().mean().item())
+
     def _draw_round_inputs(self, local_groups: int) -> list[dict[str, Any]]:
         """This process's rows of a new round: each of its prompts ``num_generations`` times, as upstream's
         ``RepeatSampler`` gives them (processes take consecutive slices of the same global draw)."""
@@ -229,6 +248,7 @@ class DynamicSamplingMixin:
             return self._generate_and_score_round(inputs)
         group_size = self.num_generations
         rounds = [self._generate_and_score_round(inputs)]
+        rewards = [self._round_rewards]  # per round: this process's (rewards (B,), terms (B, K))
         wanted = rounds[0]["completion_ids"].size(0) // group_size
         found = [informative_groups(rounds[0]["advantages"], group_size)]
         device = self.accelerator.device
@@ -238,8 +258,10 @@ class DynamicSamplingMixin:
             if int(self.accelerator.gather(have).min()) >= wanted:
                 break
             rounds.append(self._generate_and_score_round(self._draw_round_inputs(wanted)))
+            rewards.append(self._round_rewards)
             found.append(informative_groups(rounds[-1]["advantages"], group_size))
         picks = select_groups(found, wanted)
+        self._log_trained_rewards(rewards, picks)
         output = merge_rounds(rounds, picks, group_size, self.processing_class.pad_token_id)
         items = output["completion_mask"].sum()
         output["num_items_in_batch"] = self.accelerator.gather(items.reshape(1)).sum()

@@ -276,9 +276,11 @@ class GRPOConfig(trl.GRPOConfig):
             "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
             "seeded permutation of the training set, or for a streaming datasets.IterableDataset its own seeded "
             "shuffle of the stream (position saved with each checkpoint). Logs "
-            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted. Needs per_device_train_batch_size x "
-            "steps_per_generation to be a multiple of num_generations, and a pg_loss_type whose zero weights give "
-            "zero gradients (all built-in ones). Default False (TRL's behaviour)."
+            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted and the trained batch's "
+            "dynamic_sampling/reward, reward_std, frac_reward_zero_std (reward, reward_std, frac_reward_zero_std, "
+            "completions/* and num_tokens keep upstream's meaning: over every round generated). Needs "
+            "per_device_train_batch_size x steps_per_generation to be a multiple of num_generations, and a "
+            "pg_loss_type whose zero weights give zero gradients (all built-in ones). Default False (TRL's behaviour)."
         },
     )
     max_sampling_rounds: int = field(
@@ -603,6 +605,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         local = output["completion_ids"].size(0)
         start = self.accelerator.process_index * local
         output["advantages"] = advantages[start : start + local]
+        # this process's rewards and their terms, for dynamic sampling's metrics of the trained batch
+        self._round_rewards = (rewards[start : start + local], terms[start : start + local])
         # Upstream logged its own advantages for the completions table: replace them with ours.
         for _ in range(min(len(advantages), len(self._logs["advantages"]))):
             self._logs["advantages"].pop()
