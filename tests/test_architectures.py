@@ -19,6 +19,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
+from trl_ext.shared_prompts import training_noise
 
 # What each FAST architecture is expected to do: "share" (both savings on) or the start of the reason sharing is off.
 EXPECTED_SHARING = {
@@ -48,7 +49,7 @@ EXPECTED_PACKING = {
 SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
 
 
-def one_step(model, tokenizer, tmp_path, **options):
+def one_step(model, tokenizer, tmp_path, before_train=None, **options):
     args = trl_ext.GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -90,6 +91,8 @@ def one_step(model, tokenizer, tmp_path, **options):
         return batch
 
     trainer._generate_and_score_completions = ragged
+    if before_train is not None:
+        before_train(trainer)
     trainer.train()
     return trainer, batches[0]
 
@@ -163,6 +166,49 @@ def test_dropout_turns_both_savings_off_in_one_line_and_disable_dropout_keeps_th
     assert "skip_zero_advantage_rows off" in lines[0]
     quiet, _ = one_step(model, tokenizer, tmp_path / "b", disable_dropout=True)
     assert quiet._share_prompts and quiet._skip_zero_advantage
+
+
+def test_dropout_switched_on_after_construction_turns_every_saving_off_at_use(tokenizer, tmp_path):
+    """Issue 30: the savings decision taken when the trainer was built must not outlive the model it was taken on.
+    Built with dropout 0 (every saving on), then a dropout rate is set and one step trained: generation, the
+    old/gradient forwards, packing and row skipping must all run the plain path -- the very forwards, in number and
+    shape, of a trainer with the savings switched off -- and give its loss, gradient and weights (same random numbers:
+    the same dropout masks)."""
+    model = tiny_model("gpt2", len(tokenizer))
+
+    def dropout_on(trainer):
+        assert trainer._share_prompts or not trainer.args.share_prompt_cache  # built without noise: on
+        trainer.model.transformer.h[0].attn.attn_dropout.p = 0.1
+        assert "attn_dropout p=0.1" in training_noise(trainer.model)  # measured here (2 probe forwards), remembered
+        trainer.forwards = []
+        trainer.model.register_forward_pre_hook(
+            lambda m, a, kw: trainer.forwards.append((*kw["input_ids"].shape, torch.is_grad_enabled())),
+            with_kwargs=True,
+        )
+        torch.manual_seed(0)
+
+    ours, batch = one_step(copy.deepcopy(model), tokenizer, tmp_path / "ours", before_train=dropout_on, beta=0.0)
+    plain, plain_batch = one_step(
+        model,
+        tokenizer,
+        tmp_path / "plain",
+        before_train=dropout_on,
+        beta=0.0,
+        share_prompt_cache=False,
+        skip_zero_advantage_rows=False,
+    )
+    # 2 prompts of 5 tokens x 2 completions of 4 tokens, unshared: generation prefills all 4 rows (not the 2 distinct
+    # prompts) and decodes 3 more tokens; then one padded gradient forward of the 4 rows (not a prompt prefill and a
+    # packed row); nothing else (beta 0, one iteration: no reference or old log-probs)
+    expected = [(4, 5, False), (4, 1, False), (4, 1, False), (4, 1, False), (4, 9, True)]
+    assert ours.forwards == plain.forwards == expected, ours.forwards
+    assert ours.model.training and not (ours._share_prompts or ours._skip_zero_advantage or ours._pack)
+    assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
+    # the loss of a first step is -mean(A) = 0 whatever the forward; its gradient is where dropout shows
+    logged = [[(e["loss"], e["grad_norm"]) for e in t.state.log_history if "loss" in e] for t in (ours, plain)]
+    assert logged[0] == logged[1] and logged[0][0][1] > 0, logged
+    for p, q in zip(ours.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def position_reward(prompts, completions, **kwargs):
     return [1.0 if p.startswith("same") else float(i % 2) for i, p in enumerate(prompts)]
 
 
-def make_trainer(tokenizer, tmp_path, prompts, **options):
+def make_trainer(tokenizer, tmp_path, prompts, reward_funcs=position_reward, **options):
     args = trl_ext.GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -101,7 +102,7 @@ def make_trainer(tokenizer, tmp_path, prompts, **options):
     data = Dataset.from_dict({"prompt": prompts})
     model = tiny_model("llama", len(tokenizer))
     return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=position_reward, args=args, train_dataset=data, processing_class=tok
+        model=model, reward_funcs=reward_funcs, args=args, train_dataset=data, processing_class=tok
     )
 
 
@@ -210,3 +211,155 @@ def test_dynamic_sampling_refuses_groups_split_across_processes(tokenizer, tmp_p
         r"is not a multiple of num_generations \(4\)",
     ):
         trainer._check_dynamic_sampling()
+
+
+def first_part(prompts, completions, **kwargs):
+    """Rows alternate 0.1, 0.2 within each group of 2."""
+    return [0.1 if i % 2 == 0 else 0.2 for i in range(len(prompts))]
+
+
+def second_part(prompts, completions, **kwargs):
+    """Rows alternate 0.6, 0.5: sums 0.1 + 0.6 and 0.2 + 0.5, equal in exact arithmetic, one float32 ulp apart; for
+    prompts starting with 'real' 0.6, 0.5001: sums 1e-4 apart, a real difference."""
+    return [0.6 if i % 2 == 0 else (0.5001 if p.startswith("real") else 0.5) for i, p in enumerate(prompts)]
+
+
+def test_float_equal_rewards_are_dropped_and_truly_informative_groups_kept(tokenizer, tmp_path):
+    """NVIDIA-NeMo/RL#4158: a group whose summed rewards differ only by float32 rounding has advantages of exactly 0,
+    so dynamic sampling drops it like any group of equal rewards and keeps the 'real' groups; frac_reward_zero_std
+    is logged by the same rule (upstream's isclose(std, 0) would count the float-equal groups as informative)."""
+    prompts = [f"float {i}:" for i in range(6)] + [f"real {i}:" for i in range(6)]
+    trainer = make_trainer(
+        tokenizer,
+        tmp_path,
+        prompts,
+        reward_funcs=[first_part, second_part],
+        dynamic_sampling=True,
+        max_sampling_rounds=8,
+    )
+    rounds = record_rounds(trainer)
+    first = [{"prompt": "float 0:"}] * 2 + [{"prompt": "float 1:"}] * 2  # round 1: two float-equal groups
+    batch = trainer._generate_and_score_completions(first)
+    assert (torch.tensor(0.1) + torch.tensor(0.6)).item() != (torch.tensor(0.2) + torch.tensor(0.5)).item()
+    assert len(rounds) > 1
+    groups = [p[::2] for p, _ in rounds]  # one prompt per group of 2 rows, per round
+    for (_, out), prompts_of_round in zip(rounds, groups):
+        for g, prompt in enumerate(prompts_of_round):
+            advantages = out["advantages"][2 * g : 2 * g + 2].tolist()
+            if prompt.startswith("float"):
+                assert advantages == [0.0, 0.0], prompt
+            else:  # -+(d/2) / (d/sqrt(2) + 1e-6), d = 1e-4: 0.7071 / 1.01414 = 0.6972
+                assert advantages == pytest.approx([-0.6972, 0.6972], abs=1e-4), prompt
+    kept = [(r, g) for r, prompts_of_round in enumerate(groups) for g, p in enumerate(prompts_of_round)]
+    kept = [(r, g) for r, g in kept if groups[r][g].startswith("real")][:2]
+    assert len(kept) == 2 and kept[-1][0] == len(rounds) - 1
+    expected = torch.cat([rounds[r][1]["advantages"][2 * g : 2 * g + 2] for r, g in kept])
+    assert torch.equal(batch["advantages"], expected)
+    # by hand: per round, the share of its groups that are float-equal
+    fractions = [sum(p.startswith("float") for p in prompts_of_round) / 2 for prompts_of_round in groups]
+    assert trainer._metrics["train"]["frac_reward_zero_std"] == fractions
+
+
+def test_plain_grpo_trains_nothing_on_float_equal_rewards_and_logs_them_as_zero_std(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, ["float 0:", "real 0:"], reward_funcs=[first_part, second_part])
+    trainer.model.train()
+    rows = [{"prompt": "float 0:"}] * 2 + [{"prompt": "real 0:"}] * 2
+    out = trainer._generate_and_score_completions(rows)
+    assert out["advantages"][:2].tolist() == [0.0, 0.0]
+    assert out["advantages"][2:].tolist() == pytest.approx([-0.6972, 0.6972], abs=1e-4)
+    assert trainer._metrics["train"]["frac_reward_zero_std"] == [0.5]  # 1 of 2 groups; upstream's rule: 0.0
+
+
+# ----- a streaming training set (datasets.IterableDataset, issue 30) -----
+
+
+def test_a_stream_is_drawn_as_a_shuffle_per_epoch_and_resumes_at_its_position():
+    """Each epoch of the stream is a permutation of its rows (every row once), epochs differ, and a state restored
+    from ``as_dict`` continues exactly where the original goes on."""
+    prompts = [f"p{i}" for i in range(7)]
+    stream = Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+    state = DynamicSamplingState(seed=3, size=None)
+    first = [row["prompt"] for row in state.take_rows(stream, 5)]
+    saved = state.as_dict()
+    assert saved == {"seed": 3, "size": None, "epoch": 0, "position": 5}
+    rest = [row["prompt"] for row in state.take_rows(stream, 9)]  # 2 to end epoch 0, then 7 of epoch 1
+    assert sorted(first + rest[:2]) == prompts and sorted(rest[2:]) == prompts
+    assert first + rest[:2] != rest[2:]  # another order in the next epoch
+    assert (state.epoch, state.position) == (1, 7)
+    again = DynamicSamplingState.from_dict(saved)
+    assert [row["prompt"] for row in again.take_rows(stream, 9)] == rest
+    with pytest.raises(ValueError, match="the streaming training set yields no row"):
+        empty = Dataset.from_dict({"prompt": ["x"]}).to_iterable_dataset().filter(lambda row: False)
+        DynamicSamplingState(seed=0, size=None).take_rows(empty, 1)
+
+
+def test_a_streaming_training_set_trains_with_dynamic_sampling_and_resumes_on_the_same_prompts(tokenizer, tmp_path):
+    """Construction read len(train_dataset) (TypeError for a stream); now the extra rounds are drawn from the stream,
+    and a run resumed from its step-1 checkpoint draws the same extra prompts at step 2 as the uninterrupted run."""
+    prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
+
+    def run(out, resume=None):
+        args = trl_ext.GRPOConfig(
+            output_dir=str(out),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=3,
+            max_steps=2,
+            learning_rate=1e-2,
+            optim="sgd",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            save_strategy="steps",
+            save_steps=1,
+            disable_tqdm=True,
+            logging_steps=1,
+            gradient_checkpointing=False,
+            dynamic_sampling=True,
+            max_sampling_rounds=4,
+        )
+        tok = copy.deepcopy(tokenizer)
+        tok.padding_side = "left"
+        trainer = trl_ext.GRPOTrainer(
+            model=tiny_model("llama", len(tokenizer)),
+            reward_funcs=position_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": prompts}).to_iterable_dataset(),
+            processing_class=tok,
+        )
+        rounds = record_rounds(trainer)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, [p for p, _ in rounds]
+
+    whole, drawn = run(tmp_path / "whole")
+    assert whole.state.global_step == 2 and whole._dynamic_state.size is None
+    assert len(drawn) > 2  # extra rounds were drawn from the stream
+    resumed, drawn_again = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    step_1_rounds = len(drawn) - len(drawn_again)
+    assert len(drawn_again) > 1 and drawn_again == drawn[step_1_rounds:]  # step 2: its first and extra rounds
+    assert resumed._dynamic_state.as_dict() == whole._dynamic_state.as_dict()
+
+
+def test_upstream_metrics_cover_every_round_and_dynamic_sampling_ones_the_trained_batch(tokenizer, tmp_path):
+    """One meaning per name (issue 30): reward, reward_std, frac_reward_zero_std, completions/* and num_tokens keep
+    upstream's meaning over everything generated -- every round appends its own value, and the logging window
+    averages them -- while dynamic_sampling/reward, reward_std and frac_reward_zero_std describe the trained batch."""
+    prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
+    trainer = make_trainer(tokenizer, tmp_path, prompts, dynamic_sampling=True, max_sampling_rounds=8)
+    rounds = record_rounds(trainer)
+    first = [{"prompt": "same 0:"}] * 2 + [{"prompt": "diff 0:"}] * 2  # round 1: 1 of its 2 groups informative
+    trainer._generate_and_score_completions(first)
+    assert len(rounds) >= 2
+    # by hand (position_reward): a 'same' group scores 1, 1 (mean 1); a 'diff' group 0, 1 (mean 0.5)
+    groups = [p[::2] for p, _ in rounds]
+    metrics = trainer._metrics["train"]
+    assert metrics["reward"] == [sum(1.0 if p.startswith("same") else 0.5 for p in g) / 2 for g in groups]
+    assert metrics["frac_reward_zero_std"] == [sum(p.startswith("same") for p in g) / 2 for g in groups]
+    tokens = sum(int(out["prompt_mask"].sum() + out["completion_mask"].sum()) for _, out in rounds)
+    assert metrics["num_tokens"] == [tokens]  # a running count: every round's prompts and completions
+    # the trained batch: two 'diff' groups, rewards 0, 1, 0, 1: mean 0.5, unbiased std sqrt(4 x 0.25 / 3)
+    assert metrics["dynamic_sampling/reward"] == [0.5]
+    assert metrics["dynamic_sampling/reward_std"] == [pytest.approx(math.sqrt(1 / 3))]
+    assert metrics["dynamic_sampling/frac_reward_zero_std"] == [0.0]

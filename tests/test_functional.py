@@ -129,6 +129,90 @@ def test_nearly_equal_rewards_give_finite_advantages():
     assert adv.tolist() == pytest.approx([-0.62, 0.62], abs=0.005)
 
 
+# Sums of reward functions that are equal in exact arithmetic but not in float32 (NVIDIA-NeMo/RL#4158): each case
+# gives the weighted terms of 4 rows (one group), summed in float32 as the trainer sums them (terms.nansum(1)).
+FLOAT_EQUAL_SUMS = {
+    "two functions": ([[0.1, 0.6], [0.2, 0.5], [0.1, 0.6], [0.2, 0.5]], [1.0, 1.0]),
+    "three functions": ([[0.1, 0.2, 0.4], [0.4, 0.1, 0.2], [0.3, 0.3, 0.1], [0.4, 0.1, 0.2]], [1.0, 1.0, 1.0]),
+    "negative rewards": ([[-0.1, -0.6], [-0.2, -0.5], [-0.1, -0.6], [-0.2, -0.5]], [1.0, 1.0]),
+    "weights 0.5 and 2": ([[0.0, 0.7], [0.4, 0.6], [0.0, 0.7], [0.4, 0.6]], [0.5, 2.0]),
+    # 1000.1 - 1000 is 0.0999756 in float32, 2.4e-5 from 0.1: the error follows the terms, not the sum
+    "large offset": ([[1000.1, -1000.0], [0.1, 0.0], [1000.1, -1000.0], [0.1, 0.0]], [1.0, 1.0]),
+    "a NaN row": ([[0.1, 0.6], [float("nan")] * 2, [0.2, 0.5], [0.2, 0.5]], [1.0, 1.0]),
+}
+
+
+def weighted_terms(rows, weights, dtype=torch.float32):
+    terms = torch.tensor(rows, dtype=dtype) * torch.tensor(weights, dtype=dtype)
+    rewards = terms.nansum(dim=1)
+    rewards[torch.isnan(terms).all(dim=1)] = torch.nan
+    return rewards, terms
+
+
+@pytest.mark.parametrize("case", FLOAT_EQUAL_SUMS)
+@pytest.mark.parametrize("normalize_by_std", [True, False])
+def test_rewards_equal_up_to_float_rounding_give_exactly_zero_advantages(case, normalize_by_std):
+    rewards, terms = weighted_terms(*FLOAT_EQUAL_SUMS[case])
+    valid = rewards[~torch.isnan(rewards)]
+    assert valid.max() > valid.min(), "the float32 sums must differ, or this case tests nothing"
+    # exact arithmetic: every valid row sums to the same value, so every advantage is 0 (and 0 for the NaN row)
+    advantages = functional.compute_group_advantages(rewards, 4, 1e-6, normalize_by_std, reward_terms=terms)
+    assert advantages.tolist() == [0.0] * 4
+    assert functional.equal_reward_groups(rewards, 4, terms).tolist() == [True]
+    if case != "large offset":  # terms of one sign: each reward is its own scale, the default covers them
+        assert functional.compute_group_advantages(rewards, 4, 1e-6, normalize_by_std).tolist() == [0.0] * 4
+
+
+def test_float_noise_was_a_signal_before_the_rule():
+    """What the rule removes, worked by hand: two rows at 0.7 + 2^-24 and two at 0.7 - 2^-25 (one float32 ulp,
+    5.96e-8, apart) centre to +-d/2 with unbiased std d/sqrt(3), so the plain formula gives
+    (d/2) / (d/sqrt(3) + 1e-6) = 0.0288 -- the same size as NeMo-RL's reported +-0.0286."""
+    rewards, _ = weighted_terms(*FLOAT_EQUAL_SUMS["two functions"])
+    d = (rewards[0] - rewards[1]).double().item()
+    assert d == pytest.approx(2**-24, rel=0.01)
+    assert (d / 2) / (d / math.sqrt(3) + 1e-6) == pytest.approx(0.0288, abs=1e-4)
+
+
+def test_a_cancelling_sum_needs_its_terms():
+    """Without the terms, 1000.1 - 1000 against 0.1 (2.4e-5 apart, 2.4e-4 of the sum) is a real difference: only the
+    terms' scale (2000.1) tells it is float32 rounding."""
+    rewards, terms = weighted_terms(*FLOAT_EQUAL_SUMS["large offset"])
+    assert functional.equal_reward_groups(rewards, 4).tolist() == [False]
+    assert functional.equal_reward_groups(rewards, 4, terms).tolist() == [True]
+
+
+@pytest.mark.parametrize("normalize_by_std", [True, False])
+def test_a_truly_informative_group_keeps_its_advantages(normalize_by_std):
+    # 0.7 and 0.7001 (1.0e-4 apart, 800 x the tolerance 2 * 2 * 1.19e-7 * 0.7001 = 1.7e-7 of two terms):
+    # centred +-d/2; with the std, (d/2) / (d/sqrt(3) + 1e-6) = 0.866 * (1 - 1e-6 sqrt(3)/d) = 0.8510
+    rows = [[0.1, 0.6], [0.2, 0.5001], [0.1, 0.6], [0.2, 0.5001]]
+    rewards, terms = weighted_terms(rows, [1.0, 1.0])
+    d = (rewards[1] - rewards[0]).double().item()
+    expected = (d / 2) / (d / math.sqrt(3) + 1e-6) if normalize_by_std else d / 2
+    advantages = functional.compute_group_advantages(rewards, 4, 1e-6, normalize_by_std, reward_terms=terms)
+    assert advantages.tolist() == pytest.approx([-expected, expected, -expected, expected], rel=1e-5)
+    assert abs(advantages[0].item()) > (0.85 if normalize_by_std else 4.9e-5)
+
+
+def test_bf16_rewards_are_judged_at_bf16_rounding():
+    """0.1 + 0.6 and 0.2 + 0.5 summed in bfloat16 are 0.703125 and 0.69921875, one bf16 ulp (2^-8) apart: equal up
+    to bf16 rounding (tolerance 2 * 2 * 2^-7 * 0.703 = 0.022). The same values handed over as float32 are 2^-8
+    apart, far beyond float32 rounding: they count as different (+-sqrt(3)/2 up to eps)."""
+    bf16 = torch.bfloat16
+    first = torch.tensor(0.1, dtype=bf16) + torch.tensor(0.6, dtype=bf16)
+    second = torch.tensor(0.2, dtype=bf16) + torch.tensor(0.5, dtype=bf16)
+    rewards = torch.stack([first, second, first, second])
+    assert rewards.tolist() == [0.703125, 0.69921875, 0.703125, 0.69921875]
+    assert functional.compute_group_advantages(rewards, 4).tolist() == [0.0] * 4
+    as_float32 = functional.compute_group_advantages(rewards.float(), 4)
+    assert as_float32.tolist() == pytest.approx([0.866, -0.866, 0.866, -0.866], abs=1e-3)
+
+
+def test_reward_terms_must_have_a_row_per_reward():
+    with pytest.raises(ValueError, match=r"reward_terms has shape \(3, 2\); expected \(4, K\)"):
+        functional.compute_group_advantages(torch.zeros(4), 2, reward_terms=torch.zeros(3, 2))
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     st.integers(2, 6).flatmap(

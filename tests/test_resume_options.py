@@ -41,13 +41,13 @@ LIBRARY_END = (
 )
 
 
-def grpo_trainer(tokenizer, output_dir, **overrides):
+def grpo_trainer(tokenizer, output_dir, model=None, **overrides):
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
     options = {**CPU_TEST_ARGS, **GRPO_OPTIONS, "save_strategy": "steps", "save_steps": 1, **overrides}
     args = trl_ext.GRPOConfig(output_dir=str(output_dir), **options)
     return trl_ext.GRPOTrainer(
-        model=tiny_model_for_tests(tokenizer),
+        model=tiny_model_for_tests(tokenizer) if model is None else model,  # a path where beta > 0 needs a reference
         reward_funcs=length_mod5_reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]}),
@@ -75,7 +75,9 @@ def test_the_checkpoint_saves_the_options_resume_depends_on(checkpoint):
         "num_iterations": 1,
         "num_generations": 4,
         "generation_batch_size": 8,  # 4 per device x 1 process x 2 steps per generation
+        "dynamic_sampling": False,  # (max_sampling_rounds only while dynamic sampling is on)
     }
+    assert state["changeable_options"]["temperature"] == 1.0 and state["changeable_options"]["learning_rate"] == 1e-2
 
 
 def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_complete(tokenizer, tmp_path, monkeypatch):
@@ -112,6 +114,8 @@ def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_compl
         (dict(seed=1), "seed was 0, now 1"),
         (dict(data_seed=5), "data_seed was None, now 5"),
         (dict(num_iterations=2), "num_iterations was 1, now 2"),
+        # the extra rounds decide which samples each step trains on (issue 30)
+        (dict(dynamic_sampling=True), "dynamic_sampling was False, now True"),
     ],
 )
 def test_resume_with_a_changed_option_is_refused_before_any_step(change, named, checkpoint, tokenizer, tmp_path):
@@ -166,9 +170,9 @@ def test_an_older_checkpoint_is_checked_for_what_its_files_tell(checkpoint, toke
     warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.upstream"]
     assert warnings == [
         f"{old} was written by an older trl_ext that did not save its options: checked num_processes, "
-        "per_device_train_batch_size only; resume with the gradient_accumulation_steps, seed, data_seed, "
-        "steps_per_generation, num_iterations, num_generations, generation_batch_size it was written with, or the run "
-        "will not continue exactly"
+        "per_device_train_batch_size, dynamic_sampling only; resume with the gradient_accumulation_steps, seed, "
+        "data_seed, steps_per_generation, num_iterations, num_generations, generation_batch_size it was written with, "
+        "or the run will not continue exactly"
     ]
 
 
@@ -221,3 +225,112 @@ def test_sft_refuses_a_changed_accumulation(tokenizer, tiny_model, tmp_path):
     )
     with pytest.raises(ResumeMismatchError, match=r"stopped: gradient_accumulation_steps was 4, now 1\. Resume"):
         trainer.train(resume_from_checkpoint=str(fake))
+
+
+def edited_copy(checkpoint, folder, edit):
+    copy_ = folder / "checkpoint-1"
+    shutil.copytree(checkpoint, copy_)
+    state = json.loads((copy_ / "trl_ext_state.json").read_text())
+    edit(state)
+    (copy_ / "trl_ext_state.json").write_text(json.dumps(state))
+    return copy_
+
+
+def test_a_changed_max_sampling_rounds_is_refused_while_dynamic_sampling_is_on(checkpoint, tokenizer, tmp_path):
+    def with_dynamic_sampling(state):
+        state["resume_options"].update(dynamic_sampling=True, max_sampling_rounds=4)
+
+    fake = edited_copy(checkpoint, tmp_path, with_dynamic_sampling)
+    trainer = grpo_trainer(tokenizer, tmp_path, dynamic_sampling=True, max_sampling_rounds=2)
+    with pytest.raises(ResumeMismatchError, match=r"stopped: max_sampling_rounds was 4, now 2\. Resume"):
+        trainer.train(resume_from_checkpoint=str(fake))
+
+
+def test_a_round_3_checkpoint_tells_whether_it_sampled_dynamically(checkpoint, tokenizer, tmp_path, caplog):
+    """Round 3 saved no dynamic_sampling option, but its state holds the sampler's position (None when off)."""
+
+    def round_3(state):
+        del state["resume_options"]["dynamic_sampling"]
+        assert state["dynamic_sampling"] is None
+
+    fake = edited_copy(checkpoint, tmp_path, round_3)
+    trainer = grpo_trainer(tokenizer, tmp_path, dynamic_sampling=True)
+    with pytest.raises(ResumeMismatchError, match=r"stopped: dynamic_sampling was False, now True\. Resume"):
+        trainer.train(resume_from_checkpoint=str(fake))
+
+
+def test_changed_sampling_and_learning_rate_resume_with_one_warning_each(checkpoint, tokenizer, tmp_path, caplog):
+    """Issue 30: temperature and max_completion_length change what the steps after the checkpoint compute, and they
+    use the new values; a new learning_rate is ignored (transformers restores the optimizer and scheduler); each
+    change is one warning naming both values and that effect."""
+    trainer = grpo_trainer(
+        tokenizer, tmp_path, max_steps=3, temperature=0.7, max_completion_length=4, learning_rate=0.5
+    )
+    lengths = []
+    generate = trainer._generate_and_score_completions
+
+    def recorded(inputs):
+        out = generate(inputs)
+        lengths.append(out["completion_ids"].size(1))
+        return out
+
+    trainer._generate_and_score_completions = recorded
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.upstream"]
+    assert warnings == [
+        f"resuming {checkpoint}: learning_rate was 0.01, now 0.5; the checkpoint's optimizer and scheduler keep 0.01 "
+        "(transformers restores their state); start over to train with 0.5",
+        f"resuming {checkpoint}: temperature was 1.0, now 0.7; the steps after the checkpoint use 0.7",
+        f"resuming {checkpoint}: max_completion_length was 6, now 4; the steps after the checkpoint use 4",
+    ]
+    assert trainer.state.global_step == 3 and trainer.temperature == 0.7
+    # step 2 trains the checkpoint's buffered rollout (6 tokens wide at most), step 3 a new one of at most 4 tokens
+    assert len(lengths) == 1 and lengths[0] <= 4
+    # the optimizer's base rate is the checkpoint's 1e-2, not 0.5
+    assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2
+
+
+def test_beta_from_zero_is_refused(checkpoint, tokenizer, tiny_model_dir, tmp_path):
+    """A beta-0 run has no reference model and its buffered rollout no reference log-probs to train a KL term on."""
+    trainer = grpo_trainer(tokenizer, tmp_path, tiny_model_dir, beta=0.1)
+    with pytest.raises(ResumeMismatchError, match=r"stopped: beta was 0\.0, now 0\.1\. Resume"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def kl_checkpoint(tokenizer, tmp_path_factory):
+    """checkpoint-1 of a 1-step GRPO run with beta 0.04 (a reference model: the policy's folder)."""
+    model_dir = tmp_path_factory.mktemp("tiny")
+    tiny_model_for_tests(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path_factory.mktemp("grpo_kl_run")
+    grpo_trainer(tokenizer, out, str(model_dir), beta=0.04).train()
+    return out / "checkpoint-1", str(model_dir)
+
+
+def test_a_changed_fixed_beta_is_used_and_an_adaptive_one_goes_on(kl_checkpoint, tokenizer, tmp_path, caplog):
+    checkpoint, model_dir = kl_checkpoint
+    trainer = grpo_trainer(tokenizer, tmp_path / "fixed", model_dir, max_steps=2, beta=0.1)
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.beta == 0.1  # the checkpoint's state says 0.04; a fixed beta is the config's
+    assert f"resuming {checkpoint}: beta was 0.04, now 0.1; the steps after the checkpoint use 0.1" in [
+        r.getMessage() for r in caplog.records
+    ]
+
+    def adaptive(state):
+        state["changeable_options"]["kl_target"] = 0.02
+        state["beta"] = 0.07  # what the controller had reached
+
+    fake = edited_copy(checkpoint, tmp_path, adaptive)
+    trainer = grpo_trainer(tokenizer, tmp_path, model_dir, max_steps=1, beta=0.1, kl_target=0.02)
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+        trainer.train(resume_from_checkpoint=str(fake))
+    # from 0.07, one controller update at most moves beta by 0.2 x 8 samples / 10000 = 1.6e-4 of itself; from the
+    # configured 0.1 it would be 0.1 +- 1.6e-5
+    assert trainer.beta == pytest.approx(0.07, rel=1.6e-4)
+    assert (
+        f"resuming {fake}: beta was 0.04, now 0.1; with kl_target the adaptive beta goes on from the checkpoint's "
+        "value (0.1 is only a starting value)" in [r.getMessage() for r in caplog.records]
+    )

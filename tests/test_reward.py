@@ -14,7 +14,7 @@ from datasets import Dataset
 from tiny import tiny_model_for_tests
 from transformers import LlamaForSequenceClassification
 
-from trl_ext.data.preferences import load_preference_dataset, load_preference_rows
+from trl_ext.data.preferences import check_preference_dataset, load_preference_dataset, load_preference_rows
 from trl_ext.trainers.reward import RewardConfig, RewardTrainer
 
 COMMON = dict(
@@ -260,6 +260,55 @@ def test_preference_file_errors_name_file_row_and_field(tmp_path, bad, message):
     assert str(path) in str(info.value)
     with pytest.warns(UserWarning, match="skipped 1 invalid preference row"):
         assert len(load_preference_rows(path, skip_invalid=True)) == 2
+
+
+TIMER_CALL = [{"type": "function", "function": {"name": "start_timer", "arguments": '{"duration": 600}'}}]
+
+
+@pytest.mark.parametrize(
+    "chosen, empty",
+    [
+        # the OpenAI format: an assistant turn calling tools writes "content": "" (issue 30), None, or nothing
+        ([{"role": "assistant", "content": "", "tool_calls": TIMER_CALL}], False),
+        ([{"role": "assistant", "content": " \n", "tool_calls": TIMER_CALL}], False),
+        ([{"role": "assistant", "content": None, "tool_calls": TIMER_CALL}], False),
+        ([{"role": "assistant", "tool_calls": TIMER_CALL}], False),
+        # the older OpenAI field for one call
+        ([{"role": "assistant", "content": "", "function_call": TIMER_CALL[0]["function"]}], False),
+        # content blocks: non-blank text, or a block that is not text
+        ([{"role": "assistant", "content": [{"type": "text", "text": "Done."}]}], False),
+        ([{"role": "assistant", "content": [{"type": "image", "url": "timer.png"}]}], False),
+        # a call, then its tool result "" and an answer: the call says something
+        (
+            [
+                {"role": "assistant", "content": "", "tool_calls": TIMER_CALL},
+                {"role": "tool", "name": "start_timer", "content": ""},
+            ],
+            False,
+        ),
+        # empty: no tool called, blank text blocks, a tool result "" alone
+        ([{"role": "assistant", "content": "", "tool_calls": []}], True),
+        ([{"role": "assistant", "content": "", "function_call": None}], True),
+        ([{"role": "assistant", "content": [{"type": "text", "text": " "}]}], True),
+        ([{"role": "tool", "name": "start_timer", "content": ""}], True),
+    ],
+)
+def test_a_turn_that_calls_a_tool_says_something_in_files_and_in_datasets(tmp_path, chosen, empty):
+    row = {
+        "prompt": [{"role": "user", "content": "Set a timer for 10 minutes."}],
+        "chosen": chosen,
+        "rejected": [{"role": "assistant", "content": "I cannot set timers."}],
+    }
+    path = write_jsonl(tmp_path / "pairs.jsonl", [row])
+    dataset = Dataset.from_list([row])  # in memory: Arrow gives every message of a column the same keys
+    if empty:
+        with pytest.raises(ValueError, match=r"row 0 \(line 1\): field 'chosen' is empty"):
+            load_preference_rows(path)
+        with pytest.raises(ValueError, match=r"train dataset row 0: field 'chosen' is empty"):
+            check_preference_dataset(dataset)
+    else:
+        assert load_preference_rows(path)[0]["chosen"] == chosen
+        assert check_preference_dataset(dataset) is dataset
 
 
 def test_preference_dataset_margins_and_chat_format(tmp_path):

@@ -247,3 +247,16 @@ def test_training_noise_is_measured_again_only_when_a_dropout_rate_changes(token
     model.config.hidden_dropout = 0.2  # a config field naming a dropout rate counts too (functional dropout)
     training_noise(model)
     assert len(forwards) == 8
+
+
+def test_a_dropout_rate_held_by_a_module_attribute_counts_once_it_changes(tokenizer):
+    """Llama's attention reads its rate from ``self_attn.attention_dropout`` at every forward (no Dropout module): set
+    after the model was built, it makes the training forward random, and the remembered answer must not hide it."""
+    from trl_ext.shared_prompts import training_noise
+
+    model = tiny_model_for_tests(tokenizer).train()
+    forwards = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: forwards.append(1), with_kwargs=True)
+    assert training_noise(model) is None and len(forwards) == 2
+    model.model.layers[1].self_attn.attention_dropout = 0.3
+    assert "model.layers.1.self_attn.attention_dropout=0.3" in training_noise(model) and len(forwards) == 4

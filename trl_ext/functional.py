@@ -3,14 +3,15 @@
 Every formula a trl_ext trainer executes lives here, written so it can be checked line by line against Stanford
 CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement "Safety Alignment,
 Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what:
-``GRPOTrainer`` -- ``compute_group_advantages``, ``compute_policy_gradient_loss`` (the loss its ``pg_loss_type``
-names in :data:`POLICY_GRADIENT_LOSSES`), ``compute_kl``, ``compute_grpo_loss`` (the reduction its
-``length_normalization`` names in :data:`LENGTH_NORMALIZATIONS`), ``masked_mean``/``masked_normalize``,
-``compute_entropy``, ``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` --
-``dpo_loss``; ``SFTTrainer`` -- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The handout's helpers that
-take a model or a tokenizer or call ``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
-``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``, ``compute_gae``)
-are in ``trl_ext.course``, re-exported by ``trl_ext.cs336``.
+``GRPOTrainer`` -- ``compute_group_advantages`` (and ``equal_reward_groups`` for its metrics),
+``compute_policy_gradient_loss`` (the loss its ``pg_loss_type`` names in :data:`POLICY_GRADIENT_LOSSES`),
+``compute_kl``, ``compute_grpo_loss`` (the reduction its ``length_normalization`` names in
+:data:`LENGTH_NORMALIZATIONS`), ``masked_mean``/``masked_normalize``, ``compute_entropy``,
+``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``;
+``SFTTrainer`` -- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The handout's helpers that take a model
+or a tokenizer or call ``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
+``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``,
+``compute_gae``) are in ``trl_ext.course``, re-exported by ``trl_ext.cs336``.
 
 Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
 Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a
@@ -31,6 +32,7 @@ __all__ = [
     "compute_entropy",
     "masked_mean",
     "masked_normalize",
+    "equal_reward_groups",
     "compute_group_advantages",
     "compute_naive_policy_gradient_loss",
     "compute_grpo_clip_loss",
@@ -159,11 +161,83 @@ def masked_normalize(
 # --------------------------------------------------------------------------------------------------------------
 
 
+EQUAL_REWARDS_MARGIN = 2.0
+"""Safety factor of the all-equal rule of :func:`equal_reward_groups` over its first-order rounding bound."""
+
+
+def _rounding_eps(dtype: torch.dtype) -> float:
+    """Relative rounding of the rewards' arithmetic: float32's (what TRL computes rewards in), or a coarser floating
+    dtype's own (bfloat16, float16)."""
+    eps32 = torch.finfo(torch.float32).eps
+    return max(eps32, torch.finfo(dtype).eps) if dtype.is_floating_point else eps32
+
+
+def equal_reward_groups(
+    raw_rewards: torch.Tensor, group_size: int, reward_terms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which groups' rewards are all equal up to the float rounding of how they were computed.
+
+    Rewards that are equal in exact arithmetic can differ in float32: a weighted sum of reward functions, 0.1 + 0.6
+    against 0.2 + 0.5, differs in its last bit (5.96e-8), and a group of such rewards has a std of ~3e-8 that
+    ``advantage_eps`` 1e-6 does not hide (advantages +-0.029; NVIDIA-NeMo/RL#4158). The rule: a group of consecutive
+    rows counts as all-equal when fewer than two of its rewards are valid (not NaN), or when
+
+        max_g(r) - min_g(r) <= EQUAL_REWARDS_MARGIN * (K + 1) * eps * max_g(S_i),   S_i = sum_k |t_ik|
+
+    over its valid rows, where t_ik are the K terms whose sum gave reward i (``reward_terms``: weight x reward of
+    each reward function) and eps the relative rounding of the arithmetic (float32's 1.19e-7, or the terms' own
+    dtype's when coarser: bfloat16 7.8e-3, float16 9.8e-4). Why: each term is rounded once when stored and once when
+    weighted, and each of the K - 1 additions once, so a computed sum is within (K + 1) * eps/2 * S_i of the exact
+    one (first order; the error of a sum is bounded by the sum of the magnitudes of its terms, not by the size of
+    the sum: 1000.1 - 1000 is computed 2.4e-5 away from 0.1 in float32), and two rows are within twice that;
+    ``EQUAL_REWARDS_MARGIN`` (2) covers second-order terms and rounding inside the reward functions. Without
+    ``reward_terms`` each reward is its own single term (K = 1, S_i = |r_i|), which covers sums whose terms share a
+    sign but not cancellations like 1000.1 - 1000: pass the terms for those.
+
+    Args:
+        raw_rewards: (N,) rewards, NaN where unscorable; rows of a group consecutive.
+        group_size: G >= 1; N must be a multiple of it.
+        reward_terms: (N, K) the terms summed into each reward (NaN where a term is missing), or None (default:
+            ``raw_rewards`` as one term).
+
+    Returns:
+        (N // G,) bool, True where the group's rewards count as all equal.
+
+    Raises:
+        ValueError: a non-1-D ``raw_rewards``, ``group_size`` < 1 or not dividing N, or ``reward_terms`` not of shape
+            (N, K).
+
+    Source: the float32 error bound of a sum (Higham, "Accuracy and Stability of Numerical Algorithms", 2002,
+    section 4.2); the fault it prevents: NVIDIA-NeMo/RL#4158.
+    """
+    if raw_rewards.dim() != 1:
+        raise ValueError(f"raw_rewards has shape {tuple(raw_rewards.shape)}; expected a 1-D tensor of N rewards")
+    if group_size < 1 or raw_rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{raw_rewards.numel()} rollouts is not divisible by group_size={group_size}; "
+            "expected consecutive groups of group_size rollouts per prompt"
+        )
+    terms = raw_rewards.unsqueeze(1) if reward_terms is None else reward_terms
+    if terms.dim() != 2 or terms.size(0) != raw_rewards.numel():
+        raise ValueError(
+            f"reward_terms has shape {tuple(terms.shape)}; expected ({raw_rewards.numel()}, K): the K terms summed "
+            "into each reward"
+        )
+    eps = _rounding_eps(terms.dtype)
+    grouped = raw_rewards.detach().to(torch.float64).reshape(-1, group_size)
+    valid = ~torch.isnan(grouped)
+    scale = terms.detach().to(torch.float64).abs().nansum(dim=1).reshape(-1, group_size)
+    spread = torch.where(valid, grouped, -math.inf).amax(dim=1) - torch.where(valid, grouped, math.inf).amin(dim=1)
+    tolerance = EQUAL_REWARDS_MARGIN * (terms.size(1) + 1) * eps * torch.where(valid, scale, 0.0).amax(dim=1)
+    return (valid.sum(dim=1) < 2) | (spread <= tolerance)
+
+
 def compute_group_advantages(
     raw_rewards: torch.Tensor,
     group_size: int,
     advantage_eps: float = 1e-6,
     normalize_by_std: bool = True,
+    reward_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-normalized advantages from rewards already computed.
 
@@ -174,24 +248,29 @@ def compute_group_advantages(
 
     std is the unbiased (Bessel-corrected, n-1) standard deviation, as ``torch.std`` computes it. Rewards that are
     NaN (a reward function that returned None or NaN) are excluded from their group's mean and std, and their own
-    advantage is 0. A group of equal rewards gives advantages of exactly 0: the mean is taken of values centred on
-    the group's first valid reward, so equal rewards cancel exactly and the variance is computed from centred
-    values. Computed in float64, returned in float32.
+    advantage is 0. A group whose rewards are all equal up to the float rounding of how they were computed
+    (:func:`equal_reward_groups`: spread within 2 (K + 1) x float32 eps x the rewards' scale, e.g. 0.1 + 0.6
+    against 0.2 + 0.5; NVIDIA-NeMo/RL#4158) gets advantages of exactly 0, where the formula would turn its rounding
+    noise into advantages of +-0.03. Otherwise the mean is taken of values centred on the group's first valid
+    reward, and the variance computed from centred values. Computed in float64, returned in float32.
 
     Args:
         raw_rewards: (N,) rewards, NaN where unscorable.
         group_size: rollouts per prompt; N must be a multiple of it; >= 2 when ``normalize_by_std``.
         advantage_eps: added to the std to avoid dividing by zero (default 1e-6, as in the handout).
         normalize_by_std: divide by the group std (default True).
+        reward_terms: (N, K) the terms summed into each reward (``trl_ext.GRPOTrainer`` passes weight x reward of
+            each reward function), which set the rounding scale of the all-equal rule; None (default): each reward
+            is its own scale (:func:`equal_reward_groups`).
 
     Returns:
         (N,) float32 advantages.
 
     Raises:
         ValueError: on a non-1-D input, a length not divisible by ``group_size``, ``group_size`` < 1, or
-        ``group_size`` < 2 with ``normalize_by_std`` (a std needs two samples).
+        ``group_size`` < 2 with ``normalize_by_std`` (a std needs two samples), or ``reward_terms`` not (N, K).
 
-    Source: CS336 A5 handout, section 7.2 (``compute_group_normalized_rewards``).
+    Source: CS336 A5 handout, section 7.2 (``compute_group_normalized_rewards``); the all-equal rule: NeMo-RL #4158.
     """
     if raw_rewards.dim() != 1:
         raise ValueError(f"raw_rewards has shape {tuple(raw_rewards.shape)}; expected a 1-D tensor of N rewards")
@@ -202,15 +281,11 @@ def compute_group_advantages(
             f"group_size={group_size} with normalize_by_std=True; expected group_size >= 2 (the std of one sample is "
             "undefined)"
         )
-    if raw_rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"{raw_rewards.numel()} rollouts is not divisible by group_size={group_size}; "
-            "expected consecutive groups of group_size rollouts per prompt"
-        )
+    equal = equal_reward_groups(raw_rewards, group_size, reward_terms).unsqueeze(1)
     grouped = raw_rewards.detach().to(torch.float64).reshape(-1, group_size)
-    valid = ~torch.isnan(grouped)
+    valid = ~torch.isnan(grouped) & ~equal
     n_valid = valid.sum(dim=1, keepdim=True)
-    # Shift each group by its first valid reward: equal rewards then centre to exactly 0.
+    # Shift each group by its first valid reward: the centred values are then computed from small differences.
     first_valid = torch.gather(grouped, 1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
     first_valid = torch.where(n_valid > 0, first_valid, torch.zeros_like(first_valid))
     shifted = torch.where(valid, grouped - first_valid, torch.zeros_like(grouped))

@@ -11,8 +11,9 @@
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
 (``skip_zero_advantage_rows``: with beta 0, rows whose advantage is exactly 0 run without gradient) and
-``_decide_speed_paths``, which turns each saving on only where it is exact for the model (one log line otherwise;
-``trl_ext.shared_prompts.savings_decision``). Measured effect on the main job: docs/performance.md.
+``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
+line otherwise; ``trl_ext.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
+time). Measured effect on the main job: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -51,32 +52,68 @@ class GRPOSpeedMixin:
     """Prompt-cache sharing and zero-advantage row skipping for ``trl_ext.GRPOTrainer`` (see the module docstring)."""
 
     def _decide_speed_paths(self) -> None:
-        """Set ``_share_prompts`` and ``_skip_zero_advantage`` from the config and the model (exact or off)."""
+        """Note which savings the config asks for (and parameter sharding allows), and announce at construction
+        those the model rules out. Whether each is on is asked again at every use (``_savings_now``)."""
         # Parameter-sharding setups gather parameters in every forward, collectively: all ranks must run the same
         # forwards, which data-dependent sharing or skipping would break.
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        self._share_prompts = self.args.share_prompt_cache and not sharded
-        self._skip_zero_advantage = self.args.skip_zero_advantage_rows and not sharded
-        self._pack = self._share_prompts and self.args.pack_completions
-        if self._share_prompts or self._skip_zero_advantage:
-            # Exact or off, per model (trl_ext.shared_prompts.savings_decision): one log line names what is off and why.
-            decision, noise = savings_decision(self.model), training_noise(self.model)
-            # Skipping a row is exact only where a zero weight gives a zero gradient: the loss's registry entry says.
-            loss = functional.get_policy_gradient_loss(self.args.pg_loss_type)
-            loss_reason = (
-                None
-                if loss.zero_weight_zero_gradient
-                else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
-            )
-            decision = SavingsDecision(
-                share_prompts=(decision.share_prompts or noise) if self._share_prompts else None,
-                skip_rows=(loss_reason or decision.skip_rows or noise) if self._skip_zero_advantage else None,
-                pack=(decision.pack or noise) if self._pack else None,
-            )
-            announce(self.model, decision)
-            self._share_prompts = self._share_prompts and decision.share_prompts is None
-            self._skip_zero_advantage = self._skip_zero_advantage and decision.skip_rows is None
-            self._pack = self._pack and self._share_prompts and decision.pack is None
+        share = self.args.share_prompt_cache and not sharded
+        self._speed_requested = (
+            share,
+            self.args.skip_zero_advantage_rows and not sharded,
+            share and self.args.pack_completions,
+        )
+        self._savings_now(training=True)  # announce now what the training forward rules out
+
+    def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
+        """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
+
+        Exact or off (``trl_ext.shared_prompts.savings_decision``): the per-architecture part (static checks and the
+        probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
+        changed after the trainer was built, a config change, ``train()``/``eval()`` -- is asked at each use
+        (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
+        forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
+        see one decision, the current one. A saving that is off is named in one log line per model and reason.
+
+        Args:
+            training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
+                mode now.
+        """
+        share, skip, pack = getattr(self, "_speed_requested", (False, False, False))
+        if not (share or skip):
+            return False, False, False
+        decision = savings_decision(self.model)
+        noise = training_noise(self.model) if (self.model.training if training is None else training) else None
+        # Skipping a row is exact only where a zero weight gives a zero gradient: the loss's registry entry says.
+        loss = functional.get_policy_gradient_loss(self.args.pg_loss_type)
+        loss_reason = (
+            None
+            if loss.zero_weight_zero_gradient
+            else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
+        )
+        decision = SavingsDecision(
+            share_prompts=(decision.share_prompts or noise) if share else None,
+            skip_rows=(loss_reason or decision.skip_rows or noise) if skip else None,
+            pack=(decision.pack or noise) if pack else None,
+        )
+        announce(self.model, decision)
+        shared = share and decision.share_prompts is None
+        return shared, skip and decision.skip_rows is None, pack and shared and decision.pack is None
+
+    @property
+    def _share_prompts(self) -> bool:
+        """Prompt-cache sharing is on for the model as it is now (``_savings_now``)."""
+        return self._savings_now()[0]
+
+    @property
+    def _skip_zero_advantage(self) -> bool:
+        """Zero-advantage row skipping is on for the model as it is now (``_savings_now``)."""
+        return self._savings_now()[1]
+
+    @property
+    def _pack(self) -> bool:
+        """Padding-free completion packing is on for the model as it is now (``_savings_now``)."""
+        return self._savings_now()[2]
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         # TRL 1.16's method passes no position_ids, so in a left-padded row every token sits `padding` positions
@@ -93,7 +130,8 @@ class GRPOSpeedMixin:
         # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
         # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
         # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
-        share = self._share_prompts and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
+        shared, _, pack = self._savings_now()
+        share = shared and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
         cache_name = cache_argument(unwrapped) if share else None
         prompt_length = input_ids.size(1) - logits_to_keep
 
@@ -101,7 +139,7 @@ class GRPOSpeedMixin:
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
             if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
                 return forward_with_shared_prompts(
-                    model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, pack=self._pack, **inputs
+                    model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, pack=pack, **inputs
                 )
             return model(**inputs)
 

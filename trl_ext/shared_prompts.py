@@ -465,6 +465,13 @@ def _noise_sources(model: Any) -> list[str]:
         for name, module in _base_model(model).named_modules()
         if isinstance(module, torch.nn.Dropout) and module.p > 0
     ][:1]
+    sources += [
+        f"{name}.{key}={value:g}"
+        for name, module in _base_model(model).named_modules()
+        if not isinstance(module, torch.nn.Dropout)
+        for key, value in _rate_attributes(module)
+        if value > 0
+    ][:1]
     for config in _configs(model):
         for key, value in vars(config).items():
             if (
@@ -504,10 +511,24 @@ def training_noise(model: Any) -> str | None:
     return reason
 
 
+def _rate_attributes(module: torch.nn.Module) -> list[tuple[str, float]]:
+    """A module's own numeric attributes naming a dropout rate (e.g. Llama's ``self_attn.attention_dropout``, read
+    at every forward: setting it after the model was built changes the training forward, as a config field does
+    not)."""
+    return [
+        (key, value)
+        for key, value in vars(module).items()
+        if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+    ]
+
+
 def _noise_signature(model: Any) -> tuple:
-    """What ``training_noise`` depends on: the rate of every Dropout module (in module order) and the config fields
-    naming a dropout or jitter rate."""
-    rates = tuple(m.p for m in _base_model(model).modules() if isinstance(m, torch.nn.Dropout))
+    """What ``training_noise`` depends on: the rate of every Dropout module and every module attribute naming a
+    dropout rate (in module order), and the config fields naming a dropout or jitter rate."""
+    rates = tuple(
+        (m.p, *_rate_attributes(m)) if isinstance(m, torch.nn.Dropout) else tuple(_rate_attributes(m))
+        for m in _base_model(model).modules()
+    )
     fields = tuple(
         (key, value)
         for config in _configs(model)

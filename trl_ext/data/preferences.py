@@ -8,7 +8,8 @@ File format, one JSON object per line (blank lines are ignored)::
 * ``prompt`` (required): a non-empty string, or a conversation ``[{"role": ..., "content": ...}, ...]``.
 * ``chosen``, ``rejected`` (required): the preferred and the dispreferred response, non-empty and different from
   each other; strings, or (when the prompt is a conversation) turns ``[{"role": "assistant", ...}, ...]``, which may
-  call tools (``"tool_calls"``, no ``"content"`` needed) and hold tool results (``{"role": "tool", ...}``), as in
+  call tools (``"tool_calls"`` or the older ``"function_call"``, with ``"content"`` absent, None or "" as the
+  OpenAI format writes it) and hold tool results (``{"role": "tool", ...}``), as in
   TRL's conversational preference data; a ``tools`` column then gives the tools' schemas to the chat template.
 * ``margin`` (optional number): how much the chosen reward should exceed the rejected one (Bradley-Terry with
   margin); rows without one get 0.0 when any row of the file has one.
@@ -47,11 +48,31 @@ def _is_messages(value: Any) -> bool:
     )
 
 
+def _part_says_something(part: Any) -> bool:
+    """A content block says something when it is non-blank text or not text at all (an image, audio, ...)."""
+    if isinstance(part, str):
+        return bool(part.strip())
+    if not isinstance(part, dict):
+        return part is not None
+    if part.get("type", "text") == "text":
+        return isinstance(part.get("text"), str) and bool(part["text"].strip())
+    return True
+
+
 def _says_something(message: dict[str, Any]) -> bool:
-    content, tool_calls = message.get("content"), message.get("tool_calls")
+    """A message says something when its ``content`` does (non-blank text, or a content block that is non-blank
+    text or not text) or when it calls a tool: a non-empty ``tool_calls`` list, or the older OpenAI
+    ``function_call``. The OpenAI format writes ``"content": ""`` (or None, or nothing) beside ``tool_calls``: such
+    an assistant turn says something. ``"tool_calls": []`` calls nothing; a tool turn (``role: tool``) whose
+    content is "" says nothing itself (its call, in an earlier turn, does)."""
+    content = message.get("content")
     if isinstance(content, str):
-        return bool(content.strip())
-    return bool(content) or bool(tool_calls)  # content blocks, or tool calls
+        text = bool(content.strip())
+    elif isinstance(content, list):
+        text = any(_part_says_something(part) for part in content)
+    else:
+        text = content is not None and bool(content)
+    return text or bool(message.get("tool_calls")) or bool(message.get("function_call"))
 
 
 def _is_empty(value: Any) -> bool:

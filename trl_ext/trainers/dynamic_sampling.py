@@ -6,8 +6,9 @@ whole extra generation rounds of the same size, so every process runs the same g
 each process holds as many informative groups as its generation batch has groups, or ``max_sampling_rounds`` rounds
 were drawn; then it fills what is missing with the earliest uninformative groups (their rows train nothing and
 ``skip_zero_advantage_rows`` skips their backward), so batch shapes never change. Every round's groups come from
-the trainer's own seeded permutation of the training set, whose position is saved with each checkpoint, so a
-resumed run draws the same prompts (``DynamicSamplingState``).
+the trainer's own seeded permutation of the training set (or, for a streaming ``datasets.IterableDataset``, its own
+seeded shuffle of the stream), whose position is saved with each checkpoint, so a resumed run draws the same prompts
+(``DynamicSamplingState``).
 
 Which groups are informative: for the baselined losses (``reinforce_with_baseline``, ``grpo_clip``,
 ``grpo_no_clip``), those whose rewards are not all equal -- DAPO's rule; for ``no_baseline`` (raw rewards as
@@ -20,10 +21,16 @@ The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from datasets import IterableDataset
+from trl.trainer.utils import nanstd
+
+from .. import functional
 
 
 def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -125,15 +132,27 @@ def merge_rounds(
     return merged
 
 
+STREAM_SHUFFLE_BUFFER = 1000
+"""Rows of a streaming training set held by the shuffle of dynamic sampling's extra rounds (``datasets``' default)."""
+
+
 @dataclass
 class DynamicSamplingState:
-    """Where the extra rounds' prompts come from: a permutation of the training set drawn from ``seed + epoch``,
-    and the position in it. Saved with each checkpoint (``as_dict``/``from_dict``)."""
+    """Where the extra rounds' prompts come from, and the position in it. Saved with each checkpoint
+    (``as_dict``/``from_dict``), so a resumed run draws the same prompts.
+
+    A map-style training set (``size`` its length): a permutation of its indices drawn from ``seed + epoch``. A
+    streaming one (``datasets.IterableDataset``, ``size`` None): the stream shuffled with ``seed`` and a buffer of
+    ``STREAM_SHUFFLE_BUFFER`` rows, ``set_epoch(epoch)`` (datasets shuffles epoch e with seed + e), read from
+    ``position``; a resumed run opens the stream again and skips ``position`` rows.
+    """
 
     seed: int
-    size: int
+    size: int | None
     epoch: int = 0
     position: int = 0
+    _rows: Iterator[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _rows_at: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` dataset indices (the same on every process), moving to a new permutation at the end."""
@@ -147,11 +166,37 @@ class DynamicSamplingState:
                 self.epoch, self.position = self.epoch + 1, 0
         return out
 
-    def as_dict(self) -> dict[str, int]:
+    def take_rows(self, dataset: Any, count: int) -> list[dict[str, Any]]:
+        """The next ``count`` rows of ``dataset`` (the same on every process): by index for a map-style set
+        (``take``), else from the shuffled stream, starting its next epoch when it ends.
+
+        Raises:
+            ValueError: a stream with no row.
+        """
+        if self.size is not None:
+            return [dataset[i] for i in self.take(count)]
+        rows: list[dict[str, Any]] = []
+        while len(rows) < count:
+            if self._rows is None or self._rows_at != (self.epoch, self.position):
+                stream = dataset.shuffle(seed=self.seed, buffer_size=STREAM_SHUFFLE_BUFFER)
+                stream.set_epoch(self.epoch)
+                self._rows = itertools.islice(iter(stream), self.position, None)
+            row = next(self._rows, None)
+            if row is None:
+                if self.position == 0:
+                    raise ValueError("dynamic_sampling: the streaming training set yields no row")
+                self.epoch, self.position, self._rows = self.epoch + 1, 0, None
+                continue
+            rows.append(row)
+            self.position += 1
+            self._rows_at = (self.epoch, self.position)
+        return rows
+
+    def as_dict(self) -> dict[str, int | None]:
         return {"seed": self.seed, "size": self.size, "epoch": self.epoch, "position": self.position}
 
     @classmethod
-    def from_dict(cls, state: dict[str, int]) -> DynamicSamplingState:
+    def from_dict(cls, state: dict[str, int | None]) -> DynamicSamplingState:
         return cls(**state)
 
 
@@ -170,23 +215,40 @@ class DynamicSamplingMixin:
             raise ValueError(f"dynamic_sampling needs whole groups on each process: {problem}")
         if args.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds={args.max_sampling_rounds}; expected >= 1")
-        self._dynamic_state = DynamicSamplingState(seed=args.seed + 1_000_003, size=len(self.train_dataset))
+        streaming = isinstance(self.train_dataset, IterableDataset)  # no len(): drawn from the stream
+        size = None if streaming else len(self.train_dataset)
+        self._dynamic_state = DynamicSamplingState(seed=args.seed + 1_000_003, size=size)
+
+    def _log_trained_rewards(self, rewards: list[tuple[torch.Tensor, torch.Tensor]], picks: list[tuple[int, int]]):
+        """Log the trained batch's ``dynamic_sampling/reward``, ``reward_std`` and ``frac_reward_zero_std`` (all
+        processes), beside upstream's ``reward``, ``reward_std`` and ``frac_reward_zero_std``, which keep their
+        meaning over everything generated (every round, as each round appends its own value)."""
+        size = self.num_generations
+        picked = [
+            (rewards[r][0][g * size : (g + 1) * size], rewards[r][1][g * size : (g + 1) * size]) for r, g in picks
+        ]
+        batch = self.accelerator.gather(torch.cat([reward for reward, _ in picked]))
+        terms = self.accelerator.gather(torch.cat([term for _, term in picked]))
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/reward"].append(torch.nanmean(batch).item())
+        metrics["dynamic_sampling/reward_std"].append(nanstd(batch).item())
+        equal = functional.equal_reward_groups(batch, size, terms)
+        metrics["dynamic_sampling/frac_reward_zero_std"].append(equal.float().mean().item())
 
     def _draw_round_inputs(self, local_groups: int) -> list[dict[str, Any]]:
         """This process's rows of a new round: each of its prompts ``num_generations`` times, as upstream's
         ``RepeatSampler`` gives them (processes take consecutive slices of the same global draw)."""
         total = local_groups * self.accelerator.num_processes
-        indices = self._dynamic_state.take(total)
-        mine = indices[
-            self.accelerator.process_index * local_groups : (self.accelerator.process_index + 1) * local_groups
-        ]
-        return [self.train_dataset[i] for i in mine for _ in range(self.num_generations)]
+        rows = self._dynamic_state.take_rows(self.train_dataset, total)
+        mine = rows[self.accelerator.process_index * local_groups : (self.accelerator.process_index + 1) * local_groups]
+        return [row for row in mine for _ in range(self.num_generations)]
 
     def _generate_and_score_completions(self, inputs):
         if not (self.args.dynamic_sampling and self.model.training):
             return self._generate_and_score_round(inputs)
         group_size = self.num_generations
         rounds = [self._generate_and_score_round(inputs)]
+        rewards = [self._round_rewards]  # per round: this process's (rewards (B,), terms (B, K))
         wanted = rounds[0]["completion_ids"].size(0) // group_size
         found = [informative_groups(rounds[0]["advantages"], group_size)]
         device = self.accelerator.device
@@ -196,8 +258,10 @@ class DynamicSamplingMixin:
             if int(self.accelerator.gather(have).min()) >= wanted:
                 break
             rounds.append(self._generate_and_score_round(self._draw_round_inputs(wanted)))
+            rewards.append(self._round_rewards)
             found.append(informative_groups(rounds[-1]["advantages"], group_size))
         picks = select_groups(found, wanted)
+        self._log_trained_rewards(rewards, picks)
         output = merge_rounds(rounds, picks, group_size, self.processing_class.pad_token_id)
         items = output["completion_mask"].sum()
         output["num_items_in_batch"] = self.accelerator.gather(items.reshape(1)).sum()

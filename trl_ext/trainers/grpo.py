@@ -237,9 +237,10 @@ class GRPOConfig(trl.GRPOConfig):
             "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
             "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
             "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
-            "ranks must run the same forwards), and wherever it cannot be exact for the model, decided once per "
-            "model and said in one log line (trl_ext.shared_prompts.savings_decision: length-dependent RoPE, "
-            "caches that cannot be indexed by row such as linear-attention/SSM layers, active dropout, ...) or for a "
+            "ranks must run the same forwards), and wherever it cannot be exact for the model, said in one log "
+            "line: decided once per model for the architecture (trl_ext.shared_prompts.savings_decision: "
+            "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
+            "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
             "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
         },
     )
@@ -272,10 +273,13 @@ class GRPOConfig(trl.GRPOConfig):
             "not 0: rewards not all equal; for pg_loss_type='no_baseline', whose weights are the raw rewards, rewards "
             "not all 0), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
             "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
-            "seeded permutation of the training set (position saved with each checkpoint). Logs "
-            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted. Needs per_device_train_batch_size x "
-            "steps_per_generation to be a multiple of num_generations, and a pg_loss_type whose zero weights give "
-            "zero gradients (all built-in ones). Default False (TRL's behaviour)."
+            "seeded permutation of the training set, or for a streaming datasets.IterableDataset its own seeded "
+            "shuffle of the stream (position saved with each checkpoint). Logs "
+            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted and the trained batch's "
+            "dynamic_sampling/reward, reward_std, frac_reward_zero_std (reward, reward_std, frac_reward_zero_std, "
+            "completions/* and num_tokens keep upstream's meaning: over every round generated). Needs "
+            "per_device_train_batch_size x steps_per_generation to be a multiple of num_generations, and a "
+            "pg_loss_type whose zero weights give zero gradients (all built-in ones). Default False (TRL's behaviour)."
         },
     )
     max_sampling_rounds: int = field(
@@ -536,7 +540,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         super()._restore_checkpoint_state(state)
         if state.get("dynamic_sampling") is not None and self._dynamic_state is not None:
             self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
-        self.beta = state["beta"]
+        # The adaptive beta goes on from the checkpoint when both runs adapt it (a checkpoint that did not save its
+        # kl_target is taken to have had this run's); a fixed beta is the config's, so a changed one takes effect
+        # (trl_ext.trainers.upstream.warn_changed_options says so).
+        if self.args.kl_target is not None and state.get("changeable_options", {}).get("kl_target", 1.0) is not None:
+            self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
         self._step = state["step"]
 
@@ -570,7 +578,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
         rewards_per_func = self._gathered_rewards
         # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
+        terms = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
+        rewards = terms.nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
@@ -582,10 +592,17 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
                 group_size,
                 advantage_eps=self.args.advantage_eps,
                 normalize_by_std=self.args.normalize_by_std and group_size > 1,
+                reward_terms=terms,
             ).to(rewards.device)
+        # Upstream logged frac_reward_zero_std by torch.isclose(std, 0) (atol 1e-8): a group of float-equal rewards
+        # (std ~3e-8) would count as informative there. Log it by the rule the advantages use.
+        equal = functional.equal_reward_groups(rewards, group_size, terms)
+        self._metrics["train" if train else "eval"]["frac_reward_zero_std"][-1] = equal.float().mean().item()
         local = output["completion_ids"].size(0)
         start = self.accelerator.process_index * local
         output["advantages"] = advantages[start : start + local]
+        # this process's rewards and their terms, for dynamic sampling's metrics of the trained batch
+        self._round_rewards = (rewards[start : start + local], terms[start : start + local])
         # Upstream logged its own advantages for the completions table: replace them with ours.
         for _ in range(min(len(advantages), len(self._logs["advantages"]))):
             self._logs["advantages"].pop()
