@@ -31,8 +31,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "compare_upstream_cpu.yaml"
 
 
 @dataclass
-class CompareArguments(tasks.MathTaskArguments):
-    """The math task's data options, plus the arms and how often to evaluate them."""
+class CompareArguments(tasks.TaskArguments):
+    """The task's options (--task, --task_config, data), plus the arms and how often to evaluate them."""
 
     arms: list[str] = field(
         default_factory=lambda: ["trl", "course", "dr_grpo"],
@@ -49,7 +49,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     with cli.user_input("--arms: "):
         arms = compare.parse_arms(script_args.arms)
     with run.phase("load_data"):
-        task = tasks.MathTask.from_args(script_args, max_new_tokens=training_args.max_completion_length)
+        task = tasks.load_task(script_args, max_new_tokens=training_args.max_completion_length)
     for arm in arms:  # each arm's own batch sizes
         with cli.user_input(f"--arms {arm.name}: "):
             task.check_fills_one_step(compare.arm_config(training_args, arm), f", arm {arm.name}")
@@ -67,7 +67,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
         {
             "dataset": task.dataset,
             "reward": task.name,
-            "train prompts": len(task.train),
+            "train prompts": len(task.train) if hasattr(task.train, "__len__") else "streamed",
             "held-out problems": len(task.test),
         },
     )

@@ -13,7 +13,7 @@ parse. Options, data, the model path and --output_dir (writable; no finished eva
 options, library versions and phase times.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trl
 
@@ -22,33 +22,10 @@ from trl_ext import cli, report, tasks
 
 
 @dataclass
-class EvalArguments(cli.RecipeArguments):
-    """What to evaluate on and how."""
+class EvalArguments(tasks.TaskArguments):
+    """What to evaluate on (the task's options: --task, --task_config, data, template, grader) and how."""
 
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Local .jsonl/.json/.parquet file or hub id (GSM8K or MATH columns); unset = generated arithmetic."
-        },
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config (GSM8K: 'main')."})
     dataset_split: str = field(default="test", metadata={"help": "Hub split (a local file is read whole)."})
-    dataset_kind: str | None = field(
-        default=None, metadata={"help": "'gsm8k', 'math' or 'arithmetic'; inferred when unset."}
-    )
-    template: str = field(default="chat", metadata={"help": "'chat' (instruct models), 'r1_zero' or 'question_only'."})
-    instruction: str | None = field(
-        default="Answer with just the number.", metadata={"help": "Appended to each question; '' for none."}
-    )
-    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
-    reward: str | None = field(
-        default=None,
-        metadata={"help": f"One of {sorted(tasks.GRADERS)}; default: r1_zero for that template, else by dataset kind."},
-    )
-    num_eval: int = field(
-        default=200, metadata={"help": "Evaluate the first this many rows (generated: this many problems)."}
-    )
-    arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
     max_new_tokens: int = field(default=24, metadata={"help": "Generation budget per response."})
     batch_size: int = field(default=50, metadata={"help": "Prompts per HF generate call (vLLM takes all at once)."})
     backend: str = field(default="auto", metadata={"help": f"One of {trl_ext.eval.BACKENDS}."})
@@ -56,7 +33,6 @@ class EvalArguments(cli.RecipeArguments):
     output_dir: str = field(
         default="outputs/eval_math", metadata={"help": "Where metrics.json and responses.jsonl go."}
     )
-    skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
 
 
 @cli.recipe("eval_math", (EvalArguments, trl.ModelConfig))
@@ -64,22 +40,9 @@ def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     args = eval_args  # the decorator records it under this parameter's name
     if args.backend not in trl_ext.eval.BACKENDS:
         raise cli.RecipeError(f"--backend {args.backend!r}: expected one of {trl_ext.eval.BACKENDS}")
-    with run.phase("load_data"):
-        task = tasks.MathTask.held_out(
-            args.dataset_name,
-            split=args.dataset_split,
-            kind=args.dataset_kind,
-            config_name=args.dataset_config,
-            template=args.template,
-            instruction=args.instruction,
-            system_prompt=args.system_prompt,
-            reward=args.reward,
-            num_eval=args.num_eval,
-            arithmetic_digits=args.arithmetic_digits,
-            skip_bad_rows=args.skip_bad_rows,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-        )
+    with run.phase("load_data"):  # the held-out rows only
+        held_out = replace(args, dataset_test_split=args.dataset_split, eval_batch_size=args.batch_size)
+        task = tasks.load_task(held_out, args.max_new_tokens, train=False)
     with run.phase("load_model"):
         model, tokenizer, backend = trl_ext.eval.load_eval_model(model_args, args.backend)
     with run.phase("generate_and_grade"):

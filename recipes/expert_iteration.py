@@ -57,8 +57,8 @@ PANELS = (
 
 
 @dataclass
-class EIArguments(tasks.MathTaskArguments):
-    """The math task's data options plus the expert-iteration loop and its sampling."""
+class EIArguments(tasks.TaskArguments):
+    """The task's options (--task, --task_config, data) plus the expert-iteration loop and its sampling."""
 
     n_ei_steps: int = field(default=3, metadata={"help": "Expert-iteration steps (sample, filter, SFT)."})
     num_generations: int = field(default=8, metadata={"help": "G: outputs sampled per question."})
@@ -214,13 +214,14 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
     whose reward is 1, fine-tune on them (:func:`sft`), evaluate on the held-out set; returns the step's record and
     its SFT log."""
     group = script_args.num_generations
-    prompts, answers = ([value for value in batch[column] for _ in range(group)] for column in ("prompt", "answer"))
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values()) for _ in range(group)]  # G per question
+    prompts = [row["prompt"] for row in rows]
     t0 = time.perf_counter()
     with run.phase("sample"):  # G outputs per question from the current policy
         prompt_ids, completion_ids, completions = sampler.sample(prompts)
     generation_seconds = time.perf_counter() - t0
     texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
-    rewards = [task.reward_fn(text, answer)["reward"] for text, answer in zip(texts, answers)]
+    rewards = [task.score(text, row)["reward"] for text, row in zip(texts, rows)]  # the task's judge, whole rows
     with run.phase("entropy"):
         entropy = trl_ext.course.mean_response_entropy(
             model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
@@ -265,7 +266,7 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
 def main(run, script_args, training_args, model_args, speed=None):
     # the decorator refused a resume, checked the folder and the model's options; then the data, before the model loads
     with run.phase("load_data"):
-        task = tasks.MathTask.from_args(script_args, max_new_tokens=script_args.max_completion_length)
+        task = tasks.load_task(script_args, max_new_tokens=script_args.max_completion_length)
     check_options(script_args, training_args, model_args, len(task.train))
     training_args.num_train_epochs = script_args.sft_epochs
     with run.phase("load_model"):

@@ -65,8 +65,8 @@ CURVE_KEYS = (
 
 
 @dataclass
-class AblationArguments(tasks.MathTaskArguments):
-    """The math task's data options, plus which experiment to run and how its arms differ."""
+class AblationArguments(tasks.TaskArguments):
+    """The task's options (--task, --task_config, data), plus which experiment to run and how its arms differ."""
 
     experiment: str = field(
         default="baselines", metadata={"help": f"One of {list(trl_ext.compare.ablations.EXPERIMENTS)} or 'all'."}
@@ -128,11 +128,9 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
     budget = training_args.max_completion_length
     with run.phase("load_data"):
-        task = tasks.MathTask.from_args(script_args, max_new_tokens=budget)
+        task = tasks.load_task(script_args, max_new_tokens=budget)
         prompt_tasks = {
-            t: tasks.MathTask.from_args(script_args, budget, template=t)
-            for t in ablations.PROMPT_TEMPLATES
-            if "prompt" in names
+            t: tasks.load_task(script_args, budget, template=t) for t in ablations.PROMPT_TEMPLATES if "prompt" in names
         }
     arms = {name: compare.parse_arms(ablations.experiment_arms(name, script_args, training_args)) for name in names}
     for name in names:  # every arm's own batch sizes (the off-policy arms generate several train batches at once)

@@ -33,11 +33,11 @@ PANELS = (
 )
 
 
-@cli.recipe("grpo_math", (tasks.MathTaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
+@cli.recipe("grpo_math", (tasks.TaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args, training_args, model_args, speed=None):
     # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):
-        task = tasks.MathTask.from_args(script_args, max_new_tokens=training_args.max_completion_length)
+        task = tasks.load_task(script_args, max_new_tokens=training_args.max_completion_length)
     task.check_fills_one_step(training_args)
     model_name = model_args.model_name_or_path or trl_ext.models.DEFAULT_MODEL
     state = PartialState()
@@ -55,6 +55,7 @@ def main(run, script_args, training_args, model_args, speed=None):
                 {"model": model_name, **task.fingerprint()},
                 lambda: task.evaluate(model, tokenizer, "eval before"),
             )
+        run.warn(tasks.nothing_to_learn(before))  # a task the model never scores on teaches GRPO nothing
     trainer = trl_ext.GRPOTrainer(
         model=model,
         reward_funcs=task.reward_funcs,

@@ -225,13 +225,17 @@ def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
 
     train = Dataset.from_dict({"prompt": [f"Count to {i}:" for i in range(8)]})
     test = Dataset.from_dict({"prompt": ["What is 1 + 1?", "What is 2 + 3?"], "answer": ["2", "5"]})
+
+    def score(response, row):
+        # one judge: trains on length mod 5 (a random model varies), held-out accuracy is the GSM8K answer check
+        answer = gsm8k_reward_fn(response, row["answer"])["answer_reward"] if "answer" in row else 0.0
+        return {"reward": length_mod5_reward([response])[0], "format_reward": 1.0, "answer_reward": answer}
+
     task = Task(
         name="gsm8k",
         train=train,
         test=test,
-        reward_funcs=length_mod5_reward,
-        reward_fn=gsm8k_reward_fn,
-        extract=None,
+        scorer=score,
         dataset="toy",
         source="toy",
         description="toy",

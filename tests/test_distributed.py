@@ -4,7 +4,7 @@ The test starts accelerate's launcher (torchrun underneath, gloo on CPU) on this
 records what each rank sees and then runs the recipe unchanged (``runpy``), on a tiny random model saved to a
 temporary directory, for 2 GRPO steps. Recording hooks, test-only:
 
-- the recipe's training reward (``trl_ext.rewards.arithmetic_reward``, which is always 0 on a random model) is
+- the recipe's training reward (the task's ``reward_funcs``, always 0 on a random model) is
   replaced by a deterministic reward that varies, ``len(completion) % 5``, and logs the prompts, completions and
   rewards of each call -- TRL calls it on each rank with that rank's slice of the batch;
 - ``GRPOTrainer._generate_and_score_round`` (one generation round) is wrapped to write, per rank, one JSON line per
@@ -57,7 +57,7 @@ ADVANTAGE_EPS = 1e-6  # recipes/configs/grpo_math_cpu.yaml (normalize_by_std: tr
 
 def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None:
     import trl_ext
-    import trl_ext.rewards
+    import trl_ext.tasks
 
     reward_calls: list[dict] = []
 
@@ -69,7 +69,7 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
         return rewards
 
     recording_reward.__name__ = "length_mod5_reward"
-    trl_ext.rewards.arithmetic_reward = recording_reward  # read by the recipe's REWARDS table when it runs
+    trl_ext.tasks.Task.reward_funcs = property(lambda task: [recording_reward])  # what the recipe trains with
 
     trainer_cls = trl_ext.GRPOTrainer
     generate_and_score = (

@@ -363,3 +363,17 @@ def test_upstream_metrics_cover_every_round_and_dynamic_sampling_ones_the_traine
     assert metrics["dynamic_sampling/reward"] == [0.5]
     assert metrics["dynamic_sampling/reward_std"] == [pytest.approx(math.sqrt(1 / 3))]
     assert metrics["dynamic_sampling/frac_reward_zero_std"] == [0.0]
+
+
+def test_rounds_that_find_nothing_to_learn_are_said_once(tokenizer, tmp_path, caplog):
+    # every prompt's group is all 1s: no round can ever find a group with a gradient (the r1_zero-on-a-small-model
+    # case, where every reward is 0); the trainer says so once, not at every step
+    prompts = [f"same {i}:" for i in range(8)]
+    trainer = make_trainer(tokenizer, tmp_path, prompts, dynamic_sampling=True, max_sampling_rounds=3)
+    rounds = record_rounds(trainer)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        for _ in range(2):
+            trainer._generate_and_score_completions(trainer._draw_round_inputs(2))
+    assert len(rounds) == 6  # 3 rounds per batch, all spent
+    said = [r.message for r in caplog.records if "dynamic_sampling: 3 generation rounds" in r.message]
+    assert said == [said[0]] and "drew 6 groups and none had rewards that differ" in said[0]

@@ -37,7 +37,7 @@ def test_user_config_is_layered_over_the_recipe_defaults_and_flags_win(tmp_path)
     assert training_args.max_completion_length == CPU_DEFAULTS["max_completion_length"] == 20  # TRL: 256
     assert training_args.per_device_train_batch_size == CPU_DEFAULTS["per_device_train_batch_size"] == 16  # TRL: 8
     assert training_args.use_cpu is True and training_args.bf16 is False
-    assert script_args.instruction == CPU_DEFAULTS["instruction"]
+    assert script_args.template == CPU_DEFAULTS["template"] == "chat"
 
 
 def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
@@ -165,7 +165,8 @@ def test_help_starts_with_the_recipe_usage_and_its_own_options():
         (tasks.MathTaskArguments, trl_ext_grpo_config(), trl.ModelConfig), grpo_math.DEFAULT_CONFIG, grpo_math.__doc__
     ).format_help()
     assert text.index("usage:") < text.index("GRPO on math problems") < text.index("  --config FILE")
-    own, trl_group = text.index("recipe options (MathTaskArguments)"), text.index("trl_ext.GRPOConfig options")
+    own, trl_group = text.index("recipe options (TaskArguments)"), text.index("trl_ext.GRPOConfig options")
+    assert own < text.index("  --task TASK") < text.index("  --task_config TASK_CONFIG") < trl_group
     assert own < text.index("  --dataset_kind") < trl_group < text.index("  --learning_rate")
     assert own < text.index("  --overwrite_output_dir [") < trl_group
     assert "layered over the recipe's default config" in " ".join(text.split())

@@ -46,7 +46,7 @@ from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import machine, runtime
+from trl_ext import machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import user_input as user_input
@@ -406,14 +406,15 @@ def parse(
     if fsdp and "use_cpu" in values and (values["use_cpu"] or not machine.cuda_available()) and is_main_process():
         print(
             "note: accelerate runs FSDP only on GPUs; on the CPU (use_cpu true, or no GPU) this launch trains with "
-            "plain "
-            "data parallelism, every process holding the whole model",
+            "plain data parallelism, every process holding the whole model",
             file=sys.stderr,
         )
     flagged = flag_problems(values)
     problems += flagged
     devices = device_problems(values)
     problems += devices + source_problems(values)
+    if "task" in values:  # --task and --task_config, before any data is read
+        problems += [p for p in [tasks.task_problem(values)] if p]
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:

@@ -284,52 +284,58 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def score_responses(
-    prompts: Sequence[Any],
+def score_rows(
+    rows: Sequence[Mapping[str, Any]],
     responses: Sequence[str],
-    answers: Sequence[str],
-    reward_fn: Callable[[str, str], dict[str, float]],
+    score: Callable[[str, Mapping[str, Any]], Mapping[str, float]],
     num_examples: int = 3,
-    extract_fn: Callable[[str], str | None] | None = None,
+    *,
+    answer: Callable[[Mapping[str, Any]], Any] | None = None,
+    extract: Callable[[str, Mapping[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Grade responses and aggregate the scores (no generation, no timing).
+    """Grade each response against its whole row and aggregate the scores (no generation, no timing).
 
     Args:
-        prompts, responses, answers: N each (prompts are only copied into the records).
-        reward_fn: course-style ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``.
-            A ``format_reward`` of NaN (format not measured, e.g. :func:`trl_ext.rewards.as_course_reward_fn`
-            without a format function) makes ``format_rate`` NaN and leaves the format counts ``None``.
+        rows: N held-out rows (mappings; each holds at least ``prompt``).
+        responses: N responses, one per row.
+        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` (a task's scorer,
+            ``trl_ext.tasks.Task.score``). A ``format_reward`` of NaN (format not measured) makes ``format_rate``
+            NaN and leaves the format counts ``None``.
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
-        extract_fn: the grader's answer extraction (e.g. ``trl_ext.rewards.extract_last_number``); when given,
-            each record has ``extracted``: what it found in the response (None: nothing).
+        answer: the row's reference answer, as recorded (default: its ``answer`` column, when it has one).
+        extract: the answer the scorer read from a response (recorded as ``extracted``; None: nothing found).
 
     Returns:
-        dict with ``accuracy`` (mean answer_reward), ``format_rate`` (mean format_reward), ``reward`` (mean reward),
-        ``n``; ``breakdown``: counts of ``format1_answer1``, ``format1_answer0``, ``format0_answer0`` and
-        ``format0_answer1`` (a score counts as 1 when >= 0.5), the course's categories; ``num_unparsed`` (responses
-        with format_reward < 0.5) and ``unparsed_examples`` (the first ``num_examples`` of them); ``examples``
-        (the first ``num_examples`` records) and ``records`` (every prompt, response, answer and score).
+        dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``format_rate`` (mean
+        format_reward), ``reward`` (mean reward), ``n``; ``breakdown``: counts of ``format1_answer1``,
+        ``format1_answer0``, ``format0_answer0`` and ``format0_answer1`` (a score counts as 1 when >= 0.5), the
+        course's categories; ``num_unparsed`` (responses with format_reward < 0.5) and ``unparsed_examples`` (the
+        first ``num_examples`` of them); ``examples`` (the first ``num_examples`` records) and ``records`` (every
+        prompt, response, answer, extracted answer and score).
 
     Raises:
-        ValueError: the three sequences differ in length or are empty; ``reward_fn`` returns a dict without the
-            three keys (the message names the row).
+        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` returns something without
+            the three keys or with a value that is not a number (the message names the row).
     """
-    if not (len(prompts) == len(responses) == len(answers)):
-        raise ValueError(
-            f"got {len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; expected equal counts"
-        )
+    if len(rows) != len(responses):
+        raise ValueError(f"got {len(rows)} rows and {len(responses)} responses; expected one response per row")
     if len(responses) == 0:
         raise ValueError("nothing to score: expected at least one response")
     records = []
-    for i, (prompt, response, answer) in enumerate(zip(prompts, responses, answers)):
-        scores = reward_fn(response, answer)
-        missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in scores]
+    for i, (row, response) in enumerate(zip(rows, responses)):
+        scores = score(response, row)
+        missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
         if missing:
-            raise ValueError(f"reward_fn returned {scores!r} for row {i}; missing keys {missing}")
-        record = {"prompt": prompt, "response": response, "answer": answer}
-        if extract_fn is not None:
-            record["extracted"] = extract_fn(response)
-        records.append({**record, **{k: float(v) for k, v in scores.items()}})
+            raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
+        try:
+            values = {k: float(v) for k, v in scores.items()}
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the scorer returned {scores!r} for row {i}; expected numbers ({err})") from None
+        record = {"prompt": row.get("prompt"), "response": response}
+        record["answer"] = answer(row) if answer is not None else row.get("answer")
+        if extract is not None:
+            record["extracted"] = extract(response, row)
+        records.append({**record, **values})
     format_measured = not any(math.isnan(r["format_reward"]) for r in records)
     breakdown: dict[str, int | None] = {}
     for fmt in (1, 0):
@@ -354,6 +360,41 @@ def score_responses(
     }
 
 
+def score_responses(
+    prompts: Sequence[Any],
+    responses: Sequence[str],
+    answers: Sequence[str],
+    reward_fn: Callable[[str, str], dict[str, float]],
+    num_examples: int = 3,
+    extract_fn: Callable[[str], str | None] | None = None,
+) -> dict[str, Any]:
+    """:func:`score_rows` for the course's grader shape: ``reward_fn(response, ground_truth)`` sees only the answer.
+
+    Args:
+        prompts, responses, answers: N each (prompts are only copied into the records).
+        reward_fn: course-style ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``.
+        num_examples: see :func:`score_rows`.
+        extract_fn: the grader's answer extraction (e.g. ``trl_ext.rewards.extract_last_number``), recorded as
+            ``extracted``.
+
+    Raises:
+        ValueError: the three sequences differ in length or are empty, or ``reward_fn`` returns a dict without the
+            three keys (the row is named).
+    """
+    if not (len(prompts) == len(responses) == len(answers)):
+        raise ValueError(
+            f"got {len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; expected equal counts"
+        )
+    rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+    return score_rows(
+        rows,
+        responses,
+        lambda response, row: reward_fn(response, row["answer"]),
+        num_examples,
+        extract=None if extract_fn is None else (lambda response, row: extract_fn(response)),
+    )
+
+
 def write_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
     """Write one JSON object per line (UTF-8, non-ASCII kept); create parent directories; return the path."""
     path = Path(path)
@@ -361,6 +402,74 @@ def write_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     return path
+
+
+def evaluate_rows(
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    score: Callable[[str, Mapping[str, Any]], Mapping[str, float]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    desc: str = "evaluating",
+    num_examples: int = 3,
+    *,
+    jsonl_path: str | os.PathLike | None = None,
+    disable_progress: bool = False,
+    answer: Callable[[Mapping[str, Any]], Any] | None = None,
+    extract: Callable[[str, Mapping[str, Any]], Any] | None = None,
+) -> dict[str, Any]:
+    """Greedy accuracy of ``model`` on ``dataset``: one greedy response per row's ``prompt``, scored against the
+    whole row (:func:`score_rows`).
+
+    Args:
+        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (all
+            prompts in one call), e.g. from :func:`load_eval_model`.
+        tokenizer: the model's tokenizer (renders chat prompts, counts generated tokens).
+        dataset: a ``datasets.Dataset`` (or a list of row mappings) whose rows hold ``prompt`` and whatever
+            ``score`` reads.
+        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}``.
+        max_new_tokens: generation budget per response.
+        batch_size: prompts per HF ``generate`` call.
+        desc: progress-bar label.
+        num_examples: records kept in ``examples`` / ``unparsed_examples``.
+        jsonl_path: when given, every record is written there (:func:`write_jsonl`).
+        disable_progress: hide the HF progress bar.
+        answer, extract: what each record keeps as the row's answer and the extracted answer (:func:`score_rows`).
+
+    Returns:
+        :func:`score_rows`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall time),
+        ``examples_per_second``, ``generated_tokens`` (responses re-tokenized, special tokens excluded) and
+        ``tokens_per_second``.
+
+    Raises:
+        ValueError: the rows lack a ``prompt`` or the dataset is empty.
+    """
+    rows = [dict(row) for row in dataset]
+    if not rows:
+        raise ValueError("dataset is empty; expected at least one row to evaluate")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"dataset has columns {sorted(rows[0])}; expected a 'prompt' column")
+    prompts = [row["prompt"] for row in rows]
+    backend = "vllm" if _is_vllm_engine(model) else "hf"
+    start = time.perf_counter()
+    if backend == "vllm":
+        responses = generate_completions_vllm(model, tokenizer, prompts, max_new_tokens)
+    else:
+        responses = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress)
+    seconds = time.perf_counter() - start
+    result = score_rows(rows, responses, score, num_examples, answer=answer, extract=extract)
+    tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
+    result.update(
+        backend=backend,
+        seconds=seconds,
+        examples_per_second=result["n"] / seconds,
+        generated_tokens=tokens,
+        tokens_per_second=tokens / seconds,
+    )
+    if jsonl_path is not None:
+        write_jsonl(result["records"], jsonl_path)
+    return result
 
 
 def evaluate_math(
@@ -377,26 +486,8 @@ def evaluate_math(
     disable_progress: bool = False,
     extract_fn: Callable[[str], str | None] | None = None,
 ) -> dict[str, Any]:
-    """Greedy accuracy of ``model`` on ``dataset`` (columns ``prompt`` and ``answer``).
-
-    Args:
-        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (all
-            prompts in one call), e.g. from :func:`load_eval_model`.
-        tokenizer: the model's tokenizer (renders chat prompts, counts generated tokens).
-        dataset: a ``datasets.Dataset`` (or anything with ``column_names`` and ``__getitem__(column)``).
-        reward_fn: course-style reward function (see :func:`score_responses`).
-        max_new_tokens: generation budget per response.
-        batch_size: prompts per HF ``generate`` call.
-        desc: progress-bar label.
-        num_examples: records kept in ``examples`` / ``unparsed_examples``.
-        jsonl_path: when given, every record is written there (:func:`write_jsonl`).
-        disable_progress: hide the HF progress bar.
-        extract_fn: recorded answer extraction (see :func:`score_responses`).
-
-    Returns:
-        :func:`score_responses`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall
-        time), ``examples_per_second``, ``generated_tokens`` (responses re-tokenized, special tokens excluded) and
-        ``tokens_per_second``.
+    """:func:`evaluate_rows` with the course's grader shape, ``reward_fn(response, ground_truth)``, on a dataset with
+    ``prompt`` and ``answer`` columns (the course's ``evaluate_vllm``).
 
     Raises:
         ValueError: the dataset lacks a ``prompt`` or ``answer`` column or is empty.
@@ -404,25 +495,16 @@ def evaluate_math(
     for column in ("prompt", "answer"):
         if column not in dataset.column_names:
             raise ValueError(f"dataset has columns {dataset.column_names}; expected a '{column}' column")
-    if len(dataset) == 0:
-        raise ValueError("dataset is empty; expected at least one row to evaluate")
-    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-    backend = "vllm" if _is_vllm_engine(model) else "hf"
-    start = time.perf_counter()
-    if backend == "vllm":
-        responses = generate_completions_vllm(model, tokenizer, prompts, max_new_tokens)
-    else:
-        responses = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress)
-    seconds = time.perf_counter() - start
-    result = score_responses(prompts, responses, answers, reward_fn, num_examples, extract_fn)
-    tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
-    result.update(
-        backend=backend,
-        seconds=seconds,
-        examples_per_second=result["n"] / seconds,
-        generated_tokens=tokens,
-        tokens_per_second=tokens / seconds,
+    return evaluate_rows(
+        model,
+        tokenizer,
+        dataset,
+        lambda response, row: reward_fn(response, row["answer"]),
+        max_new_tokens,
+        batch_size,
+        desc,
+        num_examples,
+        jsonl_path=jsonl_path,
+        disable_progress=disable_progress,
+        extract=None if extract_fn is None else (lambda response, row: extract_fn(response)),
     )
-    if jsonl_path is not None:
-        write_jsonl(result["records"], jsonl_path)
-    return result

@@ -295,6 +295,7 @@ class RecipeRun:
         timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
         reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
+        warnings: what :meth:`warn` said, recorded in ``metrics.json``.
         git: :func:`git_state` when the run started: the code it runs (``metrics.json``'s ``versions``,
             ``experiment.md``), whatever is committed while it goes on.
 
@@ -331,6 +332,7 @@ class RecipeRun:
         )
         self.timer = PhaseTimer()
         self.reused: list[str] = []
+        self.warnings: list[str] = []
         self.started = time.time()
         self.git = git_state()
         self._saving = False
@@ -417,10 +419,19 @@ class RecipeRun:
             after = evaluate()
         return before, output, after
 
+    def warn(self, message: str | None) -> None:
+        """Print ``warning: message`` on stderr (main process) and record it under ``warnings`` in ``metrics.json``;
+        nothing for None."""
+        if message is None:
+            return
+        self.warnings.append(message)
+        if is_main_process():
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
     def provenance(self) -> dict[str, Any]:
         """``recipe``, ``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,
-        ``resumed_from`` (the checkpoint), ``resumed_from_step`` (its step; 0 when not resuming) and ``reused``: the
-        keys ``trl_ext.report`` adds to ``metrics.json``."""
+        ``resumed_from`` (the checkpoint), ``resumed_from_step`` (its step; 0 when not resuming), ``reused`` and
+        ``warnings``: the keys ``trl_ext.report`` adds to ``metrics.json``."""
         return {
             "recipe": self.name,
             "command": shlex.join(sys.argv),
@@ -430,6 +441,7 @@ class RecipeRun:
             "resumed_from": self.resume_from_checkpoint,
             "resumed_from_step": self.resumed_step,
             "reused": self.reused,
+            "warnings": self.warnings,
         }
 
     def write_metrics(self, metrics: Mapping[str, Any], path: str | Path | None = None) -> Path:

@@ -1,29 +1,44 @@
 """Tasks: what a model trains on and is judged on, each in one object (after nanochat's ``tasks/gsm8k.py``).
 
-A :class:`Task` owns its training prompts and held-out rows, the prompt template they were rendered with, the
-reward that trains on them (TRL shape, ``(prompts, completions, **columns) -> list[float]``), the grader and answer
-extractor that judge a response (course shape, ``reward_fn(response, ground_truth)``) and its evaluation (greedy,
-through :func:`trl_ext.eval.evaluate_math`)::
+A :class:`Task` owns its training rows and held-out rows and **one judge**: ``score(response, row) -> {"reward",
+"format_reward", "answer_reward"}`` (the course's ``reward_fn`` shape), which sees the whole row (metadata
+included), not only an answer string. Everything else is derived from that judge, so training and evaluation can
+never judge differently:
 
-    task = MathTask.from_args(script_args, max_new_tokens=20)    # data loaded and checked, no model needed
-    task.check_fills_one_step(training_args)                     # refuse a set that cannot fill one step
-    before = task.evaluate(model, tokenizer, "eval before")      # {"accuracy", "format_rate", "records", ...}
+* the TRL reward function(s) it trains with (:attr:`Task.reward_funcs`; TRL hands a row's columns to reward
+  functions, :func:`trl_ext.rewards.as_trl_row_reward` rebuilds the row);
+* held-out accuracy: the mean of the task's own ``answer_reward`` over the held-out rows (partial credit counts as
+  the scorer gives it), with per-row records of the row's answer, the extracted answer and the scores
+  (:meth:`Task.evaluate`, :func:`trl_ext.eval.evaluate_rows`)::
+
+    task = load_task(script_args, max_new_tokens=20)               # data loaded and the scorer probed, no model
+    task.check_fills_one_step(training_args)                       # refuse a set that cannot fill one step
+    before = task.evaluate(model, tokenizer, "eval before")        # {"accuracy", "format_rate", "records", ...}
     trainer = trl_ext.GRPOTrainer(model=model, reward_funcs=task.reward_funcs, train_dataset=task.train, ...)
 
-* :class:`MathTask`: GSM8K, MATH (local file or Hub) or generated arithmetic; the grader by dataset kind or
-  ``--reward`` (:data:`GRADERS`). Used by ``recipes/grpo_math.py``, ``eval_math.py`` (held-out rows only),
-  ``compare_upstream.py``, ``grpo_ablations.py`` (also one task per prompt template) and ``expert_iteration.py``.
-* :class:`SortingTask`: the lecture's toy task (sort N numbers), trained on a shaped and an all-or-nothing reward
-  and judged by exact match. Used by ``recipes/grpo_sort.py``.
+Tasks are named (``--task NAME``, settings in ``--task_config JSON``; :func:`load_task`):
 
-``trl_ext.compare.run_comparison`` trains its arms on a task (and an arm on another task by name).
+* the built-ins of :data:`TASKS`: ``arithmetic`` (generated additions; the default without ``--dataset_name``),
+  ``gsm8k`` and ``math`` (a local file or a Hub dataset; with ``--dataset_name`` and no ``--task`` the kind is
+  read from its columns), ``sort`` (the lecture's sorting toy task);
+* ``reasoning_gym:DATASET``: any generator of the ``reasoning-gym`` library (``uv sync --extra tasks``), scored by
+  the generator's own ``score_answer(answer=..., entry=...)`` on the full entry (:func:`reasoning_gym_task`);
+* ``package.module:factory``: a task of your own; ``factory(**task_config)`` returns a :class:`Task` (in the spirit
+  of TRL's dotted paths for reward functions).
+
+Every problem -- an unknown name, a bad ``--task_config``, a scorer that raises on a probe row -- is one line naming
+the flag, before any model loads.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import importlib
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,57 +48,36 @@ import trl
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
+from trl_ext.data.prompts import ANSWER_WITH_NUMBER, TEMPLATES, format_prompt
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, user_input
-from trl_ext.eval import evaluate_math
+from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
 
-
-def _r1_zero_answer(response: str) -> str | None:
-    return rewards.extract_math_answer(response) if "</think> <answer>" in response else None
-
-
-@dataclass(frozen=True)
-class Grader:
-    """How one kind of answer is rewarded and judged.
-
-    Attributes:
-        reward: TRL reward function, for training.
-        reward_fn: course ``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``,
-            for evaluation.
-        extract: the answer ``reward_fn`` reads from a response (recorded as ``extracted`` per held-out problem).
-    """
-
-    reward: Callable[..., list[float]]
-    reward_fn: Callable[[str, str], dict[str, float]]
-    extract: Callable[[str], str | None]
+Scorer = Callable[[str, Mapping[str, Any]], Mapping[str, float]]
+"""``score(response, row) -> {"reward", "format_reward", "answer_reward"}``: a task's one judge."""
 
 
-GRADERS = {
-    "arithmetic": Grader(rewards.arithmetic_reward, rewards.gsm8k_reward_fn, rewards.extract_last_number),
-    "gsm8k": Grader(rewards.gsm8k_reward, rewards.gsm8k_reward_fn, rewards.extract_last_number),
-    "math": Grader(rewards.math_reward, rewards.math_reward_fn, rewards.extract_math_answer),
-    "r1_zero": Grader(rewards.r1_zero_reward, rewards.r1_zero_reward_fn, _r1_zero_answer),
-}
-"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response, ``math`` a
-``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the "</think> <answer> ... </answer>" format."""
-
-
+# ------------------------------------------------------------------------------------------------------------ Task
 @dataclass
 class Task:
-    """Data, reward and evaluation of one task (see the module docstring).
+    """Training rows, held-out rows and one judge (see the module docstring).
 
     Attributes:
-        name: the grader's name (``"arithmetic"``, ``"gsm8k"``, ``"math"``, ``"r1_zero"``, ``"sort"``).
-        train: training prompts (``prompt`` and the columns the reward reads), or None for an evaluation-only task.
-        test: held-out rows (``prompt``, ``answer``).
-        reward_funcs: TRL reward function(s) for ``train``.
-        reward_fn: course grader of a response against a held-out ``answer``.
-        extract: the answer ``reward_fn`` reads (recorded per held-out problem), or None.
-        dataset: what the data is, for reports (``"generated arithmetic"``, a file name, a Hub id).
-        source: where the training prompts come from, in the user's flags (for messages).
+        name: the task's name (``"arithmetic"``, ``"gsm8k"``, ``"reasoning_gym:chain_sum"``, ...).
+        train: training rows, a ``datasets.Dataset`` (or ``IterableDataset``) with a ``prompt`` column and the
+            columns the scorer reads; None for an evaluation-only task.
+        test: held-out rows, a ``datasets.Dataset`` with ``prompt`` and the columns the scorer reads.
+        scorer: ``scorer(response, row) -> {"reward", "format_reward", "answer_reward"}``; see :meth:`score`.
+        extractor: ``extractor(response, row) -> str | None``, the answer the scorer reads from a response
+            (recorded as ``extracted`` per held-out row); None when the task does not say.
+        rewards: the TRL reward functions training uses, as ``(function name, score key)`` pairs; default one
+            function ``<name>_reward`` returning ``reward`` (TRL logs it as ``rewards/<function name>/mean``).
+        answer_column: the row's column recorded as its answer (default ``"answer"``).
+        dataset: what the data is, for reports (``"generated arithmetic"``, a file, a Hub id, a generator).
+        source: where the training rows come from, in the user's flags (for messages).
         description: one line for reports (``"chat prompt, arithmetic reward"``).
-        template: the prompt template the rows were rendered with.
+        template: the prompt template the rows were rendered with (a name, or the text of a template file).
         max_new_tokens: generation budget of an evaluation.
         batch_size: prompts per ``generate`` call of an evaluation.
     """
@@ -91,15 +85,44 @@ class Task:
     name: str
     train: Any
     test: Any
-    reward_funcs: Any
-    reward_fn: Callable[[str, str], dict[str, float]]
-    extract: Callable[[str], str | None] | None
-    dataset: str
-    source: str
-    description: str
+    scorer: Scorer
+    extractor: Callable[[str, Mapping[str, Any]], str | None] | None = None
+    rewards: tuple[tuple[str, str], ...] | None = None
+    answer_column: str = "answer"
+    dataset: str = ""
+    source: str = ""
+    description: str = ""
     template: str = "chat"
     max_new_tokens: int = 20
     batch_size: int = 50
+
+    def score(self, response: str, row: Mapping[str, Any]) -> dict[str, float]:
+        """The task's judgement of ``response`` against its whole ``row``: ``{"reward", "format_reward",
+        "answer_reward"}`` as floats (``answer_reward`` is what held-out accuracy averages; ``format_reward`` may be
+        NaN when the task does not measure a format).
+
+        Raises:
+            ValueError: the scorer returned something else (the task is named).
+        """
+        scores = self.scorer(response, row)
+        missing = [k for k in rewards.REWARD_KEYS if k not in (scores or {})]
+        if missing:
+            raise ValueError(f"task {self.name!r}: its scorer returned {scores!r}; missing keys {missing}")
+        return {k: float(scores[k]) for k in rewards.REWARD_KEYS}
+
+    def extract(self, response: str, row: Mapping[str, Any]) -> str | None:
+        """The answer the scorer reads from ``response`` (None: nothing found, or the task does not say)."""
+        return None if self.extractor is None else self.extractor(response, row)
+
+    def answer(self, row: Mapping[str, Any]) -> Any:
+        """The row's reference answer, as recorded with each evaluation."""
+        return row.get(self.answer_column)
+
+    @property
+    def reward_funcs(self) -> list[Callable[..., list[float]]]:
+        """The TRL reward functions of :attr:`rewards`, each derived from :meth:`score` (one per pair)."""
+        pairs = self.rewards or ((f"{self.name.split(':')[-1]}_reward", "reward"),)
+        return [rewards.as_trl_row_reward(self.score, key=key, name=name) for name, key in pairs]
 
     def evaluate(
         self,
@@ -111,46 +134,104 @@ class Task:
         num_examples: int = 3,
         jsonl_path: str | Path | None = None,
     ) -> dict[str, Any]:
-        """Greedy accuracy of ``model`` on :attr:`test` (:func:`trl_ext.eval.evaluate_math`: ``accuracy``,
-        ``format_rate``, ``records``, ``examples``, ...)."""
-        return evaluate_math(
+        """Greedy accuracy of ``model`` on :attr:`test`: the mean ``answer_reward`` of :meth:`score`
+        (:func:`trl_ext.eval.evaluate_rows`: ``accuracy``, ``format_rate``, ``reward``, ``records``, ...)."""
+        return evaluate_rows(
             model,
             tokenizer,
             self.test,
-            self.reward_fn,
+            self.score,
             self.max_new_tokens,
             self.batch_size,
             desc,
             num_examples,
             jsonl_path=jsonl_path,
             disable_progress=not progress,
-            extract_fn=self.extract,
+            answer=self.answer,
+            extract=self.extract if self.extractor is not None else None,
         )
 
     def fingerprint(self) -> dict[str, Any]:
-        """What an evaluation's result depends on besides the model: the held-out rows (sha256), the budget, the
-        grader and the template (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
-        held_out = hashlib.sha256(
-            json.dumps([self.test["prompt"], self.test["answer"]], default=str).encode()
-        ).hexdigest()
+        """What an evaluation's result depends on besides the model: the held-out rows (sha256 of every column),
+        the budget, the task and its scorer, and the template (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
+        rows = [dict(row) for row in self.test]
+        held_out = hashlib.sha256(json.dumps(rows, default=str, sort_keys=True).encode()).hexdigest()
+        scorer = getattr(self.scorer, "__qualname__", type(self.scorer).__name__)
+        template = self.template if self.template in TEMPLATES else hashlib.sha256(self.template.encode()).hexdigest()
         return {
             "held_out_sha256": held_out,
             "max_new_tokens": self.max_new_tokens,
             "reward": self.name,
-            "template": self.template,
+            "scorer": scorer,
+            "template": template,
         }
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
         """Refuse, before any model work, a training set that cannot fill one generation batch of ``training_args``
-        (:func:`trl_ext.options.check_fills_one_step`); ``what`` is added to the source (``", arm course"``)."""
-        check_fills_one_step(len(self.train), training_args, self.source + what, "prompts")
+        (:func:`trl_ext.options.check_fills_one_step`); ``what`` is added to the source (``", arm course"``). A
+        streaming training set (no length) is not checked."""
+        if hasattr(self.train, "__len__"):
+            check_fills_one_step(len(self.train), training_args, self.source + what, "prompts")
+
+    def probe(self, flag: str = "--task") -> None:
+        """Score the first held-out row with its own answer and with an empty response: a scorer that raises or
+        returns something else is reported now, in one line naming ``flag``, not in the middle of training.
+
+        Raises:
+            RecipeError: no held-out row, a row without ``prompt``, or the scorer failing on the probe.
+        """
+        if self.test is None or len(self.test) == 0:
+            raise RecipeError(f"{flag} {self.name}: the task has no held-out rows; expected at least one")
+        row = dict(self.test[0])
+        if "prompt" not in row:
+            raise RecipeError(f"{flag} {self.name}: held-out rows have columns {sorted(row)}; expected a 'prompt'")
+        for response in (str(self.answer(row) or ""), ""):
+            try:
+                self.score(response, row)
+            except Exception as err:  # noqa: BLE001 -- any failure of a user's scorer is reported, named
+                raise RecipeError(
+                    f"{flag} {self.name}: the scorer failed on held-out row 0 with the response {response!r} "
+                    f"({type(err).__name__}: {err})"
+                ) from None
 
 
-# ------------------------------------------------------------------------------------------------------------ math
+def nothing_to_learn(result: Mapping[str, Any]) -> str | None:
+    """The line to print before training when an evaluation's reward was 0 on every held-out row (GRPO learns only
+    from groups whose rewards differ, so a task the model never scores on teaches nothing), or None."""
+    records = result.get("records") or []
+    if not records or any(r["reward"] != 0 for r in records):
+        return None
+    fmt = result.get("format_rate")
+    fmt = "" if fmt is None or (isinstance(fmt, float) and math.isnan(fmt)) else f", format rate {fmt:.0%}"
+    return (
+        f"the reward was 0 on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
+        "groups whose rewards differ, so unless sampling finds rewarded answers this run will not learn (check the "
+        "prompt template and the answer format the scorer expects, e.g. in eval_before.jsonl)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- options
 @dataclass
-class MathTaskArguments(trl.ScriptArguments, RecipeArguments):
-    """A recipe's options for a :class:`MathTask`; ``dataset_name`` None means generated arithmetic."""
+class TaskArguments(trl.ScriptArguments, RecipeArguments):
+    """A recipe's options for its task (:func:`load_task`)."""
 
+    task: str | None = field(
+        default=None,
+        metadata={
+            "help": "The task: 'arithmetic' (generated additions; the default without --dataset_name), 'gsm8k', "
+            "'math' (a --dataset_name file or Hub dataset; with --dataset_name and no --task the kind is read from "
+            "its columns), 'sort', 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) "
+            "or 'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task)."
+        },
+    )
+    task_config: str | None = field(
+        default=None,
+        metadata={
+            "help": 'The task\'s settings as a JSON object, e.g. \'{"min_terms": 2, "max_terms": 2}\' for '
+            "reasoning_gym:chain_sum (passed to reasoning_gym.create_dataset), '{\"digits\": 3}' for arithmetic; "
+            "a factory's keyword arguments."
+        },
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -164,171 +245,254 @@ class MathTaskArguments(trl.ScriptArguments, RecipeArguments):
             "help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns when unset."
         },
     )
+    test_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A separate held-out file (same columns as --dataset_name), e.g. the course's "
+            "data/gsm8k/test.jsonl: its first --num_eval rows are evaluated and --dataset_name trains whole."
+        },
+    )
     template: str = field(
-        default="chat", metadata={"help": "Prompt template: 'chat' (instruct models), 'r1_zero' or 'question_only'."}
+        default="chat",
+        metadata={
+            "help": "Prompt template: 'chat' (instruct models), 'r1_zero', 'question_only', or a path to a "
+            "template file holding {question} (e.g. the course's cs336_alignment/prompts/r1_zero.prompt)."
+        },
     )
     instruction: str | None = field(
-        default="Answer with just the number.", metadata={"help": "Appended to each question; empty for none."}
+        default=None,
+        metadata={
+            "help": "Appended to each question. Unset: 'Answer with just the number.' for 'chat' and "
+            "'question_only' on numeric tasks, none for 'r1_zero' and template files (their format asks for "
+            "<answer> tags); '' for none."
+        },
     )
     system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
     reward: str | None = field(
         default=None,
-        metadata={"help": f"One of {sorted(GRADERS)}; default: r1_zero for that template, else by dataset kind."},
+        metadata={
+            "help": "The math grader: one of 'arithmetic', 'gsm8k', 'math', 'r1_zero' (default: r1_zero for the "
+            "r1_zero template and template files, else by dataset kind), or 'package.module:function', a course "
+            "reward_fn(response, ground_truth) -> {reward, format_reward, answer_reward}, e.g. the course's "
+            "cs336_alignment.drgrpo_grader:r1_zero_reward_fn."
+        },
     )
-    num_train_problems: int = field(default=2000, metadata={"help": "Generated arithmetic training problems."})
+    num_train_problems: int = field(default=2000, metadata={"help": "Generated training problems (rows drawn)."})
     arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
     num_eval: int = field(
         default=200,
         metadata={
             "help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
-            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split."
+            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split, --test_file its first rows."
         },
     )
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
 
 
-class MathTask(Task):
-    """GSM8K, MATH or generated arithmetic (see :class:`Task`); built by :meth:`from_args` or :meth:`held_out`."""
+MathTaskArguments = TaskArguments
+"""The name recipes and user scripts used before tasks other than math existed."""
 
-    @staticmethod
-    def grader_name(reward: str | None, template: str, kind: str) -> str:
-        """``--reward`` when given (must be in :data:`GRADERS`), else ``r1_zero`` for that template, else ``kind``.
 
-        Raises:
-            RecipeError: an unknown ``--reward``.
-        """
-        if reward is not None and reward not in GRADERS:
-            raise RecipeError(f"--reward {reward!r} is not supported; expected one of {sorted(GRADERS)}")
-        return reward or ("r1_zero" if template == "r1_zero" else kind)
+# ---------------------------------------------------------------------------------------------------- math tasks
+def _r1_zero_answer(response: str) -> str | None:
+    return rewards.extract_math_answer(response) if "</think> <answer>" in response else None
 
-    @classmethod
-    def from_args(cls, args: MathTaskArguments, max_new_tokens: int, template: str | None = None) -> MathTask:
-        """Train and held-out rows from a recipe's options.
 
-        ``--dataset_name`` unset: generated arithmetic (``num_train_problems`` training, ``num_eval`` held out).
-        A local .jsonl/.json/.parquet file: its last rows are held out (at most a fifth). Anything else: a Hub
-        dataset, held out = ``--dataset_test_split`` (its first ``num_eval`` rows). ``template`` replaces the
-        options' template (and their ``--reward``: the grader follows the template), for experiments that compare
-        prompts.
+@dataclass(frozen=True)
+class Grader:
+    """How one kind of math answer is judged: ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
+    "answer_reward"}`` (the course shape) and the answer it reads from a response (``extract``)."""
 
-        Raises:
-            RecipeError: an unknown ``--reward`` (before any data is read), or data that cannot be used, naming
-                ``--dataset_name`` and the file, row and problem.
-        """
-        if template is not None:
-            args = replace(args, template=template, reward=None)
-        cls.grader_name(args.reward, args.template, "gsm8k")  # an unknown --reward fails before any data is read
-        common = dict(template=args.template, system_prompt=args.system_prompt, instruction=args.instruction or None)
-        with user_input("--dataset_name: " if args.dataset_name else ""):
-            if args.dataset_name is None:
-                gen = dict(digits=args.arithmetic_digits, **common)
-                train = make_arithmetic_dataset(args.num_train_problems, seed=0, split="train", **gen)
-                test = make_arithmetic_dataset(args.num_eval, seed=1, split="test", **gen)
-                kind, source = "arithmetic", f"--num_train_problems {args.num_train_problems}"
-            else:
-                load = dict(
-                    kind=args.dataset_kind, config_name=args.dataset_config, skip_bad_rows=args.skip_bad_rows, **common
-                )
-                train = load_math_dataset(args.dataset_name, split=args.dataset_train_split, **load)
-                if Path(args.dataset_name).is_file():  # one local file: hold out its last rows (at most a fifth)
-                    if len(train) < 2:
-                        raise RecipeError(
-                            f"--dataset_name {args.dataset_name}: {len(train)} usable row(s); need at "
-                            "least 2 (training rows plus held-out rows)"
-                        )
-                    held_out = max(1, min(args.num_eval, len(train) // 5))
-                    cut = len(train) - held_out
-                    test, train = train.select(range(cut, len(train))), train.select(range(cut))
-                    rows = f"{len(test)} row{'s' if len(test) != 1 else ''}"
-                    source = f"--dataset_name {args.dataset_name} (its last {rows} held out for evaluation)"
-                else:
-                    test = load_math_dataset(
-                        args.dataset_name, split=args.dataset_test_split, max_rows=args.num_eval, **load
-                    )
-                    source = f"--dataset_name {args.dataset_name} (split {args.dataset_train_split})"
-                kind = "math" if "problem" in train.column_names else "gsm8k"
-        name = cls.grader_name(args.reward, args.template, kind)
-        grader = GRADERS[name]
-        return cls(
-            name=name,
-            train=train,
-            test=test,
-            reward_funcs=grader.reward,
-            reward_fn=grader.reward_fn,
-            extract=grader.extract,
-            dataset=args.dataset_name or "generated arithmetic",
-            source=source,
-            description=f"{args.template} prompt, {name} reward",
-            template=args.template,
-            max_new_tokens=max_new_tokens,
-            batch_size=args.eval_batch_size,
+    reward_fn: Callable[[str, str], dict[str, float]]
+    extract: Callable[[str], str | None] | None
+
+
+GRADERS = {
+    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
+    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
+    "math": Grader(rewards.math_reward_fn, rewards.extract_math_answer),
+    "r1_zero": Grader(rewards.r1_zero_reward_fn, _r1_zero_answer),
+}
+"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response, ``math`` a
+``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the "</think> <answer> ... </answer>" format."""
+
+MATH_TASKS = ("arithmetic", "gsm8k", "math")
+
+
+def _import_object(spec: str, flag: str) -> Any:
+    """``package.module:name`` -> the object, or a RecipeError naming ``flag``."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise RecipeError(f"{flag} {spec!r}: expected 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise RecipeError(f"{flag} {spec!r}: cannot import {module_name!r} ({err})") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise RecipeError(f"{flag} {spec!r}: module {module_name!r} has no {attribute!r}") from None
+
+
+def _grader(reward: str | None, template: str, kind: str) -> tuple[str, Grader]:
+    """``--reward`` (a name of :data:`GRADERS` or a dotted course reward_fn), else ``r1_zero`` for the r1_zero
+    template and template files, else ``kind``'s grader.
+
+    Raises:
+        RecipeError: an unknown ``--reward`` or one that cannot be imported.
+    """
+    if reward is not None and ":" in reward:
+        fn = _import_object(reward, "--reward")
+        if not callable(fn):
+            raise RecipeError(f"--reward {reward!r}: expected a function reward_fn(response, ground_truth)")
+        return reward.rpartition(":")[2].removesuffix("_fn"), Grader(fn, None)
+    if reward is not None and reward not in GRADERS:
+        raise RecipeError(
+            f"--reward {reward!r} is not supported; expected one of {sorted(GRADERS)} or 'package.module:function'"
         )
+    name = reward or ("r1_zero" if template not in ("chat", "question_only") else kind)
+    return name, GRADERS[name]
 
-    @classmethod
-    def held_out(
-        cls,
-        dataset_name: str | None = None,
-        *,
-        split: str = "test",
-        kind: str | None = None,
-        config_name: str | None = None,
-        template: str = "chat",
-        instruction: str | None = "Answer with just the number.",
-        system_prompt: str | None = None,
-        reward: str | None = None,
-        num_eval: int = 200,
-        arithmetic_digits: int = 2,
-        skip_bad_rows: bool = False,
-        max_new_tokens: int = 24,
-        batch_size: int = 50,
-    ) -> MathTask:
-        """An evaluation-only task (no training rows): the first ``num_eval`` rows of ``split`` of a local file or
-        Hub dataset (a local file is read whole), or ``num_eval`` generated ``arithmetic_digits``-digit additions
-        (graded as GSM8K: the last number). Used by ``recipes/eval_math.py``.
 
-        Raises:
-            RecipeError: an unknown ``reward`` or unusable data (naming ``--dataset_name``).
-        """
-        cls.grader_name(reward, template, "gsm8k")
-        common = dict(template=template, system_prompt=system_prompt, instruction=instruction or None)
-        with user_input("--dataset_name: " if dataset_name else ""):
-            if dataset_name is None:
-                data = make_arithmetic_dataset(num_eval, seed=1, split="test", digits=arithmetic_digits, **common)
-                kind = "gsm8k"
-            else:
-                data = load_math_dataset(
-                    dataset_name,
-                    split=split,
-                    kind=kind,
-                    config_name=config_name,
-                    skip_bad_rows=skip_bad_rows,
-                    max_rows=num_eval,
-                    **common,
-                )
-                kind = "math" if (kind or infer_kind(data.column_names)) == "math" else "gsm8k"
-        name = cls.grader_name(reward, template, kind)
-        grader = GRADERS[name]
-        return cls(
-            name=name,
-            train=None,
-            test=data,
-            reward_funcs=grader.reward,
-            reward_fn=grader.reward_fn,
-            extract=grader.extract,
-            dataset=dataset_name or f"generated {arithmetic_digits}-digit addition",
-            source=f"--dataset_name {dataset_name}" if dataset_name else f"--num_eval {num_eval}",
-            description=f"{template} prompt, {name} reward",
-            template=template,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
+def resolve_template(template: str) -> str:
+    """A template name of ``trl_ext.data.prompts.TEMPLATES`` as is, or the text of a template file (a path to a file
+    holding ``{question}``).
+
+    Raises:
+        RecipeError: neither a name nor a readable file with ``{question}``, naming ``--template``.
+    """
+    if template in TEMPLATES:
+        return template
+    path = Path(template)
+    if not path.is_file():
+        raise RecipeError(f"--template {template!r}: expected one of {list(TEMPLATES)} or a template file path")
+    text = path.read_text(encoding="utf-8")
+    if "{question}" not in text:
+        raise RecipeError(f"--template {template}: the file has no {{question}} placeholder")
+    return text
+
+
+def template_label(template: str) -> str:
+    """A template's name for reports: the name, or ``template file`` for a file's text."""
+    return template if template in TEMPLATES else "template file"
+
+
+def default_instruction(template: str, numeric: bool = True) -> str | None:
+    """The instruction appended when ``--instruction`` is unset: "Answer with just the number." for ``chat`` and
+    ``question_only`` on numeric tasks; none for ``r1_zero`` and template files, whose text asks for ``<answer>``
+    tags (appending it would contradict them)."""
+    return ANSWER_WITH_NUMBER if numeric and template in ("chat", "question_only") else None
+
+
+def _instruction(args: TaskArguments, template: str, numeric: bool = True) -> str | None:
+    if args.instruction is None:
+        return default_instruction(template, numeric)
+    return args.instruction or None
+
+
+def math_task(
+    args: TaskArguments, max_new_tokens: int, kind: str | None = None, template: str | None = None, train: bool = True
+) -> Task:
+    """Generated arithmetic, GSM8K or MATH (a local file or a Hub dataset), graded by :data:`GRADERS` or
+    ``--reward``.
+
+    ``kind`` ``"arithmetic"`` without ``--dataset_name``: generated problems (``num_train_problems`` training,
+    ``num_eval`` held out, disjoint by construction). A local .jsonl/.json/.parquet file: its last rows are held out
+    (at most a fifth), or ``--test_file``'s first ``num_eval`` rows. A Hub dataset: held out =
+    ``--dataset_test_split`` (its first ``num_eval`` rows), or ``--test_file``. ``gsm8k`` and ``math`` without
+    ``--dataset_name`` read ``openai/gsm8k`` (config ``main``) and ``HuggingFaceH4/MATH-500`` (held out only:
+    train from your own file). ``template`` replaces the options' template and their ``--reward`` (the grader
+    follows the template), for experiments that compare prompts. ``train=False`` loads the held-out rows only.
+
+    Raises:
+        RecipeError: an unknown ``--reward`` or template (before any data is read), or data that cannot be used,
+            naming ``--dataset_name``/``--test_file`` and the file, row and problem.
+    """
+    if template is not None:
+        args = replace(args, template=template, reward=None)
+    text = resolve_template(args.template)
+    _grader(args.reward, text, "gsm8k")  # an unknown --reward fails before any data is read
+    common = dict(template=text, system_prompt=args.system_prompt, instruction=_instruction(args, text))
+    kind = kind or ("arithmetic" if args.dataset_name is None else None)
+    dataset_name = args.dataset_name or {"gsm8k": "openai/gsm8k", "math": "HuggingFaceH4/MATH-500"}.get(kind)
+    config_name = args.dataset_config or ("main" if dataset_name == "openai/gsm8k" else None)
+    train_rows = None
+    if dataset_name is None:  # generated arithmetic
+        gen = dict(digits=args.arithmetic_digits, **common)
+        with user_input():
+            train_rows = (
+                make_arithmetic_dataset(args.num_train_problems, seed=0, split="train", **gen) if train else None
+            )
+            test = make_arithmetic_dataset(args.num_eval, seed=1, split="test", **gen)
+        kind, source, dataset = "arithmetic", f"--num_train_problems {args.num_train_problems}", "generated arithmetic"
+    else:
+        load = dict(
+            kind=args.dataset_kind or (kind if kind != "arithmetic" else None), skip_bad_rows=args.skip_bad_rows
         )
+        load.update(common)
+        if train:
+            with user_input("--dataset_name: "):
+                train_rows = load_math_dataset(
+                    dataset_name, split=args.dataset_train_split, config_name=config_name, **load
+                )
+        if args.test_file:
+            with user_input("--test_file: "):
+                test = load_math_dataset(args.test_file, max_rows=args.num_eval, **load)
+            source = f"--dataset_name {dataset_name} (held out: --test_file {args.test_file})"
+        elif Path(dataset_name).is_file() and train:  # one local file: hold out its last rows (at most a fifth)
+            if len(train_rows) < 2:
+                raise RecipeError(
+                    f"--dataset_name {dataset_name}: {len(train_rows)} usable row(s); need at "
+                    "least 2 (training rows plus held-out rows), or a separate --test_file"
+                )
+            held_out = max(1, min(args.num_eval, len(train_rows) // 5))
+            cut = len(train_rows) - held_out
+            test, train_rows = train_rows.select(range(cut, len(train_rows))), train_rows.select(range(cut))
+            rows = f"{len(test)} row{'s' if len(test) != 1 else ''}"
+            source = f"--dataset_name {dataset_name} (its last {rows} held out for evaluation)"
+        else:  # a Hub dataset's test split, or (held-out rows only) a whole local file
+            split = args.dataset_test_split
+            with user_input("--dataset_name: "):
+                test = load_math_dataset(
+                    dataset_name, split=split, config_name=config_name, max_rows=args.num_eval, **load
+                )
+            source = f"--dataset_name {dataset_name} (split {args.dataset_train_split})"
+        columns = (train_rows if train_rows is not None else test).column_names
+        kind = "math" if (load["kind"] or infer_kind(columns)) == "math" else "gsm8k"
+        dataset = dataset_name
+    name, grader = _grader(args.reward, text, kind)
+    task = Task(
+        name=name,
+        train=train_rows,
+        test=test,
+        scorer=_answer_scorer(grader.reward_fn),
+        extractor=None if grader.extract is None else (lambda response, row, fn=grader.extract: fn(response)),
+        rewards=((f"{name}_reward", "reward"),),
+        dataset=dataset,
+        source=source,
+        description=f"{template_label(text)} prompt, {name} reward",
+        template=text,
+        max_new_tokens=max_new_tokens,
+        batch_size=args.eval_batch_size,
+    )
+    return task
+
+
+def _answer_scorer(reward_fn: Callable[[str, str], Mapping[str, float]]) -> Scorer:
+    """A row scorer from a course ``reward_fn(response, ground_truth)``: it reads the row's ``answer``."""
+
+    def score(response: str, row: Mapping[str, Any]) -> Mapping[str, float]:
+        return reward_fn(response, str(row["answer"]))
+
+    score.__qualname__ = getattr(reward_fn, "__qualname__", "reward_fn")
+    return score
 
 
 # --------------------------------------------------------------------------------------------------------- sorting
 @dataclass
 class SortingTaskArguments(RecipeArguments):
-    """A recipe's options for a :class:`SortingTask`."""
+    """A recipe's options for the sorting task (:func:`sorting_task`)."""
 
     num_numbers: int = field(default=3, metadata={"help": "N, numbers per prompt."})
     max_number: int = field(default=99, metadata={"help": "Numbers are drawn from 0..max_number (distinct)."})
@@ -338,24 +502,321 @@ class SortingTaskArguments(RecipeArguments):
     instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question."})
 
 
-class SortingTask(Task):
-    """Sort N distinct numbers (the lecture's toy task): trained on ``sort_shaped_reward`` (inclusion plus ordering,
-    at most 2N-1) and ``sort_exact_reward`` (all or nothing), judged by exact match (``sort_shaped_reward_fn``'s
-    ``answer_reward``)."""
+def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
+    """Sort N distinct numbers (the lecture's toy task), judged by ``sort_shaped_reward_fn``: trained on its
+    ``reward`` (inclusion plus ordering, at most 2N-1) as ``sort_shaped_reward`` and on its ``answer_reward``
+    (exact match, all or nothing) as ``sort_exact_reward``; held-out accuracy is the exact-match rate.
 
-    @classmethod
-    def from_args(cls, args: SortingTaskArguments, max_new_tokens: int) -> SortingTask:
-        data = dict(num_numbers=args.num_numbers, high=args.max_number, instruction=args.instruction)
-        return cls(
-            name="sort",
-            train=make_sorting_dataset(args.num_train_problems, seed=0, split="train", **data),
-            test=make_sorting_dataset(args.num_eval, seed=1, split="test", **data),
-            reward_funcs=[rewards.sort_shaped_reward, rewards.sort_exact_reward],
-            reward_fn=rewards.sort_shaped_reward_fn,
-            extract=None,
-            dataset=f"sort {args.num_numbers} distinct numbers from 0..{args.max_number}",
-            source=f"--num_train_problems {args.num_train_problems}",
-            description=f"sort {args.num_numbers} numbers, shaped + exact rewards",
-            max_new_tokens=max_new_tokens,
-            batch_size=args.eval_batch_size,
+    ``args`` has ``num_train_problems``, ``num_eval``, ``eval_batch_size`` and, unless given in ``config``,
+    ``num_numbers``, ``max_number``, ``instruction`` (:class:`SortingTaskArguments`)."""
+    settings = {k: getattr(args, k, None) for k in ("num_numbers", "max_number", "instruction")}
+    settings = {**{"num_numbers": 3, "max_number": 99}, **{k: v for k, v in settings.items() if v is not None}}
+    settings.update(config)
+    data = dict(
+        num_numbers=settings["num_numbers"],
+        high=settings["max_number"],
+        instruction=settings.get("instruction") or SORT_INSTRUCTION,
+    )
+    with user_input("--task_config: " if config else ""):
+        train = make_sorting_dataset(args.num_train_problems, seed=0, split="train", **data)
+        test = make_sorting_dataset(args.num_eval, seed=1, split="test", **data)
+    return Task(
+        name="sort",
+        train=train,
+        test=test,
+        scorer=_answer_scorer(rewards.sort_shaped_reward_fn),
+        rewards=(("sort_shaped_reward", "reward"), ("sort_exact_reward", "answer_reward")),
+        dataset=f"sort {data['num_numbers']} distinct numbers from 0..{data['high']}",
+        source=f"--num_train_problems {args.num_train_problems}",
+        description=f"sort {data['num_numbers']} numbers, shaped + exact rewards",
+        max_new_tokens=max_new_tokens,
+        batch_size=args.eval_batch_size,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- reasoning-gym
+REASONING_GYM_PREFIX = "reasoning_gym:"
+REASONING_GYM_EXTRA = "reasoning-gym is not installed: `uv sync --extra tasks` (or `pip install reasoning-gym`)"
+ANSWER_FORMATS = ("auto", "answer_tag", "last_number", "last_line")
+"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``)."""
+
+
+def _unknown_generator(rg: Any, dataset_name: str) -> str | None:
+    """The problem of a reasoning-gym generator name that does not exist (with the closest names), or None."""
+    if dataset_name in rg.factory.DATASETS:
+        return None
+    close = difflib.get_close_matches(dataset_name, sorted(rg.factory.DATASETS), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else f"; {len(rg.factory.DATASETS)} exist, e.g. chain_sum"
+    return f"--task {REASONING_GYM_PREFIX}{dataset_name}: no such reasoning-gym dataset{hint}"
+
+
+def _import_reasoning_gym(flag: str = "--task") -> Any:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise RecipeError(f"{flag}: {REASONING_GYM_EXTRA}") from None
+    return reasoning_gym
+
+
+def _is_number(text: Any) -> bool:
+    return isinstance(text, (int, float)) or (isinstance(text, str) and re.fullmatch(r"-?\d+(\.\d+)?", text.strip()))
+
+
+_ANSWER_PREFIX = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.IGNORECASE)
+
+
+def extract_last_line(response: str) -> str | None:
+    """The last non-empty line of ``response``, without an "Answer:"/"The answer is" prefix, surrounding quotes,
+    backticks, markdown emphasis or a final period; None when the response is blank."""
+    lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = _ANSWER_PREFIX.sub("", lines[-1]).strip().strip("*`").strip()
+    line = line[:-1] if line.endswith(".") and not re.search(r"\d\.$", line[-3:]) else line
+    return line.strip().strip("\"'").strip() or None
+
+
+def reasoning_gym_task(
+    dataset_name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int, train: bool = True
+) -> Task:
+    """A ``reasoning-gym`` generator as a task, scored by the generator's own ``score_answer(answer=...,
+    entry=...)`` on the full entry (question, answer and metadata).
+
+    Rows: ``--num_train_problems`` training entries drawn with ``seed`` (default 0) and ``--num_eval`` held-out
+    entries drawn with ``seed + 1``; training entries whose question is also a held-out question are dropped, so the
+    two are disjoint (the source says how many). Each row holds ``prompt`` (the question, plus the answer-format
+    instruction, in the ``--template``: a chat conversation by default), ``answer``, ``question``, ``entry_id`` and
+    ``entry`` (the whole entry as JSON, for records and for your inspection); the scorer finds the generator's own
+    entry by ``entry_id`` (so metadata keeps its types), else decodes ``entry``.
+
+    ``config`` (``--task_config``) goes to ``reasoning_gym.create_dataset`` except trl_ext's keys:
+
+    * ``seed`` (default 0): the training rows' seed; held-out rows use ``seed + 1``;
+    * ``answer_format``: how the answer is read from a response -- ``"auto"`` (default: the last number when the
+      generator's answers are numbers, else the last line), ``"answer_tag"`` (reasoning-gym's ``<answer>...</answer>``
+      convention, ``reasoning_gym.utils.extract_answer``; the default with the ``r1_zero`` template), ``"last_number"``
+      or ``"last_line"`` (:func:`extract_last_line`);
+    * ``instruction``: replaces the answer-format instruction (default: "Answer with just the number." /
+      "Answer with just the answer, on one line." / "Put the final answer inside <answer> </answer> tags.").
+
+    Rewards: ``format_reward`` is 1 when an answer was found, ``answer_reward`` is ``score_answer``'s value (partial
+    credit where the generator gives it), ``reward`` = ``answer_reward``.
+
+    Raises:
+        RecipeError: reasoning-gym missing (naming the ``tasks`` extra), an unknown generator (naming ``--task``), a
+            configuration the generator refuses (naming ``--task_config``).
+    """
+    rg = _import_reasoning_gym()
+    problem = _unknown_generator(rg, dataset_name)
+    if problem:
+        raise RecipeError(problem)
+    config = dict(config)
+    seed = config.pop("seed", 0)
+    answer_format = config.pop("answer_format", "auto")
+    instruction = config.pop("instruction", None)
+    if answer_format not in ANSWER_FORMATS:
+        raise RecipeError(f"--task_config: answer_format={answer_format!r}; expected one of {list(ANSWER_FORMATS)}")
+    try:
+        test_data = rg.create_dataset(dataset_name, size=args.num_eval, seed=seed + 1, **config)
+        test_entries = [test_data[i] for i in range(len(test_data))]
+        train_data = (
+            rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
         )
+        train_entries = [train_data[i] for i in range(len(train_data))] if train else []
+    except Exception as err:  # noqa: BLE001 -- the generator validates its own configuration
+        raise RecipeError(
+            f"--task_config {json.dumps(dict(config))}: reasoning-gym's {dataset_name} refused it "
+            f"({type(err).__name__}: {err})"
+        ) from None
+    text = resolve_template(getattr(args, "template", "chat"))
+    if answer_format == "auto":
+        numeric = all(_is_number(e["answer"]) for e in test_entries)
+        answer_format = (
+            "answer_tag" if text not in ("chat", "question_only") else "last_number" if numeric else "last_line"
+        )
+    if instruction is None:
+        given = getattr(args, "instruction", None)
+        instruction = given if given is not None else _RG_INSTRUCTIONS[answer_format]
+        if text not in ("chat", "question_only") and given is None:
+            instruction = None  # the template's text says how to answer
+    extract = _extractor(answer_format, rg)
+    entries: dict[str, Mapping[str, Any]] = {}
+
+    def rows(split: str, split_entries: list[Mapping[str, Any]], skip: set[str]) -> list[dict[str, Any]]:
+        out = []
+        for i, entry in enumerate(split_entries):
+            if entry["question"] in skip:
+                continue
+            entry_id = f"{split}:{i}"
+            entries[entry_id] = entry
+            prompt = format_prompt(
+                entry["question"],
+                text,
+                system_prompt=getattr(args, "system_prompt", None),
+                instruction=instruction or None,
+            )
+            out.append(
+                {
+                    "prompt": prompt,
+                    "answer": str(entry["answer"]),
+                    "question": entry["question"],
+                    "entry_id": entry_id,
+                    "entry": json.dumps(entry, default=str),
+                }
+            )
+        return out
+
+    from datasets import Dataset
+
+    held_out = rows("test", test_entries, set())
+    questions = {e["question"] for e in test_entries}
+    train_rows = rows("train", train_entries, questions) if train else None
+    dropped = len(train_entries) - len(train_rows) if train else 0
+
+    def score(response: str, row: Mapping[str, Any]) -> dict[str, float]:
+        entry = entries.get(row.get("entry_id")) or json.loads(row["entry"])
+        answer = extract(response)
+        value = float(test_data.score_answer(answer=answer, entry=entry)) if answer is not None else 0.0
+        return {"reward": value, "format_reward": float(answer is not None), "answer_reward": value}
+
+    score.__qualname__ = f"reasoning_gym.{dataset_name}.score_answer"
+    source = f"--task {REASONING_GYM_PREFIX}{dataset_name} --num_train_problems {args.num_train_problems}"
+    if dropped:
+        source += f" ({dropped} training rows dropped: their question is held out)"
+    return Task(
+        name=f"{REASONING_GYM_PREFIX}{dataset_name}",
+        train=Dataset.from_list(train_rows) if train else None,
+        test=Dataset.from_list(held_out),
+        scorer=score,
+        extractor=lambda response, row: extract(response),
+        rewards=((f"{dataset_name}_reward", "reward"),),
+        dataset=f"reasoning-gym {dataset_name}" + (f" {json.dumps(dict(config))}" if config else ""),
+        source=source,
+        description=f"{template_label(text)} prompt, {answer_format}, reasoning-gym score_answer",
+        template=text,
+        max_new_tokens=max_new_tokens,
+        batch_size=getattr(args, "eval_batch_size", 50),
+    )
+
+
+_RG_INSTRUCTIONS = {
+    "last_number": ANSWER_WITH_NUMBER,
+    "last_line": "Answer with just the answer, on one line.",
+    "answer_tag": "Put the final answer inside <answer> </answer> tags.",
+}
+
+
+def _extractor(answer_format: str, rg: Any) -> Callable[[str], str | None]:
+    if answer_format == "answer_tag":
+        from reasoning_gym.utils import extract_answer
+
+        return lambda response: extract_answer(response)
+    if answer_format == "last_number":
+        return rewards.extract_last_number
+    return extract_last_line
+
+
+# ------------------------------------------------------------------------------------------------------ registry
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": lambda args, max_new_tokens, train=True, **config: math_task(
+        _with_config(args, config), max_new_tokens, "arithmetic", train=train
+    ),
+    "gsm8k": lambda args, max_new_tokens, train=True, **config: math_task(
+        _with_config(args, config), max_new_tokens, "gsm8k", train=train
+    ),
+    "math": lambda args, max_new_tokens, train=True, **config: math_task(
+        _with_config(args, config), max_new_tokens, "math", train=train
+    ),
+    "sort": lambda args, max_new_tokens, train=True, **config: sorting_task(args, max_new_tokens, **config),
+}
+"""The built-in tasks by ``--task`` name: ``builder(args, max_new_tokens, train=True, **task_config) -> Task``."""
+
+
+def _with_config(args: Any, config: Mapping[str, Any]) -> Any:
+    """Math task options with ``--task_config`` keys applied (``{"digits": 3}`` = ``--arithmetic_digits 3``; any
+    other key must be one of the options)."""
+    config = dict(config)
+    if "digits" in config:
+        config["arithmetic_digits"] = config.pop("digits")
+    unknown = sorted(k for k in config if not hasattr(args, k))
+    if unknown:
+        raise RecipeError(f"--task_config: unknown key(s) {unknown} for this task")
+    return replace(args, **config) if config else args
+
+
+def parse_task_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``--task_config``'s JSON object as a dict ({} when unset).
+
+    Raises:
+        RecipeError: not valid JSON, or not an object (naming ``--task_config``).
+    """
+    if text is None or text == "":
+        return {}
+    if isinstance(text, Mapping):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"--task_config {text!r}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise RecipeError(f"--task_config {text!r}: expected a JSON object of settings, got {type(value).__name__}")
+    return value
+
+
+def task_problem(values: Mapping[str, Any]) -> str | None:
+    """What is wrong with ``--task``/``--task_config`` before any data is read (for ``trl_ext.cli.parse``, which
+    reports every problem at once), or None: an unknown name, a dotted path that does not import, reasoning-gym
+    missing or without that generator, a config that is not a JSON object."""
+    name = values.get("task")
+    try:
+        parse_task_config(values.get("task_config"))
+        if name is None or name in TASKS:
+            return None
+        if name.startswith(REASONING_GYM_PREFIX):
+            return _unknown_generator(_import_reasoning_gym(), name[len(REASONING_GYM_PREFIX) :])
+        if ":" in name:
+            if not callable(_import_object(name, "--task")):
+                return f"--task {name!r}: expected a function that returns a trl_ext.tasks.Task"
+            return None
+    except RecipeError as err:
+        return str(err)
+    return f"--task {name!r}: expected one of {sorted(TASKS)}, 'reasoning_gym:DATASET' or 'package.module:factory'"
+
+
+def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, train: bool = True) -> Task:
+    """The task a recipe's options name (``--task``, ``--task_config``), its rows loaded and its scorer probed.
+
+    Args:
+        args: the recipe's :class:`TaskArguments` (or options with the fields a task reads).
+        max_new_tokens: generation budget of an evaluation.
+        template: replaces ``--template`` (math tasks; the experiment that compares prompts).
+        train: False loads the held-out rows only (``recipes/eval_math.py``).
+
+    Raises:
+        RecipeError: whatever :func:`task_problem` finds, a task that cannot load its data, a factory that does not
+            return a :class:`Task`, or a scorer that fails on a probe row -- one line naming the flag.
+    """
+    problem = task_problem(vars(args) if not isinstance(args, Mapping) else args)
+    if problem:
+        raise RecipeError(problem)
+    name, config = getattr(args, "task", None), parse_task_config(getattr(args, "task_config", None))
+    if name is None:
+        task = math_task(_with_config(args, config), max_new_tokens, template=template, train=train)
+    elif name in TASKS:
+        if template is not None and name in MATH_TASKS:
+            task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
+        else:
+            task = TASKS[name](args, max_new_tokens, train=train, **config)
+    elif name.startswith(REASONING_GYM_PREFIX):
+        task = reasoning_gym_task(name[len(REASONING_GYM_PREFIX) :], config, args, max_new_tokens, train=train)
+    else:
+        factory = _import_object(name, "--task")
+        try:
+            task = factory(**config)
+        except TypeError as err:
+            raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
+        if not isinstance(task, Task):
+            raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
+        task = replace(task, max_new_tokens=max_new_tokens)
+    task.probe()
+    return task

@@ -93,7 +93,9 @@ def format_prompt(
     Args:
         question: the question text (stripped).
         template: ``"r1_zero"`` (plain string ending in ``"Assistant: <think>"``), ``"question_only"`` (the
-            question, then the instruction on a new line if given) or ``"chat"`` (a conversation).
+            question, then the instruction on a new line if given), ``"chat"`` (a conversation), or the text of a
+            template of your own holding ``{question}`` (e.g. the course's ``r1_zero.prompt``; the question, plus the
+            instruction, replaces that placeholder and nothing else, so other braces are kept as written).
         tokenizer: only used by ``"chat"``: when given, the conversation is rendered to a string with
             :func:`render_chat_prompt`; when ``None`` (default), the message list is returned for TRL to render.
             Ignored by the other templates, which are already plain text.
@@ -104,10 +106,11 @@ def format_prompt(
         A string, or for ``"chat"`` without tokenizer a list of ``{"role", "content"}`` dicts.
 
     Raises:
-        ValueError: unknown ``template``, empty ``question``, or ``system_prompt`` with a non-chat template.
+        ValueError: unknown ``template`` (neither a name nor a text with ``{question}``), empty ``question``, or
+            ``system_prompt`` with a non-chat template.
     """
-    if template not in TEMPLATES:
-        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+    if template not in TEMPLATES and "{question}" not in template:
+        raise ValueError(f"template must be one of {TEMPLATES} or a text holding {{question}}, got {template!r}")
     if system_prompt is not None and template != "chat":
         raise ValueError(f"system_prompt is only supported by template='chat', not {template!r}")
     if template == "chat":
@@ -115,7 +118,9 @@ def format_prompt(
             return render_chat_prompt(tokenizer, question, system_prompt, instruction)
         return chat_messages(question, system_prompt, instruction)
     text = _user_text(question, instruction)
-    return R1_ZERO_TEMPLATE.format(question=text) if template == "r1_zero" else text
+    if template == "question_only":
+        return text
+    return (R1_ZERO_TEMPLATE if template == "r1_zero" else template).replace("{question}", text)
 
 
 # ---------------------------------------------------------------------------------------------- one BOS token

@@ -6,10 +6,17 @@ TRL shape (``trl.GRPOTrainer(reward_funcs=...)``): ``r1_zero_reward``, ``gsm8k_r
 Course shape (``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``):
 ``r1_zero_reward_fn``, ``gsm8k_reward_fn`` (also grades the arithmetic problems), ``math_reward_fn``.
 
-Adapters: ``as_trl_reward`` (course -> TRL) and ``as_course_reward_fn`` (TRL -> course).
+Adapters: ``as_trl_reward`` (course -> TRL), ``as_trl_row_reward`` (a scorer of whole rows -> TRL) and
+``as_course_reward_fn`` (TRL -> course).
 """
 
-from trl_ext.rewards.adapters import REWARD_KEYS, as_course_reward_fn, as_trl_reward, completion_text
+from trl_ext.rewards.adapters import (
+    REWARD_KEYS,
+    as_course_reward_fn,
+    as_trl_reward,
+    as_trl_row_reward,
+    completion_text,
+)
 from trl_ext.rewards.math_answers import (
     MATH_VERIFY_TIMEOUT_S,
     arithmetic_reward,
@@ -38,6 +45,7 @@ __all__ = [
     "arithmetic_reward",
     "as_course_reward_fn",
     "as_trl_reward",
+    "as_trl_row_reward",
     "completion_text",
     "extract_answer_tag",
     "extract_boxed",

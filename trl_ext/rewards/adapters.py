@@ -15,7 +15,7 @@ Every reward in :mod:`trl_ext.rewards` is written once, course style, and turned
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 REWARD_KEYS = ("reward", "format_reward", "answer_reward")
@@ -88,43 +88,99 @@ def as_trl_reward(
             among the columns, its length differs from ``completions``, or a row's ground truth is ``None`` or
             empty (the message names the row index and the column).
     """
-    if key not in REWARD_KEYS:
-        raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
     if name is None:
         name = reward_fn.__name__.removesuffix("_fn")
+
+    def score(response: str, row: Mapping[str, Any]) -> dict[str, float]:
+        truth = row[answer_column]
+        if truth is None or (isinstance(truth, str) and not truth.strip()):
+            raise ValueError(f"field {answer_column!r} is missing or empty")
+        return reward_fn(response, str(truth))
+
+    trl_reward = as_trl_row_reward(
+        score, key=key, name=name, required_column=answer_column, hint="pass answer_column= to as_trl_reward"
+    )
+    trl_reward.__doc__ = (
+        f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; "
+        f"returns ``{reward_fn.__name__}(completion, columns[{answer_column!r}][i])[{key!r}]`` per completion.\n\n"
+        f"{reward_fn.__doc__ or ''}"
+    )
+    return trl_reward
+
+
+TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+"""Keyword arguments TRL 1.16 passes to reward functions besides the dataset's columns."""
+
+
+def as_trl_row_reward(
+    score: Callable[[str, Mapping[str, Any]], Mapping[str, float]],
+    *,
+    key: str = "reward",
+    name: str = "reward",
+    required_column: str | None = None,
+    hint: str = "add it to the dataset",
+) -> TrlRewardFunc:
+    """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
+    function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
+
+    TRL hands every dataset column but ``prompt`` to a reward function as a keyword argument, one list entry per
+    completion; the row of completion ``i`` is rebuilt as ``{"prompt": prompts[i], column: columns[column][i],
+    ...}`` (TRL's own keywords -- :data:`TRL_REWARD_EXTRAS` -- left out). When TRL passes ``log_metric``, the batch
+    means of ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
+    ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean`` (a NaN format reward, not measured,
+    is not logged).
+
+    Args:
+        score: the row scorer.
+        key: which score to return: ``"reward"`` (default), ``"format_reward"`` or ``"answer_reward"``.
+        name: ``__name__`` of the returned function (TRL logs ``rewards/<name>/mean``).
+        required_column: a column that must be among the dataset's (checked once per call, named when absent).
+        hint: what the missing-column message suggests.
+
+    Returns:
+        The TRL reward function ``(prompts, completions, **columns) -> list[float]``.
+
+    Raises:
+        ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``required_column`` is
+            absent, a column's length differs from ``completions``, or ``score`` raises a ValueError (the message
+            names the row index).
+    """
+    if key not in REWARD_KEYS:
+        raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
 
     def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
         if completions is None:
             raise ValueError(f"{name}: missing argument 'completions'")
-        if answer_column not in columns:
-            available = sorted(k for k in columns if k not in ("trainer_state", "log_extra", "log_metric"))
+        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS}
+        if required_column is not None and required_column not in data:
             raise ValueError(
-                f"{name}: no ground-truth column {answer_column!r} among the dataset columns {available}; "
-                f"add it to the dataset or pass answer_column= to as_trl_reward"
+                f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
             )
-        truths = columns[answer_column]
-        if len(truths) != len(completions):
-            raise ValueError(
-                f"{name}: column {answer_column!r} has {len(truths)} entries "
-                f"but there are {len(completions)} completions"
-            )
+        for column, values in data.items():
+            if len(values) != len(completions):
+                raise ValueError(
+                    f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
+                )
         results = []
-        for i, (completion, truth) in enumerate(zip(completions, truths, strict=True)):
-            if truth is None or (isinstance(truth, str) and not truth.strip()):
-                raise ValueError(f"{name}: row {i} (0-based): field {answer_column!r} is missing or empty")
-            results.append(reward_fn(completion_text(completion, row=i), str(truth)))
+        for i, completion in enumerate(completions):
+            row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
+            try:
+                results.append(score(completion_text(completion, row=i), row))
+            except ValueError as err:
+                raise ValueError(f"{name}: row {i} (0-based): {err}") from None
         log_metric = columns.get("log_metric")
         if log_metric is not None and results:
             for k in ("format_reward", "answer_reward"):
-                log_metric(f"rewards/{name}/{k}", sum(r[k] for r in results) / len(results))
+                mean = sum(float(r[k]) for r in results) / len(results)
+                if not math.isnan(mean):
+                    log_metric(f"rewards/{name}/{k}", mean)
         return [float(r[key]) for r in results]
 
     trl_reward.__name__ = name
     trl_reward.__qualname__ = name
     trl_reward.__doc__ = (
-        f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; "
-        f"returns ``{reward_fn.__name__}(completion, columns[{answer_column!r}][i])[{key!r}]`` per completion.\n\n"
-        f"{reward_fn.__doc__ or ''}"
+        f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; returns the {key!r} "
+        f"score of each completion against its row."
     )
     return trl_reward
 

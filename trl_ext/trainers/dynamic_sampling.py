@@ -22,6 +22,7 @@ The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filt
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from datasets import IterableDataset
 from trl.trainer.utils import nanstd
 
 from .. import functional
+
+logger = logging.getLogger("trl_ext")
 
 
 def informative_groups(advantages: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -205,6 +208,7 @@ class DynamicSamplingMixin:
     ``_generate_and_score_round`` (the trainer's one-round method) until the batch is informative."""
 
     _dynamic_state: DynamicSamplingState | None = None
+    _said_nothing_to_learn = False
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
@@ -276,4 +280,14 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/groups_drawn"].append(counts[:, 1].sum().item())
         metrics["dynamic_sampling/groups_kept"].append(counts[:, 2].sum().item())
         metrics["dynamic_sampling/groups_wanted"].append(float(wanted * self.accelerator.num_processes))
+        if counts[:, 2].sum().item() == 0 and not self._said_nothing_to_learn:
+            self._said_nothing_to_learn = True  # once per trainer: every step that follows would say the same
+            logger.warning(
+                "dynamic_sampling: %d generation rounds (max_sampling_rounds) drew %d groups and none had rewards that "
+                "differ, so this step trains on nothing and every extra round was spent in vain; the model may never "
+                "score on this task (all rewards 0?): check its prompts and answer format, or lower "
+                "max_sampling_rounds",
+                int(counts[:, 0].max().item()),
+                int(counts[:, 1].sum().item()),
+            )
         return output
