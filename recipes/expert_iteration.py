@@ -273,7 +273,8 @@ def main(run, script_args, training_args, model_args, speed=None):
         model, tokenizer, _ = trl_ext.models.load_model_and_tokenizer(model_args)
     trl_ext.runtime.note_loaded_weights(speed, training_args, model_args.dtype, model)  # --dtype auto: known now
     model.to(PartialState().device)
-    with run.phase("eval_before"):
+    run.watch(model)  # every forward's work by phase: the roofline report
+    with run.phase("eval_before", breakdown="evaluation"):
         before = task.evaluate(model, tokenizer, "eval before", progress=False)
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} problems", flush=True)
     sampler = make_sampler(model, tokenizer, task, script_args, training_args)

@@ -43,6 +43,7 @@ def main(run, script_args, training_args, model_args, speed=None):
     state = PartialState()
     with run.phase("load_model", breakdown="model_load"):
         model, tokenizer, peft_config = trl_ext.models.load_model_and_tokenizer(model_args)
+    run.watch(model)  # count every forward's work by phase: the roofline report in metrics.json
     trl_ext.runtime.note_loaded_weights(speed, training_args, model_args.dtype, model)  # --dtype auto: known now
     sharded = state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if not (model_args.load_in_4bit or model_args.load_in_8bit or sharded):

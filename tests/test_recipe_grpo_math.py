@@ -156,6 +156,20 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     assert breakdown["reward"] >= 0  # a regex over 4 short completions: can round to 0 ms
     assert sum(v for k, v in breakdown.items() if k != "total") == pytest.approx(breakdown["total"], abs=0.02)
     assert "Where the" in proc.stdout
+    # each phase beside the floor the machine allows for its work, the peaks measured in this run
+    roofline = metrics["roofline"]
+    assert roofline["machine"]["matmul_flops_per_s"] > 0 and roofline["machine"]["bandwidth_bytes_per_s"] > 0
+    for phase in ("evaluation", "generation_prefill", "generation_decode", "logprob_forward", "backward", "optimizer"):
+        row = roofline["phases"][phase]
+        floor = max(
+            row["flops"] / roofline["machine"]["matmul_flops_per_s"],
+            row["bytes"] / roofline["machine"]["bandwidth_bytes_per_s"],
+        )
+        assert row["floor_seconds"] == pytest.approx(floor) and row["ratio"] == pytest.approx(row["seconds"] / floor), (
+            phase
+        )
+    assert roofline["phases"]["optimizer"]["calls"] == 2  # the two optimizer steps of this run
+    assert "roofline on cpu" in proc.stdout
     assert (out / "model.safetensors").exists() and list(out.glob("checkpoint-*"))
     from transformers import AutoModelForCausalLM
 

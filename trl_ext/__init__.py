@@ -49,6 +49,7 @@ _SUBMODULES = (
     "profiling",
     "report",
     "rewards",
+    "roofline",
     "run",
     "runtime",
     "shared_prompts",

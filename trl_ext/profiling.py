@@ -91,6 +91,11 @@ class PhaseTimer:
             if self._stack:
                 self._stack[-1][2] += elapsed
 
+    @property
+    def current(self) -> str | None:
+        """The innermost phase running now, or None (read by ``trl_ext.roofline.WorkCounter``)."""
+        return self._stack[-1][0] if self._stack else None
+
     def add(self, name: str, seconds: float) -> None:
         """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds

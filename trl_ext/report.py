@@ -37,6 +37,7 @@ from rich.table import Table
 from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id
 from trl_ext.observations import observe_training
 from trl_ext.profiling import format_breakdown
+from trl_ext.roofline import format_roofline
 from trl_ext.run import git_state, is_main_process
 
 IMPORTANT_FIELDS = (
@@ -417,6 +418,10 @@ def finish(
             )
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
+        trained = trainer.state.global_step - run.resumed_step if trainer is not None else 0
+        roofline = run.roofline_report(optimizer_steps=trained) if hasattr(run, "roofline_report") else None
+        if roofline is not None:  # how far each phase ran from what the machine allows
+            metrics.setdefault("roofline", roofline)
     if model_card is not None:
         write_model_card(trainer, out, *model_card)
     if curves is not None:
@@ -450,6 +455,8 @@ def finish(
         breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
         how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
         console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
+    if "roofline" in metrics:
+        console.print(format_roofline(metrics["roofline"]), markup=False)
     saved = " and the trained model" if model_card is not None else ""
     console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
     return console

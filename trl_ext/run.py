@@ -48,6 +48,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from trl_ext.errors import RecipeError
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
+from trl_ext.roofline import RooflineRecorder
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -293,6 +294,9 @@ class RecipeRun:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
         resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
         timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
+        roofline: the run's :class:`~trl_ext.roofline.RooflineRecorder`: the work of every forward of the models
+            :meth:`watch` was given, counted by phase; ``trl_ext.report.finish`` reports it against the machine's
+            peaks, measured then.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
         reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
         warnings: what :meth:`warn` said, recorded in ``metrics.json``.
@@ -331,6 +335,7 @@ class RecipeRun:
             )
         )
         self.timer = PhaseTimer()
+        self.roofline = RooflineRecorder(lambda: self.timer.current)
         self.reused: list[str] = []
         self.warnings: list[str] = []
         self.started = time.time()
@@ -373,8 +378,20 @@ class RecipeRun:
 
     def profile(self, trainer: Any) -> None:
         """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
-        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`)."""
+        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`), and count the work of its model's forwards
+        (:meth:`watch`)."""
         StepProfiler(self.timer).attach(trainer)
+        self.watch(trainer.model)
+
+    def watch(self, model: Any) -> None:
+        """Count the work of every forward of ``model`` by phase, for the roofline report (once per model; call it
+        before the first evaluation so that it is counted too)."""
+        self.roofline.watch(model)
+
+    def roofline_report(self, optimizer_steps: int = 0) -> dict[str, Any] | None:
+        """Each phase's seconds against the floor this machine allows for its work, the peaks measured now (about
+        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched."""
+        return self.roofline.report(self.timer.seconds, optimizer_steps)
 
     def time_breakdown(self) -> dict[str, float]:
         """The exclusive seconds per phase plus ``other`` and ``total`` (the run's wall time so far)."""
@@ -411,11 +428,12 @@ class RecipeRun:
             ``(before, what trainer.train() returned, after)``.
         """
         self.attach(trainer)
-        with self.phase("eval_before"):
+        self.watch(trainer.model)
+        with self.phase("eval_before", breakdown="evaluation"):
             before = self.reuse_or_compute("eval_before", key, evaluate)
         with self.phase("train"):
             output = trainer.train(resume_from_checkpoint=self.resume_from_checkpoint)
-        with self.phase("eval_after"):
+        with self.phase("eval_after", breakdown="evaluation"):
             after = evaluate()
         return before, output, after
 
