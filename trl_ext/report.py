@@ -418,7 +418,8 @@ def finish(
             )
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
-        trained = trainer.state.global_step - run.resumed_step if trainer is not None else 0
+        state = getattr(trainer, "state", None)  # expert iteration passes the trainer class (for its model card)
+        trained = state.global_step - run.resumed_step if hasattr(state, "global_step") else 0
         roofline = run.roofline_report(optimizer_steps=trained) if hasattr(run, "roofline_report") else None
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)

@@ -465,8 +465,9 @@ class RooflineRecorder:
     watched: set[int] = field(default_factory=set)
 
     def watch(self, model: Any) -> None:
-        """Count the forwards of ``model`` (once per model)."""
-        if model is None or id(model) in self.watched:
+        """Count the forwards of ``model`` (once per model; anything but a ``torch.nn.Module``, e.g. a model name
+        a recipe hands its trainer to load, is left alone)."""
+        if not isinstance(model, torch.nn.Module) or id(model) in self.watched:
             return
         self.watched.add(id(model))
         self.counters.append(WorkCounter(model, self.current_phase))
