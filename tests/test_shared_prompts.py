@@ -260,3 +260,77 @@ def test_a_dropout_rate_held_by_a_module_attribute_counts_once_it_changes(tokeni
     assert training_noise(model) is None and len(forwards) == 2
     model.model.layers[1].self_attn.attention_dropout = 0.3
     assert "model.layers.1.self_attn.attention_dropout=0.3" in training_noise(model) and len(forwards) == 4
+
+
+def _generate_both_ways(model, ids, mask, eos, seed, monkeypatch, **options):
+    """Plain ``model.generate`` and the wrapped one (shared prefill + live-row decoding) from the same seed; the
+    wrapped call's LiveRowDecoding instances are recorded."""
+    seen = []
+    enter = shared_prompts.LiveRowDecoding.__enter__
+    monkeypatch.setattr(shared_prompts.LiveRowDecoding, "__enter__", lambda self: seen.append(self) or enter(self))
+    kwargs = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=2, **options)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        wrapped = generate_with_shared_prompts(model.generate, model, cache_argument(model), use_positions=True)
+        torch.manual_seed(seed)
+        ours = wrapped(input_ids=ids, attention_mask=mask, **kwargs)
+    return plain, ours, seen
+
+
+def skipped_row_steps(generated: torch.Tensor, eos: list[int]) -> int:
+    """Rows x decode forwards a finished row sits out, from the generated tokens alone: decode forward t (t = 1 ..
+    T-1; forward 0 is the prefill) is fed token t-1, and a row whose first end-of-sequence token is at f < t has
+    finished by then."""
+    is_eos = torch.isin(generated, torch.tensor(eos))
+    steps = generated.size(1)
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], steps, dtype=torch.long))
+    return sum(int((first < t).sum()) for t in range(1, steps))
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_live_row_decoding_gives_the_same_tokens_and_skips_every_finished_row(model, tokenizer, monkeypatch, do_sample):
+    """Rows finish at different steps (sampling: a third of the vocabulary ends a row; greedy: two tokens a pilot
+    run produced in two rows); sampling with the logits processors TRL passes (temperature, top-k, top-p,
+    repetition penalty) draws the same tokens, and every row-step after a row's end is skipped."""
+    model = no_dropout(model).eval()
+    ids, mask = batch(tokenizer, PADDED)
+    eos = list(range(2 * len(tokenizer) // 3, len(tokenizer)))
+    if not do_sample:
+        with torch.no_grad():
+            pilot = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        eos = sorted({int(pilot[0, ids.size(1) + 1]), int(pilot[-1, ids.size(1) + 3])} - {2})
+    options = dict(do_sample=True, temperature=1.5, top_k=50, top_p=0.9, repetition_penalty=1.2) if do_sample else {}
+    total = 0
+    for seed in range(3):
+        plain, ours, seen = _generate_both_ways(model, ids, mask, eos, seed, monkeypatch, **options)
+        assert torch.equal(ours, plain)
+        (live,) = seen[-1:]
+        expected = skipped_row_steps(plain[:, ids.size(1) :], eos)
+        assert live.skipped_row_steps == expected
+        total += expected
+    assert total > 0  # the finished rows were really left out
+
+
+def test_live_row_decoding_is_off_where_it_could_show_or_change_something(tokenizer, monkeypatch):
+    model = tiny_model_for_tests(tokenizer).eval()
+    config = model.generation_config
+    assert shared_prompts.live_rows_blocker(model, config, {"eos_token_id": [2]}) is None
+    assert shared_prompts.live_rows_blocker(model, config, {"eos_token_id": None}) == "no eos_token_id"
+    scores = {"eos_token_id": 2, "return_dict_in_generate": True, "output_scores": True}
+    assert shared_prompts.live_rows_blocker(model, config, scores) == "output_scores=True"
+    assert "beam search" in shared_prompts.live_rows_blocker(model, config, {"eos_token_id": 2, "num_beams": 2})
+    assert shared_prompts.live_rows_blocker(model, config, {"eos_token_id": 2, "synced_gpus": True}) == "synced_gpus"
+    assert shared_prompts.eos_token_ids(config, {"eos_token_id": torch.tensor([4, 5])}) == [4, 5]
+    # returned scores keep every row's real logits (the plain ones), not the zeros of a skipped row
+    ids, mask = batch(tokenizer, PADDED)
+    eos = list(range(2 * len(tokenizer) // 3, len(tokenizer)))
+    options = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    plain, ours, seen = _generate_both_ways(model, ids, mask, eos, 0, monkeypatch, **options)
+    assert not seen and torch.equal(plain.sequences, ours.sequences)
+    for a, b in zip(plain.scores, ours.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # rows that depend on each other (the probe's skip_rows): every row computed, said once
+    decision = shared_prompts.SavingsDecision(skip_rows="rows depend on each other (probe)")
+    monkeypatch.setattr(shared_prompts, "savings_decision", lambda model: decision)
+    assert shared_prompts.live_rows_blocker(model, config, {"eos_token_id": 2}) == decision.skip_rows
