@@ -278,34 +278,3 @@ def test_a_model_that_cannot_run_the_probe_batch_keeps_the_plain_path(tokenizer,
         "the probe's plain forward failed (RuntimeError: The size of tensor a (32) must match the size of tensor b (4))"
     )
     assert decision.share_prompts == decision.skip_rows == expected
-
-
-@pytest.mark.parametrize("name", list(FAST))
-def test_generation_with_live_row_decoding_draws_the_plain_tokens(name, tokenizer, monkeypatch):
-    """Sampling through the generate TRL's rollouts and the evaluation use (shared prefill, then only the unfinished
-    rows decode) gives the plain generate's tokens on every architecture; where prompt sharing is off the plain
-    generate runs, and where it is on rows really finish early (a third of the vocabulary ends a row)."""
-    from trl_ext import shared_prompts
-
-    model = tiny_model(name, len(tokenizer)).eval()
-    seen = []
-    enter = shared_prompts.LiveRowDecoding.__enter__
-    monkeypatch.setattr(shared_prompts.LiveRowDecoding, "__enter__", lambda self: seen.append(self) or enter(self))
-    ids = torch.tensor([[2, 2, 31, 32, 33], [41, 42, 43, 44, 45]]).repeat_interleave(3, dim=0)
-    mask = (ids != 2).long()
-    eos = list(range(2 * len(tokenizer) // 3, len(tokenizer)))
-    kwargs = dict(max_new_tokens=6, do_sample=True, temperature=1.5, eos_token_id=eos, pad_token_id=2)
-    with torch.no_grad():
-        torch.manual_seed(3)
-        plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        generate = shared_prompts.generate_with_shared_prompts(
-            model.generate, model, shared_prompts.cache_argument(model), shared_prompts.accepts_position_ids(model)
-        )
-        torch.manual_seed(3)
-        ours = generate(input_ids=ids, attention_mask=mask, **kwargs)
-    assert torch.equal(ours, plain)
-    decision = shared_prompts.savings_decision(model)
-    if decision.share_prompts is None and decision.skip_rows is None:
-        assert seen and seen[-1].skipped_row_steps > 0
-    else:
-        assert not seen

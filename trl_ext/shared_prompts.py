@@ -367,13 +367,7 @@ def packed_forward(
 
 
 def generate_with_shared_prompts(
-    generate: Callable,
-    model: Callable,
-    cache_name: str,
-    use_positions: bool,
-    *,
-    check_model: bool = True,
-    live_rows_decoding: bool = True,
+    generate: Callable, model: Callable, cache_name: str, use_positions: bool, *, check_model: bool = True
 ):
     """Wrap ``model.generate`` so each distinct prompt is prefilled once and its cache indexed into every row.
 
@@ -385,8 +379,7 @@ def generate_with_shared_prompts(
 
     Exact or off: with ``check_model`` (default) a model on which sharing is not exact (``savings_decision``) and a
     call whose options sharing cannot honour (``generation_blocker``) run the plain ``generate``, each announced in
-    one log line. With ``live_rows_decoding`` (default) each decode step also runs only the rows still generating
-    (:class:`LiveRowDecoding`; off, with one log line, where :func:`live_rows_blocker` says why).
+    one log line.
     """
 
     def wrapped(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
@@ -412,162 +405,11 @@ def generate_with_shared_prompts(
         positions = position_ids_from_attention_mask(prefix_mask) if use_positions else None
         with torch.no_grad():
             cache = prefill(model, cache_name, prefix_ids, prefix_mask, positions)
-        shared = {} if cache is None else {cache_name: cache}
-        live_rows = live_rows_blocker(model, config, kwargs) if live_rows_decoding else "not asked"
-        if live_rows is not None:
-            if live_rows_decoding and check_model and not live_rows.startswith("the model is on"):
-                announce(model, SavingsDecision(share_prompts=live_rows), ("decoding only unfinished rows", ""))
-            return generate(**call, **shared)
-        with LiveRowDecoding(model, eos_token_ids(config, kwargs), cache_name):
-            return generate(**call, **shared)
+        if cache is None:
+            return generate(**call)
+        return generate(**call, **{cache_name: cache})
 
     return wrapped
-
-
-class LiveRowDecoding:
-    """While one ``generate`` call runs, each decode forward computes only the rows still generating.
-
-    Once a row has emitted an end-of-sequence token, transformers' sampling loop keeps feeding it through the model
-    and then overwrites its next token with the pad token (``next_tokens * unfinished + pad * (1 - unfinished)``):
-    its logits are never used. From the second forward of the call on (the first is the prefill), a row whose
-    latest token is one of ``eos_token_ids`` is finished for good; the forward then runs on the live rows only --
-    the key/value cache drops the finished rows (``Cache.batch_select_indices``) and every batch-sized input
-    (``input_ids``, ``attention_mask``, ``position_ids``) is cut to the same rows -- and the logits come back as
-    (B, 1, V) with zeros in the finished rows, which the loop discards. Sampling draws the same random numbers:
-    ``torch.multinomial`` of one sample fills an exponential for every entry of the (B, V) probabilities whatever
-    they are. When every row has finished (the loop may still run a step), one row is kept.
-
-    Exact (each row's logits are its own forward on its own cache, up to the float rounding of a smaller matmul,
-    the tolerance of ``savings_decision``'s row-independence probe), and used only where that probe passed. Hooks go
-    on the underlying model (past DDP/PEFT wrappers) first in line, so the roofline's work counter sees the rows
-    that run; :meth:`__exit__` removes them.
-
-    Args:
-        model: the model whose ``generate`` runs (its base model gets the hooks).
-        eos_token_ids: the generation's end-of-sequence ids (the stopping criterion's).
-        cache_name: ``cache`` or ``past_key_values`` (:func:`cache_argument`).
-    """
-
-    BATCH_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
-
-    def __init__(self, model: Any, eos_token_ids: list[int], cache_name: str):
-        self.module = _base_model(model)
-        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
-        self.cache_name = cache_name
-        self.calls, self.batch = 0, 0
-        self.kept: torch.Tensor | None = None  # rows the cache holds, in order
-        self.finished: torch.Tensor | None = None
-        self.selected = False
-        self.skipped_row_steps = 0  # rows x decode forwards not computed (for tests and the log)
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> LiveRowDecoding:
-        self._handles = [
-            self.module.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
-            self.module.register_forward_hook(self._after, with_kwargs=True, prepend=True),
-        ]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _before(self, module, args, kwargs):
-        self.calls += 1
-        self.selected = False
-        ids = kwargs.get("input_ids")
-        if self.calls == 1:  # the prefill: prompt tokens, every row live
-            if ids is not None and ids.dim() == 2:
-                self.batch = ids.size(0)
-                self.kept = torch.arange(self.batch, device=ids.device)
-                self.finished = torch.zeros(self.batch, dtype=torch.bool, device=ids.device)
-            return None
-        if args or self.kept is None or ids is None or ids.dim() != 2 or ids.shape != (self.batch, 1):
-            return None
-        self.finished |= torch.isin(ids[:, 0], self.eos.to(ids.device))
-        if self.kept.numel() == self.batch and not bool(self.finished.any()):
-            return None
-        cache = kwargs.get(self.cache_name)
-        unknown = [
-            k
-            for k, v in kwargs.items()
-            if k not in self.BATCH_INPUTS
-            and k != self.cache_name
-            and (isinstance(v, dict) or _batch_sized(v, self.batch))
-        ]
-        if self.kept.numel() == self.batch and (unknown or not hasattr(cache, "batch_select_indices")):
-            self.kept = None  # an input this cannot cut to the live rows: compute every row, as generate does
-            return None
-        live = (~self.finished).nonzero().squeeze(1)
-        if live.numel() == 0:
-            live = self.kept[:1]
-        if live.numel() != self.kept.numel():
-            cache.batch_select_indices(torch.searchsorted(self.kept, live))
-            self.kept = live
-        kwargs = {
-            k: v[self.kept] if k in self.BATCH_INPUTS and _batch_sized(v, self.batch) else v for k, v in kwargs.items()
-        }
-        self.selected = True
-        self.skipped_row_steps += self.batch - self.kept.numel()
-        return args, kwargs
-
-    def _after(self, module, args, kwargs, output):
-        if not self.selected:
-            return None
-        self.selected = False
-        logits = output.logits  # (L, 1, V) for the L live rows
-        full = logits.new_zeros((self.batch, *logits.shape[1:]))
-        full[self.kept] = logits
-        output.logits = full
-        return output
-
-
-def _batch_sized(value: Any, batch: int) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.size(0) == batch
-
-
-def live_rows_blocker(model: Any, generation_config: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why decoding only the unfinished rows (:class:`LiveRowDecoding`) is off for one ``generate`` call, or None.
-
-    Off: on CUDA (the saving is a CPU one: the finished-row check would add a host synchronisation per token,
-    which transformers' deferred stop check avoids), without an end-of-sequence id (no row ever finishes),
-    when the call returns per-step scores, logits, attentions or hidden states (they would show the finished rows'
-    zeros), for beam search or several sequences per prompt (rows are reordered or expanded), under
-    ``synced_gpus``, and where one row's outputs depend on the other rows of the batch
-    (``savings_decision(model).skip_rows``, the probe).
-    """
-
-    def option(name, default=None):
-        if name in kwargs:
-            return kwargs[name]
-        return getattr(generation_config, name, default) if generation_config is not None else default
-
-    device = next(iter(model.parameters()), torch.empty(0)).device if hasattr(model, "parameters") else None
-    if device is None or device.type != "cpu":
-        return f"the model is on {device}"
-    if option("eos_token_id") is None:
-        return "no eos_token_id"
-    if option("return_dict_in_generate", False):
-        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-            if option(name, False):
-                return f"{name}=True"
-    if (option("num_beams", 1) or 1) > 1 or (option("num_return_sequences", 1) or 1) > 1:
-        return "beam search or several sequences per prompt"
-    if kwargs.get("synced_gpus"):
-        return "synced_gpus"
-    return savings_decision(model).skip_rows
-
-
-def eos_token_ids(generation_config: Any, kwargs: dict[str, Any]) -> list[int]:
-    """The end-of-sequence ids a ``generate`` call stops on: ``eos_token_id`` from its options, else from its
-    generation config (an int or a list)."""
-    eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [
-        int(e) for e in (eos.tolist() if torch.is_tensor(eos) else eos if isinstance(eos, (list, tuple)) else [eos])
-    ]
 
 
 # -- exact or off ---------------------------------------------------------------------------------------------------
@@ -876,14 +718,9 @@ def _probe_generation(
         return None
     plain = model.generate(input_ids=ids, attention_mask=mask, **options)
     wrapped = generate_with_shared_prompts(
-        model.generate,
-        model,
-        cache_argument(model),
-        accepts_position_ids(model),
-        check_model=False,
-        live_rows_decoding=False,
+        model.generate, model, cache_argument(model), accepts_position_ids(model), check_model=False
     )
-    shared = wrapped(input_ids=ids, attention_mask=mask, **options)  # (live rows: decided by this probe's skip_rows)
+    shared = wrapped(input_ids=ids, attention_mask=mask, **options)
     if exact_tokens and not torch.equal(plain.sequences, shared.sequences):
         return "greedy generation with a shared prompt cache picked other tokens than without it (probe)"
     steps = len(plain.logits) if exact_tokens else 1  # in half precision a near-tie may pick another token
