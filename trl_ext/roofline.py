@@ -269,6 +269,11 @@ def _attention_pairs(mask: Any) -> int | None:
     return None
 
 
+TIMED_BY_HOOK = ("generation_prefill", "forward")
+"""Buckets whose seconds come from timing the forward itself (the rest come from the run's phase timer): on CUDA only
+these forwards synchronize the device, so decoding and training keep their asynchrony."""
+
+
 class WorkCounter:
     """Counts the work of every forward of ``model`` into the bucket of the phase it runs in.
 
@@ -330,17 +335,18 @@ class WorkCounter:
             rows * head_rows,
             _attention_pairs(kwargs.get("attention_mask")),
         )
-        if self._cuda:
+        bucket = self.bucket(new)
+        if self._cuda and bucket in TIMED_BY_HOOK:  # only these forwards' own seconds are read: no sync per token
             torch.cuda.synchronize()
         grad = torch.is_grad_enabled() and module.training
-        self._started.append((time.perf_counter(), work, self.bucket(new), grad))
+        self._started.append((time.perf_counter(), work, bucket, grad))
 
     def _after(self, module, args, kwargs, output):
         if not self._started:
             return
-        if self._cuda:
-            torch.cuda.synchronize()
         start, work, bucket, grad = self._started.pop()
+        if self._cuda and bucket in TIMED_BY_HOOK:
+            torch.cuda.synchronize()
         work.forward_seconds = time.perf_counter() - start
         self.work.setdefault(bucket, Work()).add(work)
         if grad:
