@@ -11,6 +11,7 @@ from trl_ext.roofline import (
     MachinePeaks,
     ModelShape,
     Work,
+    RooflineRecorder,
     WorkCounter,
     backward_work,
     format_roofline,
@@ -124,3 +125,20 @@ def test_peaks_are_measured_and_positive():
     peaks = measure_peaks("cpu", torch.float32, budget_s=0.05, matmul_size=64, copy_bytes=2**20)
     assert peaks.matmul_flops_per_s > 1e6 and peaks.bandwidth_bytes_per_s > 1e6
     assert peaks.device == "cpu" and peaks.dtype == "float32" and peaks.threads == torch.get_num_threads()
+
+
+def test_the_recorder_watches_each_model_once_and_only_models(tiny_model):
+    """A recipe may hand its trainer a model *name* (reward_model) and expert iteration no trainer instance: neither
+    is hooked, and with nothing watched there is no report."""
+    timer = PhaseTimer()
+    recorder = RooflineRecorder(lambda: timer.current)
+    recorder.watch("HuggingFaceTB/SmolLM2-135M-Instruct")
+    recorder.watch(None)
+    assert recorder.counters == [] and recorder.report({}) is None
+    recorder.watch(tiny_model)
+    recorder.watch(tiny_model)
+    assert len(recorder.counters) == 1
+    with torch.no_grad(), timer.phase("evaluation"):
+        tiny_model(input_ids=torch.randint(3, 1000, (2, 5)))
+    assert recorder.counters[0].work["evaluation"].calls == 1  # one hook, one count
+    recorder.counters[0].remove()
