@@ -10,8 +10,8 @@ from trl_ext.profiling import PhaseTimer
 from trl_ext.roofline import (
     MachinePeaks,
     ModelShape,
-    Work,
     RooflineRecorder,
+    Work,
     WorkCounter,
     backward_work,
     format_roofline,
