@@ -420,7 +420,7 @@ def finish(
         metrics.setdefault("time_breakdown", run.time_breakdown())
         state = getattr(trainer, "state", None)  # expert iteration passes the trainer class (for its model card)
         trained = state.global_step - run.resumed_step if hasattr(state, "global_step") else 0
-        roofline = run.roofline_report(optimizer_steps=trained) if hasattr(run, "roofline_report") else None
+        roofline = run.roofline_report(optimizer_steps=trained)
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)
     if model_card is not None:
