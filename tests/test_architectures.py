@@ -1,5 +1,5 @@
-"""The architecture matrix (issue 18): one GRPO step with trl_ext's defaults against the same step with both speed
-savings off, on tiny random models of many architectures (tests/architectures.py).
+"""The architecture matrix (issue 18): one GRPO step with trl_ext's defaults against the same step with every speed
+saving off (prompt sharing, row skipping, oneDNN-packed generation weights), on tiny random models of many architectures (tests/architectures.py).
 
 Either the savings are on and the step gives the same generated tokens, loss, entropy and updated weights (plain
 SGD, so the update is lr x gradient) as the plain computation, or the trainer reports them off in one log line and
@@ -103,7 +103,12 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         ours, batch = one_step(model, tokenizer, tmp_path / "ours")
     plain, plain_batch = one_step(
-        plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False
+        plain_model,
+        tokenizer,
+        tmp_path / "plain",
+        share_prompt_cache=False,
+        skip_zero_advantage_rows=False,
+        prepack_linear_weights=False,
     )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
     if expected is not None:
@@ -147,7 +152,12 @@ def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplo
     plain_model = copy.deepcopy(model)
     ours, batch = one_step(model, tokenizer, tmp_path / "ours")
     plain, plain_batch = one_step(
-        plain_model, tokenizer, tmp_path / "plain", share_prompt_cache=False, skip_zero_advantage_rows=False
+        plain_model,
+        tokenizer,
+        tmp_path / "plain",
+        share_prompt_cache=False,
+        skip_zero_advantage_rows=False,
+        prepack_linear_weights=False,
     )
     assert ours._share_prompts and ours._skip_zero_advantage and ours._pack
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])

@@ -28,8 +28,19 @@ LIBRARY = ROOT / "trl_ext"
 LAYERS = (  # bottom first; a module imports modules of its own layer or of a layer below, never above
     # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
-    # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline)
-    ("functional", "errors", "options", "machine", "observations", "profiling", "runtime", "roofline"),
+    # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
+    # oneDNN-packed linear weights for CPU inference (packed_linear)
+    (
+        "functional",
+        "errors",
+        "options",
+        "machine",
+        "observations",
+        "profiling",
+        "runtime",
+        "roofline",
+        "packed_linear",
+    ),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),

@@ -46,6 +46,7 @@ _SUBMODULES = (
     "models",
     "observations",
     "options",
+    "packed_linear",
     "profiling",
     "report",
     "rewards",

@@ -22,6 +22,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from trl_ext import machine
 from trl_ext.data.prompts import prompt_token_ids
+from trl_ext.packed_linear import PackedLinearWeights
 from trl_ext.rewards.math_answers import extract_last_number
 from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
 
@@ -151,6 +153,7 @@ def generate_completions(
     batch_size: int = 32,
     desc: str = "generating",
     disable_progress: bool = False,
+    prepack_linear_weights: bool = True,
 ) -> list[str]:
     """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
 
@@ -162,6 +165,9 @@ def generate_completions(
         batch_size: prompts per ``generate`` call (>= 1).
         desc: progress-bar label.
         disable_progress: hide the progress bar.
+        prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers through oneDNN with their
+            weights packed once for the call (:mod:`trl_ext.packed_linear`: same math, float rounding differs from
+            MKL's; off by itself, in one log line, where it cannot apply). Default True.
 
     Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
     training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
@@ -185,16 +191,19 @@ def generate_completions(
     outputs: list[str] = []
     # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
+    # the weights are fixed for the whole call: linear weights packed once for oneDNN (trl_ext.packed_linear)
+    packing = PackedLinearWeights(rows_hint=batch_size).applied(model) if prepack_linear_weights else nullcontext()
     try:
-        for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
-            batch = tokenizer.pad(
-                {"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt"
-            )
-            batch = {k: v.to(device) for k, v in batch.items()}
-            generated = generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-            )
-            outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        with packing:
+            for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
+                batch = tokenizer.pad(
+                    {"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt"
+                )
+                batch = {k: v.to(device) for k, v in batch.items()}
+                generated = generate(
+                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                )
+                outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         model.train(was_training)
         tokenizer.padding_side = padding_side

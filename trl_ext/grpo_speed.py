@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import functional
+from .packed_linear import PackedLinearWeights
 from .shared_prompts import (
     SavingsDecision,
     accepts_position_ids,
@@ -64,6 +65,12 @@ class GRPOSpeedMixin:
             share and self.args.pack_completions,
         )
         self._savings_now(training=True)  # announce now what the training forward rules out
+        # oneDNN-packed linear weights for transformers generation on the CPU, packed once per generation batch
+        self._packed_linear = (
+            PackedLinearWeights(rows_hint=self.args.per_device_train_batch_size)
+            if getattr(self.args, "prepack_linear_weights", False) and not sharded
+            else None
+        )
 
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
@@ -153,6 +160,20 @@ class GRPOSpeedMixin:
         # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
         # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        packed = getattr(self, "_packed_linear", None)
+        if self.use_vllm or packed is None:
+            return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
+        with packed.applied(unwrapped):
+            return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
+
+    def _release_packed_weights(self) -> None:
+        """Drop the packed linear weights (``prepack_linear_weights``): called when a generation batch is complete
+        (all its rounds drawn), so they serve every round and their memory is free for the loss's forward and
+        backward; the weights change at the next optimizer step anyway."""
+        if getattr(self, "_packed_linear", None) is not None:
+            self._packed_linear.clear()
+
+    def _generate_sharing_prompts(self, unwrapped, prompt_ids, images, *args, **kwargs):
         if self.use_vllm or not self._share_prompts or not hasattr(unwrapped, "generate"):
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
         own = unwrapped.__dict__.get("generate")

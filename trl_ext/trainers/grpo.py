@@ -21,8 +21,10 @@ It adds one public method, ``sample(prompts)``, which only calls upstream's ``_g
 from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
 
 The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
-``_get_per_token_logps_and_entropies`` (prompt-cache sharing, generation's position ids) and supplies the
-zero-advantage row skipping ``_compute_loss`` calls; each is on only where it is exact for the model.
+``_get_per_token_logps_and_entropies`` (prompt-cache sharing, oneDNN-packed linear weights in generation,
+generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
+it is exact for the model. ``_generate_and_score_completions`` (above) also releases generation's packed weights once
+every round of the batch is drawn.
 
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
@@ -254,6 +256,18 @@ class GRPOConfig(trl.GRPOConfig):
             "nothing. Same log-probs and gradients up to float rounding. Default True; on only where it is exact for "
             "the model (sdpa attention over key/value caches without sliding windows, checked by a probe against "
             "the padded forward; one log line otherwise)."
+        },
+    )
+    prepack_linear_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "In transformers generation on the CPU in fp32, run every nn.Linear through oneDNN with its weight "
+            "packed once per training step (trl_ext.packed_linear): decoding multiplies a few rows by every weight, "
+            "a small GEMM that MKL runs far below the CPU's peak (on the main job's CPU a decode step's matmuls take "
+            "about half the time). Same math, outputs differ at float rounding. Default True; off for vLLM, GPUs, "
+            "FSDP and DeepSpeed, for modules that are not plain fp32 nn.Linear (quantized, LoRA wrappers keep their "
+            "own forward), under autocast, and where the packed copies would take more than a quarter of the "
+            "available memory (one log line). The log-prob forwards and backward are not affected."
         },
     )
     dynamic_sampling: bool = field(
@@ -513,7 +527,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         """
         if self.use_vllm:
             self._last_loaded_step = -1  # upstream's tag of the step whose weights vLLM holds: none, so sync first
-        prompt_ids, completion_ids, _, completions, *_ = self._generate(prompts)
+        try:
+            prompt_ids, completion_ids, _, completions, *_ = self._generate(prompts)
+        finally:
+            self._release_packed_weights()
         return prompt_ids, completion_ids, completions
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
@@ -562,6 +579,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._gathered_rewards = rewards_per_func
         return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        # every round of the generation batch (DynamicSamplingMixin) drawn: release generation's packed weights
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._release_packed_weights()
 
     def _generate_and_score_round(self, inputs):
         # One generation round: upstream generates and scores, then the course advantages replace upstream's.

@@ -1,0 +1,215 @@
+"""oneDNN-packed ``nn.Linear`` weights for the CPU inference forwards of generation and evaluation (issue 31).
+
+Why. On a CPU, ``torch.nn.functional.linear`` in fp32 goes to MKL's sgemm. A decode step multiplies only a few rows
+(one per sequence) by every weight of the model, and on this project's CPU (AMD EPYC, AVX-512) MKL runs that small
+GEMM far below the machine's peak: the 211 projections of SmolLM2-135M plus its head take 78-100 ms for 16 rows,
+where oneDNN's inner-product with the weights reordered once into its blocked layout takes 44-47 ms (and 285 ->
+165 ms for 100 rows; measured in docs/performance.md). The reordering costs about one weight copy (0.16 s for the
+whole model), so it pays when the same weights serve many forwards: the decode steps of a ``generate`` call, the
+rounds of one training step, an evaluation.
+
+What. :class:`PackedLinearWeights` keeps, per ``nn.Linear``, its weight packed by
+``torch.ops.mkldnn._reorder_linear_weight`` (PyTorch's own prepacking op, the one inductor uses for CPU linears)
+and, inside :meth:`PackedLinearWeights.applied`, makes the module's forward ``torch.ops.mkldnn._linear_pointwise``
+with that packed weight. Same math (``x @ W^T + b``); the sums run in oneDNN's order instead of MKL's, so outputs
+differ at float rounding (~1e-7 relative), as any change of GEMM kernel does.
+
+Exact or off, per call: a packed forward runs only for an fp32 CPU input without autograd (no grad mode, or
+neither weight nor input requiring grad), outside CPU autocast, while the weight is the very tensor that was packed
+at the same version (an optimizer step, ``copy_`` or ``.data =`` invalidates it); anything else runs the module's
+own forward. Modules are packed only when their class is exactly ``nn.Linear`` (quantized, LoRA and other
+subclasses keep their own forward), with a plain 2-D fp32 CPU weight of the declared shape and no forward already
+replaced on the instance (accelerate's offloading hooks). The whole saving is off, in one log line per model and
+reason (:func:`packing_blocker`), where PyTorch has no oneDNN prepacking ops, where no such module exists, or where
+the packed copies would take more than a quarter of the memory available now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("trl_ext")
+
+MEMORY_FRACTION = 0.25
+"""Packed copies of the weights may take at most this fraction of the memory available when packing starts."""
+
+_announced: set[tuple[int, str]] = set()
+
+
+def _ops_available() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packable(module: torch.nn.Module) -> bool:
+    """True for a module whose forward :class:`PackedLinearWeights` may run packed: class exactly ``nn.Linear``, a
+    plain 2-D fp32 CPU weight of shape ``(out_features, in_features)``, no instance-level forward (accelerate hooks,
+    another patch) and no accelerate ``_hf_hook``."""
+    if type(module) is not torch.nn.Linear or "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+        return False
+    weight = module.weight
+    return (
+        type(weight.data) is torch.Tensor
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and tuple(weight.shape) == (module.out_features, module.in_features)
+        and (module.bias is None or (module.bias.dtype == torch.float32 and module.bias.device.type == "cpu"))
+    )
+
+
+def _available_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError):
+        return None
+
+
+def packing_blocker(model: torch.nn.Module) -> str | None:
+    """Why :class:`PackedLinearWeights` cannot run any forward of ``model`` packed, or None.
+
+    Reasons: this PyTorch has no oneDNN prepacking ops (``torch.ops.mkldnn._reorder_linear_weight`` and
+    ``_linear_pointwise``); no module is :func:`packable` (weights not fp32, not on the CPU, quantized, offloaded,
+    sharded, ...); the packed copies (one per weight, fp32) would exceed :data:`MEMORY_FRACTION` of the memory
+    available now (``psutil``).
+    """
+    if not _ops_available():
+        return "this PyTorch has no oneDNN prepacking ops (torch.ops.mkldnn._reorder_linear_weight)"
+    modules = [m for m in model.modules() if packable(m)]
+    if not modules:
+        return "no nn.Linear with an fp32 CPU weight"
+    needed = sum(m.weight.numel() * 4 for m in modules)
+    available = _available_bytes()
+    if available is not None and needed > MEMORY_FRACTION * available:
+        return (
+            f"packed weights would take {needed / 2**30:.2f} GiB, more than {MEMORY_FRACTION:.0%} of the "
+            f"{available / 2**30:.2f} GiB available"
+        )
+    return None
+
+
+@dataclass
+class _Packed:
+    weight: torch.Tensor  # the module's weight tensor that was packed (identity, data pointer and version checked)
+    data_ptr: int
+    version: int
+    packed: torch.Tensor
+
+
+def _is_current(entry: _Packed, weight: torch.Tensor) -> bool:
+    return entry.weight is weight and entry.data_ptr == weight.data_ptr() and entry.version == weight._version
+
+
+class PackedLinearWeights:
+    """Packed copies of a model's ``nn.Linear`` weights, kept while the weights do not change.
+
+    Args:
+        rows_hint: rows a forward is expected to multiply (the batch of a decode step), passed to oneDNN's
+            reordering as its batch-size hint; None lets oneDNN choose. Any row count runs correctly.
+
+    Use ``with packed.applied(model): model.generate(...)``; entries whose weight changed since they were packed are
+    repacked at the next :meth:`applied`; :meth:`clear` drops every packed copy (memory back).
+    """
+
+    def __init__(self, rows_hint: int | None = None):
+        self.rows_hint = rows_hint
+        self._entries: dict[int, _Packed] = {}
+
+    def clear(self) -> None:
+        """Drop every packed copy."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _entry(self, module: torch.nn.Linear) -> _Packed:
+        entry = self._entries.get(id(module))
+        weight = module.weight
+        if entry is None or not _is_current(entry, weight):
+            with torch.no_grad():
+                detached = weight.detach()
+                packed = (
+                    torch.ops.mkldnn._reorder_linear_weight(detached, self.rows_hint)
+                    if self.rows_hint
+                    else torch.ops.mkldnn._reorder_linear_weight(detached)
+                )
+            entry = _Packed(weight, weight.data_ptr(), weight._version, packed)
+            self._entries[id(module)] = entry
+        return entry
+
+    @contextlib.contextmanager
+    def applied(self, model: torch.nn.Module) -> Iterator[None]:
+        """Run ``model``'s packable ``nn.Linear`` forwards packed for the duration of the block (see the module
+        docstring for when a call still runs the plain forward). Off, with one log line per model and reason, where
+        :func:`packing_blocker` says so; silently for a model whose parameters are not on the CPU. The modules'
+        forwards are restored on exit, also on error."""
+        first = next(model.parameters(), None)
+        if first is None or first.device.type != "cpu":  # a CPU saving: nothing to say for a model on a GPU
+            yield
+            return
+        reason = packing_blocker(model)
+        if reason is not None:
+            announce(model, reason)
+            yield
+            return
+        patched: list[torch.nn.Module] = []
+        try:
+            for module in model.modules():
+                if packable(module):
+                    module.forward = _packed_forward(module, self._entry(module))
+                    patched.append(module)
+            yield
+        finally:
+            for module in patched:
+                module.__dict__.pop("forward", None)
+
+
+def _packed_forward(module: torch.nn.Linear, entry: _Packed):
+    plain = type(module).forward.__get__(module)
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if (
+            input.dtype != torch.float32
+            or input.device.type != "cpu"
+            or input.dim() < 2
+            or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+            or torch.is_autocast_enabled("cpu")
+            or not _is_current(entry, weight)
+        ):
+            return plain(input)
+        bias = module.bias
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+            return plain(input)
+        return _pointwise(input, entry.packed, bias)
+
+    return forward
+
+
+def _pointwise(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``input @ W^T + bias`` by oneDNN, ``W`` given packed (no activation fused)."""
+    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
+
+
+def announce(model: Any, reason: str) -> None:
+    """Log once per model and reason that ``prepack_linear_weights`` is off and why."""
+    key = (id(model), reason)
+    if key not in _announced:
+        _announced.add(key)
+        logger.warning(
+            "trl_ext prepack_linear_weights off for %s: %s (MKL's plain linear used)", type(model).__name__, reason
+        )
