@@ -1,5 +1,6 @@
 """The architecture matrix (issue 18): one GRPO step with trl_ext's defaults against the same step with every speed
-saving off (prompt sharing, row skipping, oneDNN-packed generation weights), on tiny random models of many architectures (tests/architectures.py).
+saving off (prompt sharing, row skipping, oneDNN-packed generation weights), on tiny random models of many
+architectures (tests/architectures.py).
 
 Either the savings are on and the step gives the same generated tokens, loss, entropy and updated weights (plain
 SGD, so the update is lr x gradient) as the plain computation, or the trainer reports them off in one log line and

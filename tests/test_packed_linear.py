@@ -13,7 +13,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 from architectures import tiny_model
 from conftest import length_mod5_reward
 from datasets import Dataset
@@ -187,4 +186,3 @@ def test_grpo_generation_packs_once_per_batch_and_releases_the_copies(tokenizer,
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for p, q in zip(ours.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-

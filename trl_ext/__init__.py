@@ -53,6 +53,7 @@ _SUBMODULES = (
     "roofline",
     "run",
     "runtime",
+    "sampling",
     "shared_prompts",
     "tasks",
     "trainers",

@@ -1,0 +1,86 @@
+"""torch.multinomial's draws, vectorised (trl_ext.sampling, issue 31): the same tokens, the same random numbers and
+the same generator state afterwards as PyTorch's own ``torch.multinomial(probs, 1)``, checked against PyTorch itself;
+every call the replica cannot serve identically goes to PyTorch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trl_ext import sampling
+from trl_ext.sampling import multinomial, probe, same_draws_multinomial
+
+
+@pytest.mark.parametrize("shape", [(16, 49152), (1, 5), (3, 1000), (64, 3)])
+@pytest.mark.parametrize("seed", [0, 7, 123])
+def test_the_replica_draws_what_torch_multinomial_draws(shape, seed):
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 4
+    probs = torch.softmax(logits, dim=-1)
+    probs[0, : shape[1] // 2] = 0.0  # top-k/top-p style zeros in one row
+    torch.manual_seed(seed)
+    expected = torch.multinomial(probs, 1)
+    state, after = torch.get_rng_state(), torch.rand(3)
+    torch.manual_seed(seed)
+    ours = multinomial(probs)
+    assert torch.equal(ours, expected) and ours.dtype == torch.int64 and ours.shape == (shape[0], 1)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(torch.rand(3), after)
+
+
+def test_the_replica_follows_the_distribution_it_is_given():
+    # independent of torch.multinomial: frequencies of 20,000 draws from p = (0.1, 0.2, 0.7) within 4 sigma
+    probs = torch.tensor([[0.1, 0.2, 0.7]]).expand(20000, 3).contiguous()
+    torch.manual_seed(0)
+    counts = torch.bincount(multinomial(probs).squeeze(1), minlength=3).double() / 20000
+    sigma = (torch.tensor([0.1, 0.2, 0.7]) * torch.tensor([0.9, 0.8, 0.3]) / 20000).sqrt().double()
+    assert ((counts - torch.tensor([0.1, 0.2, 0.7]).double()).abs() < 4 * sigma).all(), counts
+
+
+def test_inside_the_block_every_call_gives_torchs_result_and_errors():
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
+    original = torch.multinomial
+    calls = []
+    replica = sampling.multinomial
+    with same_draws_multinomial():
+        assert torch.multinomial is not original
+        sampling.multinomial = lambda p: calls.append(1) or replica(p)
+        try:
+            torch.manual_seed(3)
+            ours = torch.multinomial(probs, num_samples=1)
+            torch.manual_seed(3)
+            several = torch.multinomial(probs, 3)  # several samples: PyTorch's
+            torch.manual_seed(3)
+            with_replacement = torch.multinomial(probs, 1, True)  # one sample: served either way
+            one_d = torch.multinomial(probs[0], 1)
+            gen = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(0))
+            with pytest.raises(RuntimeError):
+                torch.multinomial(torch.zeros(2, 5), 1)  # PyTorch's own error: sum of probabilities <= 0
+            with pytest.raises(RuntimeError):
+                torch.multinomial(torch.tensor([[0.5, float("nan")]]), 1)
+        finally:
+            sampling.multinomial = replica
+    assert torch.multinomial is original
+    assert len(calls) == 2  # the one-sample calls only
+    torch.manual_seed(3)
+    assert torch.equal(ours, original(probs, 1))
+    torch.manual_seed(3)
+    assert torch.equal(several, original(probs, 3))
+    torch.manual_seed(3)
+    assert torch.equal(with_replacement, original(probs, 1, True))
+    assert one_d.shape == (1,) and gen.shape == (4, 1)
+
+
+def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, caplog):
+    monkeypatch.setattr(sampling, "_probe_result", False)
+    monkeypatch.setattr(sampling, "multinomial", lambda p: torch.zeros(p.shape[0], 1, dtype=torch.long))
+    state = torch.get_rng_state()
+    assert "other random numbers" in probe()
+    assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the generator as it found it
+    monkeypatch.setattr(same_draws_multinomial, "_announced", False, raising=False)
+    with caplog.at_level(logging.WARNING, logger="trl_ext"):
+        for _ in range(2):
+            with same_draws_multinomial():
+                assert torch.multinomial is torch._C._VariableFunctions.multinomial
+    assert sum("vectorised sampling off" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(sampling, "_probe_result", False)
