@@ -22,6 +22,9 @@ from datasets import Dataset
 import trl_ext
 from trl_ext.shared_prompts import training_noise
 
+PLAIN = dict(share_prompt_cache=False, skip_zero_advantage_rows=False, prepack_linear_weights=False)
+"""The options of the plain step every default step is checked against: every speed saving off."""
+
 # What each FAST architecture is expected to do: "share" (both savings on) or the start of the reason sharing is off.
 EXPECTED_SHARING = {
     "llama": "share",
@@ -103,14 +106,7 @@ def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing
     plain_model = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(
-        plain_model,
-        tokenizer,
-        tmp_path / "plain",
-        share_prompt_cache=False,
-        skip_zero_advantage_rows=False,
-        prepack_linear_weights=False,
-    )
+    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
     if expected is not None:
         if expected == "share" and packing == "pack":
@@ -152,14 +148,7 @@ def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplo
     model = lora(tiny_model("llama", len(tokenizer)))
     plain_model = copy.deepcopy(model)
     ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(
-        plain_model,
-        tokenizer,
-        tmp_path / "plain",
-        share_prompt_cache=False,
-        skip_zero_advantage_rows=False,
-        prepack_linear_weights=False,
-    )
+    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN)
     assert ours._share_prompts and ours._skip_zero_advantage and ours._pack
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
@@ -199,15 +188,7 @@ def test_dropout_switched_on_after_construction_turns_every_saving_off_at_use(to
         torch.manual_seed(0)
 
     ours, batch = one_step(copy.deepcopy(model), tokenizer, tmp_path / "ours", before_train=dropout_on, beta=0.0)
-    plain, plain_batch = one_step(
-        model,
-        tokenizer,
-        tmp_path / "plain",
-        before_train=dropout_on,
-        beta=0.0,
-        share_prompt_cache=False,
-        skip_zero_advantage_rows=False,
-    )
+    plain, plain_batch = one_step(model, tokenizer, tmp_path / "plain", before_train=dropout_on, beta=0.0, **PLAIN)
     # 2 prompts of 5 tokens x 2 completions of 4 tokens, unshared: generation prefills all 4 rows (not the 2 distinct
     # prompts) and decodes 3 more tokens; then one padded gradient forward of the 4 rows (not a prompt prefill and a
     # packed row); nothing else (beta 0, one iteration: no reference or old log-probs)
@@ -233,13 +214,7 @@ def test_long_tail(model_type, tokenizer, tmp_path, caplog):
         pytest.skip(f"not built from the generic tiny config: {type(err).__name__}: {str(err)[:100]}")
     plain_ok = True
     try:
-        one_step(
-            tiny_model(model_type, len(tokenizer)),
-            tokenizer,
-            tmp_path / "probe",
-            share_prompt_cache=False,
-            skip_zero_advantage_rows=False,
-        )
+        one_step(tiny_model(model_type, len(tokenizer)), tokenizer, tmp_path / "probe", **PLAIN)
     except Exception as err:  # noqa: BLE001 -- upstream's plain path fails too: nothing for trl_ext to keep exact
         plain_ok = False
         pytest.skip(f"the plain GRPO step fails too: {type(err).__name__}: {str(err)[:100]}")

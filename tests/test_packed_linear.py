@@ -46,6 +46,20 @@ def test_a_packed_forward_gives_the_hand_worked_values():
     assert "forward" not in layer.__dict__ and len(packed) == 1  # forward restored; the packed copy kept
 
 
+def test_a_weight_onednn_refuses_keeps_the_plain_forward(monkeypatch):
+    layer = hand_linear()
+
+    def refuse(*args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    packed = PackedLinearWeights()
+    with torch.no_grad(), packed.applied(layer):
+        assert "forward" not in layer.__dict__
+        assert torch.equal(layer(torch.tensor([[1.0, 1.0]])), torch.tensor([[4.0, 6.0, -0.5]]))
+    assert len(packed) == 0
+
+
 def test_every_case_the_packed_weight_cannot_serve_runs_the_plain_forward(monkeypatch):
     layer = hand_linear()
     x = torch.tensor([[1.0, 1.0]])
@@ -65,6 +79,8 @@ def test_every_case_the_packed_weight_cannot_serve_runs_the_plain_forward(monkey
         with torch.no_grad():
             with pytest.raises(RuntimeError, match="same dtype"):  # another dtype: nn.Linear's own error
                 layer(x.double())
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):  # wrong width: nn.Linear's own error
+                layer(torch.ones(1, 3))
             layer(torch.tensor([1.0, 1.0]))  # 1-D input
             assert len(calls) == 1
             # the weight changed after it was packed (an optimizer step): the new weight, by the plain forward
@@ -81,6 +97,7 @@ def test_every_case_the_packed_weight_cannot_serve_runs_the_plain_forward(monkey
 def test_only_plain_fp32_cpu_linears_are_packed():
     assert packable(torch.nn.Linear(4, 2))
     assert not packable(torch.nn.Linear(4, 2).to(torch.bfloat16))
+    assert not packable(torch.nn.Linear(4, 0))  # oneDNN refuses an empty weight
 
     class MyLinear(torch.nn.Linear):  # a subclass (quantized, LoRA, ...) keeps its own forward
         pass

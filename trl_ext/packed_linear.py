@@ -56,8 +56,8 @@ def _ops_available() -> bool:
 
 def packable(module: torch.nn.Module) -> bool:
     """True for a module whose forward :class:`PackedLinearWeights` may run packed: class exactly ``nn.Linear``, a
-    plain 2-D fp32 CPU weight of shape ``(out_features, in_features)``, no instance-level forward (accelerate hooks,
-    another patch) and no accelerate ``_hf_hook``."""
+    plain non-empty 2-D fp32 CPU weight of shape ``(out_features, in_features)``, no instance-level forward
+    (accelerate hooks, another patch) and no accelerate ``_hf_hook``."""
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
         return False
     weight = module.weight
@@ -66,6 +66,7 @@ def packable(module: torch.nn.Module) -> bool:
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and tuple(weight.shape) == (module.out_features, module.in_features)
+        and weight.numel() > 0
         and (module.bias is None or (module.bias.dtype == torch.float32 and module.bias.device.type == "cpu"))
     )
 
@@ -83,9 +84,9 @@ def packing_blocker(model: torch.nn.Module) -> str | None:
     """Why :class:`PackedLinearWeights` cannot run any forward of ``model`` packed, or None.
 
     Reasons: this PyTorch has no oneDNN prepacking ops (``torch.ops.mkldnn._reorder_linear_weight`` and
-    ``_linear_pointwise``); no module is :func:`packable` (weights not fp32, not on the CPU, quantized, offloaded,
-    sharded, ...); the packed copies (one per weight, fp32) would exceed :data:`MEMORY_FRACTION` of the memory
-    available now (``psutil``).
+    ``_linear_pointwise``); no module is :func:`packable` (weights not fp32, not on the CPU, empty, quantized,
+    offloaded, sharded, ...); the packed copies (one per weight, fp32) would exceed :data:`MEMORY_FRACTION` of the
+    memory available now (``psutil``).
     """
     if not _ops_available():
         return "this PyTorch has no oneDNN prepacking ops (torch.ops.mkldnn._reorder_linear_weight)"
@@ -136,17 +137,22 @@ class PackedLinearWeights:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _entry(self, module: torch.nn.Linear) -> _Packed:
+    def _entry(self, module: torch.nn.Linear) -> _Packed | None:
+        """The module's packed weight, packed now if it is missing or stale; None where oneDNN refuses the weight
+        (the module then keeps its own forward)."""
         entry = self._entries.get(id(module))
         weight = module.weight
         if entry is None or not _is_current(entry, weight):
-            with torch.no_grad():
-                detached = weight.detach()
-                packed = (
-                    torch.ops.mkldnn._reorder_linear_weight(detached, self.rows_hint)
-                    if self.rows_hint
-                    else torch.ops.mkldnn._reorder_linear_weight(detached)
-                )
+            try:
+                with torch.no_grad():
+                    detached = weight.detach()
+                    packed = (
+                        torch.ops.mkldnn._reorder_linear_weight(detached, self.rows_hint)
+                        if self.rows_hint
+                        else torch.ops.mkldnn._reorder_linear_weight(detached)
+                    )
+            except RuntimeError:
+                return None
             entry = _Packed(weight, weight.data_ptr(), weight._version, packed)
             self._entries[id(module)] = entry
         return entry
@@ -169,8 +175,9 @@ class PackedLinearWeights:
         patched: list[torch.nn.Module] = []
         try:
             for module in model.modules():
-                if packable(module):
-                    module.forward = _packed_forward(module, self._entry(module))
+                entry = self._entry(module) if packable(module) else None
+                if entry is not None:
+                    module.forward = _packed_forward(module, entry)
                     patched.append(module)
             yield
         finally:
@@ -187,6 +194,7 @@ def _packed_forward(module: torch.nn.Linear, entry: _Packed):
             input.dtype != torch.float32
             or input.device.type != "cpu"
             or input.dim() < 2
+            or input.shape[-1] != module.in_features
             or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
             or torch.is_autocast_enabled("cpu")
             or not _is_current(entry, weight)
