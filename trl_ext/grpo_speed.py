@@ -161,16 +161,13 @@ class GRPOSpeedMixin:
         )
 
     def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
-        # transformers generation: prefill each distinct prompt once (share_prompt_cache). Upstream calls
-        # `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
-        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
-        # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
-        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         if self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
+        # (trl_ext.sampling); linear weights packed for oneDNN once per generation batch (trl_ext.packed_linear,
+        # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         packed = getattr(self, "_packed_linear", None)
-        # the same sampled tokens and random numbers as torch.multinomial, 3x faster (trl_ext.sampling); linear
-        # weights packed for oneDNN once per generation batch (trl_ext.packed_linear, prepack_linear_weights)
         with same_draws_multinomial(), packed.applied(unwrapped) if packed is not None else nullcontext():
             return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
 
@@ -182,7 +179,10 @@ class GRPOSpeedMixin:
             self._packed_linear.clear()
 
     def _generate_sharing_prompts(self, unwrapped, prompt_ids, images, *args, **kwargs):
-        if self.use_vllm or not self._share_prompts or not hasattr(unwrapped, "generate"):
+        # Upstream calls `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
+        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
+        # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
+        if not self._share_prompts or not hasattr(unwrapped, "generate"):
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
         own = unwrapped.__dict__.get("generate")
         unwrapped.generate = generate_with_shared_prompts(
