@@ -35,12 +35,18 @@ def _valid(probs: torch.Tensor) -> bool:
     return bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) and bool((probs.sum(-1) > 0).all())
 
 
+def _exponential_variates(shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 Exp(1) variates from the default generator, ``float32(-log1p(-u))`` with ``u`` float64 uniform on
+    [0, 1): what float32 ``torch.empty(shape).exponential_()`` draws (:func:`probe` checks it), vectorised."""
+    u = torch.empty(shape, dtype=torch.float64, device=device).uniform_()
+    return torch.log1p(u.neg_()).neg_().to(torch.float32)
+
+
 def multinomial(probs: torch.Tensor) -> torch.Tensor:
     """One index per row of ``probs`` (B, V), float32 on the CPU, drawn from the default CPU generator exactly as
-    ``torch.multinomial(probs, 1)`` draws it: ``argmax(probs / q)`` with ``q = float32(-log1p(-u))``, ``u`` float64
-    uniform on [0, 1). Returns (B, 1) int64. No validation: see :func:`same_draws_multinomial`."""
-    u = torch.empty(probs.shape, dtype=torch.float64, device=probs.device).uniform_()
-    q = torch.log1p(u.neg_()).neg_().to(torch.float32)
+    ``torch.multinomial(probs, 1)`` draws it: ``argmax(probs / q)`` with ``q`` from :func:`_exponential_variates`.
+    Returns (B, 1) int64. No validation: see :func:`same_draws_multinomial`."""
+    q = _exponential_variates(probs.shape, probs.device)
     return torch.argmax(probs / q, dim=-1, keepdim=True)
 
 
@@ -61,8 +67,7 @@ def probe() -> str | None:
             torch.manual_seed(seed)
             q = torch.empty(shape).exponential_()
             torch.manual_seed(seed)
-            u = torch.empty(shape, dtype=torch.float64).uniform_()
-            same_variates = torch.equal(torch.log1p(u.neg_()).neg_().to(torch.float32), q)
+            same_variates = torch.equal(_exponential_variates(shape), q)
             torch.manual_seed(seed)
             ours = multinomial(probs)
             same_state = torch.equal(torch.get_rng_state(), expected_state)
@@ -75,7 +80,8 @@ def probe() -> str | None:
     return reason
 
 
-def _serves(probs: torch.Tensor, num_samples: int, replacement: bool, generator) -> bool:
+def _serves(probs: torch.Tensor, num_samples: int, generator) -> bool:
+    # one sample: PyTorch draws the same way with or without replacement
     return (
         num_samples == 1
         and generator is None
@@ -105,7 +111,7 @@ def same_draws_multinomial() -> Iterator[None]:
         return
 
     def replaced(input, num_samples, replacement=False, *, generator=None, out=None):
-        if out is None and _serves(input, num_samples, replacement, generator) and _valid(input):
+        if out is None and _serves(input, num_samples, generator) and _valid(input):
             return multinomial(input)
         kwargs = {"generator": generator} if out is None else {"generator": generator, "out": out}
         return original(input, num_samples, replacement, **kwargs)

@@ -262,7 +262,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=True,
         metadata={
             "help": "In transformers generation on the CPU in fp32, run every nn.Linear through oneDNN with its weight "
-            "packed once per training step (trl_ext.packed_linear): decoding multiplies a few rows by every weight, "
+            "packed once per generation batch (trl_ext.packed_linear): decoding multiplies a few rows by every weight, "
             "a small GEMM that MKL runs far below the CPU's peak (on the main job's CPU a decode step's matmuls take "
             "about half the time). Same math, outputs differ at float rounding. Default True; off for vLLM, GPUs, "
             "FSDP and DeepSpeed, for modules that are not plain fp32 nn.Linear (quantized, LoRA wrappers keep their "
