@@ -165,9 +165,10 @@ def generate_completions(
         batch_size: prompts per ``generate`` call (>= 1).
         desc: progress-bar label.
         disable_progress: hide the progress bar.
-        prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers through oneDNN with their
-            weights packed once for the call (:mod:`trl_ext.packed_linear`: same math, float rounding differs from
-            MKL's; off by itself, in one log line, where it cannot apply). Default True.
+        prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers on their weights packed
+            once for the call (:mod:`trl_ext.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise; same
+            math, float rounding may differ from the plain forward's; off by itself, in one log line, where it cannot
+            apply). Default True.
 
     Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
     training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
@@ -191,7 +192,7 @@ def generate_completions(
     outputs: list[str] = []
     # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
-    # the weights are fixed for the whole call: linear weights packed once for oneDNN (trl_ext.packed_linear)
+    # the weights are fixed for the whole call: linear weights packed once (trl_ext.packed_linear)
     packing = PackedLinearWeights(rows_hint=batch_size).applied(model) if prepack_linear_weights else nullcontext()
     try:
         with packing:

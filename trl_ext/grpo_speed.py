@@ -4,7 +4,7 @@
 
 - ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
   (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
-  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on oneDNN-packed weights (``trl_ext.packed_linear``,
+  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN; ``trl_ext.packed_linear``,
   packed once per generation batch); its ``torch.multinomial`` draws the same tokens vectorised
   (``trl_ext.sampling``);
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
@@ -71,7 +71,8 @@ class GRPOSpeedMixin:
             share and self.args.pack_completions,
         )
         self._savings_now(training=True)  # announce now what the training forward rules out
-        # oneDNN-packed linear weights for transformers generation on the CPU, packed once per generation batch
+        # packed linear weights for transformers generation on the CPU, packed once per generation batch; MKL's
+        # copies serve the decode steps' row count, one row per sequence
         self._packed_linear = (
             PackedLinearWeights(rows_hint=self.args.per_device_train_batch_size)
             if getattr(self.args, "prepack_linear_weights", False) and not sharded
@@ -164,7 +165,7 @@ class GRPOSpeedMixin:
         if self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
         # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
-        # (trl_ext.sampling); linear weights packed for oneDNN once per generation batch (trl_ext.packed_linear,
+        # (trl_ext.sampling); linear weights packed once per generation batch (trl_ext.packed_linear,
         # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         packed = getattr(self, "_packed_linear", None)

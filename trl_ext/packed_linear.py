@@ -1,18 +1,26 @@
-"""oneDNN-packed ``nn.Linear`` weights for the CPU inference forwards of generation and evaluation (issue 31).
+"""Packed ``nn.Linear`` weights for the CPU inference forwards of generation and evaluation (issue 31).
 
 Why. On a CPU, ``torch.nn.functional.linear`` in fp32 goes to MKL's sgemm. A decode step multiplies only a few rows
-(one per sequence) by every weight of the model, and on this project's CPU (AMD EPYC, AVX-512) MKL runs that small
-GEMM far below the machine's peak: the 211 projections of SmolLM2-135M plus its head take 78-100 ms for 16 rows,
-where oneDNN's inner-product with the weights reordered once into its blocked layout takes 44-47 ms (and 285 ->
-165 ms for 100 rows; measured in docs/performance.md). The reordering costs about one weight copy (0.16 s for the
-whole model), so it pays when the same weights serve many forwards: the decode steps of a ``generate`` call, the
-rounds of one training step, an evaluation.
+(one per sequence) by every weight of the model, and MKL runs that small GEMM far below the machine's peak when the
+weight is in its plain layout. On an AMD EPYC (AVX-512) the 211 projections of SmolLM2-135M plus its head take
+78-100 ms for 16 rows, where oneDNN's inner-product with the weights reordered once into its blocked layout takes
+44-47 ms (285 -> 165 ms for 100 rows); on an Intel Xeon (Sapphire Rapids) 83 ms plain, 66 ms oneDNN packed and 50 ms
+with MKL's own packed sgemm (237 -> 181 ms for 100 rows; docs/performance.md). Packing costs about one weight copy
+(0.15-0.3 s for the whole model), so it pays when the same weights serve many forwards: the decode steps of a
+``generate`` call, the rounds of one training step, an evaluation.
 
-What. :class:`PackedLinearWeights` keeps, per ``nn.Linear``, its weight packed by
-``torch.ops.mkldnn._reorder_linear_weight`` (PyTorch's own prepacking op, the one inductor uses for CPU linears)
-and, inside :meth:`PackedLinearWeights.applied`, makes the module's forward ``torch.ops.mkldnn._linear_pointwise``
-with that packed weight. Same math (``x @ W^T + b``); the sums run in oneDNN's order instead of MKL's, so outputs
-differ at float rounding (~1e-7 relative), as any change of GEMM kernel does.
+What. :class:`PackedLinearWeights` keeps, per ``nn.Linear``, its weight packed and, inside
+:meth:`PackedLinearWeights.applied`, makes the module's forward run on that packed weight, with one of two backends
+(:func:`choose_backend`), both PyTorch's own ops (the ones inductor uses for CPU linears):
+
+- ``"mkl"`` (Intel CPUs, when the row count is known): ``torch.ops.mkl._mkl_reorder_linear_weight``
+  (``cblas_sgemm_pack`` for that row count) and ``torch.ops.mkl._mkl_linear`` (``cblas_sgemm_compute``); a forward
+  of another row count runs the module's own forward. MKL's kernel stays MKL's: on the embedded model a rollout's
+  logits were bit-equal to the plain forward's (not guaranteed for every shape: for 1-7 rows MKL's plain path is a
+  different kernel, and there outputs differ at float rounding).
+- ``"onednn"`` (otherwise): ``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``,
+  any row count. The sums run in oneDNN's order instead of MKL's, so outputs differ at float rounding (~1e-7
+  relative), as any change of GEMM kernel does.
 
 Exact or off, per call: a packed forward runs only for an fp32 CPU input without autograd (no grad mode, or
 neither weight nor input requiring grad), outside CPU autocast, while the weight is the very tensor that was packed
@@ -20,7 +28,8 @@ at the same version (an optimizer step, ``copy_`` or ``.data =`` invalidates it)
 own forward. Modules are packed only when their class is exactly ``nn.Linear`` (quantized, LoRA and other
 subclasses keep their own forward), with a plain 2-D fp32 CPU weight of the declared shape and no forward already
 replaced on the instance (accelerate's offloading hooks). The whole saving is off, in one log line per model and
-reason (:func:`packing_blocker`), where PyTorch has no oneDNN prepacking ops, where no such module exists, or where
+reason (:func:`packing_blocker`), where PyTorch has no oneDNN prepacking ops (both backends hold the packed
+buffer in a oneDNN tensor), where no such module exists, or where
 the packed copies would take more than a quarter of the memory available now.
 """
 
@@ -52,6 +61,46 @@ def _ops_available() -> bool:
         )
     except (AttributeError, RuntimeError):
         return False
+
+
+def _mkl_ops_available() -> bool:
+    ops = getattr(torch.ops, "mkl", None)
+    try:
+        return (
+            torch.backends.mkl.is_available()
+            and torch.backends.mkldnn.is_available()  # the packed buffer is held in an mkldnn tensor
+            and hasattr(ops, "_mkl_reorder_linear_weight")
+            and hasattr(ops, "_mkl_linear")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cpu_vendor(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...): the first ``vendor_id`` line of
+    ``cpuinfo_path``; None where there is none or it cannot be read (not Linux, not x86)."""
+    try:
+        with open(cpuinfo_path, encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def choose_backend(rows_hint: int | None) -> str:
+    """``"mkl"`` or ``"onednn"``: which packed GEMM :class:`PackedLinearWeights` uses.
+
+    MKL's own packed sgemm (``cblas_sgemm_pack``/``cblas_sgemm_compute`` through ``torch.ops.mkl``) on an Intel CPU
+    when the row count is known (it packs for one row count: forwards of other row counts run the plain forward);
+    oneDNN's blocked layout otherwise. Measured on the embedded model's 211 projections (docs/performance.md):
+    on an Intel Xeon (Sapphire Rapids) 16 rows 83 ms plain, 66 ms oneDNN packed, 50 ms MKL packed; on an AMD EPYC
+    78-100 ms plain, 44-47 ms oneDNN packed (MKL's packed path not measured there, so not chosen there).
+    """
+    if rows_hint and _mkl_ops_available() and cpu_vendor() == "GenuineIntel":
+        return "mkl"
+    return "onednn"
 
 
 def packable(module: torch.nn.Module) -> bool:
@@ -119,15 +168,25 @@ class PackedLinearWeights:
     """Packed copies of a model's ``nn.Linear`` weights, kept while the weights do not change.
 
     Args:
-        rows_hint: rows a forward is expected to multiply (the batch of a decode step), passed to oneDNN's
-            reordering as its batch-size hint; None lets oneDNN choose. Any row count runs correctly.
+        rows_hint: rows a forward is expected to multiply (the batch of a decode step). For oneDNN a hint to its
+            reordering (None lets oneDNN choose; any row count runs packed); for MKL the row count packed for
+            (forwards of other row counts run the module's plain forward).
+        backend: ``"mkl"`` or ``"onednn"``; None (default): :func:`choose_backend`.
+
+    Raises:
+        ValueError: an unknown ``backend``, or ``"mkl"`` without a ``rows_hint``.
 
     Use ``with packed.applied(model): model.generate(...)``; entries whose weight changed since they were packed are
     repacked at the next :meth:`applied`; :meth:`clear` drops every packed copy (memory back).
     """
 
-    def __init__(self, rows_hint: int | None = None):
+    def __init__(self, rows_hint: int | None = None, backend: str | None = None):
+        if backend not in (None, "mkl", "onednn"):
+            raise ValueError(f"backend={backend!r}; expected 'mkl', 'onednn' or None (choose by CPU)")
+        if backend == "mkl" and not rows_hint:
+            raise ValueError("backend='mkl' packs for one row count: give rows_hint (>= 1)")
         self.rows_hint = rows_hint
+        self.backend = backend or choose_backend(rows_hint)
         self._entries: dict[int, _Packed] = {}
 
     def clear(self) -> None:
@@ -146,11 +205,12 @@ class PackedLinearWeights:
             try:
                 with torch.no_grad():
                     detached = weight.detach()
-                    packed = (
-                        torch.ops.mkldnn._reorder_linear_weight(detached, self.rows_hint)
-                        if self.rows_hint
-                        else torch.ops.mkldnn._reorder_linear_weight(detached)
-                    )
+                    if self.backend == "mkl":
+                        packed = torch.ops.mkl._mkl_reorder_linear_weight(detached, self.rows_hint)
+                    elif self.rows_hint:
+                        packed = torch.ops.mkldnn._reorder_linear_weight(detached, self.rows_hint)
+                    else:
+                        packed = torch.ops.mkldnn._reorder_linear_weight(detached)
             except RuntimeError:
                 return None
             entry = _Packed(weight, weight.data_ptr(), weight._version, packed)
@@ -177,7 +237,7 @@ class PackedLinearWeights:
             for module in model.modules():
                 entry = self._entry(module) if packable(module) else None
                 if entry is not None:
-                    module.forward = _packed_forward(module, entry)
+                    module.forward = _packed_forward(module, entry, self.backend, self.rows_hint)
                     patched.append(module)
             yield
         finally:
@@ -185,7 +245,7 @@ class PackedLinearWeights:
                 module.__dict__.pop("forward", None)
 
 
-def _packed_forward(module: torch.nn.Linear, entry: _Packed):
+def _packed_forward(module: torch.nn.Linear, entry: _Packed, backend: str = "onednn", rows: int | None = None):
     plain = type(module).forward.__get__(module)
 
     def forward(input: torch.Tensor) -> torch.Tensor:
@@ -203,6 +263,10 @@ def _packed_forward(module: torch.nn.Linear, entry: _Packed):
         bias = module.bias
         if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
             return plain(input)
+        if backend == "mkl":
+            if input.numel() != rows * module.in_features:  # packed for `rows` rows only
+                return plain(input)
+            return _mkl_linear(input, entry.packed, weight, bias, rows)
         return _pointwise(input, entry.packed, bias)
 
     return forward
@@ -211,6 +275,13 @@ def _packed_forward(module: torch.nn.Linear, entry: _Packed):
 def _pointwise(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``input @ W^T + bias`` by oneDNN, ``W`` given packed (no activation fused)."""
     return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
+
+
+def _mkl_linear(
+    input: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """``input @ W^T + bias`` by MKL's ``cblas_sgemm_compute``, ``W`` packed by ``cblas_sgemm_pack`` for ``rows``."""
+    return torch.ops.mkl._mkl_linear(input, packed, weight, bias, rows)
 
 
 def announce(model: Any, reason: str) -> None:

@@ -21,7 +21,7 @@ It adds one public method, ``sample(prompts)``, which only calls upstream's ``_g
 from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
 
 The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
-``_get_per_token_logps_and_entropies`` (prompt-cache sharing, oneDNN-packed linear weights in generation,
+``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
 generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
 it is exact for the model. ``_generate_and_score_completions`` (above) also releases generation's packed weights once
 every round of the batch is drawn.
@@ -261,13 +261,14 @@ class GRPOConfig(trl.GRPOConfig):
     prepack_linear_weights: bool = field(
         default=True,
         metadata={
-            "help": "In transformers generation on the CPU in fp32, run every nn.Linear through oneDNN with its weight "
-            "packed once per generation batch (trl_ext.packed_linear): decoding multiplies a few rows by every weight, "
-            "a small GEMM that MKL runs far below the CPU's peak (on the main job's CPU a decode step's matmuls take "
-            "about half the time). Same math, outputs differ at float rounding. Default True; off for vLLM, GPUs, "
-            "FSDP and DeepSpeed, for modules that are not plain fp32 nn.Linear (quantized, LoRA wrappers keep their "
-            "own forward), under autocast, and where the packed copies would take more than a quarter of the "
-            "available memory (one log line). The log-prob forwards and backward are not affected."
+            "help": "In transformers generation on the CPU in fp32, run every nn.Linear on its weight packed once per "
+            "generation batch (trl_ext.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
+            "multiplies a few rows by every weight, a small GEMM that MKL runs far below the CPU's peak on a plain "
+            "weight (a decode step's matmuls take 0.5-0.6x the time on the CPUs measured). Same math, outputs may "
+            "differ at float rounding. Default True; off for vLLM, GPUs, FSDP and DeepSpeed, for modules that are "
+            "not plain fp32 nn.Linear (quantized, LoRA wrappers keep their own forward), under autocast, and where "
+            "the packed copies would take more than a quarter of the available memory (one log line). "
+            "The log-prob forwards and backward are not affected."
         },
     )
     dynamic_sampling: bool = field(
