@@ -29,13 +29,14 @@ own forward. Modules are packed only when their class is exactly ``nn.Linear`` (
 subclasses keep their own forward), with a plain 2-D fp32 CPU weight of the declared shape and no forward already
 replaced on the instance (accelerate's offloading hooks). The whole saving is off, in one log line per model and
 reason (:func:`packing_blocker`), where PyTorch has no oneDNN prepacking ops (both backends hold the packed
-buffer in a oneDNN tensor), where no such module exists, or where
-the packed copies would take more than a quarter of the memory available now.
+buffer in a oneDNN tensor), where no such module exists, or where the packed copies would take more than a quarter
+of the memory available now.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,9 +77,10 @@ def _mkl_ops_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=8)
 def cpu_vendor(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
     """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...): the first ``vendor_id`` line of
-    ``cpuinfo_path``; None where there is none or it cannot be read (not Linux, not x86)."""
+    ``cpuinfo_path``; None where there is none or it cannot be read (not Linux, not x86). Read once per path."""
     try:
         with open(cpuinfo_path, encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
