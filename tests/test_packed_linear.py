@@ -81,6 +81,8 @@ def test_the_backend_is_chosen_by_cpu_and_row_count(monkeypatch, tmp_path):
         PackedLinearWeights(rows_hint=4, backend="cublas")
     with pytest.raises(ValueError, match="give rows_hint"):
         PackedLinearWeights(backend="mkl")
+    with pytest.raises(ValueError, match="no MKL packing ops"):  # asked for by name where it cannot run
+        PackedLinearWeights(rows_hint=4, backend="mkl")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -176,7 +176,7 @@ class PackedLinearWeights:
         backend: ``"mkl"`` or ``"onednn"``; None (default): :func:`choose_backend`.
 
     Raises:
-        ValueError: an unknown ``backend``, or ``"mkl"`` without a ``rows_hint``.
+        ValueError: an unknown ``backend``, or ``"mkl"`` without a ``rows_hint`` or on a PyTorch without its ops.
 
     Use ``with packed.applied(model): model.generate(...)``; entries whose weight changed since they were packed are
     repacked at the next :meth:`applied`; :meth:`clear` drops every packed copy (memory back).
@@ -187,6 +187,8 @@ class PackedLinearWeights:
             raise ValueError(f"backend={backend!r}; expected 'mkl', 'onednn' or None (choose by CPU)")
         if backend == "mkl" and not rows_hint:
             raise ValueError("backend='mkl' packs for one row count: give rows_hint (>= 1)")
+        if backend == "mkl" and not _mkl_ops_available():
+            raise ValueError("backend='mkl': this PyTorch has no MKL packing ops (torch.ops.mkl._mkl_linear)")
         self.rows_hint = rows_hint
         self.backend = backend or choose_backend(rows_hint)
         self._entries: dict[int, _Packed] = {}
