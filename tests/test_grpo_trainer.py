@@ -11,7 +11,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import functional
+from trl_ext import aggregations, functional, losses
 
 
 def toy_dataset(n=4):
@@ -278,6 +278,7 @@ def independent_log_probs(model, inputs, temperature):
         dict(pg_loss_type="reinforce_with_baseline", length_normalization="masked_normalize", kl_estimator="k2"),
         dict(pg_loss_type="no_baseline", length_normalization="masked_mean", kl_estimator="k1"),
         dict(pg_loss_type="grpo_clip", normalize_by_std=False, kl_estimator="k3"),
+        dict(pg_loss_type="grpo_clip", advantage_estimator="raw_rewards", kl_estimator="k3"),
     ],
 )
 def test_course_options_change_the_loss_as_functional_says(options, tokenizer, tiny_model_dir, tmp_path):
@@ -296,7 +297,7 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
     batch = generation_batch(trainer)
     completions = trainer.processing_class.batch_decode(batch["completion_ids"], skip_special_tokens=True)
     raw = torch.tensor(length_mod5_reward(completions))
-    if options["pg_loss_type"] == "no_baseline":
+    if options["pg_loss_type"] == "no_baseline" or options.get("advantage_estimator") == "raw_rewards":
         expected_adv = raw
     else:
         expected_adv = functional.compute_group_advantages(raw, 4, 1e-6, options.get("normalize_by_std", True))
@@ -305,7 +306,7 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
     inputs = perturb_for_clipping(batch)
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     logp = independent_log_probs(trainer.model, inputs, COMMON["temperature"])
-    per_token, _ = functional.compute_policy_gradient_loss(
+    per_token, _ = losses.compute_policy_gradient_loss(
         logp,
         options["pg_loss_type"],
         raw_rewards=raw[:, None],
@@ -314,7 +315,7 @@ def test_course_options_change_the_loss_as_functional_says(options, tokenizer, t
         cliprange=0.2,
     )
     per_token = per_token + 0.1 * functional.compute_kl(logp, inputs["ref_per_token_logps"], options["kl_estimator"])
-    expected = functional.compute_grpo_loss(
+    expected = aggregations.compute_grpo_loss(
         per_token, inputs["completion_mask"], options.get("length_normalization", "masked_mean"), normalize_constant=8
     )
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
@@ -960,15 +961,16 @@ def test_upstream_default_token_means_train_as_upstream_with_accumulation(
 @pytest.fixture
 def registered_loss():
     """A loss added for one test, as a user would add one: on-policy, and a rollout of weight 0 still learns."""
-    entry = functional.register_policy_gradient_loss(
-        functional.PolicyGradientLoss(
+    entry = losses.POLICY_LOSSES.register(
+        "shifted_reinforce",
+        losses.PolicyLoss(
             "shifted_reinforce",
-            lambda weights, log_probs, old, cliprange: (-(weights + 0.1) * log_probs, {}),
+            lambda log_probs, old, advantages, mask, config: (-(advantages + 0.1) * log_probs, {}),
             formula="-(A + 0.1) * log p",
-        )
+        ),
     )
     yield entry
-    del functional.POLICY_GRADIENT_LOSSES[entry.name]
+    losses.POLICY_LOSSES.unregister(entry.name)
 
 
 def test_a_registered_loss_brings_its_refusals_and_turns_the_row_skipping_off(

@@ -26,12 +26,14 @@ TRL_EXT_MAX_NAMES = 4
 LIBRARY = ROOT / "trl_ext"
 
 LAYERS = (  # bottom first; a module imports modules of its own layer or of a layer below, never above
-    # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
+    # the math, and leaves that import nothing above them: named choices (registry), bad user input (errors),
+    # options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
     # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
     # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling)
     (
         "functional",
+        "registry",
         "errors",
         "options",
         "machine",
@@ -42,6 +44,9 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "packed_linear",
         "sampling",
     ),
+    # the registered choices of GRPO's objective, each entry a thin call of functional: policy losses,
+    # aggregations (length normalization), advantage estimators
+    ("losses", "aggregations", "advantages"),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),
@@ -301,7 +306,7 @@ def test_the_import_check_finds_what_it_must():
     graph = _import_graph()
     bad = {**graph, "trl_ext.errors": {**graph["trl_ext.errors"], "trl_ext.cli": 7}}
     assert _layer_problems(bad) == [
-        "trl_ext/errors.py:7: trl_ext.errors (layer 0: errors) imports trl_ext.cli (layer 11: cli), above it"
+        "trl_ext/errors.py:7: trl_ext.errors (layer 0: errors) imports trl_ext.cli (layer 12: cli), above it"
     ]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None

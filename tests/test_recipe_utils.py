@@ -907,6 +907,40 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
             module.main(*module.main.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
 
 
+def test_help_lists_the_losses_registered_when_it_is_printed(capsys):
+    """A loss registered after the recipe (and trl_ext.GRPOConfig) was imported is in the --help printed after."""
+    from trl_ext import losses
+
+    module = load_recipe("grpo_math")
+    losses.register_policy_loss("late_reinforce", formula="-A log p, registered late")(lambda *a: None)
+    try:
+        with pytest.raises(SystemExit):
+            module.main.parse_args(["--help"])
+    finally:
+        losses.POLICY_LOSSES.unregister("late_reinforce")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "'grpo_clip' (-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A), ratio = pi/pi_old)" in text
+    assert "'late_reinforce' (-A log p, registered late)" in text
+    assert "'raw_rewards' (r, the reward itself" in text  # --advantage_estimator's choices
+    assert "'token_mean' (the sum over every response token" in text  # --length_normalization's
+
+
+def test_an_unknown_loss_name_is_refused_before_any_model_with_the_closest_names():
+    grpo_math = load_recipe("grpo_math")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.main.parse_args(["--pg_loss_type", "grpo_clp", "--model_name_or_path", "no/such-model-anywhere"])
+    text = str(err.value)  # every problem at once, each naming its flag; the registry's did-you-mean among them
+    assert "--pg_loss_type grpo_clp: no such policy loss (did you mean 'grpo_clip' or 'grpo_no_clip'?)" in text
+    assert "no/such-model-anywhere" in text and "invalid options for GRPOConfig" not in text
+    for flag, value, expected in (
+        ("--length_normalization", "token_man", "no such length normalization (did you mean 'token_mean'"),
+        ("--advantage_estimator", "raw_reward", "no such advantage estimator (did you mean 'raw_rewards'?)"),
+        ("--pg_loss_type", "no_such_pkg_xyz.losses:mine", "cannot import no_such_pkg_xyz.losses"),
+    ):
+        with pytest.raises(RecipeError, match=rf"^{flag} {value}: {re.escape(expected)}"):
+            grpo_math.main.parse_args([flag, value])
+
+
 # ------------------------------------------------------------------------------------------- no silent empty run
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 TOO_FEW = (

@@ -5,9 +5,11 @@ submodules (``trl_ext.models``, ``trl_ext.tasks``...): importing TRL's trainers 
 which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or the data and reward modules should not pay.
 
 The rooms, from the math up (README "Layout"; imports point down, tests/test_layout.py's ``LAYERS``): ``functional``
-(what the trainers compute) and the leaves ``errors`` (bad user input), ``options`` (what every recipe's options
-share), ``machine`` (what this machine can run and reach), ``observations`` (what a training log says), ``profiling``
-and ``runtime``; ``course`` (the rest of the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
+(what the trainers compute) and the leaves ``registry`` (named choices), ``errors`` (bad user input), ``options``
+(what every recipe's options share), ``machine`` (what this machine can run and reach), ``observations`` (what a
+training log says), ``profiling`` and ``runtime``; the registered choices of GRPO's objective ``losses`` (policy
+losses), ``aggregations`` (length normalization) and ``advantages`` (advantage estimators); ``course`` (the rest of
+the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
 ``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed``; ``trainers`` (the
 four TRL subclasses and their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation);
 ``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run`` (output folder,
@@ -34,6 +36,8 @@ __version__ = "0.1.0"
 
 
 _SUBMODULES = (
+    "advantages",
+    "aggregations",
     "cli",
     "compare",
     "course",
@@ -42,12 +46,14 @@ _SUBMODULES = (
     "errors",
     "eval",
     "grpo_speed",
+    "losses",
     "machine",
     "models",
     "observations",
     "options",
     "packed_linear",
     "profiling",
+    "registry",
     "report",
     "rewards",
     "roofline",

@@ -46,7 +46,7 @@ from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import machine, runtime, tasks
+from trl_ext import advantages, aggregations, losses, machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import user_input as user_input
@@ -89,17 +89,29 @@ FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+REGISTRIES = (losses.POLICY_LOSSES, aggregations.AGGREGATIONS, advantages.ADVANTAGE_ESTIMATORS)
+"""The registries whose option (``Registry.option``: ``--pg_loss_type``, ``--length_normalization``,
+``--advantage_estimator``) names an entry: a name that is none of theirs is refused before any model loads, with the
+closest registered names (:meth:`trl_ext.registry.Registry.problem`); a ``package.module:attr`` is imported then."""
+
+
 def flag_problems(values: Mapping[str, Any]) -> list[str]:
-    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's
-    grouping rule, one message each, naming the flag, its value and what is expected (for GRPO's grouping, the flags
-    that set the number of completions per generation step and which ones to change)."""
+    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS`,
+    :data:`REGISTRIES` and GRPO's grouping rule, one message each, naming the flag, its value and what is expected
+    (for GRPO's grouping, the flags that set the number of completions per generation step and which ones to
+    change)."""
     problems = [
         f"--{name} {values[name]}: expected {expected}"
         for name, (ok, expected) in FLAG_CHECKS.items()
         if name in values and values[name] is not None and not ok(values[name])
     ]
+    named = [  # a registry's unknown name does not stop the grouping rule below
+        problem
+        for registry in REGISTRIES
+        if values.get(registry.option) is not None and (problem := registry.problem(values[registry.option], flag=True))
+    ]
     if problems:  # the grouping rule below divides by values this list already refused
-        return problems
+        return problems + named
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # the rule lives beside the seam check; imported here because trl_ext.trainers loads TRL's trainers (~13 s)
         from trl_ext.trainers.grpo import generation_grouping_problem
@@ -121,7 +133,7 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
                     f"--dynamic_sampling true keeps whole prompt groups on each process: {problem}; change "
                     "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false"
                 )
-    return problems
+    return problems + named
 
 
 def raise_problems(problems: Sequence[str]) -> None:

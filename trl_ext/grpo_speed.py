@@ -25,7 +25,7 @@ from contextlib import nullcontext
 
 import torch
 
-from . import functional
+from .losses import POLICY_LOSSES
 from .packed_linear import PackedLinearWeights
 from .sampling import same_draws_multinomial
 from .shared_prompts import (
@@ -98,11 +98,11 @@ class GRPOSpeedMixin:
             return False, False, False
         decision = savings_decision(self.model)
         noise = training_noise(self.model) if (self.model.training if training is None else training) else None
-        # Skipping a row is exact only where a zero weight gives a zero gradient: the loss's registry entry says.
-        loss = functional.get_policy_gradient_loss(self.args.pg_loss_type)
+        # Skipping a row is exact only where a zero advantage gives a zero gradient: the loss's registry entry says.
+        loss = POLICY_LOSSES.get(self.args.pg_loss_type)
         loss_reason = (
             None
-            if loss.zero_weight_zero_gradient
+            if loss.zero_advantage_zero_gradient
             else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
         )
         decision = SavingsDecision(
@@ -198,10 +198,10 @@ class GRPOSpeedMixin:
                 unwrapped.generate = own
 
     def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
-        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``: reward 0)
-        makes every policy-gradient loss of ``functional`` 0 at every token, and with beta = 0 nothing else is
-        added. None when nothing is skipped: an option off, evaluation, beta != 0, multimodal or MoE inputs, or
-        no such row."""
+        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``, whose estimator
+        is ``raw_rewards``: reward 0) makes a loss that declares ``zero_advantage_zero_gradient`` (``_savings_now``
+        checks) 0 at every token, and with beta = 0 nothing else is added. None when nothing is skipped: an option
+        off, evaluation, beta != 0, multimodal or MoE inputs, or no such row."""
         if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
             return None
         if any(value is not None for value in extra_inputs.values()):

@@ -52,6 +52,7 @@ IMPORTANT_FIELDS = (
     "max_completion_length",
     "temperature",
     "pg_loss_type",
+    "advantage_estimator",
     "normalize_by_std",
     "length_normalization",
     "advantage_eps",

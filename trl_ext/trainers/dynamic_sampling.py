@@ -10,10 +10,12 @@ the trainer's own seeded permutation of the training set (or, for a streaming ``
 seeded shuffle of the stream), whose position is saved with each checkpoint, so a resumed run draws the same prompts
 (``DynamicSamplingState``).
 
-Which groups are informative: for the baselined losses (``reinforce_with_baseline``, ``grpo_clip``,
-``grpo_no_clip``), those whose rewards are not all equal -- DAPO's rule; for ``no_baseline`` (raw rewards as
-advantages) a group of equal *nonzero* rewards still has a gradient, so there only groups whose advantages are all
-exactly 0 are dropped. In both cases: a group is kept if and only if some row's advantage is nonzero.
+Which groups are informative: a group is kept if and only if some row's advantage is nonzero, whatever the config's
+``advantage_estimator`` made of the rewards. For the group-normalized advantages (the default) those are the groups
+whose rewards are not all equal -- DAPO's rule; for the ``raw_rewards`` estimator (``pg_loss_type="no_baseline"``) a
+group of equal *nonzero* rewards still has a gradient, so there only groups whose rewards are all 0 are dropped. The
+loss must declare that a zero advantage gives a zero gradient (``zero_advantage_zero_gradient``, ``trl_ext.losses``;
+``GRPOConfig`` refuses ``dynamic_sampling`` otherwise).
 
 The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filtering``; TRL has no equivalent
 (huggingface/trl#3708).

@@ -6,13 +6,16 @@
   below still exist upstream (``check_upstream``), reports a missing vLLM/liger after upstream's own checks;
 - ``_calculate_rewards``: keeps the rewards of every process's completions (gathered) for the advantages;
 - ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
-  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with
-  ``functional.compute_group_advantages`` (or the raw rewards for ``pg_loss_type="no_baseline"``), sliced for this
-  process; with ``dynamic_sampling``, several rounds until the batch holds groups with a gradient;
+  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with those
+  of the config's ``advantage_estimator`` (``trl_ext.advantages``: the course's group-normalized advantages, or the
+  raw rewards ``pg_loss_type="no_baseline"`` is defined with), sliced for this process; with ``dynamic_sampling``,
+  several rounds until the batch holds groups with a gradient;
 - ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
   (one BOS, as ``trl_ext.eval`` sees it);
-- ``_compute_loss``: the course loss from ``functional.compute_policy_gradient_loss``, ``compute_kl`` and
-  ``compute_grpo_loss`` (a row with no trained token leaves the batch mean; upstream's ``grpo`` counts it as 0);
+- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``), plus
+  ``functional.compute_kl``, reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no
+  trained token leaves the batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's
+  names;
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
   micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
@@ -43,8 +46,12 @@ from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional, machine
+from ..advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR, weighted_rewards
+from ..aggregations import AGGREGATIONS, compute_grpo_loss, upstream_loss_types
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
+from ..losses import POLICY_LOSSES, policy_loss
+from ..registry import LiveText
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
@@ -129,17 +136,29 @@ def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -
     )
 
 
-def _choices_help(registry: Mapping[str, Any]) -> str:
-    """ "'name' (formula), ..." for a field's help, from a registry of trl_ext.functional."""
-    return ", ".join(f"{name!r} ({entry.formula})" for name, entry in registry.items())
+class _LiveMapping(Mapping):
+    """A read-only mapping rebuilt from ``build()`` at every use: TRL's names of a registry's entries, as they are
+    when a config is resolved or a help printed (entries registered after import included)."""
+
+    def __init__(self, build):
+        self._build = build
+
+    def __getitem__(self, key):
+        return self._build()[key]
+
+    def __iter__(self):
+        return iter(self._build())
+
+    def __len__(self):
+        return len(self._build())
 
 
-_UPSTREAM_LOSS_TYPES = {
-    entry.upstream_loss_type: name
-    for name, entry in functional.LENGTH_NORMALIZATIONS.items()
-    if entry.upstream_loss_type is not None
-}
+_UPSTREAM_LOSS_TYPES = _LiveMapping(upstream_loss_types)
 """TRL's ``loss_type`` -> the course's ``length_normalization`` that reduces the same way (from the registry)."""
+
+
+def _upstream_loss_types_help() -> str:
+    return ", ".join(f"{upstream!r} -> {course!r}" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
 
 
 @dataclass
@@ -156,10 +175,26 @@ class GRPOConfig(trl.GRPOConfig):
     pg_loss_type: str = field(
         default="grpo_clip",
         metadata={
-            "help": "Per-token policy-gradient loss (trl_ext.functional.POLICY_GRADIENT_LOSSES; default 'grpo_clip'): "
-            + _choices_help(functional.POLICY_GRADIENT_LOSSES)
-            + ". A loss that ignores the old log-probs is on-policy only: with it num_iterations must be 1 and "
-            "steps_per_generation must not exceed gradient_accumulation_steps."
+            "help": POLICY_LOSSES.live_help(
+                "Per-token policy-gradient loss (trl_ext.losses.POLICY_LOSSES; default 'grpo_clip'): ",
+                ", or package.module:fn, your own function (log_probs, old_log_probs, advantages, response_mask, "
+                "config) -> (per_token_loss, metrics) (on-policy only, every row's backward run) or a "
+                "trl_ext.losses.PolicyLoss. A loss that ignores the old log-probs is on-policy only: with it "
+                "num_iterations must be 1 and steps_per_generation must not exceed gradient_accumulation_steps.",
+            )
+        },
+    )
+    advantage_estimator: str | None = field(
+        default=None,
+        metadata={
+            "help": ADVANTAGE_ESTIMATORS.live_help(
+                "How the rewards of a batch become each rollout's advantage (trl_ext.advantages."
+                "ADVANTAGE_ESTIMATORS): ",
+                ", or package.module:fn, your own function (rewards_per_func (N, K), reward_weights (K,), "
+                "group_size, config) -> (N,) advantages. Unset (None, the default): the estimator the pg_loss_type "
+                "is defined with ('raw_rewards' for 'no_baseline'), else 'group_normalized'; another one given with "
+                "such a loss raises. After construction it holds the value in use.",
+            )
         },
     )
     advantage_eps: float = field(
@@ -178,11 +213,16 @@ class GRPOConfig(trl.GRPOConfig):
     length_normalization: str | None = field(
         default=None,
         metadata={
-            "help": "How the per-token losses of a batch become one loss (trl_ext.functional.LENGTH_NORMALIZATIONS): "
-            + _choices_help(functional.LENGTH_NORMALIZATIONS)
-            + ". Unset (None, the default): what TRL's loss_type says when it is given ("
-            + ", ".join(f"{upstream!r} -> {course!r}" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
-            + "), else 'masked_mean'. After construction it holds the value in use."
+            "help": LiveText(
+                lambda: (
+                    "How the per-token losses of a batch become one loss (trl_ext.aggregations.AGGREGATIONS): "
+                    + AGGREGATIONS.help().replace("%", "%%")
+                    + ", or package.module:fn, your own function (per_token_loss, response_mask, normalize_constant, "
+                    "empty_rows) -> loss. Unset (None, the default): what TRL's loss_type says when it is given ("
+                    + _upstream_loss_types_help()
+                    + "), else 'masked_mean'. After construction it holds the value in use."
+                )
+            )
         },
     )
     kl_estimator: str = field(
@@ -298,11 +338,15 @@ class GRPOConfig(trl.GRPOConfig):
     loss_type: str | None = field(
         default=None,
         metadata={
-            "help": "TRL's name for length_normalization, with TRL's meaning: "
-            + ", ".join(f"{upstream!r} (= {course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
-            + "; TRL's other loss types (cispo, sapo, luspo, vespo) change the per-token objective and raise. Give "
-            "this or length_normalization (both: they must agree). Unset (None, the default): derived from "
-            "length_normalization."
+            "help": LiveText(
+                lambda: (
+                    "TRL's name for length_normalization, with TRL's meaning: "
+                    + _upstream_loss_types_help()
+                    + "; TRL's other loss types (cispo, sapo, luspo, vespo) change the per-token objective and "
+                    "raise. Give this or length_normalization (both: they must agree). Unset (None, the default): "
+                    "derived from length_normalization."
+                )
+            )
         },
     )
     scale_rewards: str | None = field(
@@ -322,14 +366,11 @@ class GRPOConfig(trl.GRPOConfig):
     }
 
     def __post_init__(self):
-        choices = {
-            "pg_loss_type": tuple(functional.POLICY_GRADIENT_LOSSES),
-            "length_normalization": tuple(functional.LENGTH_NORMALIZATIONS),
-            "kl_estimator": functional.KL_ESTIMATORS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) is not None:  # None: unset, resolved below
-                functional._check_choice(name, getattr(self, name), allowed)
+        loss = POLICY_LOSSES.get(self.pg_loss_type)
+        if self.length_normalization is not None:  # None: unset, resolved below
+            AGGREGATIONS.get(self.length_normalization)
+        self._resolve_advantage_estimator(loss)
+        functional._check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
         self._resolve_upstream_options()
@@ -349,7 +390,6 @@ class GRPOConfig(trl.GRPOConfig):
             )
         super().__post_init__()
         reused = self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
-        loss = functional.get_policy_gradient_loss(self.pg_loss_type)
         if not loss.uses_old_log_probs and reused:
             raise ValueError(
                 f"pg_loss_type={self.pg_loss_type!r} is an on-policy loss (it ignores the old log-probs), but "
@@ -358,11 +398,32 @@ class GRPOConfig(trl.GRPOConfig):
                 "policy. Set num_iterations=1 and steps_per_generation=gradient_accumulation_steps, or use an "
                 "off-policy-corrected loss such as pg_loss_type='grpo_clip'."
             )
-        if self.dynamic_sampling and not loss.zero_weight_zero_gradient:
+        if self.dynamic_sampling and not loss.zero_advantage_zero_gradient:
             raise ValueError(
                 f"dynamic_sampling=True needs a loss whose rollouts of weight 0 have no gradient, and "
-                f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_weight_zero_gradient in "
-                "trl_ext.functional.POLICY_GRADIENT_LOSSES): every group may carry a gradient, so none can be dropped"
+                f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_advantage_zero_gradient of its "
+                "trl_ext.losses.PolicyLoss): every group may carry a gradient, so none can be dropped"
+            )
+
+    def _resolve_advantage_estimator(self, loss) -> None:
+        """``advantage_estimator``: the one given (checked against the loss: a loss defined with an estimator of
+        its own, ``no_baseline``'s ``raw_rewards``, refuses another); unset (None, or a value an earlier
+        ``__post_init__`` derived, carried over by ``dataclasses.replace``), the loss's own, else
+        ``group_normalized``.
+
+        Raises:
+            ValueError: an unknown estimator (named, with the closest names), or one the loss refuses (both named).
+        """
+        given = None if isinstance(self.advantage_estimator, _Derived) else self.advantage_estimator
+        if given is None:
+            self.advantage_estimator = _Derived(loss.advantage_estimator or DEFAULT_ADVANTAGE_ESTIMATOR)
+            return
+        ADVANTAGE_ESTIMATORS.get(given)
+        if loss.advantage_estimator is not None and given != loss.advantage_estimator:
+            raise ValueError(
+                f"advantage_estimator={given!r} conflicts with pg_loss_type={self.pg_loss_type!r}, a loss defined "
+                f"with advantage_estimator={loss.advantage_estimator!r}: leave advantage_estimator unset, or choose "
+                "another pg_loss_type ('reinforce_with_baseline' is -A log p with any advantage)"
             )
 
     def _resolve_upstream_options(self) -> None:
@@ -388,7 +449,7 @@ class GRPOConfig(trl.GRPOConfig):
             ):  # TRL's bools (CLI: text)
                 upstream = "group" if str(upstream).lower() == "true" else "none"
             if upstream is not None and upstream not in meaning:
-                raise ValueError(_UPSTREAM_REFUSALS[upstream_name].format(value=upstream))
+                raise ValueError(str(_UPSTREAM_REFUSALS[upstream_name]).format(value=upstream))
             if upstream is not None and course is not None and meaning[upstream] != course:
                 hint = (
                     " (dataclasses.replace passes every field again: to change this setting give its new value under "
@@ -405,8 +466,9 @@ class GRPOConfig(trl.GRPOConfig):
             if course is None and isinstance(value, str):
                 value = _Derived(value)
             setattr(self, course_name, value)
-            if upstream is None:
-                upstream = _Derived(next(key for key, course_value in meaning.items() if course_value == value))
+            if upstream is None:  # TRL's name for the value in use; none for one TRL has no name for (a user's)
+                named = [key for key, course_value in meaning.items() if course_value == value]
+                upstream = _Derived(named[0]) if named else None
             setattr(self, upstream_name, upstream)
 
     def to_dict(self) -> dict[str, Any]:
@@ -440,12 +502,16 @@ class _Derived(str):
 
 
 _UPSTREAM_REFUSALS = {
-    "loss_type": "loss_type={value!r} is not implemented by the course loss: it changes the per-token objective. "
-    "trl_ext.GRPOTrainer supports TRL's loss types that differ only in how token losses are averaged: "
-    + ", ".join(
-        f"{upstream!r} (= length_normalization={course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items()
-    )
-    + ".",
+    "loss_type": LiveText(
+        lambda: (
+            "loss_type={value!r} is not implemented by the course loss: it changes the per-token objective. "
+            "trl_ext.GRPOTrainer supports TRL's loss types that differ only in how token losses are averaged: "
+            + ", ".join(
+                f"{upstream!r} (= length_normalization={course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items()
+            )
+            + "."
+        )
+    ),
     "scale_rewards": "scale_rewards={value!r} is not implemented by the course advantages; trl_ext.GRPOTrainer "
     "supports TRL's scale_rewards='group' or True (= normalize_by_std=True) and 'none' or False "
     "(= normalize_by_std=False).",
@@ -589,27 +655,19 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._release_packed_weights()
 
     def _generate_and_score_round(self, inputs):
-        # One generation round: upstream generates and scores, then the course advantages replace upstream's.
-        # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
+        # One generation round: upstream generates and scores, then the config's advantage estimator replaces
+        # upstream's advantages. (DynamicSamplingMixin._generate_and_score_completions calls this once, or several
+        # times.)
         output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
         rewards_per_func = self._gathered_rewards
-        # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
-        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
-        terms = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
-        rewards = terms.nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
-        if functional.get_policy_gradient_loss(self.args.pg_loss_type).weights == "raw_rewards":
-            advantages = torch.nan_to_num(rewards, nan=0.0)  # the loss weighs each rollout by its reward itself
-        else:
-            advantages = functional.compute_group_advantages(
-                rewards,
-                group_size,
-                advantage_eps=self.args.advantage_eps,
-                normalize_by_std=self.args.normalize_by_std and group_size > 1,
-                reward_terms=terms,
-            ).to(rewards.device)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.args.advantage_estimator)
+        advantages = estimator.fn(rewards_per_func, self.reward_weights, group_size, self.args)
+        advantages = advantages.to(device=rewards_per_func.device, dtype=torch.float32)
+        # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
+        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
+        rewards, terms = weighted_rewards(rewards_per_func, self.reward_weights)
         # Upstream logged frac_reward_zero_std by torch.isclose(std, 0) (atol 1e-8): a group of float-equal rewards
         # (std ~3e-8) would count as informative there. Log it by the rule the advantages use.
         equal = functional.equal_reward_groups(rewards, group_size, terms)
@@ -662,13 +720,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
 
-        per_token_loss, pg_metadata = functional.compute_policy_gradient_loss(
-            per_token_logps,
-            self.args.pg_loss_type,
-            raw_rewards=advantages,  # a loss weighted by raw rewards finds them under "advantages" (see above)
-            advantages=advantages,
-            old_log_probs=old_log_probs,
-            cliprange=self.args.epsilon,
+        # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config
+        per_token_loss, loss_metrics = policy_loss(
+            self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args
         )
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]  # TRL's sampler-mismatch correction
@@ -679,7 +733,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         mode = "train" if self.model.training else "eval"
-        loss = functional.compute_grpo_loss(
+        loss = compute_grpo_loss(
             per_token_loss,
             mask,
             self.args.length_normalization,
@@ -693,19 +747,19 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(
-            mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None
+            mode, mask, entropies, advantages, loss_metrics, per_token_kl if self.beta != 0.0 else None
         )
         return loss
 
     def _normalize_constant(self, inputs, mode: str) -> float | torch.Tensor | None:
-        """The divisor ``functional.compute_grpo_loss`` needs for this config's length normalization (its registry
+        """The divisor ``aggregations.compute_grpo_loss`` needs for this config's length normalization (its registry
         entry's ``divisor``): ``max_completion_length``; or, for ``batch_tokens`` (DAPO's token mean), the response
         tokens of the whole batch as the average share of one micro-batch on one process -- ``num_items_in_batch``
         (the generation batch's tokens, every process) / processes / ``steps_per_generation`` in training, so that
         after the division by the accumulation steps the summed micro-batch losses, averaged over processes by DDP,
         are the sum over every token / their count (trl.GRPOTrainer._compute_loss's ``dapo`` normalizer, TRL 1.16,
         which spreads a generation batch over its optimizer steps by the same average); None otherwise."""
-        divisor = functional.get_length_normalization(self.args.length_normalization).divisor
+        divisor = AGGREGATIONS.get(self.args.length_normalization).divisor
         if divisor == "max_completion_length":
             return self.max_completion_length
         if divisor == "batch_tokens":
@@ -713,13 +767,21 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             return tokens / self.args.steps_per_generation if mode == "train" else tokens
         return None
 
-    def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
+    def _log_loss_metrics(self, mode, mask, entropies, advantages, loss_metrics, per_token_kl):
+        """Log entropy, KL and the loss entry's metrics (``trl_ext.losses.PolicyLoss.fn``), over every process:
+        ``clipped`` as TRL's ``clip_ratio/*``, ``ratio`` as ``ratio/mean|min|max``, any other metric under its own
+        name as its mean over the response tokens ((B, T)) or over the sequences ((B, 1), every row counted, as
+        TRL 1.16 does for a sequence-level ratio)."""
+
         # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
         # mask_truncated_completions) is NaN, as upstream's nanmin/nanmax give for clip_ratio/low_min and
         # high_max; upstream's log() leaves NaN out of the logging window's average and logs None when nothing is
         # left. (Upstream TRL 1.16 logs 0.0 for its masked means there, which would pull the window's average down.)
         def global_masked_sum_count(x):
-            local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
+            if x.shape != mask.shape:  # (B, 1): one value per sequence
+                local = torch.stack([x.float().sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
             return self.accelerator.reduce(local, reduction="sum")
 
         def global_masked_mean(x):
@@ -733,8 +795,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._metrics[mode]["kl"].append(total / count if count > 0 else math.nan)
             if mode == "train" and self.args.kl_target is not None:
                 self._update_adaptive_beta(kl_sum_count.cpu())
-        if "clipped" in pg_metadata:
-            clipped = pg_metadata["clipped"]
+        if "clipped" in loss_metrics:
+            clipped = loss_metrics["clipped"]
             positive = (advantages > 0).expand_as(clipped)
             self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(clipped & ~positive))
             self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(clipped & positive))
@@ -743,6 +805,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             float_mask = mask.float()
 
             def gathered_sequence_means(x):
+                if x.shape != mask.shape:  # (B, 1): already one value per sequence
+                    return self.accelerator.gather(x.float().squeeze(1))
                 return self.accelerator.gather((x.float() * float_mask).sum(-1) / float_mask.sum(-1))
 
             self._metrics[mode]["clip_ratio/low_min"].append(
@@ -751,10 +815,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._metrics[mode]["clip_ratio/high_max"].append(
                 nanmax(gathered_sequence_means(clipped & positive)).item()
             )
-        if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
-            ratio = pg_metadata["ratio"]
+        if "ratio" in loss_metrics:  # importance ratio pi/pi_old over response tokens (1 on-policy)
+            ratio = loss_metrics["ratio"]
             mean = global_masked_mean(ratio)
             self._metrics[mode]["ratio/mean"].append(mean)
+            ratio = ratio.expand_as(mask)
             # a process without response tokens contributes -inf to both maxima (it has no ratio to report)
             local = torch.stack(
                 [torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()]
@@ -767,6 +832,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             empty = math.isnan(mean)  # no response token on any process
             self._metrics[mode]["ratio/min"].append(math.nan if empty else -low)
             self._metrics[mode]["ratio/max"].append(math.nan if empty else high)
+        for name, value in loss_metrics.items():  # a loss's own metrics (TRL's cispo_clip_ratio, ...)
+            if name not in ("clipped", "ratio"):
+                self._metrics[mode][name].append(global_masked_mean(value.detach()))
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
         """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time

@@ -172,6 +172,7 @@ GRPO_CHANGEABLE_OPTIONS: dict[str, str] = {
         "reward_weights",
         "advantage_eps",
         "normalize_by_std",
+        "advantage_estimator",
         "pg_loss_type",
         "length_normalization",
         "epsilon",
