@@ -78,8 +78,9 @@ def _load(obj: Any, path: str) -> AdvantageEstimator:
     function of the estimator signature."""
     if isinstance(obj, AdvantageEstimator):
         return obj
+    # a function registered with its declarations when its module was imported: that entry
     registered = [entry for _, entry in ADVANTAGE_ESTIMATORS.items() if entry.fn is obj]
-    if registered:  # a function registered with its declarations, in the module just imported
+    if registered:
         return registered[0]
     if callable(obj):
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()

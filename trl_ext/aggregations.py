@@ -89,8 +89,9 @@ def _load(obj: Any, path: str) -> Aggregation:
     ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows)`` that takes no divisor."""
     if isinstance(obj, Aggregation):
         return obj
+    # a function registered with its declarations when its module was imported: that entry
     registered = [entry for _, entry in AGGREGATIONS.items() if entry.reduce is obj]
-    if registered:  # a function registered with its declarations, in the module just imported
+    if registered:
         return registered[0]
     if callable(obj):
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()

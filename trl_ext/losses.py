@@ -144,8 +144,9 @@ def _load(obj: Any, path: str) -> PolicyLoss:
     loss signature as an entry that declares nothing (on-policy only, every row's backward runs)."""
     if isinstance(obj, PolicyLoss):
         return obj
+    # a function registered with its declarations when its module was imported: that entry
     registered = [entry for _, entry in POLICY_LOSSES.items() if entry.fn is obj]
-    if registered:  # a function registered with its declarations, in the module just imported
+    if registered:
         return registered[0]
     if callable(obj):
         doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()

@@ -6,10 +6,11 @@ as TRL names a reward function by its dotted path -- and says what is registered
 ``help``), so a ``--help`` printed after a user registered an entry lists it. An unknown name gets one error that
 names the option, the closest registered names (difflib) and every registered one::
 
-    LOSSES = Registry("policy loss", "pg_loss_type", describe=lambda entry: entry.formula)
+    LOSSES = Registry("policy loss", "pg_loss_type", describe=lambda entry: entry.formula, load=as_entry)
     LOSSES.register("grpo_clip", entry)          # or: @LOSSES.register("grpo_clip") above the entry's definition
     LOSSES.get("grpo_clp")   # ValueError: pg_loss_type='grpo_clp' is not supported: no such policy loss (did you
-                             # mean 'grpo_clip'?); expected one of 'grpo_clip' (...), or a package.module:attr
+                             # mean 'grpo_clip'?); expected one of 'grpo_clip', ..., or a package.module:attr ...
+    LOSSES.problem("grpo_clp", flag=True)        # "--pg_loss_type grpo_clp: no such policy loss (did you mean ..."
     LOSSES.get("my_pkg.losses:my_loss")          # imports my_pkg.losses, passes my_loss through ``load``
 
 After verl's ``register_policy_loss`` / ``get_policy_loss_fn`` (verl/trainer/ppo/core_algos.py) and nanochat's
