@@ -117,10 +117,19 @@ def test_preserved_rng_puts_back_every_generator_it_is_given(monkeypatch):
         pass
 
 
-def test_model_devices_lists_parameters_and_buffers(tokenizer):
+def test_model_devices_lists_parameters_buffers_and_offload_execution_devices(tokenizer):
     model = tiny_model("gpt2", len(tokenizer))
     assert model_devices(model) == [torch.device("cpu")]
     assert model_devices(object()) == []
+
+    class OffloadHook:  # accelerate's AlignDevicesHook: weights on meta, moved to the execution device per forward
+        execution_device = "cuda:1"
+
+    model.lm_head._hf_hook = OffloadHook()
+    model.transformer.h[0]._hf_hook = OffloadHook()
+    with torch.device("meta"):
+        model.transformer.wpe = torch.nn.Embedding(4, 4)
+    assert model_devices(model) == [torch.device("cpu"), torch.device("meta"), torch.device("cuda", 1)]
 
 
 def test_the_sampler_probe_and_block_touch_no_user_generator(monkeypatch, fresh_probes):

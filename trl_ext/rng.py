@@ -23,8 +23,9 @@ import torch
 
 
 def model_devices(model: Any) -> list[torch.device]:
-    """The distinct devices of ``model``'s parameters and buffers, in order of first appearance (none for an object
-    without them)."""
+    """The distinct devices ``model`` computes on, in order of first appearance: those of its parameters and buffers,
+    and the execution devices of accelerate's hooks (offloaded weights wait on ``meta`` or the CPU and are moved
+    there for each forward). None for an object without them."""
     devices: list[torch.device] = []
     for source in ("parameters", "buffers"):
         try:
@@ -34,6 +35,11 @@ def model_devices(model: Any) -> list[torch.device]:
         for tensor in tensors:
             if tensor.device not in devices:
                 devices.append(tensor.device)
+    modules = model.modules() if hasattr(model, "modules") else ()
+    for module in modules:
+        execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if execution is not None and torch.device(execution) not in devices:
+            devices.append(torch.device(execution))
     return devices
 
 
