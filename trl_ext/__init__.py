@@ -50,6 +50,7 @@ _SUBMODULES = (
     "profiling",
     "report",
     "rewards",
+    "rng",
     "roofline",
     "run",
     "runtime",
