@@ -308,7 +308,7 @@ def test_the_import_check_finds_what_it_must():
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
     # lazy imports count, TYPE_CHECKING ones do not
-    assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.upstream" in graph["trl_ext.run"]
+    assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.resume" in graph["trl_ext.run"]
     assert "trl_ext.tasks" not in graph["trl_ext.compare.run"]
 
 

@@ -551,7 +551,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
         # The adaptive beta goes on from the checkpoint when both runs adapt it (a checkpoint that did not save its
         # kl_target is taken to have had this run's); a fixed beta is the config's, so a changed one takes effect
-        # (trl_ext.trainers.upstream.warn_changed_options says so).
+        # (trl_ext.trainers.resume.warn_changed_options says so).
         if self.args.kl_target is not None and state.get("changeable_options", {}).get("kl_target", 1.0) is not None:
             self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
