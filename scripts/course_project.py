@@ -3,8 +3,9 @@
 The course's file, as published, cannot take trl_ext:
 
 - ``alpaca-eval`` comes from a git branch (nelson-liu/alpaca_eval, ``forward_kwargs_to_vllm``), which uv must
-  clone from GitHub before it resolves anything. PyPI's alpaca-eval replaces it; the branch only forwards
-  ``model_kwargs`` to vLLM for the supplement's AlpacaEval judge (``scripts/alpaca_eval_vllm_llama3_3_70b_fn``).
+  clone from GitHub before it resolves anything. PyPI's alpaca-eval replaces it. The branch matters only to the
+  supplement's AlpacaEval judge (``scripts/alpaca_eval_vllm_llama3_3_70b_fn``, Llama 3.3 70B on vLLM): PyPI's
+  ``vllm_local_completions`` reads only ``tp`` from the config's ``model_kwargs`` (not ``max_model_len: 7000``).
 - ``vllm==0.7.2`` pins torch 2.5.1, and trl_ext needs torch >= 2.6 (transformers 5 disables older PyTorch). CPU:
   removed. ``--gpu``: vLLM 0.22-0.30 (TRL 1.16 supports 0.22-0.31; 0.31 needs transformers < 5.18), which pins
   torch 2.13.0.
