@@ -285,7 +285,8 @@ def test_the_lowest_versions_allowed_resolve_to_the_declared_floors(tmp_path):
 @pytest.mark.parametrize(
     "pins, conflict",
     [
-        # the CS336 course project: vllm 0.7.2 pins torch 2.5.1, and the course pins numpy 1.26
+        # old pins like the CS336 course's (vllm 0.7.2 pins torch 2.5.1; its uv.lock has numpy 1.26.4); the course's
+        # own pyproject.toml is resolved in tests/test_course_project.py
         (["vllm==0.7.2", "torch==2.5.1", "numpy==1.26.4"], "trl-ext==0.1.0 depends on numpy>=2.0"),
         (["vllm==0.7.2"], "trl-ext==0.1.0 depends on torch>=2.6"),
     ],

@@ -30,7 +30,8 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
     # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
-    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling)
+    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling),
+    # the user's random generators left as they were (rng)
     (
         "functional",
         "registry",
@@ -43,6 +44,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "roofline",
         "packed_linear",
         "sampling",
+        "rng",
     ),
     # the registered choices of GRPO's objective, each entry a thin call of functional: policy losses,
     # aggregations (length normalization), advantage estimators
@@ -311,7 +313,7 @@ def test_the_import_check_finds_what_it_must():
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
     # lazy imports count, TYPE_CHECKING ones do not
-    assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.upstream" in graph["trl_ext.run"]
+    assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.resume" in graph["trl_ext.run"]
     assert "trl_ext.tasks" not in graph["trl_ext.compare.run"]
 
 

@@ -44,6 +44,13 @@ def spy(monkeypatch, backend: str) -> list[int]:
     return calls
 
 
+@pytest.fixture(autouse=True)
+def fresh_backend_probes(monkeypatch):
+    """Each test probes the backends afresh (their verdicts are cached per process), and sees its own log lines."""
+    monkeypatch.setattr(packed_linear, "_probe_results", {})
+    monkeypatch.setattr(packed_linear, "_announced_backends", set())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_packed_forward_gives_the_hand_worked_values(backend, monkeypatch):
     layer = hand_linear()
@@ -51,18 +58,19 @@ def test_a_packed_forward_gives_the_hand_worked_values(backend, monkeypatch):
     # rows: [1+2+1, 3+4-1, -1+0.5] = [4, 6, -0.5]; [2-2+1, 6-4-1, -2-0.5] = [1, 1, -2.5]
     expected = torch.tensor([[4.0, 6.0, -0.5], [1.0, 1.0, -2.5]])
     calls = spy(monkeypatch, backend)
-    packed = PackedLinearWeights(rows_hint=6, backend=backend)
-    with torch.no_grad(), packed.applied(layer):
+    packed = PackedLinearWeights(backend=backend)
+    with torch.no_grad(), packed.applied(layer, rows=2):
         assert "forward" in layer.__dict__
-        out = layer(x)
-        out_3d = layer(x.unsqueeze(0).expand(3, 2, 2))  # 6 rows: the count MKL's copy was packed for
+        out = layer(x)  # 2 rows, the count named: packed at this first forward
+        assert len(packed) == 1
+        out_3d = layer(x.unsqueeze(0).expand(3, 2, 2))  # 6 rows: MKL's copy serves only the 2 it was packed for
     assert torch.equal(out, expected)
     assert torch.equal(out_3d, expected.expand(3, 2, 3))
-    assert len(calls) == (2 if backend == "onednn" else 1)  # MKL's copy serves only the rows it was packed for
-    assert "forward" not in layer.__dict__ and len(packed) == 1  # forward restored; the packed copy kept
+    assert len(calls) == (2 if backend == "onednn" else 1)
+    assert "forward" not in layer.__dict__ and len(packed) == 0  # forward restored; the copy lived with the block
 
 
-def test_the_backend_is_chosen_by_cpu_and_row_count(monkeypatch, tmp_path):
+def test_the_backend_is_chosen_by_cpu(monkeypatch, tmp_path):
     intel, amd = tmp_path / "intel", tmp_path / "amd"
     intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n")
     amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n")
@@ -70,34 +78,36 @@ def test_the_backend_is_chosen_by_cpu_and_row_count(monkeypatch, tmp_path):
     assert cpu_vendor(str(tmp_path / "missing")) is None
     monkeypatch.setattr(packed_linear, "_mkl_ops_available", lambda: True)
     monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
-    assert choose_backend(16) == "mkl" and PackedLinearWeights(rows_hint=16).backend == "mkl"
-    assert choose_backend(None) == "onednn"  # MKL packs for one row count: none given
+    assert choose_backend() == "mkl" and PackedLinearWeights().backend == "mkl"
     monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
-    assert choose_backend(16) == "onednn"
+    assert choose_backend() == "onednn"
     monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(packed_linear, "_mkl_ops_available", lambda: False)
-    assert choose_backend(16) == "onednn"
+    assert choose_backend() == "onednn"
     with pytest.raises(ValueError, match="backend='cublas'; expected 'mkl', 'onednn' or None"):
-        PackedLinearWeights(rows_hint=4, backend="cublas")
-    with pytest.raises(ValueError, match="give rows_hint"):
-        PackedLinearWeights(backend="mkl")
+        PackedLinearWeights(backend="cublas")
     with pytest.raises(ValueError, match="no MKL packing ops"):  # asked for by name where it cannot run
-        PackedLinearWeights(rows_hint=4, backend="mkl")
+        PackedLinearWeights(backend="mkl")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_weight_the_backend_refuses_keeps_the_plain_forward(backend, monkeypatch):
     layer = hand_linear()
+    namespace, name = REORDER[backend]
+    reorder = getattr(namespace, name)
 
-    def refuse(*args):
-        raise RuntimeError("could not create a primitive descriptor")
+    def refuse_3x2(weight, *args):  # this weight only: the probe's weights pack as usual
+        if tuple(weight.shape) == (3, 2):
+            raise RuntimeError("could not create a primitive descriptor")
+        return reorder(weight, *args)
 
-    monkeypatch.setattr(*REORDER[backend], refuse)
-    packed = PackedLinearWeights(rows_hint=1, backend=backend)
-    with torch.no_grad(), packed.applied(layer):
-        assert "forward" not in layer.__dict__
-        assert torch.equal(layer(torch.tensor([[1.0, 1.0]])), torch.tensor([[4.0, 6.0, -0.5]]))
-    assert len(packed) == 0
+    monkeypatch.setattr(namespace, name, refuse_3x2)
+    packed = PackedLinearWeights(backend=backend)
+    with torch.no_grad(), packed.applied(layer, rows=1):
+        for _ in range(2):
+            assert torch.equal(layer(torch.tensor([[1.0, 1.0]])), torch.tensor([[4.0, 6.0, -0.5]]))
+        assert len(packed) == 0
+    assert packed.backend == backend  # a refused weight is that module's matter, not the backend's
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -105,8 +115,8 @@ def test_every_case_the_packed_weight_cannot_serve_runs_the_plain_forward(backen
     layer = hand_linear()
     x = torch.tensor([[1.0, 1.0]])
     calls = spy(monkeypatch, backend)
-    packed = PackedLinearWeights(rows_hint=1, backend=backend)
-    with packed.applied(layer):
+    packed = PackedLinearWeights(backend=backend)
+    with packed.applied(layer, rows=1):
         with torch.no_grad():
             assert torch.equal(layer(x), torch.tensor([[4.0, 6.0, -0.5]]))
         assert len(calls) == 1
@@ -126,15 +136,186 @@ def test_every_case_the_packed_weight_cannot_serve_runs_the_plain_forward(backen
             assert torch.equal(two_rows, torch.tensor([[4.0, 6.0, -0.5], [1.0, 1.0, -2.5]]))
             served = 2 if backend == "onednn" else 1  # oneDNN's copy serves any row count
             assert len(calls) == served
-            # the weight changed after it was packed (an optimizer step): the new weight, by the plain forward
+            # a version-bumping write inside the block (an in-place op under no_grad): the new weight, packed again
             layer.weight.mul_(2.0)
             assert torch.equal(layer(x), torch.tensor([[7.0, 13.0, -1.0]]))  # 2*[3, 7, -0.5] + [1, -1, 0]
-            layer.weight.data = torch.zeros(3, 2)  # replaced storage
+            layer.weight.data = torch.zeros(3, 2)  # replaced storage: the same
             assert torch.equal(layer(x), torch.tensor([[1.0, -1.0, 0.0]]))
-            assert len(calls) == served
-    with packed.applied(layer), torch.no_grad():  # the next use packs the new weight
+            assert len(calls) == served + 2
+    with packed.applied(layer, rows=1), torch.no_grad():  # the next block packs the weight as it is then
         assert torch.equal(layer(x), torch.tensor([[1.0, -1.0, 0.0]]))
-    assert len(calls) == served + 1
+    assert len(calls) == served + 3
+
+
+def _write_data_add(layer, other):
+    layer.weight.data.add_(other)
+
+
+def _write_data_copy(layer, other):
+    layer.weight.data.copy_(other)
+
+
+def _write_data_assign(layer, other):
+    layer.weight.data = other.clone()
+
+
+def _write_no_grad_add(layer, other):
+    with torch.no_grad():
+        layer.weight.add_(other)
+
+
+def _write_load_state_dict(layer, other):
+    layer.load_state_dict({"weight": other, "bias": layer.bias.detach() - 1.0})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "write", [_write_data_add, _write_data_copy, _write_data_assign, _write_no_grad_add, _write_load_state_dict]
+)
+def test_no_write_between_uses_leaves_a_packed_forward_on_old_weights(backend, write, monkeypatch):
+    # issue 37: .data writes change no tensor version (3.8 / 0.30 away from the plain forward before)
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(13, 6)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(6, 13, generator=g))
+        layer.bias.copy_(torch.randn(6, generator=g))
+    x = torch.randn(4, 13, generator=g)
+    calls = spy(monkeypatch, backend)
+    packed = PackedLinearWeights(backend=backend)
+    with torch.no_grad():
+        with packed.applied(layer, rows=4):
+            before = layer(x)
+        write(layer, torch.randn(6, 13, generator=g) * 3)
+        plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        with packed.applied(layer, rows=4):
+            after = layer(x)
+    assert len(calls) == 2  # both ran packed
+    assert (plain - before).abs().max() > 1.0  # the write changed the output
+    torch.testing.assert_close(after, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peft_merge_and_unmerge_between_uses_give_the_plain_forward(backend, tokenizer, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_model("llama", len(tokenizer)),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    ).eval()
+    ids = torch.randint(3, len(tokenizer), (2, 5), generator=torch.Generator().manual_seed(1))
+    calls = spy(monkeypatch, backend)
+    packed = PackedLinearWeights(backend=backend)
+
+    def packed_and_plain():
+        with torch.no_grad():
+            with packed.applied(model, rows=ids.numel()):
+                ours = model(input_ids=ids).logits
+            return ours, model(input_ids=ids).logits
+
+    unmerged, unmerged_plain = packed_and_plain()
+    model.merge_adapter()  # writes the LoRA delta into base_layer.weight.data: no version bump
+    merged, merged_plain = packed_and_plain()
+    model.unmerge_adapter()
+    again, again_plain = packed_and_plain()
+    assert calls and model.base_model.model.model.layers[0].self_attn.q_proj.merged is False
+    for ours, plain in ((unmerged, unmerged_plain), (merged, merged_plain), (again, again_plain)):
+        torch.testing.assert_close(ours, plain, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copies_are_kept_across_blocks_only_inside_fixed_weights(backend, monkeypatch):
+    layer = hand_linear()
+    x = torch.tensor([[1.0, 1.0]])
+    reorders = []
+    reorder = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder", lambda *a: reorders.append(1) or reorder(*a))
+    packed = PackedLinearWeights(backend=backend)
+    with torch.no_grad():
+        with packed.fixed_weights():
+            for _ in range(3):  # three generation rounds of one batch: packed once
+                with packed.applied(layer, rows=1):
+                    assert torch.equal(layer(x), torch.tensor([[4.0, 6.0, -0.5]]))
+                assert len(packed) == 1
+            with packed.fixed_weights():  # nested: the outermost block decides
+                pass
+            assert len(packed) == 1 and len(reorders) == 1
+        assert len(packed) == 0
+        for _ in range(2):  # outside fixed_weights each block packs for itself
+            with packed.applied(layer, rows=1):
+                layer(x)
+    assert len(reorders) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_is_packed_for_a_row_count_that_comes_again_and_never_for_one_seen_once(backend, monkeypatch):
+    layer = hand_linear()
+    packed_rows = []
+    reorder = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder", lambda b, w, rows: packed_rows.append(rows) or reorder(b, w, rows))
+    calls = spy(monkeypatch, backend)
+    packed = PackedLinearWeights(backend=backend)
+    prefill = torch.ones(3, 5, 2)  # 15 rows, once
+    step = torch.ones(3, 1, 2)  # 3 rows, a decode step
+    with torch.no_grad(), packed.applied(layer):  # no row count named
+        layer(prefill)
+        layer(step)
+        assert packed_rows == [] and calls == []  # each count seen once: nothing packed
+        layer(step)  # 3 rows again: packed now, and served
+        layer(step)
+    assert packed_rows == [3] and len(calls) == 2
+    with torch.no_grad(), packed.applied(layer, rows=4):  # a prefill only (one new token): nothing packed
+        layer(prefill)
+    assert packed_rows == [3]
+
+
+def test_the_probe_passes_on_this_pytorch_and_touches_no_global_generator():
+    state = torch.get_rng_state()
+    for backend in BACKENDS:
+        assert packed_linear.probe_backend(backend, 16) is None
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("fault", ["wrong values", "raises"])
+def test_a_backend_whose_op_computes_something_else_is_turned_off_in_one_line(fault, monkeypatch, caplog):
+    if "mkl" not in BACKENDS:
+        pytest.skip("this PyTorch has no MKL packing ops")
+    op = torch.ops.mkl._mkl_linear
+
+    def faulty(input, packed, weight, bias, rows):
+        if fault == "raises":
+            raise RuntimeError("mkl_linear: unsupported")
+        return op(input, packed, weight, bias, rows) * (1 + 1e-4)  # a relative error far beyond float rounding
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", faulty)
+    layer = hand_linear()
+    x = torch.tensor([[1.0, 1.0], [2.0, -1.0]])
+    calls = spy(monkeypatch, "onednn")
+    with caplog.at_level(logging.WARNING, logger="trl_ext"), torch.no_grad():
+        for _ in range(2):  # a second object in the same process: the verdict holds, said once
+            packed = PackedLinearWeights(backend="mkl")
+            with packed.applied(layer, rows=2):
+                assert torch.equal(layer(x), torch.tensor([[4.0, 6.0, -0.5], [1.0, 1.0, -2.5]]))
+            assert packed.backend == "onednn"
+    lines = [r.getMessage() for r in caplog.records if "backend is off" in r.getMessage()]
+    assert len(lines) == 1 and "the mkl backend is off (probe: " in lines[0] and "onednn backend is used" in lines[0]
+    assert ("RuntimeError" in lines[0]) == (fault == "raises")
+    assert len(calls) == 2  # served by oneDNN instead
+
+
+def test_both_backends_failing_their_probe_leave_the_plain_forward(monkeypatch, caplog):
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: torch.zeros(1))
+    if "mkl" in BACKENDS:
+        monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: torch.zeros(1))
+    layer = hand_linear()
+    packed = PackedLinearWeights(backend="onednn")
+    with caplog.at_level(logging.WARNING, logger="trl_ext"), torch.no_grad():
+        with packed.applied(layer, rows=1):
+            assert torch.equal(layer(torch.tensor([[1.0, 1.0]])), torch.tensor([[4.0, 6.0, -0.5]]))
+        assert packed.backend is None and len(packed) == 0
+        with packed.applied(layer, rows=1):
+            assert "forward" not in layer.__dict__  # nothing patched any more
+    lines = [r.getMessage() for r in caplog.records if "backend is off" in r.getMessage()]
+    assert len(lines) == 1 and "plain forward used" in lines[0]
 
 
 def test_only_plain_fp32_cpu_linears_are_packed():
@@ -159,11 +340,12 @@ def test_packed_forwards_equal_the_plain_forward_on_many_architectures(name, bac
     calls = spy(monkeypatch, backend)
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        packed = PackedLinearWeights(rows_hint=ids.numel(), backend=backend)  # MKL: packed for the 21 rows
-        with packed.applied(model):
+        packed = PackedLinearWeights(backend=backend)
+        with packed.applied(model, rows=ids.numel()):  # packed for the 21 rows
             ours = model(input_ids=ids).logits
-    assert len(packed) == sum(1 for m in model.modules() if packable(m)) > 0
-    assert calls  # the packed kernel ran (mixtral's experts see fewer rows: those run the plain forward)
+            served = len(packed)
+    assert 0 < served <= sum(1 for m in model.modules() if packable(m))  # mixtral's experts see fewer rows
+    assert len(calls) == served
     torch.testing.assert_close(ours, plain, atol=1e-5, rtol=1e-4)
 
 
@@ -191,11 +373,18 @@ def test_greedy_evaluation_gives_the_same_answers_packed(tokenizer, monkeypatch)
     tok = copy.deepcopy(tokenizer)
     prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in [(1, 2), (30, 4), (55, 55)]]
     plain = generate_completions(model, tok, prompts, 8, batch_size=2, prepack_linear_weights=False)
+    n_linear = sum(1 for m in model.modules() if packable(m))
+    reorder = packed_linear._reorder
     for backend in BACKENDS:
-        monkeypatch.setattr(packed_linear, "choose_backend", lambda rows_hint, backend=backend: backend)
+        packings = []
+        monkeypatch.setattr(packed_linear, "_reorder", lambda *a, out=packings: out.append(a[2]) or reorder(*a))
+        monkeypatch.setattr(packed_linear, "choose_backend", lambda backend=backend: backend)
         calls = spy(monkeypatch, backend)
         ours = generate_completions(model, tok, prompts, 8, batch_size=2)
         assert ours == plain and all(ours) and calls, backend
+        # one packing per module for the call, for the 2 rows of a full batch; the last batch (1 row) reuses it
+        # (oneDNN) or runs plain (MKL), never packs again
+        assert packings == [2] * n_linear, backend
 
 
 def test_grpo_generation_packs_once_per_batch_and_releases_the_copies(tokenizer, tmp_path):
@@ -252,3 +441,62 @@ def test_grpo_generation_packs_once_per_batch_and_releases_the_copies(tokenizer,
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for p, q in zip(ours.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grpo_generation_packs_for_the_rows_each_generate_decodes(backend, tokenizer, tmp_path, monkeypatch):
+    # issue 37: with steps_per_generation > 1 upstream generates per_device_train_batch_size x steps_per_generation
+    # rows per call; packing for per_device_train_batch_size rows (before) never served and was pure cost
+    per_device, steps_per_generation = 2, 2
+    rows = per_device * steps_per_generation
+    monkeypatch.setattr(packed_linear, "choose_backend", lambda: backend)
+    args = trl_ext.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=per_device,
+        steps_per_generation=steps_per_generation,
+        num_generations=2,
+        max_completion_length=5,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    data = Dataset.from_dict({"prompt": ["Count to 3:", "Say hi:"]})
+    trainer = trl_ext.GRPOTrainer(
+        model=tiny_model("llama", len(tokenizer)),
+        reward_funcs=length_mod5_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+    )
+    linears = [m for m in trainer.model.modules() if packable(m)]
+    generating, forwards, packings, served = [False], [], [], []
+    for module in linears:
+        module.register_forward_hook(
+            lambda m, inputs, out: forwards.append((m, inputs[0].numel() // m.in_features)) if generating[0] else None
+        )
+    reorder = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder", lambda *a: packings.append(a[2]) or reorder(*a))
+    kernel = getattr(packed_linear, KERNEL[backend])
+    monkeypatch.setattr(packed_linear, KERNEL[backend], lambda *a: served.append(1) or kernel(*a))
+    single_turn = trainer._generate_single_turn
+
+    def spy_single_turn(prompt_ids, *a, **k):
+        generating[0] = True
+        try:
+            assert len(prompt_ids) == rows  # what upstream hands one generate call
+            return single_turn(prompt_ids, *a, **k)
+        finally:
+            generating[0] = False
+
+    trainer._generate_single_turn = spy_single_turn
+    trainer.train()
+    decode_rows = [m for m, n in forwards if n == rows]
+    assert len(decode_rows) >= 2 * len(linears)  # at least two decode steps ran through every linear
+    assert len(served) == len(decode_rows)  # every forward of the decoded row count ran packed, no other
+    assert packings == [rows] * len({id(m) for m in decode_rows})  # each module packed once, for those rows

@@ -24,7 +24,7 @@ from tiny import tiny_model_for_tests
 import trl_ext
 from trl_ext.cli import RecipeError
 from trl_ext.run import RecipeRun
-from trl_ext.trainers.upstream import ResumeMismatchError
+from trl_ext.trainers.resume import ResumeMismatchError
 
 GRPO_OPTIONS = dict(
     per_device_train_batch_size=4,
@@ -69,15 +69,26 @@ def test_the_checkpoint_saves_the_options_resume_depends_on(checkpoint):
         "num_processes": 1,
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 1,
-        "seed": 0,
-        "data_seed": None,
+        "seed": 0,  # (data_seed, train_sampling_strategy, dataloader_drop_last: not read by GRPO's RepeatSampler)
+        "auto_find_batch_size": False,
+        "dataloader_in_order": True,
+        "accelerator_config": {  # its parts that place rows on processes and steps
+            "split_batches": False,
+            "dispatch_batches": None,
+            "even_batches": True,
+            "use_seedable_sampler": True,
+            "gradient_accumulation_kwargs": None,
+        },
+        "parallelism_config": None,
         "steps_per_generation": 2,
         "num_iterations": 1,
         "num_generations": 4,
         "generation_batch_size": 8,  # 4 per device x 1 process x 2 steps per generation
+        "shuffle_dataset": True,
         "dynamic_sampling": False,  # (max_sampling_rounds only while dynamic sampling is on)
     }
     assert state["changeable_options"]["temperature"] == 1.0 and state["changeable_options"]["learning_rate"] == 1e-2
+    assert state["training_rows"] == 8  # the 8 prompts
 
 
 def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_complete(tokenizer, tmp_path, monkeypatch):
@@ -112,10 +123,11 @@ def test_trl_ext_files_are_in_the_checkpoint_before_trainer_state_marks_it_compl
         ),
         (dict(num_generations=2), "num_generations was 4, now 2"),
         (dict(seed=1), "seed was 0, now 1"),
-        (dict(data_seed=5), "data_seed was None, now 5"),
         (dict(num_iterations=2), "num_iterations was 1, now 2"),
         # the extra rounds decide which samples each step trains on (issue 30)
         (dict(dynamic_sampling=True), "dynamic_sampling was False, now True"),
+        # issue 37: the prompt order (RepeatSampler's shuffle)
+        (dict(shuffle_dataset=False), "shuffle_dataset was True, now False"),
     ],
 )
 def test_resume_with_a_changed_option_is_refused_before_any_step(change, named, checkpoint, tokenizer, tmp_path):
@@ -164,26 +176,38 @@ def test_an_older_checkpoint_is_checked_for_what_its_files_tell(checkpoint, toke
 
     (old / "trl_ext_rank_state_1.pt").unlink()  # 1 process, same batch size: resumes, with one warning
     trainer = grpo_trainer(tokenizer, tmp_path / "out", max_steps=2)
-    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.resume"):
         trainer.train(resume_from_checkpoint=str(old))
     assert trainer.state.global_step == 2
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.upstream"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.resume"]
     assert warnings == [
         f"{old} was written by an older trl_ext that did not save its options: checked num_processes, "
         "per_device_train_batch_size, dynamic_sampling only; resume with the gradient_accumulation_steps, seed, "
-        "data_seed, steps_per_generation, num_iterations, num_generations, generation_batch_size it was written with, "
-        "or the run will not continue exactly"
+        "auto_find_batch_size, dataloader_in_order, accelerator_config, parallelism_config, steps_per_generation, "
+        "num_iterations, num_generations, generation_batch_size, shuffle_dataset it was written with, or the run will "
+        "not continue exactly"
     ]
 
 
-def test_options_that_may_change_on_resume_keep_working(checkpoint, tokenizer, tmp_path):
+def test_options_that_may_change_on_resume_keep_working(checkpoint, tokenizer, tmp_path, caplog):
     # other logging and save steps, TensorBoard logging, another output folder, more steps: resumes and trains.
     # (transformers keeps the checkpoint's logging/save/eval steps on resume, with a warning of its own)
+    # data_seed and train_sampling_strategy: GRPO's RepeatSampler never reads them (TRL 1.16), so no refusal
     out = tmp_path / "elsewhere"
     trainer = grpo_trainer(
-        tokenizer, out, max_steps=3, logging_steps=2, save_steps=2, report_to=["tensorboard"], eval_strategy="no"
+        tokenizer,
+        out,
+        max_steps=3,
+        logging_steps=2,
+        save_steps=2,
+        report_to=["tensorboard"],
+        eval_strategy="no",
+        data_seed=5,
+        train_sampling_strategy="sequential",
     )
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.resume"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.resume"] == []
     assert trainer.state.global_step == 3
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry][-1] == 3
     assert (out / "checkpoint-3" / "trl_ext_state.json").is_file()
@@ -275,9 +299,9 @@ def test_changed_sampling_and_learning_rate_resume_with_one_warning_each(checkpo
         return out
 
     trainer._generate_and_score_completions = recorded
-    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.resume"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.upstream"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_ext.trainers.resume"]
     assert warnings == [
         f"resuming {checkpoint}: learning_rate was 0.01, now 0.5; the checkpoint's optimizer and scheduler keep 0.01 "
         "(transformers restores their state); start over to train with 0.5",
@@ -312,7 +336,7 @@ def kl_checkpoint(tokenizer, tmp_path_factory):
 def test_a_changed_fixed_beta_is_used_and_an_adaptive_one_goes_on(kl_checkpoint, tokenizer, tmp_path, caplog):
     checkpoint, model_dir = kl_checkpoint
     trainer = grpo_trainer(tokenizer, tmp_path / "fixed", model_dir, max_steps=2, beta=0.1)
-    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.resume"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.beta == 0.1  # the checkpoint's state says 0.04; a fixed beta is the config's
     assert f"resuming {checkpoint}: beta was 0.04, now 0.1; the steps after the checkpoint use 0.1" in [
@@ -325,7 +349,7 @@ def test_a_changed_fixed_beta_is_used_and_an_adaptive_one_goes_on(kl_checkpoint,
 
     fake = edited_copy(checkpoint, tmp_path, adaptive)
     trainer = grpo_trainer(tokenizer, tmp_path, model_dir, max_steps=1, beta=0.1, kl_target=0.02)
-    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.upstream"):
+    with caplog.at_level(logging.WARNING, logger="trl_ext.trainers.resume"):
         trainer.train(resume_from_checkpoint=str(fake))
     # from 0.07, one controller update at most moves beta by 0.2 x 8 samples / 10000 = 1.6e-4 of itself; from the
     # configured 0.1 it would be 0.1 +- 1.6e-5

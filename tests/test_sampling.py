@@ -44,7 +44,7 @@ def test_inside_the_block_every_call_gives_torchs_result_and_errors():
     replica = sampling.multinomial
     with same_draws_multinomial():
         assert torch.multinomial is not original
-        sampling.multinomial = lambda p: calls.append(1) or replica(p)
+        sampling.multinomial = lambda p, g=None: calls.append(1) or replica(p, g)
         try:
             torch.manual_seed(3)
             ours = torch.multinomial(probs, num_samples=1)
@@ -73,7 +73,7 @@ def test_inside_the_block_every_call_gives_torchs_result_and_errors():
 
 def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, caplog):
     monkeypatch.setattr(sampling, "_probe_result", False)
-    monkeypatch.setattr(sampling, "multinomial", lambda p: torch.zeros(p.shape[0], 1, dtype=torch.long))
+    monkeypatch.setattr(sampling, "multinomial", lambda p, g=None: torch.zeros(p.shape[0], 1, dtype=torch.long))
     state = torch.get_rng_state()
     assert "other random numbers" in probe()
     assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the generator as it found it
@@ -83,4 +83,70 @@ def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, c
             with same_draws_multinomial():
                 assert torch.multinomial is torch._C._VariableFunctions.multinomial
     assert sum("vectorised sampling off" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(sampling, "_probe_result", False)
+
+
+def _views() -> dict[str, torch.Tensor]:
+    """Non-contiguous (B, V) probability tensors, as a caller may hand them to torch.multinomial."""
+    g = torch.Generator().manual_seed(5)
+
+    def probs(*shape, dim=-1):
+        return torch.softmax(torch.randn(shape, generator=g) * 3, dim=dim)
+
+    nchw = probs(2, 37, 3, 3, dim=1)  # (N, V, H, W): a distribution over V per pixel
+    return {
+        "transposed": probs(500, 6, dim=0).t(),
+        "strided slice": probs(11, 900)[1::3, ::2],
+        "expanded": probs(1, 300).expand(4, 300),
+        "last position of (B, T, V)": probs(3, 5, 400)[:, -1, :],
+        "channels-last columns": nchw.contiguous(memory_format=torch.channels_last)[:, :, 1, 2],
+        "column-major slice": probs(300, 8, dim=0).t()[::2, 10:],
+    }
+
+
+@pytest.mark.parametrize("name", list(_views()))
+@pytest.mark.parametrize("seed", [0, 1, 99])
+def test_a_non_contiguous_probability_tensor_gets_torchs_draws(name, seed):
+    # issue 37: the replica drew other tokens than torch.multinomial for a transposed tensor. PyTorch allocates its
+    # variates with at::empty_like(probs) (aten/src/ATen/native/Distributions.cpp), the input's strides, and the
+    # generator fills them in memory order; torch.multinomial itself is the oracle here
+    probs = _views()[name]
+    assert not probs.is_contiguous()
+    torch.manual_seed(seed)
+    expected = torch.multinomial(probs, 1)
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with same_draws_multinomial():
+        ours = torch.multinomial(probs, 1)
+    assert torch.equal(ours, expected) and torch.equal(torch.get_rng_state(), state)
+    private = torch.Generator().manual_seed(seed)  # and on a private generator, as the probe checks
+    expected_private = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(multinomial(probs, private), expected_private)
+
+
+def test_inside_the_block_a_non_contiguous_tensor_is_served_by_the_replica():
+    probs = _views()["transposed"]
+    calls = []
+    replica = sampling.multinomial
+    with same_draws_multinomial():
+        sampling.multinomial = lambda p, g=None: calls.append(1) or replica(p, g)
+        try:
+            torch.manual_seed(4)
+            ours = torch.multinomial(probs, 1)
+        finally:
+            sampling.multinomial = replica
+    torch.manual_seed(4)
+    assert calls == [1] and torch.equal(ours, torch.multinomial(probs, 1))
+
+
+def test_a_replica_that_ignores_the_layout_is_caught_by_the_probe(monkeypatch):
+    # the replica as it was before issue 37: variates in row-major order whatever the input's strides
+    def row_major(like, generator=None):
+        u = torch.empty(like.shape, dtype=torch.float64).uniform_(generator=generator)
+        return torch.log1p(u.neg_()).neg_().to(torch.float32)
+
+    monkeypatch.setattr(sampling, "_probe_result", False)
+    monkeypatch.setattr(sampling, "_exponential_variates", row_major)
+    reason = probe()
+    assert "other random numbers" in reason and "strides (1, " in reason
     monkeypatch.setattr(sampling, "_probe_result", False)

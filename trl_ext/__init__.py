@@ -56,6 +56,7 @@ _SUBMODULES = (
     "registry",
     "report",
     "rewards",
+    "rng",
     "roofline",
     "run",
     "runtime",

@@ -192,18 +192,21 @@ def generate_completions(
     outputs: list[str] = []
     # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
-    # the weights are fixed for the whole call: linear weights packed once (trl_ext.packed_linear)
-    packing = PackedLinearWeights(rows_hint=batch_size).applied(model) if prepack_linear_weights else nullcontext()
+    # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
+    # (trl_ext.packed_linear), and dropped at its end
+    packed = PackedLinearWeights() if prepack_linear_weights else None
     try:
-        with packing:
+        with packed.fixed_weights() if packed is not None else nullcontext():
             for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
                 batch = tokenizer.pad(
                     {"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt"
                 )
                 batch = {k: v.to(device) for k, v in batch.items()}
-                generated = generate(
-                    **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-                )
+                rows = batch["input_ids"].size(0)
+                with packed.applied(model, rows=rows) if packed is not None else nullcontext():
+                    generated = generate(
+                        **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                    )
                 outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         model.train(was_training)

@@ -5,7 +5,8 @@
 - ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
   (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
   ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN; ``trl_ext.packed_linear``,
-  packed once per generation batch); its ``torch.multinomial`` draws the same tokens vectorised
+  packed once per generation batch, ``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens
+  vectorised
   (``trl_ext.sampling``);
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
   absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
@@ -71,12 +72,10 @@ class GRPOSpeedMixin:
             share and self.args.pack_completions,
         )
         self._savings_now(training=True)  # announce now what the training forward rules out
-        # packed linear weights for transformers generation on the CPU, packed once per generation batch; MKL's
-        # copies serve the decode steps' row count, one row per sequence
+        # packed linear weights for transformers generation on the CPU, packed once per generation batch for the rows
+        # each generate call decodes (trl_ext.packed_linear)
         self._packed_linear = (
-            PackedLinearWeights(rows_hint=self.args.per_device_train_batch_size)
-            if getattr(self.args, "prepack_linear_weights", False) and not sharded
-            else None
+            PackedLinearWeights() if getattr(self.args, "prepack_linear_weights", False) and not sharded else None
         )
 
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
@@ -167,17 +166,21 @@ class GRPOSpeedMixin:
         # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
         # (trl_ext.sampling); linear weights packed once per generation batch (trl_ext.packed_linear,
         # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
+        # Upstream decodes every prompt it is given in one generate call: len(prompt_ids) rows a decode step
+        # (per_device_train_batch_size x steps_per_generation in training), the row count packed for.
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         packed = getattr(self, "_packed_linear", None)
-        with same_draws_multinomial(), packed.applied(unwrapped) if packed is not None else nullcontext():
+        packing = packed.applied(unwrapped, rows=len(prompt_ids)) if packed is not None else nullcontext()
+        with same_draws_multinomial(), packing:
             return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
 
-    def _release_packed_weights(self) -> None:
-        """Drop the packed linear weights (``prepack_linear_weights``): called when a generation batch is complete
-        (all its rounds drawn), so they serve every round and their memory is free for the loss's forward and
-        backward; the weights change at the next optimizer step anyway."""
-        if getattr(self, "_packed_linear", None) is not None:
-            self._packed_linear.clear()
+    def _fixed_generation_weights(self):
+        """A block in which the policy's weights do not change (one generation batch: all its rounds drawn and
+        scored, no optimizer step), so the linear weights generation packs (``prepack_linear_weights``) are packed
+        once for all its generate calls and dropped at its end, before the loss's forward and backward: the next
+        batch packs the weights as they are then (``trl_ext.packed_linear``)."""
+        packed = getattr(self, "_packed_linear", None)
+        return packed.fixed_weights() if packed is not None else nullcontext()
 
     def _generate_sharing_prompts(self, unwrapped, prompt_ids, images, *args, **kwargs):
         # Upstream calls `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on

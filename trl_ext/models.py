@@ -56,6 +56,7 @@ from transformers import (
 from trl import get_peft_config, get_quantization_config
 
 from trl_ext import machine
+from trl_ext.rng import preserved_rng
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -269,7 +270,8 @@ def _convert_gguf(gguf: Path, out_dir: Path, *, tokenizer_only: bool = False) ->
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
     config = type(quantized.config).from_dict(config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with preserved_rng():  # the fresh model's random initialisation, overwritten next, draws from the CPU generator
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict(), strict=True)
     model.generation_config = quantized.generation_config
     model.save_pretrained(out_dir)

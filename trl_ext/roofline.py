@@ -93,8 +93,10 @@ def _best_rate(work: float, run: Callable[[], Any], device: torch.device, budget
 
 
 def _matmul_rate(n: int, device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # operands from a private generator on the device: the run's own random numbers stay untouched (trl_ext.rng)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+    b = torch.randn(n, n, device=device, generator=generator).to(dtype)
     return _best_rate(2.0 * n**3, lambda: torch.mm(a, b), device, budget_s)
 
 

@@ -161,13 +161,14 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
 
 def check_resume(checkpoint: str | Path, training_args: Any) -> None:
     """Refuse, before any model work, to resume ``checkpoint`` with options that would not continue it exactly
-    (``trl_ext.trainers.upstream.check_resume_options``: processes, batch size, accumulation, seed, GRPO's rollout
-    shape); the trainer checks the same again in ``train()``.
+    (``trl_ext.trainers.resume.check_resume_options``: the options that change which rows a step reads, for the
+    config's trainer), and warn once for each option that changes what the steps after the checkpoint compute; the
+    trainer checks the same again in ``train()``, and the number of training rows.
 
     Raises:
         RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
     """
-    from trl_ext.trainers.upstream import (
+    from trl_ext.trainers.resume import (
         ResumeMismatchError,
         check_resume_options,
     )  # only on resume: loads TRL's trainers

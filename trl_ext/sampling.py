@@ -8,9 +8,12 @@ per entry: 16 rows of a 49,152-token vocabulary take 16-19 ms, a seventh of a de
 
 What. :func:`multinomial` draws the same variates vectorised: ``q = float32(-log1p(-u))`` with ``u`` from float64
 ``uniform_`` on the same generator, which is, bit for bit, what float32 ``exponential_`` returns, and leaves the
-generator in the same state (checked by :func:`probe` on this PyTorch before first use; a mismatch turns the
-replacement off in one log line). Then ``argmax(probs / q)`` as PyTorch does it: the same tokens, and every later
-random number the same. 5-6 ms for the same 16 x 49,152 draws.
+generator in the same state. ``u`` is allocated as PyTorch allocates its ``q`` (``at::empty_like(probs)``: the same
+strides), so for a transposed, sliced or expanded ``probs`` the generator fills the same elements in the same order.
+Then ``argmax(probs / q)`` as PyTorch does it: the same tokens, and every later random number the same. 5-6 ms for
+the same 16 x 49,152 draws. :func:`probe` checks all of it on this PyTorch before first use, on private generators
+(the default generator's state is put back exactly; no seeding function is called, no device generator touched); a
+mismatch turns the replacement off in one log line.
 
 Scope. :func:`same_draws_multinomial` replaces ``torch.multinomial`` for the duration of a block (a ``generate``
 call); a call it cannot serve identically -- not one sample, with replacement over several samples, another generator,
@@ -35,49 +38,94 @@ def _valid(probs: torch.Tensor) -> bool:
     return bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) and bool((probs.sum(-1) > 0).all())
 
 
-def _exponential_variates(shape: torch.Size | tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 Exp(1) variates from the default generator, ``float32(-log1p(-u))`` with ``u`` float64 uniform on
-    [0, 1): what float32 ``torch.empty(shape).exponential_()`` draws (:func:`probe` checks it), vectorised."""
-    u = torch.empty(shape, dtype=torch.float64, device=device).uniform_()
+def _exponential_variates(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 Exp(1) variates of ``like``'s shape and memory layout, drawn from ``generator`` (None: the default
+    CPU generator): ``float32(-log1p(-u))`` with ``u`` float64 uniform on [0, 1), allocated as ``at::empty_like``
+    allocates PyTorch's own variates (the same strides, so the generator fills the same elements in the same
+    order, also for a transposed, sliced or expanded ``like``). What float32 ``torch.empty_like(like).exponential_()``
+    draws (:func:`probe` checks it), vectorised."""
+    u = torch.empty_like(like, dtype=torch.float64).uniform_(generator=generator)
     return torch.log1p(u.neg_()).neg_().to(torch.float32)
 
 
-def multinomial(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row of ``probs`` (B, V), float32 on the CPU, drawn from the default CPU generator exactly as
-    ``torch.multinomial(probs, 1)`` draws it: ``argmax(probs / q)`` with ``q`` from :func:`_exponential_variates`.
-    Returns (B, 1) int64. No validation: see :func:`same_draws_multinomial`."""
-    q = _exponential_variates(probs.shape, probs.device)
+def multinomial(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of ``probs`` (B, V), float32 on the CPU, any strides, drawn from ``generator`` (None: the
+    default CPU generator) exactly as ``torch.multinomial(probs, 1, generator=generator)`` draws it:
+    ``argmax(probs / q)`` with ``q`` from :func:`_exponential_variates`. Returns (B, 1) int64. No validation: see
+    :func:`same_draws_multinomial`."""
+    q = _exponential_variates(probs, generator)
     return torch.argmax(probs / q, dim=-1, keepdim=True)
 
 
+def _probe_cases() -> Iterator[torch.Tensor]:
+    """Probability tensors for :func:`probe`, from a private generator: contiguous, transposed, strided-slice,
+    expanded and a last-position slice of a 3-D tensor (as ``logits[:, -1, :]``)."""
+    g = torch.Generator().manual_seed(20250)
+
+    def probs(*shape: int, dim: int = -1) -> torch.Tensor:
+        return torch.softmax(torch.randn(shape, generator=g) * 3, dim=dim)
+
+    yield probs(4, 1000)
+    yield probs(2, 49152)
+    yield probs(7, 3)
+    yield probs(300, 5, dim=0).t()
+    yield probs(9, 400)[::2, 1::3]
+    yield probs(1, 600).expand(5, 600)
+    yield probs(3, 4, 700)[:, -1, :]
+
+
 def probe() -> str | None:
-    """None when :func:`multinomial` gives PyTorch's draws on this PyTorch (the same indices and variates, the
-    generator left in the same state, over a few shapes), else why not. Decided once per process; the default CPU
-    generator's state is restored afterwards."""
+    """None when :func:`multinomial` gives PyTorch's draws on this PyTorch, else why not. Decided once per process.
+
+    On private generators, over contiguous and non-contiguous probabilities (:func:`_probe_cases`): the same
+    variates as float32 ``exponential_``, the same indices as ``torch.multinomial(probs, 1, generator=g)`` and the
+    generator left in the same state. Then the property the replacement relies on, for the default CPU generator
+    (which ``torch.multinomial`` without a generator uses): its state is set to a private one, PyTorch's draw and the
+    replica's are compared from it, and its own state is put back exactly. No seeding function is called and no
+    other generator -- CUDA, MPS, XPU, Python's, NumPy's -- is touched.
+    """
     global _probe_result
     if _probe_result is not False:
         return _probe_result
-    state = torch.get_rng_state()
     reason = None
-    try:
-        for seed, shape in ((0, (4, 1000)), (1, (2, 49152)), (2, (7, 3))):
-            probs = torch.softmax(torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3, dim=-1)
-            torch.manual_seed(seed)
-            expected, expected_state = torch.multinomial(probs, 1), torch.get_rng_state()
-            torch.manual_seed(seed)
-            q = torch.empty(shape).exponential_()
-            torch.manual_seed(seed)
-            same_variates = torch.equal(_exponential_variates(shape), q)
-            torch.manual_seed(seed)
-            ours = multinomial(probs)
-            same_state = torch.equal(torch.get_rng_state(), expected_state)
-            if not (same_variates and same_state and torch.equal(ours, expected)):
-                reason = "this PyTorch's multinomial draws other random numbers than the vectorised replica"
-                break
-    finally:
-        torch.set_rng_state(state)
+    for seed, probs in enumerate(_probe_cases()):
+        expected_gen, ours_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        expected = torch.multinomial(probs, 1, generator=expected_gen)
+        ours = multinomial(probs, ours_gen)
+        variates = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(seed))
+        same_variates = torch.equal(_exponential_variates(probs, torch.Generator().manual_seed(seed)), variates)
+        if not (
+            same_variates
+            and torch.equal(ours, expected)
+            and torch.equal(ours_gen.get_state(), expected_gen.get_state())
+        ):
+            reason = (
+                "this PyTorch's multinomial draws other random numbers than the vectorised replica "
+                f"(probe: {tuple(probs.shape)} probabilities, strides {probs.stride()})"
+            )
+            break
+    if reason is None:
+        reason = _default_generator_reason()
     _probe_result = reason
     return reason
+
+
+def _default_generator_reason() -> str | None:
+    """Why the replica without a generator draws otherwise than ``torch.multinomial(probs, 1)``, or None; the
+    default CPU generator's state is restored exactly afterwards."""
+    probs = torch.softmax(torch.randn(3, 500, generator=torch.Generator().manual_seed(7)) * 3, dim=-1)
+    start = torch.Generator().manual_seed(11).get_state()
+    saved = torch.default_generator.get_state()
+    try:
+        torch.default_generator.set_state(start)
+        expected, expected_state = torch.multinomial(probs, 1), torch.default_generator.get_state()
+        torch.default_generator.set_state(start)
+        ours, ours_state = multinomial(probs), torch.default_generator.get_state()
+    finally:
+        torch.default_generator.set_state(saved)
+    if torch.equal(ours, expected) and torch.equal(ours_state, expected_state):
+        return None
+    return "this PyTorch's multinomial draws otherwise from its default generator than the vectorised replica"
 
 
 def _serves(probs: torch.Tensor, num_samples: int, generator) -> bool:

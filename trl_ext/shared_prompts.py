@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .rng import model_devices, preserved_rng, unpreservable
+
 logger = logging.getLogger("trl_ext")
 
 CACHED_FORWARD_BUGS = {
@@ -487,8 +489,10 @@ def _noise_sources(model: Any) -> list[str]:
 def training_noise(model: Any) -> str | None:
     """Why ``model``'s training forward is random (dropout, router jitter, ...), or None.
 
-    Measured, not guessed: the probe batch runs twice in training mode, without gradient and with the random state
-    saved and restored around it (the run's random numbers are untouched); outputs that differ mean noise. Functional
+    Measured, not guessed: the probe batch runs twice in training mode, without gradient, and every generator those
+    forwards can draw from -- the CPU's, that of each device the model is on, Python's, NumPy's -- is put back
+    afterwards (``trl_ext.rng.preserved_rng``: the run's random numbers are untouched); outputs that differ mean
+    noise. Functional
     dropout from a config field (e.g. OPT's ``config.dropout``) counts too, which TRL's ``disable_dropout`` (it
     zeroes Dropout modules) does not turn off. Under noise, a shared prompt would share one dropout mask across its
     rows and a separately run batch would draw other masks than the plain forward: neither saving can give the plain
@@ -543,11 +547,14 @@ def _measure_training_noise(model: Any) -> str | None:
         parameter = next(model.parameters())
     except (StopIteration, AttributeError):
         return None
+    devices = model_devices(model)
+    unsaved = unpreservable(devices)
+    if unsaved is not None:  # the forwards would draw from a generator that could not be put back: not run
+        return f"the training forward cannot be checked for noise without drawing from {unsaved}'s generator"
     ids, mask = _probe_batch(model, parameter.device)
     was_training = model.training
-    devices = [parameter.device] if parameter.device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+    try:  # dropout draws from the global generators of every device the model computes on: all put back
+        with preserved_rng(devices), torch.no_grad():
             model.train()
             first = model(input_ids=ids, attention_mask=mask).logits
             second = model(input_ids=ids, attention_mask=mask).logits
@@ -644,7 +651,17 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tuple[str | None, str | None, str | None]:
     """Run sharing, row-splitting and packing on a tiny batch against the plain computation; the reason each is off
-    (share, skip, pack), None where it matched."""
+    (share, skip, pack), None where it matched. Its inputs come from a private generator, and whatever the model's
+    forwards or greedy generation draw from the global generators is put back (``trl_ext.rng.preserved_rng``)."""
+    devices = model_devices(model)
+    unsaved = unpreservable(devices)
+    if unsaved is not None:
+        return (f"the probe's forwards would draw from {unsaved}'s generator, which cannot be put back",) * 3
+    with preserved_rng(devices):
+        return _run_probe(model, share_probe, pack_probe)
+
+
+def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> tuple[str | None, str | None, str | None]:
     base = _base_model(model)
     try:
         parameter = next(model.parameters())

@@ -26,8 +26,8 @@ from GRPO's own generation path (transformers or vLLM) for loops outside ``train
 The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
 ``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
 generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
-it is exact for the model. ``_generate_and_score_completions`` (above) also releases generation's packed weights once
-every round of the batch is drawn.
+it is exact for the model. ``_generate_and_score_completions`` (above) also keeps generation's packed weights for
+every round of the batch and drops them once the batch is drawn.
 
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
@@ -302,12 +302,14 @@ class GRPOConfig(trl.GRPOConfig):
         default=True,
         metadata={
             "help": "In transformers generation on the CPU in fp32, run every nn.Linear on its weight packed once per "
-            "generation batch (trl_ext.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
+            "generation batch, for the rows each generate call decodes, and dropped at the batch's end "
+            "(trl_ext.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
             "multiplies a few rows by every weight, a small GEMM that MKL runs far below the CPU's peak on a plain "
             "weight (a decode step's matmuls take 0.5-0.6x the time on the CPUs measured). Same math, outputs may "
             "differ at float rounding. Default True; off for vLLM, GPUs, FSDP and DeepSpeed, for modules that are "
             "not plain fp32 nn.Linear (quantized, LoRA wrappers keep their own forward), under autocast, and where "
-            "the packed copies would take more than a quarter of the available memory (one log line). "
+            "the packed copies would take more than a quarter of the available memory, or where a probe finds "
+            "PyTorch's packing ops computing something else (one log line). "
             "The log-prob forwards and backward are not affected."
         },
     )
@@ -594,10 +596,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         """
         if self.use_vllm:
             self._last_loaded_step = -1  # upstream's tag of the step whose weights vLLM holds: none, so sync first
-        try:
+        with self._fixed_generation_weights():
             prompt_ids, completion_ids, _, completions, *_ = self._generate(prompts)
-        finally:
-            self._release_packed_weights()
         return prompt_ids, completion_ids, completions
 
     # -- state saved with each checkpoint (trl_ext.trainers.upstream.TrainerMixin) --------------------
@@ -617,7 +617,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
         # The adaptive beta goes on from the checkpoint when both runs adapt it (a checkpoint that did not save its
         # kl_target is taken to have had this run's); a fixed beta is the config's, so a changed one takes effect
-        # (trl_ext.trainers.upstream.warn_changed_options says so).
+        # (trl_ext.trainers.resume.warn_changed_options says so).
         if self.args.kl_target is not None and state.get("changeable_options", {}).get("kl_target", 1.0) is not None:
             self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
@@ -648,11 +648,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        # every round of the generation batch (DynamicSamplingMixin) drawn: release generation's packed weights
-        try:
+        # every round of the generation batch (DynamicSamplingMixin) is drawn with the same weights: generation's
+        # packed linear weights are packed once for all of them and dropped when the batch is complete
+        with self._fixed_generation_weights():
             return super()._generate_and_score_completions(inputs)
-        finally:
-            self._release_packed_weights()
 
     def _generate_and_score_round(self, inputs):
         # One generation round: upstream generates and scores, then the config's advantage estimator replaces

@@ -9,14 +9,13 @@
   buffer) is saved with each checkpoint and restored on resume, as TRL 1.16's ``GRPOTrainer`` does for its adaptive
   entropy controller (``_save_checkpoint`` writes ``entropy_ctrl_state.json``, ``_load_optimizer_and_scheduler``
   reads it back); the options a resume depends on are saved too, and ``train(resume_from_checkpoint=...)`` refuses
-  a run whose options differ (``check_resume_options``) before any step; and ``train()`` after ``evaluate()`` still
-  trains under DDP.
+  a run whose options differ or warns once per changed option (``trl_ext.trainers.resume``, which classifies every
+  config field) before any step; and ``train()`` after ``evaluate()`` still trains under DDP.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import inspect
 import json
 import logging
@@ -30,6 +29,15 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..models import base_model_id, name_base_model
+from .resume import (  # which options a resume refuses, warns about or lets change
+    RANK_STATE_FILE,
+    STATE_FILE,
+    changeable_options,
+    check_resume_options,
+    check_training_rows,
+    resume_options,
+    training_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,243 +120,6 @@ def config_from_upstream(config_cls: type, args: Any, **overrides: Any) -> Any:
         return config_cls(**values)
 
 
-# ------------------------------------------------------------------------------------------------ resume options
-STATE_FILE = "trl_ext_state.json"
-RANK_STATE_FILE = "trl_ext_rank_state_{}.pt"
-
-RESUME_OPTIONS = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed")
-"""Options every trainer's resume depends on: which rows each process reads at each step (the number of processes,
-batch size and accumulation place the data loader's position; ``seed``/``data_seed`` its order)."""
-
-GRPO_RESUME_OPTIONS = (
-    "steps_per_generation",
-    "num_iterations",
-    "num_generations",
-    "generation_batch_size",
-    "dynamic_sampling",
-    "max_sampling_rounds",
-)
-"""Added for GRPO-style configs (those that have them): the shape of the buffered rollout and where the run stopped in
-its cycle (``_step``), which the checkpoint restores; and dynamic sampling, whose extra rounds decide which samples
-each step trains on (``max_sampling_rounds`` only while ``dynamic_sampling`` is on: otherwise it changes nothing)."""
-
-KEPT_FROM_CHECKPOINT = (
-    "the checkpoint's optimizer and scheduler keep {old!r} (transformers restores their state); "
-    "start over to train with {new!r}"
-)
-NEW_SCHEDULE = "the steps after the checkpoint follow the new schedule, applied to the checkpoint's base learning rate"
-USED_FROM_NOW = "the steps after the checkpoint use {new!r}"
-
-CHANGEABLE_OPTIONS: dict[str, str] = {
-    # restored by transformers with the optimizer and scheduler state: the checkpoint's value wins
-    "learning_rate": KEPT_FROM_CHECKPOINT,
-    "weight_decay": KEPT_FROM_CHECKPOINT,
-    "adam_beta1": KEPT_FROM_CHECKPOINT,
-    "adam_beta2": KEPT_FROM_CHECKPOINT,
-    "adam_epsilon": KEPT_FROM_CHECKPOINT,
-    # the scheduler's function is built anew from the options; its base rate and step come from the checkpoint
-    "lr_scheduler_type": NEW_SCHEDULE,
-    "lr_scheduler_kwargs": NEW_SCHEDULE,
-    "warmup_steps": NEW_SCHEDULE,
-    "warmup_ratio": NEW_SCHEDULE,
-    "max_grad_norm": USED_FROM_NOW,
-}
-"""Options a resume may change, for every trainer: option -> what the resumed run does with the new value. Each
-change is accepted with one warning that names the option, both values and this effect."""
-
-GRPO_CHANGEABLE_OPTIONS: dict[str, str] = {
-    name: USED_FROM_NOW
-    for name in (
-        # sampling: the rollouts after the checkpoint come from another distribution
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "max_completion_length",
-        "generation_kwargs",
-        # the objective: advantages, clipping, normalization, KL (``loss_type``/``scale_rewards`` are other names of
-        # ``length_normalization``/``normalize_by_std``, compared under the course names)
-        "reward_weights",
-        "advantage_eps",
-        "normalize_by_std",
-        "advantage_estimator",
-        "pg_loss_type",
-        "length_normalization",
-        "epsilon",
-        "mask_truncated_completions",
-        "beta",
-        "kl_estimator",
-        "use_bias_correction_kl",
-        "kl_target",
-        "kl_horizon",
-    )
-}
-"""Added for GRPO-style configs: the sampling and the objective of the steps after the checkpoint. ``beta`` with
-``kl_target`` in both runs is the adaptive controller's starting value only: the checkpoint's adapted beta goes on
-(``ADAPTIVE_BETA``); ``beta`` from 0 to nonzero or back is refused (``check_resume_options``: the reference model and
-the rollouts' reference log-probs exist only with beta != 0)."""
-
-ADAPTIVE_BETA = (
-    "with kl_target the adaptive beta goes on from the checkpoint's value ({new!r} is only a starting value)"
-)
-
-LIBRARY_START_OVER = "train without resume_from_checkpoint (into a new output_dir to keep these checkpoints)"
-"""How to start over instead of resuming, said by :class:`ResumeMismatchError` in library use."""
-
-
-class ResumeMismatchError(ValueError):
-    """A checkpoint cannot be continued exactly with the options given now.
-
-    Attributes:
-        checkpoint: the checkpoint folder.
-        changes: ``[(option, value in the checkpoint, value now), ...]``.
-    """
-
-    def __init__(
-        self, checkpoint: str, changes: list[tuple[str, Any, Any]], how_to_start_over: str = LIBRARY_START_OVER
-    ):
-        self.checkpoint, self.changes = checkpoint, changes
-        listed = "; ".join(f"{name} was {old!r}, now {new!r}" for name, old, new in changes)
-        super().__init__(
-            f"cannot resume from {checkpoint}: it was written with other options, and the run would not continue "
-            f"where it stopped: {listed}. Resume with the checkpoint's values, or start over: {how_to_start_over}"
-        )
-
-
-def resume_options(args: Any) -> dict[str, Any]:
-    """The values of the options a resume must keep (:data:`RESUME_OPTIONS`, plus :data:`GRPO_RESUME_OPTIONS` for a
-    config that has them), as saved with each checkpoint; ``num_processes`` is ``args.world_size``. With
-    ``auto_find_batch_size`` the batch size is left out (transformers restores the one it found), and
-    ``max_sampling_rounds`` without ``dynamic_sampling``."""
-    names = [*RESUME_OPTIONS, *(name for name in GRPO_RESUME_OPTIONS if hasattr(args, name))]
-    if getattr(args, "auto_find_batch_size", False):
-        names.remove("per_device_train_batch_size")
-    if "max_sampling_rounds" in names and not getattr(args, "dynamic_sampling", False):
-        names.remove("max_sampling_rounds")
-    return {name: args.world_size if name == "num_processes" else getattr(args, name) for name in names}
-
-
-def _as_json(value: Any) -> Any:
-    """``value`` as it reads back from ``trl_ext_state.json`` (tuples as lists, enums and other objects as text)."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def changeable_options(args: Any) -> dict[str, Any]:
-    """The values of the options a resume may change with a warning (:data:`CHANGEABLE_OPTIONS`, plus
-    :data:`GRPO_CHANGEABLE_OPTIONS` for a GRPO config), as saved with each checkpoint."""
-    names = [*CHANGEABLE_OPTIONS, *(GRPO_CHANGEABLE_OPTIONS if hasattr(args, "num_generations") else ())]
-    return {name: _as_json(getattr(args, name)) for name in names if hasattr(args, name)}
-
-
-def _effect(name: str, old: Any, new: Any, saved: dict[str, Any], args: Any) -> str:
-    """What a resumed run does with ``name`` changed from ``old`` to ``new`` (one clause)."""
-    if name == "beta" and getattr(args, "kl_target", None) is not None and saved.get("kl_target") is not None:
-        return ADAPTIVE_BETA.format(new=new)
-    effect = CHANGEABLE_OPTIONS.get(name) or GRPO_CHANGEABLE_OPTIONS[name]
-    return effect.format(old=old, new=new)
-
-
-_warned: set[str] = set()
-
-
-def _options_from_files(checkpoint: str, args: Any) -> dict[str, Any]:
-    """What an older checkpoint (no saved options) still tells: its number of processes (one per-process state or
-    RNG file each) and the per-device batch size in ``trainer_state.json`` (as transformers reads it)."""
-    found: dict[str, Any] = {}
-    ranks = glob.glob(os.path.join(checkpoint, RANK_STATE_FILE.format("*"))) or glob.glob(
-        os.path.join(checkpoint, "rng_state_*.pth")
-    )
-    if ranks:
-        found["num_processes"] = len(ranks)
-    elif os.path.exists(os.path.join(checkpoint, "rng_state.pth")):
-        found["num_processes"] = 1
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            batch = json.load(f).get("train_batch_size")
-    except (OSError, ValueError):
-        batch = None
-    if batch is not None and not getattr(args, "auto_find_batch_size", False):
-        found["per_device_train_batch_size"] = batch // max(1, args.n_gpu)
-    return found
-
-
-def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_over: str = LIBRARY_START_OVER) -> None:
-    """Refuse to resume ``checkpoint`` with options that would not continue it exactly.
-
-    Compares :func:`resume_options` of ``args`` with those saved in the checkpoint's ``trl_ext_state.json``.
-    Options that may change on resume (logging, saving, ``report_to``, output paths, evaluation, ``max_steps``) are
-    not compared; those that change what the steps after the checkpoint compute (:func:`changeable_options`: the
-    learning rate and schedule, GRPO's sampling and objective) are accepted with one warning each
-    (:func:`warn_changed_options`). A checkpoint of an older trl_ext, which did not save them, is checked for what its
-    files still tell (the number of processes and the per-device batch size; for round 3's GRPO checkpoints whether
-    dynamic sampling was on), and one warning names the options left unchecked.
-
-    Raises:
-        ResumeMismatchError: naming each option that differs with its value in the checkpoint and now, and how to
-            start over (``how_to_start_over``; the recipes say a new ``--output_dir`` or ``--overwrite_output_dir``).
-    """
-    checkpoint = os.fspath(checkpoint)
-    now = resume_options(args)
-    try:
-        with open(os.path.join(checkpoint, STATE_FILE)) as f:
-            state = json.load(f)
-    except (OSError, ValueError):  # no such folder, or not a trl_ext checkpoint: resuming says so
-        return  # (Trainer.train, TrainerMixin._load_optimizer_and_scheduler)
-    saved = state.get("resume_options")
-    older = saved is None
-    if older:
-        saved = _options_from_files(checkpoint, args)
-    if "dynamic_sampling" in now and "dynamic_sampling" not in saved and "dynamic_sampling" in state:
-        saved["dynamic_sampling"] = state["dynamic_sampling"] is not None  # a round-3 GRPO checkpoint tells it so
-    changes = [(name, saved[name], value) for name, value in now.items() if name in saved and saved[name] != value]
-    # GRPO keeps a reference model and the rollouts' reference log-probs only with beta != 0: a buffered rollout of a
-    # beta-0 run has none to train a KL term on, and the other way round the reference model is missing
-    old_beta = (state.get("changeable_options") or {}).get("beta")
-    if hasattr(args, "num_generations") and old_beta is not None and (old_beta == 0) != (args.beta == 0):
-        changes.append(("beta", old_beta, args.beta))
-    if changes:
-        raise ResumeMismatchError(checkpoint, changes, how_to_start_over)
-    unchecked = [name for name in now if name not in saved]
-    if older and unchecked:
-        logger.warning(
-            "%s was written by an older trl_ext that did not save its options: checked %s only; resume with the %s it "
-            "was written with, or the run will not continue exactly",
-            checkpoint,
-            ", ".join(saved) or "nothing",
-            ", ".join(unchecked),
-        )
-    elif unchecked:
-        logger.warning(
-            "%s was written by an older trl_ext that did not save %s: resume with the value it was written with, or "
-            "the run will not continue exactly",
-            checkpoint,
-            ", ".join(unchecked),
-        )
-    warn_changed_options(checkpoint, args, state.get("changeable_options") or {})
-
-
-def warn_changed_options(checkpoint: str, args: Any, saved: dict[str, Any]) -> list[str]:
-    """Log one warning per option of :func:`changeable_options` whose value differs from the checkpoint's, naming
-    both values and what the resumed run does (each line once per process: the recipes check before the model
-    loads, the trainer again in ``train()``).
-
-    Returns:
-        The lines, e.g. ``"resuming checkpoint-9: temperature was 1.0, now 0.7; the steps after the checkpoint use
-        0.7"``.
-    """
-    lines = []
-    for name, value in changeable_options(args).items():
-        if name in saved and saved[name] != value:
-            effect = _effect(name, saved[name], value, saved, args)
-            lines.append(f"resuming {checkpoint}: {name} was {saved[name]!r}, now {value!r}; {effect}")
-    for line in lines:
-        if line not in _warned:
-            _warned.add(line)
-            logger.warning(line)
-    return lines
-
-
 # Upstream methods TrainerMixin overrides: name -> parameters after self (transformers.Trainer via TRL 1.16.0).
 TRAINER_MIXIN_SEAMS = {
     "train": ("resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
@@ -363,9 +134,11 @@ class TrainerMixin:
     """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
 
     Checkpoints: saves ``_checkpoint_state()`` with each checkpoint and gives it back to
-    ``_restore_checkpoint_state`` on resume. The options a resume depends on (:func:`resume_options`) are saved
-    beside it, and ``train(resume_from_checkpoint=...)`` raises :class:`ResumeMismatchError` before any step when
-    they differ now (:func:`check_resume_options`).
+    ``_restore_checkpoint_state`` on resume. The refused and warned options (``trl_ext.trainers.resume``:
+    ``resume_options``, ``changeable_options``) and the number of rows of the prepared training set are saved beside
+    it, and ``train(resume_from_checkpoint=...)`` raises ``ResumeMismatchError`` before any step when a refused one
+    or the row count differs now, and warns once per changed warned one (``check_resume_options``,
+    ``check_training_rows``).
 
     The state shared by all processes goes to ``trl_ext_state.json`` (written by the main process); a trainer whose
     processes hold different state (GRPO's buffered rollout) returns it from ``_checkpoint_rank_state()``, saved by
@@ -393,6 +166,7 @@ class TrainerMixin:
             checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
         if checkpoint not in (None, False):
             check_resume_options(checkpoint, self.args)
+            check_training_rows(checkpoint, self.args, training_rows(self.train_dataset))
         # transformers 5 / accelerate 1.x: Trainer.evaluate() before train() prepares the bare model in evaluation
         # mode, which marks it `_is_accelerate_prepared`; train()'s `accelerator.prepare` then returns it without the
         # DistributedDataParallel wrapper, and every process trains its own copy (no gradient all-reduce, different
@@ -438,6 +212,7 @@ class TrainerMixin:
                 saved = {
                     "resume_options": resume_options(self.args),
                     "changeable_options": changeable_options(self.args),
+                    "training_rows": training_rows(self.train_dataset),
                 }
                 json.dump({**self._checkpoint_state(), **saved}, f)
         if self.has_rank_state:
