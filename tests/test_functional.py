@@ -120,6 +120,11 @@ def test_equal_rewards_give_exactly_zero_advantage():
     for value in (0.1, 1 / 3, 7.0, 0.0):
         adv = functional.compute_group_advantages(torch.full((6,), value), group_size=3)
         assert adv.tolist() == [0.0] * 6
+    # advantage_eps=0 (>= 0 is allowed): an all-equal group, or one with a single valid reward, is 0, not 0/0 = NaN
+    rewards = torch.tensor([1.0, 1.0, 0.0, 2.0, float("nan"), 5.0])
+    adv = functional.compute_group_advantages(rewards, group_size=2, advantage_eps=0.0)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, -(0.5**0.5), 0.5**0.5, 0.0, 0.0], abs=1e-7)
+    assert adv[[0, 1, 4, 5]].tolist() == [0.0] * 4
 
 
 def test_nearly_equal_rewards_give_finite_advantages():

@@ -380,19 +380,24 @@ def test_sample_is_upstreams_generation_and_makes_vllm_reload_the_weights(tokeni
 
 def test_config_rejects_unsupported_options(tmp_path):
     base = dict(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True)
-    for loss_type in ("cispo", "sapo", "luspo", "vespo"):  # TRL losses with another per-token objective
-        with pytest.raises(ValueError, match=f"loss_type='{loss_type}' is not implemented by the course loss.*'dapo' "):
-            trl_ext.GRPOConfig(loss_type=loss_type, **base)
-    with pytest.raises(ValueError, match="scale_rewards='batch' is not implemented by the course advantages"):
-        trl_ext.GRPOConfig(scale_rewards="batch", **base)
+    with pytest.raises(
+        ValueError, match="loss_type='ppo' is not supported: expected one of TRL's loss types.*'cispo' "
+    ):
+        trl_ext.GRPOConfig(loss_type="ppo", **base)
+    with pytest.raises(ValueError, match="scale_rewards='global' is not supported: expected TRL's 'group'"):
+        trl_ext.GRPOConfig(scale_rewards="global", **base)
+    with pytest.raises(ValueError, match="multi_objective_aggregation='mean' is not supported"):
+        trl_ext.GRPOConfig(multi_objective_aggregation="mean", **base)
     with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported"):
         trl_ext.GRPOConfig(pg_loss_type="ppo", **base)
     with pytest.raises(ValueError, match="length_normalization='sum' is not supported"):
         trl_ext.GRPOConfig(length_normalization="sum", **base)
-    with pytest.raises(ValueError, match="importance_sampling_level='sequence' is not supported"):
-        trl_ext.GRPOConfig(importance_sampling_level="sequence", **base)
-    with pytest.raises(ValueError, match="epsilon_high=0.28 differs from epsilon=0.2"):
-        trl_ext.GRPOConfig(epsilon_high=0.28, **base)
+    with pytest.raises(ValueError, match="importance_sampling_level='word' is not supported"):
+        trl_ext.GRPOConfig(importance_sampling_level="word", **base)
+    with pytest.raises(ValueError, match="epsilon_high=-0.1; expected a float >= 0"):
+        trl_ext.GRPOConfig(epsilon_high=-0.1, **base)
+    with pytest.raises(ValueError, match="delta=0.0; expected a float > 0"):
+        trl_ext.GRPOConfig(delta=0.0, **base)
     with pytest.raises(ValueError, match="kl_target=0.1 needs beta > 0"):
         trl_ext.GRPOConfig(kl_target=0.1, **base)
 
@@ -769,13 +774,15 @@ def test_trainer_accepts_the_upstream_config(
 @pytest.mark.parametrize(
     "override, message",
     [
-        (dict(loss_type="cispo"), "loss_type='cispo' is not implemented by the course loss"),
-        (dict(loss_type="grpo", scale_rewards="batch"), "scale_rewards='batch' is not implemented"),
+        # upstream ignores scale_rewards under normalize_then_sum; trl_ext refuses a setting it would ignore
         (
-            dict(loss_type="grpo", importance_sampling_level="sequence"),
-            "importance_sampling_level='sequence' is not supported",
+            dict(scale_rewards="none", multi_objective_aggregation="normalize_then_sum"),
+            "scale_rewards='none' conflicts with advantage_estimator='normalize_then_sum', which always divides",
         ),
-        (dict(loss_type="grpo", epsilon_high=0.28), "epsilon_high=0.28 differs from epsilon=0.2"),
+        (
+            dict(scale_rewards="batch", multi_objective_aggregation="normalize_then_sum"),
+            "multi_objective_aggregation='normalize_then_sum' conflicts with scale_rewards='batch'",
+        ),
     ],
 )
 def test_upstream_config_asking_for_other_math_raises(override, message, tmp_path):
@@ -911,7 +918,7 @@ def train_from_upstream_config(trainer_cls, tokenizer, model_dir, settings):
         processing_class=copy.deepcopy(tokenizer),
     )
     if trainer_cls is trl_ext.GRPOTrainer:
-        trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4; trl_ext's default is the course's 1e-6
+        assert trainer.args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
     torch.manual_seed(0)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -23,18 +23,48 @@ def test_the_builtin_registry_entries():
         "reinforce_with_baseline",
         "grpo_clip",
         "grpo_no_clip",
+        "cispo",
+        "sapo",
+        "vespo",
     ]
-    assert [name for name, e in losses.POLICY_LOSSES.items() if e.uses_old_log_probs] == ["grpo_clip", "grpo_no_clip"]
+    assert [name for name, e in losses.POLICY_LOSSES.items() if not e.uses_old_log_probs] == [
+        "no_baseline",
+        "reinforce_with_baseline",
+    ]
     assert losses.POLICY_LOSSES.get("no_baseline").advantage_estimator == "raw_rewards"
     assert [name for name, e in losses.POLICY_LOSSES.items() if e.advantage_estimator] == ["no_baseline"]
-    assert losses.POLICY_LOSSES.get("grpo_clip").options == ("epsilon",)
+    assert losses.POLICY_LOSSES.get("grpo_clip").options == (
+        "epsilon",
+        "epsilon_high",
+        "delta",
+        "importance_sampling_level",
+    )
+    # TRL's loss types with a per-token objective of their own, and the normalization TRL pairs each with
+    claims = {e.upstream_loss_type: (n, e.length_normalization) for n, e in losses.POLICY_LOSSES.items()}
+    claims.pop(None)
+    assert claims == {
+        "cispo": ("cispo", "token_mean"),
+        "sapo": ("sapo", "masked_mean"),
+        "vespo": ("vespo", "token_mean"),
+    }
+    assert [name for name, e in losses.POLICY_LOSSES.items() if e.takes_sampling_ratio] == ["vespo"]
     assert aggregations.upstream_loss_types() == {
         "grpo": "masked_mean",
         "dr_grpo": "masked_normalize",
+        "luspo": "masked_sum",
         "dapo": "token_mean",
         "bnpo": "local_token_mean",
     }
-    assert list(advantages.ADVANTAGE_ESTIMATORS) == ["group_normalized", "raw_rewards"]
+    assert list(advantages.ADVANTAGE_ESTIMATORS) == [
+        "group_normalized",
+        "raw_rewards",
+        "batch_std",
+        "normalize_then_sum",
+    ]
+    assert [n for n, e in advantages.ADVANTAGE_ESTIMATORS.items() if e.spans_groups] == [
+        "batch_std",
+        "normalize_then_sum",
+    ]
     with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported: no such policy loss; expected one of "):
         losses.POLICY_LOSSES.get("ppo")
     with pytest.raises(ValueError, match="already registered"):
@@ -77,7 +107,9 @@ def test_each_loss_keeps_what_its_entry_declares(name):
     entry = losses.POLICY_LOSSES.get(name)
     logp, old, mask = _batch()
     advantage = torch.tensor([[0.0], [1.5], [0.0], [-0.7]])
-    config = losses.LossConfig()
+    # CISPO bounds the ratio by epsilon_high itself (TRL's reading; None: epsilon = 0.2, which caps every ratio near 1
+    # at 0.2, so the old log-probs would not show): ScaleRL's recommended 5.0
+    config = losses.LossConfig(epsilon_high=5.0) if name == "cispo" else losses.LossConfig()
     loss, metrics = losses.policy_loss(name, logp, old, advantage, mask, config)
     assert loss.shape == (4, 5)
     (loss * mask).sum().backward()
@@ -279,3 +311,140 @@ def test_help_lists_what_is_registered_when_it_is_read():
     assert "later" not in str(help_text["pg_loss_type"]) + str(help_text["loss_type"])
     # the pure math stays where the course reads it
     assert functional.compute_grpo_clip_loss is not None
+
+
+# ------------------------------------------------------------------------------------------- TRL's options, by hand
+# Each value below is worked out from the paper's formula (as TRL 1.16 computes it), not from trl_ext's code.
+
+
+def _one_row(logp, old, mask=None):
+    logp = torch.tensor([logp], requires_grad=True)
+    old = torch.tensor([old])
+    return logp, old, torch.ones_like(old) if mask is None else torch.tensor([mask], dtype=torch.float32)
+
+
+def test_gspo_sequence_ratio_clips_the_whole_sequence():
+    # mean log-ratio over the two response tokens: ((-0.5 + 1) + (-1 + 1.5)) / 2 = 0.5; the padding (9.0) is ignored
+    logp, old, mask = _one_row([-0.5, -1.0, 9.0], [-1.0, -1.5, 0.0], [1, 1, 0])
+    r = math.exp(0.5)
+    ratio = functional.compute_importance_ratio(logp, old, mask, "sequence")
+    assert ratio.shape == (1, 1) and ratio.item() == pytest.approx(r)
+    config = losses.LossConfig(importance_sampling_level="sequence")
+    # A = 2 > 0: r = 1.65 > 1.2, clipped: -1.2 * 2 on every token, no gradient
+    loss, meta = losses.policy_loss("grpo_clip", logp, old, torch.tensor([[2.0]]), mask, config)
+    assert loss[0].tolist() == pytest.approx([-2.4, -2.4, -2.4])
+    assert meta["clipped"].tolist() == [[True]] and meta["ratio"].shape == (1, 1)
+    # A = -2: min(-2r, -2.4) = -2r: loss 2r, d loss / d log p_t = 2 r / 2 for each of the 2 response tokens
+    loss, meta = losses.policy_loss("grpo_clip", logp, old, torch.tensor([[-2.0]]), mask, config)
+    assert loss[0, 0].item() == pytest.approx(2 * r) and meta["clipped"].tolist() == [[False]]
+    loss[0, 0].backward()
+    assert logp.grad[0].tolist() == pytest.approx([r, r, 0.0])
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence' needs response_mask"):
+        functional.compute_importance_ratio(logp, old, None, "sequence")
+
+
+def test_clip_higher_and_two_sided_clipping():
+    # ratio exp(0.2231) = 1.25: inside DAPO's [0.8, 1.28], outside the symmetric [0.8, 1.2]
+    logp, old, mask = _one_row([math.log(1.25) - 1.0], [-1.0])
+    one = torch.tensor([[1.0]])
+    symmetric, meta = losses.policy_loss("grpo_clip", logp, old, one, mask, losses.LossConfig())
+    assert symmetric.item() == pytest.approx(-1.2) and meta["clipped"].item()
+    higher, meta = losses.policy_loss("grpo_clip", logp, old, one, mask, losses.LossConfig(epsilon_high=0.28))
+    assert higher.item() == pytest.approx(-1.25) and not meta["clipped"].item()
+    # delta (INTELLECT-2): ratio e = 2.718 with A = -1 is bounded at delta = 1.5: loss -min(-1.5, -1.2) = 1.5, and
+    # the bound takes the gradient; without delta the loss is 2.718 with gradient -A * ratio = e
+    logp, old, mask = _one_row([0.0], [-1.0])
+    minus = torch.tensor([[-1.0]])
+    bounded, meta = losses.policy_loss("grpo_clip", logp, old, minus, mask, losses.LossConfig(delta=1.5))
+    assert bounded.item() == pytest.approx(1.5) and not meta["clipped"].item()  # TRL's low clip: ratio < 0.8 only
+    bounded.sum().backward()
+    assert logp.grad.item() == 0.0
+    logp.grad = None
+    plain, _ = losses.policy_loss("grpo_clip", logp, old, minus, mask, losses.LossConfig())
+    plain.sum().backward()
+    assert plain.item() == pytest.approx(math.e) and logp.grad.item() == pytest.approx(math.e)
+
+
+def test_cispo_weighs_reinforce_by_the_clipped_ratio():
+    # ratios e^0.5 = 1.65 and 1; eps_max = epsilon_high = 1.5: weights 1.5 and 1 (no gradient through them)
+    logp, old, mask = _one_row([-0.5, -1.0], [-1.0, -1.0])
+    loss, meta = losses.policy_loss(
+        "cispo", logp, old, torch.tensor([[2.0]]), mask, losses.LossConfig(epsilon_high=1.5)
+    )
+    assert loss[0].tolist() == pytest.approx([-1.5 * 2 * -0.5, -1.0 * 2 * -1.0])
+    assert meta["cispo_clip_ratio"].tolist() == [[1.0, 0.0]]
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-3.0, -2.0])  # -w * A: the clipped token still learns
+
+
+def test_sapo_gate_by_hand():
+    # ratio 1: -(4 / tau) * sigmoid(0) * A = -2 A / tau; its gradient -4 sigmoid'(0) * ratio * A = -A (as -ratio*A)
+    logp, old, mask = _one_row([-1.0, -2.0], [-1.0, -2.0 - math.log(1.5)])
+    config = losses.LossConfig(sapo_temperature_pos=1.0, sapo_temperature_neg=2.0)
+    loss, _ = losses.policy_loss("sapo", logp, old, torch.tensor([[3.0]]), mask, config)
+    sigmoid = 1 / (1 + math.exp(-0.5))  # second token: ratio 1.5, tau 1
+    assert loss[0].tolist() == pytest.approx([-4 * 0.5 * 3, -4 * sigmoid * 3])
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-3.0, -4 * sigmoid * (1 - sigmoid) * 1.5 * 3])
+    # A < 0 uses sapo_temperature_neg: -(4 / 2) * sigmoid(2 * 0.5) * -1
+    loss, _ = losses.policy_loss("sapo", logp, old, torch.tensor([[-1.0]]), mask, config)
+    assert loss[0, 1].item() == pytest.approx(2 / (1 + math.exp(-1.0)))
+
+
+def test_vespo_gamma_weight_by_hand_and_the_sampling_ratio():
+    """phi(w) = exp(lambda) w^k exp(-lambda w), w the product of the response tokens' ratios (k, lambda by the sign
+    of A: k_pos 2, lambda_pos 3 for A >= 0; k_neg 3, lambda_neg 2 otherwise); loss -phi * A * log p."""
+
+    def phi(w, k, lam):
+        return math.exp(lam) * w**k * math.exp(-lam * w)
+
+    logp, old, mask = _one_row([-0.4, -1.0, -5.0], [-0.5, -1.2, 0.0], [1, 1, 0])
+    w = math.exp(0.1 + 0.2)
+    config = losses.LossConfig()
+    loss, meta = losses.policy_loss("vespo", logp, old, torch.tensor([[2.0]]), mask, config)
+    assert meta["vespo/phi_seq_mean"].item() == pytest.approx(phi(w, 2.0, 3.0), rel=1e-5)
+    assert loss[0].tolist() == pytest.approx([-phi(w, 2, 3) * 2 * lp for lp in (-0.4, -1.0, -5.0)], rel=1e-5)
+    negative, meta = losses.policy_loss("vespo", logp, old, torch.tensor([[-1.0]]), mask, config)
+    assert meta["vespo/phi_seq_mean"].item() == pytest.approx(phi(w, 3.0, 2.0), rel=1e-5)
+    # vLLM's correction: VESPO folds it into w (here x 0.8 x 0.9 x 1); every other loss is multiplied by it
+    sampling = torch.tensor([[0.8, 0.9, 1.0]])
+    _, meta = losses.policy_loss("vespo", logp, old, torch.tensor([[2.0]]), mask, config, sampling)
+    assert meta["vespo/phi_seq_mean"].item() == pytest.approx(phi(w * 0.72, 2.0, 3.0), rel=1e-5)
+    plain, _ = losses.policy_loss("reinforce_with_baseline", logp, old, torch.tensor([[2.0]]), mask, config)
+    scaled, _ = losses.policy_loss("reinforce_with_baseline", logp, old, torch.tensor([[2.0]]), mask, config, sampling)
+    assert torch.equal(scaled, plain * sampling)
+
+
+def test_luspo_reduction_sums_each_response():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    # rows: 3, 4, 0 (empty): mean over all 3 rows (TRL), or over the 2 with a response token ("drop", the trainer's)
+    assert aggregations.compute_grpo_loss(per_token, mask, "masked_sum", empty_rows="zero").item() == pytest.approx(
+        7 / 3
+    )
+    assert aggregations.compute_grpo_loss(per_token, mask, "masked_sum", empty_rows="drop").item() == pytest.approx(3.5)
+
+
+def test_batch_std_and_normalize_then_sum_by_hand():
+    estimator = advantages.ADVANTAGE_ESTIMATORS.get
+    exact = SimpleNamespace(advantage_eps=0.0)
+    # batch_std, groups of 2: rewards 0, 1 | 1, 1 -> centred -0.5, 0.5, 0, 0; std of (0, 1, 1, 1), unbiased, = 0.5
+    rewards = torch.tensor([[0.0], [1.0], [1.0], [1.0]])
+    assert estimator("batch_std").fn(rewards, torch.ones(1), 2, exact).tolist() == [-1.0, 1.0, 0.0, 0.0]
+    eps = estimator("batch_std").fn(rewards, torch.ones(1), 2, SimpleNamespace(advantage_eps=1e-4))
+    assert eps.tolist() == pytest.approx([-0.5 / 0.5001, 0.5 / 0.5001, 0.0, 0.0], rel=1e-6)
+    # normalize_then_sum, weights 1 and 0.5: function 1 per group: (0, 1) -> -+1/sqrt(2), (1, 1) -> 0, 0; function 2:
+    # (2, 0) -> +-1/sqrt(2), (1, 3) -> -+1/sqrt(2); sums +-(1 - 0.5)/sqrt(2) = +-a; batch: mean 0, unbiased std
+    # sqrt(4 a^2 / 3), so the advantages are +-sqrt(3)/2
+    per_func = torch.tensor([[0.0, 2.0], [1.0, 0.0], [1.0, 1.0], [1.0, 3.0]])
+    weights = torch.tensor([1.0, 0.5])
+    s = math.sqrt(3) / 2
+    got = estimator("normalize_then_sum").fn(per_func, weights, 2, exact)
+    assert got.tolist() == pytest.approx([-s, s, -s, s], rel=1e-6)
+    # an unscorable rollout (every function None) leaves the batch mean and std and gets 0; the lone scored rollout of
+    # its group gets 0 per function (one reward: nothing to normalize); sums -a, a, 0 -> mean 0, std a -> -1, 1, 0
+    per_func[2] = math.nan
+    got = estimator("normalize_then_sum").fn(per_func, weights, 2, exact)
+    assert got.tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0], rel=1e-6)
+    # one rollout per group (evaluation with num_generations_eval=1): nothing to normalize, all 0
+    assert estimator("normalize_then_sum").fn(per_func[:1], weights, 1, exact).tolist() == [0.0]

@@ -919,7 +919,8 @@ def test_help_lists_the_losses_registered_when_it_is_printed(capsys):
     finally:
         losses.POLICY_LOSSES.unregister("late_reinforce")
     text = " ".join(capsys.readouterr().out.split())
-    assert "'grpo_clip' (-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A), ratio = pi/pi_old)" in text
+    assert "'grpo_clip' (-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon_high)*A), ratio = pi/pi_old per token" in text
+    assert "'cispo' (-sg(min(ratio, epsilon_high)) * A * log p" in text  # TRL's losses among the choices
     assert "'late_reinforce' (-A log p, registered late)" in text
     assert "'raw_rewards' (r, the reward itself" in text  # --advantage_estimator's choices
     assert "'token_mean' (the sum over every response token" in text  # --length_normalization's

@@ -54,6 +54,8 @@ class AdvantageEstimator:
             ``config`` the trainer's ``GRPOConfig``. Returns (N,) float32 advantages, on any device (the trainer
             moves them).
         options: the config attributes it reads.
+        spans_groups: a rollout's advantage depends on other groups' rewards (a statistic of the whole batch):
+            ``dynamic_sampling``, which assembles a batch from the groups of several generation rounds, refuses it.
         formula: the advantage in one line, for help texts.
         source: where it comes from.
     """
@@ -61,6 +63,7 @@ class AdvantageEstimator:
     name: str
     fn: EstimatorFn
     options: tuple[str, ...] = ()
+    spans_groups: bool = False
     formula: str = ""
     source: str = ""
 
@@ -98,7 +101,7 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
 
 
 def register_advantage_estimator(
-    name: str, *, options: tuple[str, ...] = (), formula: str = "", source: str = ""
+    name: str, *, options: tuple[str, ...] = (), spans_groups: bool = False, formula: str = "", source: str = ""
 ) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register the decorated estimator function under ``name`` and return it unchanged.
 
@@ -108,7 +111,10 @@ def register_advantage_estimator(
 
     def decorate(fn: EstimatorFn) -> EstimatorFn:
         ADVANTAGE_ESTIMATORS.register(
-            name, AdvantageEstimator(name, fn, options=tuple(options), formula=formula, source=source)
+            name,
+            AdvantageEstimator(
+                name, fn, options=tuple(options), spans_groups=spans_groups, formula=formula, source=source
+            ),
         )
         return fn
 
@@ -177,3 +183,63 @@ def raw_rewards(rewards_per_func, reward_weights, group_size, config):
     """The weighted reward itself, NaN (unscorable) as 0: what ``pg_loss_type="no_baseline"`` weighs by."""
     rewards, _ = weighted_rewards(rewards_per_func, reward_weights)
     return torch.nan_to_num(rewards, nan=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TRL's other estimators  (trl.GRPOTrainer._generate_and_score_completions, TRL 1.16)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _batch_std(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of the non-NaN values (0 for fewer than 2), float64: ``trl.trainer.utils.nanstd``'s."""
+    valid = values[~torch.isnan(values)].to(torch.float64)
+    return valid.std() if valid.numel() > 1 else torch.zeros((), dtype=torch.float64)
+
+
+@register_advantage_estimator(
+    "batch_std",
+    options=("advantage_eps",),
+    spans_groups=True,
+    formula="(r - group mean) / (std of the whole batch's rewards + advantage_eps): TRL's scale_rewards='batch'",
+    source="TRL 1.16 scale_rewards='batch', after PPO-Lite (Liu et al. 2025, 'Tricks or Traps?', section 4.1)",
+)
+def batch_std(rewards_per_func, reward_weights, group_size, config):
+    """Group-mean baseline, scaled by the std of every reward of the batch (all processes, unbiased, unscorable
+    rollouts left out) + ``config.advantage_eps``: TRL's ``scale_rewards="batch"`` (which hard-codes eps 1e-4). A
+    group of rewards equal up to float rounding gets exactly 0, an unscorable rollout 0, as in ``group_normalized``."""
+    rewards, terms = weighted_rewards(rewards_per_func, reward_weights)
+    centred = compute_group_advantages(rewards, group_size, normalize_by_std=False, reward_terms=terms)
+    return (centred.to(torch.float64) / (_batch_std(rewards) + config.advantage_eps)).to(torch.float32)
+
+
+@register_advantage_estimator(
+    "normalize_then_sum",
+    options=("advantage_eps",),
+    spans_groups=True,
+    formula="each reward function's (r - group mean) / (group std + advantage_eps), weighted and summed, then "
+    "(s - batch mean) / (batch std + advantage_eps): TRL's multi_objective_aggregation='normalize_then_sum'",
+    source="GDPO (Liu et al. 2026, 'Group reward-Decoupled Normalization Policy Optimization'); TRL 1.16",
+)
+def normalize_then_sum(rewards_per_func, reward_weights, group_size, config):
+    """GDPO: each reward function's rewards normalized within each group (unbiased std + ``config.advantage_eps``;
+    a function that gave no reward adds nothing to its rollout's sum), weighted and summed, then the sums
+    normalized over the whole batch (unscorable rollouts left out of the mean and std, their advantage 0): TRL's
+    ``multi_objective_aggregation="normalize_then_sum"`` (which hard-codes eps 1e-4 in both). A group of one
+    function's rewards equal up to float rounding gives exactly 0 for that function, and a batch of equal sums
+    exactly 0, by ``group_normalized``'s rule; with one rollout per group (evaluation) each function gives 0."""
+    weights = reward_weights.to(rewards_per_func.device)
+    normalized = torch.stack(
+        [
+            compute_group_advantages(column, group_size, advantage_eps=config.advantage_eps)
+            if group_size > 1
+            else torch.zeros_like(column, dtype=torch.float32)
+            for column in rewards_per_func.to(torch.float32).unbind(dim=1)
+        ],
+        dim=1,
+    ).to(rewards_per_func.device)
+    terms = normalized * weights
+    sums = terms.sum(dim=1)
+    sums[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    if sums.numel() < 2:  # one rollout: no batch std (TRL: 0), its advantage is 0
+        return torch.zeros_like(sums, dtype=torch.float32)
+    return compute_group_advantages(sums, sums.numel(), advantage_eps=config.advantage_eps, reward_terms=terms)

@@ -188,6 +188,22 @@ def per_response_sum_over_constant(per_token_loss, response_mask, normalize_cons
     return per_example.mean()
 
 
+@register_aggregation(
+    "masked_sum",
+    upstream_loss_type="luspo",
+    formula="each response's sum over its tokens, then the mean over responses (a sequence-level loss weighs its "
+    "sequence by its length)",
+    source="LUSPO (Length-Unbiased Sequence Policy Optimization, 2026): TRL 1.16's luspo reduction",
+)
+def per_response_sum(per_token_loss, response_mask, normalize_constant, empty_rows):
+    """Per response the sum over its tokens (``masked_normalize`` with constant 1), then the mean over the responses
+    (``empty_rows="drop"``: over those with a response token)."""
+    per_example = masked_normalize(per_token_loss, response_mask, dim=-1)
+    if empty_rows == "drop":
+        return per_example.sum() / (_response_tokens(response_mask) > 0).sum().clamp(min=1)
+    return per_example.mean()
+
+
 def token_mean(per_token_loss, response_mask, normalize_constant, empty_rows):
     """The sum over every response token / ``normalize_constant`` (this batch's own token count when None; a count
     of 0 divides by 1)."""

@@ -23,8 +23,9 @@ Choices (documented in README "Stopping and resuming" and in each recipe's ``--h
 
 * ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
   not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
-  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of a course setting counts as
-  that setting (``GRPOConfig.UPSTREAM_OPTIONS``): ``--loss_type dr_grpo`` replaces a file's ``length_normalization``,
+  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of course settings counts as
+  the settings its value decides (``GRPOConfig.UPSTREAM_OPTIONS`` / ``upstream_meaning``): ``--loss_type dr_grpo``
+  replaces a file's ``length_normalization`` (and keeps its ``pg_loss_type``), ``--loss_type cispo`` replaces both,
   a file's ``scale_rewards`` replaces the defaults' ``normalize_by_std``; one layer that sets both must agree.
 * transformers 5's deprecated option names (``gradient_checkpointing``) are read as their new names.
 """
@@ -233,6 +234,17 @@ def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
     return rest, paths
 
 
+def _flag_values(args: Sequence[str]) -> dict[str, str | None]:
+    """``--name value`` and ``--name=value`` of a command line: name -> its text (None where no value follows)."""
+    values: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            name, equals, value = arg[2:].partition("=")
+            following = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            values[name] = value if equals else following
+    return values
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -357,22 +369,40 @@ def parse(
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(dataclass_types, default_config, doc, help_overrides)
     options = parser._option_string_actions
-    # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
-    # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
-    same_setting: dict[str, set[str]] = {}
+    # TRL's names of course settings (trl_ext.GRPOConfig: loss_type -> pg_loss_type and length_normalization, ...):
+    # a layer's TRL name stands for the course fields its value decides (loss_type cispo: both; dapo:
+    # length_normalization alone), so it replaces what lower layers set of those fields under either name; a lower
+    # layer's TRL name overridden in part keeps deciding the rest, as course fields.
+    meaning_of: dict[str, Callable[[Any], dict[str, Any] | None]] = {}
+    may_decide: dict[str, tuple[str, ...]] = {}
     for dtype in dataclass_types:
-        for upstream_name, (course_name, *_) in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
-            same_setting.setdefault(upstream_name, set()).add(course_name)
-            same_setting.setdefault(course_name, set()).add(upstream_name)
+        for upstream_name, course_names in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
+            meaning_of[upstream_name] = functools.partial(dtype.upstream_meaning, upstream_name)
+            may_decide[upstream_name] = tuple(course_names)
 
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
 
-    def drop_other_names(layer_keys: set[str]) -> None:
-        for key in layer_keys:
-            for other in same_setting.get(key, ()):
-                if other not in layer_keys:
-                    merged.pop(other, None)
+    def decided(key: str, value: Any) -> dict[str, Any]:
+        """The course fields ``key=value`` decides: itself for a course field; for a TRL name what its value means
+        (every field it may decide, for a value it does not have: the config then names it)."""
+        if key not in meaning_of:
+            return {key: value}
+        meaning = meaning_of[key](value)
+        return dict.fromkeys(may_decide[key]) if meaning is None else meaning
+
+    def drop_other_names(layer: dict[str, Any]) -> None:
+        fields = {field for key, value in layer.items() for field in decided(key, value)}
+        for key in [k for k in merged if k not in layer]:
+            if key in fields:  # a course field the layer decides
+                merged.pop(key)
+            elif key in meaning_of:
+                below = decided(key, merged[key])
+                if below.keys() & fields:  # a TRL name the layer overrides, in part: the rest as course fields
+                    merged.pop(key)
+                    for field, value in below.items():
+                        if field not in fields and value is not None:
+                            merged.setdefault(field, value)
 
     for path in ([default_config] if default_config else []) + paths:
         layer = _read_yaml(path)
@@ -385,10 +415,10 @@ def parse(
             DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
             for k, v in layer.items()
         }
-        drop_other_names(set(layer))
+        drop_other_names(layer)
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
-    drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
+    drop_other_names(_flag_values(args))
     problems = []
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:

@@ -37,6 +37,7 @@ __all__ = [
     "equal_reward_groups",
     "compute_group_advantages",
     "compute_naive_policy_gradient_loss",
+    "compute_importance_ratio",
     "compute_grpo_clip_loss",
     "compute_grpo_no_clip_loss",
     "compute_kl",
@@ -284,7 +285,8 @@ def compute_group_advantages(
     advantages = centred
     if normalize_by_std:
         variance = (centred**2).sum(dim=1, keepdim=True) / (n_valid - 1).clamp(min=1)
-        advantages = centred / (variance.sqrt() + advantage_eps)
+        # variance 0: every centred value is 0 (an all-equal group, or one valid reward), also with advantage_eps=0
+        advantages = torch.where(variance > 0, centred / (variance.sqrt() + advantage_eps), torch.zeros_like(centred))
     return advantages.reshape(-1).to(torch.float32)
 
 
@@ -326,40 +328,115 @@ def compute_naive_policy_gradient_loss(
     return -advantages.detach() * policy_log_probs
 
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def compute_importance_ratio(
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    """The importance ratio pi_theta / pi_theta_old of the sampled tokens, per token or per sequence.
+
+    - ``"token"``: ``exp(log pi_theta - log pi_theta_old)`` at each token, (B, T) (PPO, GRPO);
+    - ``"sequence"``: ``exp(mean over the response tokens of (log pi_theta - log pi_theta_old))``, one ratio per
+      sequence, (B, 1): the length-normalized sequence likelihood ratio of GSPO (a row with no response token gets
+      ratio 1).
+
+    The old log-probs are detached: no gradient flows through them.
+
+    Args:
+        policy_log_probs: (B, T) log-probs under the policy being trained.
+        old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+        response_mask: (B, T), 1 on the response tokens; needed for ``"sequence"``.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+
+    Returns:
+        (B, T) or (B, 1) ratio, with gradient through ``policy_log_probs``.
+
+    Raises:
+        ValueError: on shape mismatches, an unknown level, or ``"sequence"`` without a ``response_mask``.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", equation 7 (sequence level); trl.GRPOTrainer
+    (TRL 1.16) ``_compute_loss``'s ``log_importance_weights``.
+    """
+    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    log_ratio = policy_log_probs - old_log_probs.detach()
+    if importance_sampling_level == "token":
+        return torch.exp(log_ratio)
+    if response_mask is None:
+        raise ValueError("importance_sampling_level='sequence' needs response_mask; got None")
+    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    mask = response_mask.to(log_ratio.dtype)
+    return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+
+
 def compute_grpo_clip_loss(
     advantages: torch.Tensor,
     policy_log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
     cliprange: float,
+    *,
+    cliprange_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-Clip loss  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
 
     ratio = exp(log pi_theta - log pi_theta_old). The old log-probs are detached: no gradient ever flows through
     them, even when ``old_log_probs`` is the very tensor passed as ``policy_log_probs`` (the on-policy case, where
-    ratio = 1 and d loss / d log pi = -A).
+    ratio = 1 and d loss / d log pi = -A). The keyword-only options are TRL's variants (all off by default, the
+    handout's loss): ``cliprange_high`` clips the ratio to [1 - eps, 1 + eps_high] (DAPO's clip-higher); ``delta``
+    bounds the unclipped ratio too, ``-min(min(ratio, delta) * A, clip(ratio) * A)`` (INTELLECT-2's two-sided
+    clipping, meant for delta > 1 + eps_high); ``importance_sampling_level="sequence"`` uses one ratio per sequence
+    (GSPO, :func:`compute_importance_ratio`).
 
     Args:
         advantages: (B, 1) (or (B,)) advantage per rollout.
         policy_log_probs: (B, T) log-probs under the policy being trained.
         old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
         cliprange: epsilon, the clip half-width (e.g. 0.2); must be >= 0.
+        cliprange_high: the upper half-width (default None: ``cliprange``); >= 0.
+        delta: the upper bound of the unclipped ratio (default None: none); > 0.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+        response_mask: (B, T), 1 on response tokens; needed for ``"sequence"``.
 
     Returns:
-        ``(loss (B, T), metadata)`` with ``metadata["clipped"]`` a (B, T) bool tensor, True where the clipped term
-        was strictly the smaller one (so the token got no gradient), and ``metadata["ratio"]`` (B, T) detached.
+        ``(loss, metadata)``: the loss (B, T), or (B, 1) at the sequence level; ``metadata["clipped"]`` bool of the
+        ratio's shape, True where the clip bound took the gradient (ratio below 1 - eps with A < 0, or above
+        1 + eps_high with A > 0, the ratio bounded by ``delta`` first: TRL's ``clip_ratio`` rule), and
+        ``metadata["ratio"]`` the detached ratio.
 
     Raises:
-        ValueError: on shape mismatches or a negative ``cliprange``.
+        ValueError: on shape mismatches, a negative ``cliprange`` or ``cliprange_high``, ``delta`` <= 0, or an
+            unknown level.
 
-    Source: CS336 A5 handout, section 7.2 (``compute_grpo_clip_loss``), equation 29; PPO (Schulman et al. 2017).
+    Source: CS336 A5 handout, section 7.2 (``compute_grpo_clip_loss``), equation 29; PPO (Schulman et al. 2017);
+    DAPO (Yu et al. 2025, section 3.1, clip-higher); INTELLECT-2 (Prime Intellect 2025, two-sided clipping); GSPO
+    (Zheng et al. 2025).
     """
     _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     if cliprange is None or cliprange < 0:
         raise ValueError(f"cliprange={cliprange!r}; expected a float >= 0")
+    high = cliprange if cliprange_high is None else cliprange_high
+    if high < 0:
+        raise ValueError(f"cliprange_high={cliprange_high!r}; expected a float >= 0 (or None: cliprange)")
+    if delta is not None and not delta > 0:
+        raise ValueError(f"delta={delta!r}; expected a float > 0 (or None: no upper bound)")
     advantages = _per_example("advantages", advantages, policy_log_probs).detach()
-    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
+    if delta is not None:
+        ratio_bounded = torch.clamp(ratio, max=delta)
+        loss = -torch.minimum(ratio_bounded * advantages, clipped)
+        was_clipped = ((ratio_bounded < 1.0 - cliprange) & (advantages < 0)) | (
+            (ratio_bounded > 1.0 + high) & (advantages > 0)
+        )
+        return loss, {"clipped": was_clipped, "ratio": ratio.detach()}
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange) * advantages
     loss = -torch.minimum(unclipped, clipped)
     return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
 
@@ -368,31 +445,38 @@ def compute_grpo_no_clip_loss(
     advantages: torch.Tensor,
     policy_log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
+    *,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-No-Clip loss  -ratio * A, ratio = exp(log pi_theta - log pi_theta_old) (no clipping).
 
     The importance ratio keeps the gradient unbiased when the rollouts came from an older policy (``num_iterations
     > 1`` or ``steps_per_generation > 1``): d loss / d log pi = -ratio * A. Without the clip nothing bounds how far
     one batch can move the policy; that is what the handout's clip ablation measures. The old log-probs are
-    detached, as in ``compute_grpo_clip_loss``.
+    detached, as in ``compute_grpo_clip_loss``. ``importance_sampling_level="sequence"`` uses one ratio per sequence
+    (:func:`compute_importance_ratio`).
 
     Args:
         advantages: (B, 1) (or (B,)) advantage per rollout.
         policy_log_probs: (B, T) log-probs under the policy being trained.
         old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+        response_mask: (B, T), 1 on response tokens; needed for ``"sequence"``.
 
     Returns:
-        ``(loss (B, T), metadata)`` with ``metadata["ratio"]`` the (B, T) detached ratio (for ratio statistics) and
-        ``metadata["clipped"]`` all False (nothing is clipped; kept so clip-ratio metrics read 0 for this loss).
+        ``(loss, metadata)``: the loss (B, T), or (B, 1) at the sequence level, with ``metadata["ratio"]`` the
+        detached ratio (for ratio statistics) and ``metadata["clipped"]`` all False (nothing is clipped; kept so
+        clip-ratio metrics read 0 for this loss).
 
     Raises:
-        ValueError: on shape mismatches.
+        ValueError: on shape mismatches or an unknown level.
 
     Source: CS336 A5 handout, section 8 (clip ablation, "GRPO-No-Clip"): -pi_theta / pi_theta_old * A per token.
     """
     _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     advantages = _per_example("advantages", advantages, policy_log_probs).detach()
-    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     loss = -ratio * advantages
     return loss, {"clipped": torch.zeros_like(ratio, dtype=torch.bool), "ratio": ratio.detach()}
 

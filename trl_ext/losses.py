@@ -106,7 +106,16 @@ class PolicyLoss:
             defined with, or None (any; the config's default ``group_normalized``). ``no_baseline`` is REINFORCE
             weighted by the raw rewards: ``"raw_rewards"``; the config uses it when ``advantage_estimator`` is
             unset and refuses another one given with this loss.
-        upstream_loss_type: TRL's ``loss_type`` whose per-token objective this is, or None.
+        upstream_loss_type: TRL's ``loss_type`` whose per-token objective this is (``"cispo"``, ...), or None: the
+            loss has no TRL name of its own; TRL's loss types that differ only in their length normalization
+            (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: :mod:`trl_ext.aggregations`) then combine with it
+            (with ``grpo_clip``, the default, they are TRL's loss).
+        length_normalization: the length normalization the loss is defined with (TRL pairs its ``loss_type`` with
+            it: ``cispo`` and ``vespo`` with ``"token_mean"``), or None (any); the config uses it when neither
+            ``length_normalization`` nor ``loss_type`` is given.
+        takes_sampling_ratio: the loss takes vLLM's per-token importance-sampling correction itself (keyword
+            ``importance_sampling_ratio``, (B, T), or None without vLLM; VESPO folds it into its sequence weight);
+            otherwise :func:`policy_loss` multiplies the per-token loss by it, as TRL 1.16 does for its other losses.
         options: the attributes of ``config`` the loss reads (names of :class:`LossConfig` fields).
         formula: the per-token loss in one line, for help texts.
         source: where the formula comes from.
@@ -118,6 +127,8 @@ class PolicyLoss:
     zero_advantage_zero_gradient: bool = False
     advantage_estimator: str | None = None
     upstream_loss_type: str | None = None
+    length_normalization: str | None = None
+    takes_sampling_ratio: bool = False
     options: tuple[str, ...] = ()
     formula: str = ""
     source: str = ""
@@ -170,6 +181,8 @@ def register_policy_loss(
     zero_advantage_zero_gradient: bool = False,
     advantage_estimator: str | None = None,
     upstream_loss_type: str | None = None,
+    length_normalization: str | None = None,
+    takes_sampling_ratio: bool = False,
     options: tuple[str, ...] = (),
     formula: str = "",
     source: str = "",
@@ -192,6 +205,8 @@ def register_policy_loss(
                 zero_advantage_zero_gradient=zero_advantage_zero_gradient,
                 advantage_estimator=advantage_estimator,
                 upstream_loss_type=upstream_loss_type,
+                length_normalization=length_normalization,
+                takes_sampling_ratio=takes_sampling_ratio,
                 options=tuple(options),
                 formula=formula,
                 source=source,
@@ -209,6 +224,7 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: Any,
+    importance_sampling_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run one policy loss on one batch, with its inputs and output checked: the call the trainer makes.
 
@@ -219,6 +235,9 @@ def policy_loss(
         advantages: (B, 1) or (B,) per-rollout advantages (detached here).
         response_mask: (B, T), 1 on the tokens that count.
         config: the options the loss reads (a ``GRPOConfig`` or a :class:`LossConfig`).
+        importance_sampling_ratio: vLLM's per-token correction of the sampler's mismatch (TRL 1.16's
+            ``inputs["importance_sampling_ratio"]``, (B, T) or (B, 1), detached), or None (default: none). A loss
+            that declares ``takes_sampling_ratio`` gets it; any other loss is multiplied by it.
 
     Returns:
         ``(per_token_loss (B, T), metrics)``: a sequence-level (B, 1) loss broadcast over T.
@@ -231,14 +250,21 @@ def policy_loss(
     _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
     _check_same_shape("log_probs", log_probs, "response_mask", response_mask)
     advantages = functional._per_example("advantages", advantages, log_probs).detach()
-    per_token_loss, metrics = entry.fn(log_probs, old_log_probs.detach(), advantages, response_mask, config)
+    arguments = (log_probs, old_log_probs.detach(), advantages, response_mask, config)
+    if entry.takes_sampling_ratio:
+        per_token_loss, metrics = entry.fn(*arguments, importance_sampling_ratio=importance_sampling_ratio)
+    else:
+        per_token_loss, metrics = entry.fn(*arguments)
     batch, length = log_probs.shape
     if per_token_loss.shape not in ((batch, length), (batch, 1)):
         raise ValueError(
             f"policy loss {entry.name!r} returned a loss of shape {tuple(per_token_loss.shape)}; expected ({batch}, "
             f"{length}) per token or ({batch}, 1) per sequence"
         )
-    return (per_token_loss if per_token_loss.shape[1] == length else per_token_loss.expand(batch, length)), metrics
+    per_token_loss = per_token_loss if per_token_loss.shape[1] == length else per_token_loss.expand(batch, length)
+    if importance_sampling_ratio is not None and not entry.takes_sampling_ratio:
+        per_token_loss = per_token_loss * importance_sampling_ratio.detach()
+    return per_token_loss, metrics
 
 
 def compute_policy_gradient_loss(
@@ -330,22 +356,131 @@ def reinforce_with_baseline(log_probs, old_log_probs, advantages, response_mask,
     "grpo_clip",
     uses_old_log_probs=True,
     zero_advantage_zero_gradient=True,
-    options=("epsilon",),
-    formula="-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A), ratio = pi/pi_old",
-    source="CS336 A5 section 7.2, equation 29; PPO (Schulman et al. 2017)",
+    options=("epsilon", "epsilon_high", "delta", "importance_sampling_level"),
+    formula="-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon_high)*A), ratio = pi/pi_old per token, or per sequence "
+    "(importance_sampling_level='sequence', GSPO); delta bounds the unclipped ratio",
+    source="CS336 A5 section 7.2, equation 29; PPO (Schulman et al. 2017); DAPO; INTELLECT-2; GSPO",
 )
 def grpo_clip(log_probs, old_log_probs, advantages, response_mask, config):
-    """GRPO-Clip with ``config.epsilon`` as the clip half-width: :func:`trl_ext.functional.compute_grpo_clip_loss`."""
-    return functional.compute_grpo_clip_loss(advantages, log_probs, old_log_probs, config.epsilon)
+    """GRPO-Clip (:func:`trl_ext.functional.compute_grpo_clip_loss`) with ``config.epsilon`` as the clip half-width,
+    ``config.epsilon_high`` the upper one (None: ``epsilon``), ``config.delta`` the bound of the unclipped ratio
+    (None: none) and the ratio at ``config.importance_sampling_level``: TRL's loss of ``grpo``, ``bnpo``,
+    ``dr_grpo``, ``dapo`` and ``luspo``. The defaults are the handout's loss."""
+    return functional.compute_grpo_clip_loss(
+        advantages,
+        log_probs,
+        old_log_probs,
+        config.epsilon,
+        cliprange_high=config.epsilon_high,
+        delta=config.delta,
+        importance_sampling_level=config.importance_sampling_level,
+        response_mask=response_mask,
+    )
 
 
 @register_policy_loss(
     "grpo_no_clip",
     uses_old_log_probs=True,
     zero_advantage_zero_gradient=True,
+    options=("importance_sampling_level",),
     formula="-ratio*A, the handout's clip ablation",
     source="CS336 A5 section 8 (clip ablation)",
 )
 def grpo_no_clip(log_probs, old_log_probs, advantages, response_mask, config):
-    """-ratio * A: :func:`trl_ext.functional.compute_grpo_no_clip_loss`."""
-    return functional.compute_grpo_no_clip_loss(advantages, log_probs, old_log_probs)
+    """-ratio * A (:func:`trl_ext.functional.compute_grpo_no_clip_loss`), the ratio at
+    ``config.importance_sampling_level``."""
+    return functional.compute_grpo_no_clip_loss(
+        advantages,
+        log_probs,
+        old_log_probs,
+        importance_sampling_level=config.importance_sampling_level,
+        response_mask=response_mask,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TRL's other per-token objectives  (trl.GRPOTrainer._compute_loss, TRL 1.16)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _ratio(log_probs, old_log_probs, response_mask, config):
+    return functional.compute_importance_ratio(
+        log_probs, old_log_probs, response_mask, config.importance_sampling_level
+    )
+
+
+@register_policy_loss(
+    "cispo",
+    uses_old_log_probs=True,
+    zero_advantage_zero_gradient=True,
+    upstream_loss_type="cispo",
+    length_normalization="token_mean",
+    options=("epsilon", "epsilon_high", "importance_sampling_level"),
+    formula="-sg(min(ratio, epsilon_high)) * A * log p: the clipped ratio weighs REINFORCE, every token keeps a "
+    "gradient",
+    source="MiniMax-M1 (MiniMax 2025), CISPO, equation 4; ScaleRL (Khatri et al. 2025)",
+)
+def cispo(log_probs, old_log_probs, advantages, response_mask, config):
+    """CISPO: ``-sg(min(ratio, eps_max)) * A * log p``, the ratio (per token, or per sequence with
+    ``importance_sampling_level="sequence"``) clipped from above at ``config.epsilon_high`` itself (None:
+    ``config.epsilon``), as TRL 1.16 reads it -- an absolute bound, not 1 + epsilon_high (TRL's help: ScaleRL's
+    eps_max, recommended 5.0). Metric ``cispo_clip_ratio``: ratio > eps_max with A > 0 (TRL's)."""
+    eps_max = config.epsilon if config.epsilon_high is None else config.epsilon_high
+    ratio = _ratio(log_probs, old_log_probs, response_mask, config)
+    weight = torch.clamp(ratio, max=eps_max).detach()
+    clipped = (ratio > eps_max) & (advantages > 0)
+    return -weight * advantages * log_probs, {"cispo_clip_ratio": clipped.float().detach(), "ratio": ratio.detach()}
+
+
+@register_policy_loss(
+    "sapo",
+    uses_old_log_probs=True,
+    zero_advantage_zero_gradient=True,
+    upstream_loss_type="sapo",
+    length_normalization="masked_mean",
+    options=("sapo_temperature_pos", "sapo_temperature_neg", "importance_sampling_level"),
+    formula="-(4/tau) * sigmoid(tau * (ratio - 1)) * A, tau = sapo_temperature_pos for A > 0, _neg otherwise: a "
+    "soft gate in place of the clip",
+    source="Soft Adaptive Policy Optimization (Gao et al. 2025), equation 5",
+)
+def sapo(log_probs, old_log_probs, advantages, response_mask, config):
+    """SAPO: ``-(4 / tau) * sigmoid(tau * (ratio - 1)) * A``, whose gradient ``4 sigmoid'(tau (ratio - 1)) ratio A``
+    is the plain ``ratio * A`` at ratio 1 and fades smoothly away from it; ``tau`` is ``config.sapo_temperature_pos``
+    where A > 0 and ``config.sapo_temperature_neg`` elsewhere (TRL 1.16's)."""
+    ratio = _ratio(log_probs, old_log_probs, response_mask, config)
+    temperature = torch.where(advantages > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
+    return -gate * advantages, {"ratio": ratio.detach()}
+
+
+@register_policy_loss(
+    "vespo",
+    uses_old_log_probs=True,
+    zero_advantage_zero_gradient=True,
+    upstream_loss_type="vespo",
+    length_normalization="token_mean",
+    takes_sampling_ratio=True,
+    options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+    formula="-sg(phi(w)) * A * log p, phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w (k, lambda "
+    "by the sign of A)",
+    source="VESPO (2026), the Gamma weighting of sequence-level importance weights; trl.GRPOTrainer.get_gamma_weights",
+)
+def vespo(log_probs, old_log_probs, advantages, response_mask, config, importance_sampling_ratio=None):
+    """VESPO: ``-phi(w) * A * log p`` with ``phi`` the detached Gamma weight of the sequence's importance weight
+    ``w = prod_t ratio_t`` times vLLM's per-token correction when given (``importance_sampling_ratio``: VESPO folds
+    it into ``w`` instead of multiplying the loss). The weight is upstream's own static
+    ``trl.GRPOTrainer.get_gamma_weights`` (TRL 1.16), called with ``config.vespo_*``; it is always sequence-level,
+    whatever ``importance_sampling_level`` says. Metric ``vespo/phi_seq_mean`` (TRL's)."""
+    from trl import GRPOTrainer  # upstream's math (a static method); loaded with the trainer, not at import
+
+    phi = GRPOTrainer.get_gamma_weights(
+        advantages=advantages,
+        log_ratio_per_token=log_probs - old_log_probs,
+        mask=response_mask,
+        importance_sampling_ratio=importance_sampling_ratio,
+        k_pos=config.vespo_k_pos,
+        lambda_pos=config.vespo_lambda_pos,
+        k_neg=config.vespo_k_neg,
+        lambda_neg=config.vespo_lambda_neg,
+    )
+    return -phi * advantages * log_probs, {"vespo/phi_seq_mean": phi.detach()}

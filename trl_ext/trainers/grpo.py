@@ -46,24 +46,23 @@ from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional, machine
-from ..advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR, weighted_rewards
-from ..aggregations import AGGREGATIONS, compute_grpo_loss, upstream_loss_types
+from ..advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
+from ..aggregations import AGGREGATIONS, compute_grpo_loss
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from ..losses import POLICY_LOSSES, policy_loss
 from ..registry import LiveText
+from . import grpo_options
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from .grpo_options import _Derived
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
-    "importance_sampling_level": ("token", "sequence-level ratios (GSPO) are not part of the course loss"),
     "top_entropy_quantile": (1.0, "entropy masking is not part of the course loss"),
     "entropy_coef": (0.0, "an entropy bonus is not part of the course loss"),
     "use_adaptive_entropy": (False, "an entropy bonus is not part of the course loss"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not part of the course loss"),
-    "delta": (None, "two-sided clipping is not part of GRPO-Clip"),
-    "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed, then normalized per group"),
 }
 
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
@@ -136,50 +135,38 @@ def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -
     )
 
 
-class _LiveMapping(Mapping):
-    """A read-only mapping rebuilt from ``build()`` at every use: TRL's names of a registry's entries, as they are
-    when a config is resolved or a help printed (entries registered after import included)."""
-
-    def __init__(self, build):
-        self._build = build
-
-    def __getitem__(self, key):
-        return self._build()[key]
-
-    def __iter__(self):
-        return iter(self._build())
-
-    def __len__(self):
-        return len(self._build())
-
-
-_UPSTREAM_LOSS_TYPES = _LiveMapping(upstream_loss_types)
-"""TRL's ``loss_type`` -> the course's ``length_normalization`` that reduces the same way (from the registry)."""
-
-
 def _upstream_loss_types_help() -> str:
-    return ", ".join(f"{upstream!r} -> {course!r}" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
+    return ", ".join(
+        f"{name!r} -> {' with '.join(repr(value) for value in meaning.values())}"
+        for name, meaning in grpo_options.upstream_objectives().items()
+    )
 
 
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
 
-    TRL's ``loss_type`` and ``scale_rewards`` are other names for ``length_normalization`` and
-    ``normalize_by_std`` and keep TRL's meaning (``UPSTREAM_OPTIONS``): give either name of a setting; the other is
-    derived in ``__post_init__`` (neither: the course default, masked_mean and True), and both given must agree. A
-    TRL value the course math does not implement raises, naming it. ``epsilon`` is the GRPO-Clip ``cliprange``;
-    ``beta`` the KL weight.
+    GRPO's objective is four registered choices: ``pg_loss_type`` (the per-token loss, ``trl_ext.losses``),
+    ``length_normalization`` (``trl_ext.aggregations``), ``advantage_estimator`` (``trl_ext.advantages``) and
+    ``normalize_by_std``. TRL's ``loss_type``, ``scale_rewards`` and ``multi_objective_aggregation`` are other names
+    for them and keep TRL's meaning (``grpo_options``: ``loss_type="cispo"`` is ``pg_loss_type="cispo"`` with
+    ``length_normalization="token_mean"``, ``loss_type="dapo"`` is ``length_normalization="token_mean"`` alone): give
+    either name of a setting; the other is derived in ``__post_init__`` (neither: the course default, GRPO-Clip,
+    masked_mean and the group std), and both given must agree. ``epsilon`` is the GRPO-Clip ``cliprange``,
+    ``epsilon_high``, ``delta`` and ``importance_sampling_level`` its TRL variants (off by default: the course's
+    symmetric, token-level clip); ``beta`` the KL weight.
     """
 
-    pg_loss_type: str = field(
-        default="grpo_clip",
+    pg_loss_type: str | None = field(
+        default=None,
         metadata={
             "help": POLICY_LOSSES.live_help(
-                "Per-token policy-gradient loss (trl_ext.losses.POLICY_LOSSES; default 'grpo_clip'): ",
+                "Per-token policy-gradient loss (trl_ext.losses.POLICY_LOSSES): ",
                 ", or package.module:fn, your own function (log_probs, old_log_probs, advantages, response_mask, "
                 "config) -> (per_token_loss, metrics) (on-policy only, every row's backward run) or a "
-                "trl_ext.losses.PolicyLoss. A loss that ignores the old log-probs is on-policy only: with it "
+                "trl_ext.losses.PolicyLoss. Unset (None, the default): what TRL's loss_type says when it names a "
+                "per-token objective (cispo, sapo, vespo), else 'grpo_clip'; after construction it holds the value "
+                "in use. A loss that ignores the old log-probs is on-policy only: with it "
                 "num_iterations must be 1 and steps_per_generation must not exceed gradient_accumulation_steps.",
             )
         },
@@ -191,23 +178,29 @@ class GRPOConfig(trl.GRPOConfig):
                 "How the rewards of a batch become each rollout's advantage (trl_ext.advantages."
                 "ADVANTAGE_ESTIMATORS): ",
                 ", or package.module:fn, your own function (rewards_per_func (N, K), reward_weights (K,), "
-                "group_size, config) -> (N,) advantages. Unset (None, the default): the estimator the pg_loss_type "
-                "is defined with ('raw_rewards' for 'no_baseline'), else 'group_normalized'; another one given with "
-                "such a loss raises. After construction it holds the value in use.",
+                "group_size, config) -> (N,) advantages. Unset (None, the default): what TRL's scale_rewards='batch' "
+                "(batch_std) or multi_objective_aggregation='normalize_then_sum' says when given, else the estimator "
+                "the pg_loss_type is defined with ('raw_rewards' for 'no_baseline'), else 'group_normalized'; "
+                "another one given with such a loss raises. After construction it holds the value in use.",
             )
         },
     )
     advantage_eps: float = field(
         default=1e-6,
-        metadata={"help": "Added to the group std before dividing (default 1e-6; TRL hard-codes 1e-4). >= 0."},
+        metadata={
+            "help": "Added to the std before dividing, in every built-in estimator that divides (default 1e-6, the "
+            "handout's, whichever name chose the estimator). TRL hard-codes 1e-4: GRPOTrainer given a trl.GRPOConfig "
+            "(GRPOConfig.from_upstream) sets 1e-4. >= 0."
+        },
     )
     normalize_by_std: bool | None = field(
         default=None,
         metadata={
             "help": "Divide the group-centred reward by the group's unbiased std + advantage_eps (True, GRPO) or keep "
-            "only the mean baseline (False, Dr. GRPO). Unset (None, the default): what TRL's scale_rewards says when "
-            "it is given ('group'/True -> True, 'none'/False -> False), else True. After construction it holds the "
-            "value in use."
+            "only the mean baseline (False, Dr. GRPO); read by 'group_normalized' (batch_std and normalize_then_sum "
+            "always divide: False conflicts with them). Unset (None, the default): what TRL's scale_rewards says "
+            "when it is given ('group'/True -> True, 'none'/False -> False), else True. After construction it holds "
+            "the value in use."
         },
     )
     length_normalization: str | None = field(
@@ -218,9 +211,9 @@ class GRPOConfig(trl.GRPOConfig):
                     "How the per-token losses of a batch become one loss (trl_ext.aggregations.AGGREGATIONS): "
                     + AGGREGATIONS.help().replace("%", "%%")
                     + ", or package.module:fn, your own function (per_token_loss, response_mask, normalize_constant, "
-                    "empty_rows) -> loss. Unset (None, the default): what TRL's loss_type says when it is given ("
-                    + _upstream_loss_types_help()
-                    + "), else 'masked_mean'. After construction it holds the value in use."
+                    "empty_rows) -> loss. Unset (None, the default): what TRL's loss_type says when it is given, else "
+                    "the one the pg_loss_type is defined with ('token_mean' for cispo and vespo), else 'masked_mean'. "
+                    "After construction it holds the value in use."
                 )
             )
         },
@@ -342,11 +335,11 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": LiveText(
                 lambda: (
-                    "TRL's name for length_normalization, with TRL's meaning: "
+                    "TRL's name for pg_loss_type and length_normalization, with TRL's meaning: "
                     + _upstream_loss_types_help()
-                    + "; TRL's other loss types (cispo, sapo, luspo, vespo) change the per-token objective and "
-                    "raise. Give this or length_normalization (both: they must agree). Unset (None, the default): "
-                    "derived from length_normalization."
+                    + " (a loss type that names only a length normalization keeps the pg_loss_type, 'grpo_clip' "
+                    "unless given). Give this or the course names (both: they must agree). Unset (None, the "
+                    "default): derived from them (None where TRL has no name for the pair)."
                 )
             )
         },
@@ -354,37 +347,56 @@ class GRPOConfig(trl.GRPOConfig):
     scale_rewards: str | None = field(
         default=None,
         metadata={
-            "help": "TRL's name for normalize_by_std, with TRL's meaning: 'group' or True (= True), 'none' or False "
-            "(= False); 'batch' (std over the whole batch) is not the course advantage and raises. Give this or "
-            "normalize_by_std (both: they must agree). Unset (None, the default): derived from normalize_by_std."
+            "help": "TRL's name for normalize_by_std and advantage_estimator, with TRL's meaning: 'group' or True "
+            "(= normalize_by_std=True), 'none' or False (= normalize_by_std=False), 'batch' (= advantage_estimator="
+            "'batch_std': the group mean over the whole batch's std). Give this or the course names (both: they must "
+            "agree). Unset (None, the default): derived from them."
+        },
+    )
+    multi_objective_aggregation: str | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's name for advantage_estimator='normalize_then_sum' (GDPO: each reward function normalized "
+            "per group, weighted sum, normalized over the batch): 'normalize_then_sum' means it, "
+            "'sum_then_normalize' (TRL's default) any other estimator. Give this or advantage_estimator (both: "
+            "they must agree). Unset (None, the default): derived from advantage_estimator."
         },
     )
 
-    # Options that name the same setting: TRL's name -> (the course field, TRL value -> course value, course default).
-    # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.cli.parse).
-    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, dict[Any, Any], Any]]] = {
-        "loss_type": ("length_normalization", _UPSTREAM_LOSS_TYPES, "masked_mean"),
-        "scale_rewards": ("normalize_by_std", {"group": True, "none": False}, True),
-    }
+    # TRL's name -> the course fields its values may decide (trl_ext.trainers.grpo_options). A recipe's command line
+    # that sets one of them overrides what its config files say of those fields (trl_ext.cli.parse).
+    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, ...]]] = grpo_options.UPSTREAM_OPTIONS
+
+    @staticmethod
+    def upstream_meaning(name: str, value: Any) -> dict[str, Any] | None:
+        """The course fields TRL's option ``name`` set to ``value`` decides (``grpo_options.upstream_meaning``)."""
+        return grpo_options.upstream_meaning(name, value)
 
     def __post_init__(self):
-        loss = POLICY_LOSSES.get(self.pg_loss_type)
-        if self.length_normalization is not None:  # None: unset, resolved below
-            AGGREGATIONS.get(self.length_normalization)
-        self._resolve_advantage_estimator(loss)
+        loss = grpo_options.resolve_objective(self)
+        grpo_options.resolve_advantages(self, loss)
         functional._check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
+        functional._check_choice(
+            "importance_sampling_level", self.importance_sampling_level, functional.IMPORTANCE_SAMPLING_LEVELS
+        )
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
-        self._resolve_upstream_options()
         for name, (off, why) in _UNSUPPORTED.items():
             if getattr(self, name) != off:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}"
                 )
-        if self.epsilon_high not in (None, self.epsilon):
-            raise ValueError(
-                f"epsilon_high={self.epsilon_high} differs from epsilon={self.epsilon}; GRPO-Clip clips symmetrically"
-            )
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            raise ValueError(f"epsilon_high={self.epsilon_high}; expected a float >= 0 (or None: epsilon)")
+        if self.delta is not None and not self.delta > 0:
+            raise ValueError(f"delta={self.delta}; expected a float > 0 (or None: no two-sided clipping)")
+        if loss.takes_sampling_ratio and self.use_vllm and self.vllm_importance_sampling_correction:
+            if self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask"):  # trl.GRPOTrainer's check
+                raise ValueError(
+                    f"{'VESPO' if loss.name == 'vespo' else repr(loss.name)} loss requires "
+                    "`vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+                    f"{self.vllm_importance_sampling_mode}."
+                )
         if self.kl_target is not None and not (self.beta > 0 and self.kl_target > 0 and self.kl_horizon > 0):
             raise ValueError(
                 f"kl_target={self.kl_target} needs beta > 0 (the starting coefficient), kl_target > 0 and "
@@ -406,72 +418,13 @@ class GRPOConfig(trl.GRPOConfig):
                 f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_advantage_zero_gradient of its "
                 "trl_ext.losses.PolicyLoss): every group may carry a gradient, so none can be dropped"
             )
-
-    def _resolve_advantage_estimator(self, loss) -> None:
-        """``advantage_estimator``: the one given (checked against the loss: a loss defined with an estimator of
-        its own, ``no_baseline``'s ``raw_rewards``, refuses another); unset (None, or a value an earlier
-        ``__post_init__`` derived, carried over by ``dataclasses.replace``), the loss's own, else
-        ``group_normalized``.
-
-        Raises:
-            ValueError: an unknown estimator (named, with the closest names), or one the loss refuses (both named).
-        """
-        given = None if isinstance(self.advantage_estimator, _Derived) else self.advantage_estimator
-        if given is None:
-            self.advantage_estimator = _Derived(loss.advantage_estimator or DEFAULT_ADVANTAGE_ESTIMATOR)
-            return
-        ADVANTAGE_ESTIMATORS.get(given)
-        if loss.advantage_estimator is not None and given != loss.advantage_estimator:
+        if self.dynamic_sampling and ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).spans_groups:
             raise ValueError(
-                f"advantage_estimator={given!r} conflicts with pg_loss_type={self.pg_loss_type!r}, a loss defined "
-                f"with advantage_estimator={loss.advantage_estimator!r}: leave advantage_estimator unset, or choose "
-                "another pg_loss_type ('reinforce_with_baseline' is -A log p with any advantage)"
+                f"dynamic_sampling=True with advantage_estimator={self.advantage_estimator!r}: its advantages take "
+                "statistics of the whole generation batch, and dynamic sampling assembles a batch from the groups "
+                "of several generation rounds, each with its own statistics; use 'group_normalized' (scale_rewards "
+                "'group' or 'none') or turn dynamic_sampling off"
             )
-
-    def _resolve_upstream_options(self) -> None:
-        """Resolve each course field together with TRL's name for it (``UPSTREAM_OPTIONS``): the one given decides
-        the other (with TRL's meaning), neither given gives the course default, both given must agree. A value an
-        earlier ``__post_init__`` derived (a ``_Derived``, carried over by ``dataclasses.replace``) counts as not
-        given, so ``replace(config, loss_type="dr_grpo")`` re-derives ``length_normalization``.
-
-        Raises:
-            ValueError: a TRL value the course math does not implement (named), or both names given with
-                different meanings (both named).
-        """
-        options = [*self.UPSTREAM_OPTIONS, *(course_name for course_name, *_ in self.UPSTREAM_OPTIONS.values())]
-        replayed = any(isinstance(getattr(self, name), _Derived) for name in options)
-        for upstream_name, (course_name, meaning, default) in self.UPSTREAM_OPTIONS.items():
-            upstream, course = (
-                None if isinstance(value, _Derived) else value
-                for value in (getattr(self, upstream_name), getattr(self, course_name))
-            )
-            if upstream_name == "scale_rewards" and str(upstream).lower() in (
-                "true",
-                "false",
-            ):  # TRL's bools (CLI: text)
-                upstream = "group" if str(upstream).lower() == "true" else "none"
-            if upstream is not None and upstream not in meaning:
-                raise ValueError(str(_UPSTREAM_REFUSALS[upstream_name]).format(value=upstream))
-            if upstream is not None and course is not None and meaning[upstream] != course:
-                hint = (
-                    " (dataclasses.replace passes every field again: to change this setting give its new value under "
-                    "one name and None under the other)"
-                    if replayed
-                    else ""
-                )
-                raise ValueError(
-                    f"{upstream_name}={upstream!r} conflicts with {course_name}={course!r}: {upstream_name} is TRL's "
-                    f"name for {course_name}, and {upstream_name}={upstream!r} means {course_name}="
-                    f"{meaning[upstream]!r}; give one of the two{hint}"
-                )
-            value = course if course is not None else meaning[upstream] if upstream is not None else default
-            if course is None and isinstance(value, str):
-                value = _Derived(value)
-            setattr(self, course_name, value)
-            if upstream is None:  # TRL's name for the value in use; none for one TRL has no name for (a user's)
-                named = [key for key, course_value in meaning.items() if course_value == value]
-                upstream = _Derived(named[0]) if named else None
-            setattr(self, upstream_name, upstream)
 
     def to_dict(self) -> dict[str, Any]:
         # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
@@ -480,44 +433,23 @@ class GRPOConfig(trl.GRPOConfig):
     @classmethod
     def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:
         """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig`` (or a plain
-        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type`` and ``scale_rewards``
-        keep their meaning: they decide ``length_normalization`` and ``normalize_by_std`` (``UPSTREAM_OPTIONS``);
-        ``beta``, ``epsilon`` and ``use_bias_correction_kl`` are shared fields and keep upstream's values.
+        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type``, ``scale_rewards`` and
+        ``multi_objective_aggregation`` keep their meaning: they decide ``pg_loss_type``, ``length_normalization``,
+        ``advantage_estimator`` and ``normalize_by_std`` (``grpo_options``); ``beta``, ``epsilon``,
+        ``epsilon_high``, ``delta``, ``importance_sampling_level``, the SAPO/VESPO options and
+        ``use_bias_correction_kl`` are shared fields and keep upstream's values. ``advantage_eps`` is TRL's
+        hard-coded 1e-4 for a ``trl.GRPOConfig`` (upstream's advantages), the course's 1e-6 for plain
+        ``TrainingArguments``.
 
         Raises:
-            ValueError: where upstream asks for math the course loss does not implement (``loss_type`` other than
-                'grpo', 'dr_grpo', 'dapo' (upstream's default) and 'bnpo', which differ only in how token losses are
-                averaged --, ``scale_rewards='batch'``, and whatever
-                else ``__post_init__`` rejects).
+            ValueError: where upstream asks for what trl_ext.GRPOTrainer does not implement (the options of
+                ``_UNSUPPORTED``) or for names that contradict each other (``scale_rewards='none'`` with
+                ``multi_objective_aggregation='normalize_then_sum'``, which upstream ignores), and whatever else
+                ``__post_init__`` rejects.
         """
         # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
-        return config_from_upstream(cls, args, generation_batch_size=None)
-
-
-class _Derived(str):
-    """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
-    course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
-    ``dataclasses.replace`` passes every field back to ``__init__``; this type is how the new config knows that the
-    value was derived, not given."""
-
-    __slots__ = ()
-
-
-_UPSTREAM_REFUSALS = {
-    "loss_type": LiveText(
-        lambda: (
-            "loss_type={value!r} is not implemented by the course loss: it changes the per-token objective. "
-            "trl_ext.GRPOTrainer supports TRL's loss types that differ only in how token losses are averaged: "
-            + ", ".join(
-                f"{upstream!r} (= length_normalization={course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items()
-            )
-            + "."
-        )
-    ),
-    "scale_rewards": "scale_rewards={value!r} is not implemented by the course advantages; trl_ext.GRPOTrainer "
-    "supports TRL's scale_rewards='group' or True (= normalize_by_std=True) and 'none' or False "
-    "(= normalize_by_std=False).",
-}
+        upstream_eps = {"advantage_eps": 1e-4} if isinstance(args, trl.GRPOConfig) else {}
+        return config_from_upstream(cls, args, generation_batch_size=None, **upstream_eps)
 
 
 class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTrainer):
@@ -719,16 +651,18 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
 
-        # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config
+        # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config,
+        # with TRL's sampler-mismatch correction (vLLM) applied by policy_loss or taken by the loss (VESPO)
+        sampling_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm else None
         per_token_loss, loss_metrics = policy_loss(
-            self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args
+            self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args, sampling_ratio
         )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]  # TRL's sampler-mismatch correction
         if self.beta != 0.0:
             per_token_kl = functional.compute_kl(per_token_logps, inputs["ref_per_token_logps"], self.args.kl_estimator)
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_log_probs)
+            if self.args.use_bias_correction_kl:  # by the ratio at importance_sampling_level, as TRL 1.16
+                per_token_kl = per_token_kl * functional.compute_importance_ratio(
+                    per_token_logps, old_log_probs, mask, self.args.importance_sampling_level
+                )
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         mode = "train" if self.model.training else "eval"
