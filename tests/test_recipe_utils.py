@@ -74,6 +74,53 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
         settings(["--config", str(user)])
 
 
+def test_a_trl_name_replaces_what_its_value_decides_in_lower_layers(tmp_path):
+    """loss_type decides pg_loss_type only for the loss types with a per-token objective of their own (cispo, sapo,
+    vespo); scale_rewards='batch' and multi_objective_aggregation decide advantage_estimator."""
+
+    def settings(argv):
+        args = grpo_math.main.parse_args(argv)[1]
+        return args.pg_loss_type, args.length_normalization, args.loss_type, args.advantage_estimator
+
+    # the recipe's defaults say pg_loss_type: grpo_clip; --loss_type cispo replaces it, --loss_type dapo keeps it
+    assert CPU_DEFAULTS["pg_loss_type"] == "grpo_clip"
+    assert settings(["--loss_type", "cispo"]) == ("cispo", "token_mean", "cispo", "group_normalized")
+    assert settings(["--loss_type", "dapo"]) == ("grpo_clip", "token_mean", "dapo", "group_normalized")
+    user = tmp_path / "mine.yaml"
+    user.write_text("pg_loss_type: grpo_no_clip\n")
+    assert settings(["--config", str(user), "--loss_type", "luspo"]) == (
+        "grpo_no_clip",
+        "masked_sum",
+        "luspo",
+        "group_normalized",
+    )
+    # a file's TRL name overridden in part keeps deciding the rest: cispo stays, its normalization is replaced
+    user.write_text("loss_type: cispo\n")
+    assert settings(["--config", str(user), "--length_normalization", "masked_mean"]) == (
+        "cispo",
+        "masked_mean",
+        None,
+        "group_normalized",
+    )
+    assert settings(["--config", str(user), "--loss_type", "sapo"]) == (
+        "sapo",
+        "masked_mean",
+        "sapo",
+        "group_normalized",
+    )
+    # the advantage's names (the recipe samples dynamically, which the batch-level estimators refuse)
+    user.write_text("scale_rewards: batch\ndynamic_sampling: false\n")
+    assert settings(["--config", str(user)])[3] == "batch_std"
+    assert settings(["--config", str(user), "--multi_objective_aggregation", "normalize_then_sum"])[3] == (
+        "normalize_then_sum"
+    )
+    assert settings(["--config", str(user), "--advantage_estimator", "group_normalized"])[3] == "group_normalized"
+    # a file's cispo and a flag's dapo: the flag leaves the loss as the file said, and the two disagree
+    user.write_text("pg_loss_type: cispo\n")
+    with pytest.raises(RecipeError, match="loss_type='dapo' conflicts with pg_loss_type='cispo'"):
+        settings(["--config", str(user), "--loss_type", "dapo"])
+
+
 @pytest.mark.parametrize(
     "flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")]
 )

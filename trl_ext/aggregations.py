@@ -243,6 +243,8 @@ def compute_grpo_loss(
     - ``masked_normalize``: per example, the sum over its response tokens divided by ``normalize_constant`` (Dr.
       GRPO: a constant such as the maximum completion length, so every token weighs the same), then the mean over
       the batch;
+    - ``masked_sum``: per example, the sum over its response tokens, then the mean over the batch (TRL's ``luspo``:
+      a sequence-level loss weighs its sequence by its length);
     - ``token_mean`` / ``local_token_mean``: the sum over every response token of the batch divided by
       ``normalize_constant``, the number of response tokens the mean is over (DAPO's token-level loss); None (the
       default) divides by this batch's own count, which is ``local_token_mean`` (TRL's ``bnpo``) for a micro-batch.

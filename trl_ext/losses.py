@@ -16,8 +16,10 @@ The entry's declarations are what the trainer, the config and the speed paths ma
 this signature (wrapped with conservative declarations) or a :class:`PolicyLoss` itself.
 
 The course's four losses are registered here as thin calls of ``trl_ext.functional``'s pure functions (the numbers
-are computed there, once); the course's own dispatch ``compute_policy_gradient_loss`` (its handout signature, re-
-exported by ``trl_ext.cs336``) goes through this registry.
+are computed there, once; ``grpo_clip`` also reads TRL's ``epsilon_high``, ``delta`` and
+``importance_sampling_level``), followed by TRL 1.16's other per-token objectives (``cispo``, ``sapo``, ``vespo``:
+``loss_type`` names them, :mod:`trl_ext.trainers.grpo_options`); the course's own dispatch
+``compute_policy_gradient_loss`` (its handout signature, re-exported by ``trl_ext.cs336``) goes through this registry.
 
 Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
 """
@@ -483,4 +485,5 @@ def vespo(log_probs, old_log_probs, advantages, response_mask, config, importanc
         k_neg=config.vespo_k_neg,
         lambda_neg=config.vespo_lambda_neg,
     )
-    return -phi * advantages * log_probs, {"vespo/phi_seq_mean": phi.detach()}
+    ratio = torch.exp(log_probs - old_log_probs).detach()  # per token, for trl_ext's ratio/* metrics
+    return -phi * advantages * log_probs, {"vespo/phi_seq_mean": phi.detach(), "ratio": ratio}

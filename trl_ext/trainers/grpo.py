@@ -12,10 +12,10 @@
   several rounds until the batch holds groups with a gradient;
 - ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
   (one BOS, as ``trl_ext.eval`` sees it);
-- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``), plus
-  ``functional.compute_kl``, reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no
-  trained token leaves the batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's
-  names;
+- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``, which also
+  applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
+  reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no trained token leaves the
+  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names;
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
   micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.

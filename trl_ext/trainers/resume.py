@@ -351,10 +351,11 @@ GRPO: dict[str, ResumeRule] = {
     "advantage_eps": warned(),
     "normalize_by_std": warned(),
     "advantage_estimator": warned(),
-    "scale_rewards": free("TRL's name for normalize_by_std: compared under that name"),
+    "scale_rewards": free("TRL's name for normalize_by_std and advantage_estimator: compared under those names"),
     "pg_loss_type": warned(),
     "length_normalization": warned(),
-    "loss_type": free("TRL's name for length_normalization: compared under that name"),
+    "loss_type": free("TRL's name for pg_loss_type and length_normalization: compared under those names"),
+    "multi_objective_aggregation": free("TRL's name for advantage_estimator: compared under that name"),
     "epsilon": warned(),
     "epsilon_high": warned(),
     "mask_truncated_completions": warned(),
@@ -373,7 +374,7 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_importance_sampling_cap": warned(),
     "vllm_importance_sampling_clip_min": warned(),
     "vllm_importance_sampling_clip_max": warned(),
-    # upstream objectives GRPOConfig refuses (trl_ext.trainers.grpo._UNSUPPORTED): classified as upstream means them
+    # TRL's objective options (those trl_ext.trainers.grpo._UNSUPPORTED refuses classified as upstream means them)
     "importance_sampling_level": warned(),
     "top_entropy_quantile": warned(),
     "entropy_coef": warned(),
@@ -384,7 +385,6 @@ GRPO: dict[str, ResumeRule] = {
     "use_adaptive_entropy": warned(),
     "off_policy_mask_threshold": warned(),
     "delta": warned(),
-    "multi_objective_aggregation": warned(),
     "sapo_temperature_neg": warned(),
     "sapo_temperature_pos": warned(),
     "vespo_k_neg": warned(),
@@ -414,8 +414,9 @@ GRPO: dict[str, ResumeRule] = {
     "log_unique_prompts": free(LOGGING),
     "num_completions_to_print": free(LOGGING),
 }
-"""``trl_ext.GRPOConfig``'s fields beyond ``TrainingArguments``'. ``loss_type``/``scale_rewards`` are other names of
-``length_normalization``/``normalize_by_std`` (compared under the course names: one warning per change). ``beta``
+"""``trl_ext.GRPOConfig``'s fields beyond ``TrainingArguments``'. ``loss_type``/``scale_rewards``/
+``multi_objective_aggregation`` are other names of ``pg_loss_type``, ``length_normalization``, ``normalize_by_std`` and
+``advantage_estimator`` (compared under the course names: one warning per change). ``beta``
 with ``kl_target`` in both runs is the adaptive controller's starting value only: the checkpoint's adapted beta goes
 on (:data:`ADAPTIVE_BETA`)."""
 
