@@ -54,7 +54,7 @@ from ..losses import POLICY_LOSSES, policy_loss
 from ..registry import LiveText
 from . import grpo_options
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
-from .grpo_options import _Derived
+from .grpo_options import _Derived  # also importable here: configs pickled in checkpoints before it moved
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
