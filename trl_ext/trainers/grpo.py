@@ -53,15 +53,12 @@ from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from ..losses import POLICY_LOSSES, policy_loss
 from ..registry import LiveText
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from .grpo_terms import GRPOLossTermsMixin
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
 _UNSUPPORTED = {
     "importance_sampling_level": ("token", "sequence-level ratios (GSPO) are not part of the course loss"),
-    "top_entropy_quantile": (1.0, "entropy masking is not part of the course loss"),
-    "entropy_coef": (0.0, "an entropy bonus is not part of the course loss"),
-    "use_adaptive_entropy": (False, "an entropy bonus is not part of the course loss"),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking is not part of the course loss"),
     "delta": (None, "two-sided clipping is not part of GRPO-Clip"),
     "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed, then normalized per group"),
 }
@@ -520,7 +517,7 @@ _UPSTREAM_REFUSALS = {
 }
 
 
-class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -718,11 +715,17 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
+        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo_terms.py), None when both off
+        loss_mask, entropy_mask = self._policy_loss_masks(
+            inputs, per_token_logps, old_log_probs, entropies, mask, advantages
+        )
 
         # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config
         per_token_loss, loss_metrics = policy_loss(
             self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args
         )
+        if loss_mask is not None:  # before the vLLM correction and the KL term, as upstream
+            per_token_loss = per_token_loss * loss_mask
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]  # TRL's sampler-mismatch correction
         if self.beta != 0.0:
@@ -740,7 +743,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             empty_rows="drop",  # rows masked by mask_truncated_completions leave the mean (upstream: "zero")
         )
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        aggregated = loss  # the policy loss (and KL) of this micro-batch, logged as policy_loss with a bonus
         loss = loss / accumulation
+        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo_terms.py)
+            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, aggregated, accumulation, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
