@@ -292,3 +292,23 @@ def test_upstream_config_with_the_option_trains_as_upstream_with_accumulation(
     if option == "off_policy_mask_threshold":  # some sequence with a nonzero advantage dropped, in the second step
         dropped = [(mask.squeeze(1) == 0) & (advantages.squeeze(1) != 0) for _, mask, advantages in record]
         assert len(dropped) == 4 and not any(d.any() for d in dropped[:2]) and any(d.any() for d in dropped[2:])
+
+
+def test_a_resume_with_another_entropy_coef_says_whether_it_is_used(tmp_path):
+    """With use_adaptive_entropy in both runs the checkpoint's coefficient goes on (upstream's
+    _load_optimizer_and_scheduler restores it, trl_ext's state too); a static one is the config's from now on."""
+    from trl_ext.trainers.resume import changeable_options, warn_changed_options
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    for adaptive, effect in (
+        (
+            True,
+            "with use_adaptive_entropy the entropy coefficient goes on from the checkpoint's value (0.1 is only a "
+            "starting value)",
+        ),
+        (False, "the steps after the checkpoint use 0.1"),
+    ):
+        saved = changeable_options(trl_ext.GRPOConfig(**base, entropy_coef=0.05, use_adaptive_entropy=adaptive))
+        now = trl_ext.GRPOConfig(**base, entropy_coef=0.1, use_adaptive_entropy=adaptive)
+        lines = warn_changed_options(f"checkpoint-{adaptive}", now, saved)
+        assert lines == [f"resuming checkpoint-{adaptive}: entropy_coef was 0.05, now 0.1; {effect}"]

@@ -15,10 +15,13 @@
 - ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``), plus
   ``functional.compute_kl``, reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no
   trained token leaves the batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's
-  names;
+  names; TRL's entropy mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's
+  order (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
-  micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
+  micro-batch counter, the buffered rollout and the dynamic-sampling position (and, through ``GRPOLossTermsMixin``,
+  the adaptive entropy controller, which upstream's own ``_save_checkpoint`` also saves), so a resumed run is
+  bit-exact.
 
 It adds one public method, ``sample(prompts)``, which only calls upstream's ``_generate`` (no override): rollouts
 from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
@@ -84,6 +87,15 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
+    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo_terms.py)
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_off_policy_mask": (
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
+    ),
     "_tokenize_prompts": ("prompts",),
     "_get_per_token_logps_and_entropies": (
         "model",
@@ -280,8 +292,11 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
             "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor where a "
-            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
+            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor with "
+            "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy: such a row still has its entropy's "
+            "gradient), nor where a row's outputs depend on the other rows of its batch or dropout is active (one log "
+            "line says so). TRL's entropy mask (top_entropy_quantile) and off-policy mask (off_policy_mask_threshold) "
+            "keep it on: they only zero policy-loss tokens."
         },
     )
     pack_completions: bool = field(
@@ -324,7 +339,9 @@ class GRPOConfig(trl.GRPOConfig):
             "dynamic_sampling/reward, reward_std, frac_reward_zero_std (reward, reward_std, frac_reward_zero_std, "
             "completions/* and num_tokens keep upstream's meaning: over every round generated). Needs "
             "per_device_train_batch_size x steps_per_generation to be a multiple of num_generations, and a "
-            "pg_loss_type whose zero weights give zero gradients (all built-in ones). Default False (TRL's behaviour)."
+            "pg_loss_type whose zero weights give zero gradients (all built-in ones). It only chooses which groups a "
+            "batch trains on, so it stays valid with TRL's entropy bonus (the groups it fills in then train their "
+            "entropy term alone). Default False (TRL's behaviour)."
         },
     )
     max_sampling_rounds: int = field(
