@@ -14,7 +14,8 @@
   padding-free with ``pack_completions`` (``packed_forward``);
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
-(``skip_zero_advantage_rows``: with beta 0, rows whose advantage is exactly 0 run without gradient) and
+(``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
+gradient) and
 ``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
 line otherwise; ``trl_ext.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
 time). Measured effect on the main job: docs/performance.md.
@@ -54,6 +55,16 @@ FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+
+
+def _entropy_bonus_option(args) -> str | None:
+    """The option that turns TRL's entropy bonus on (``entropy_coef`` != 0 or ``use_adaptive_entropy``), as
+    ``name=value``; None when the bonus is off (TRL 1.16 ``GRPOTrainer._entropy_bonus_enabled``)."""
+    if getattr(args, "use_adaptive_entropy", False):
+        return "use_adaptive_entropy=True"
+    if getattr(args, "entropy_coef", 0.0) != 0.0:
+        return f"entropy_coef={args.entropy_coef!r}"
+    return None
 
 
 class GRPOSpeedMixin:
@@ -97,13 +108,18 @@ class GRPOSpeedMixin:
             return False, False, False
         decision = savings_decision(self.model)
         noise = training_noise(self.model) if (self.model.training if training is None else training) else None
-        # Skipping a row is exact only where a zero advantage gives a zero gradient: the loss's registry entry says.
+        # Skipping a row is exact only where a zero advantage gives a zero gradient: the loss's registry entry says,
+        # and no term outside the policy loss gives such a row a gradient (TRL's entropy bonus does; its entropy
+        # and off-policy masks only zero policy-loss tokens, and beta != 0 is checked at each use)
         loss = POLICY_LOSSES.get(self.args.pg_loss_type)
         loss_reason = (
             None
             if loss.zero_advantage_zero_gradient
             else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
         )
+        bonus = _entropy_bonus_option(self.args)
+        if loss_reason is None and bonus is not None:
+            loss_reason = f"{bonus} adds an entropy bonus, which gives a rollout of advantage 0 a gradient"
         decision = SavingsDecision(
             share_prompts=(decision.share_prompts or noise) if share else None,
             skip_rows=(loss_reason or decision.skip_rows or noise) if skip else None,
@@ -203,8 +219,9 @@ class GRPOSpeedMixin:
     def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
         """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``, whose estimator
         is ``raw_rewards``: reward 0) makes a loss that declares ``zero_advantage_zero_gradient`` (``_savings_now``
-        checks) 0 at every token, and with beta = 0 nothing else is added. None when nothing is skipped: an option
-        off, evaluation, beta != 0, multimodal or MoE inputs, or no such row."""
+        checks) 0 at every token, TRL's entropy and off-policy masks keep it 0, and with beta = 0 and no entropy bonus
+        (``_savings_now`` checks) nothing else is added. None when nothing is skipped: an option off, evaluation,
+        beta != 0, multimodal or MoE inputs, or no such row."""
         if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
             return None
         if any(value is not None for value in extra_inputs.values()):

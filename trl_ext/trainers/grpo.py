@@ -15,10 +15,14 @@
 - ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``, which also
   applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
   reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no trained token leaves the
-  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names;
+  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
+  mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's order
+  (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
-  micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
+  micro-batch counter, the buffered rollout and the dynamic-sampling position (and, through ``GRPOLossTermsMixin``,
+  the adaptive entropy controller, which upstream's own ``_save_checkpoint`` also saves), so a resumed run is
+  bit-exact.
 
 It adds one public method, ``sample(prompts)``, which only calls upstream's ``_generate`` (no override): rollouts
 from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
@@ -55,15 +59,8 @@ from ..registry import LiveText
 from . import grpo_options
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
 from .grpo_options import _Derived  # also importable here: configs pickled in checkpoints before it moved
+from .grpo_terms import GRPOLossTermsMixin
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
-
-# Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
-_UNSUPPORTED = {
-    "top_entropy_quantile": (1.0, "entropy masking is not part of the course loss"),
-    "entropy_coef": (0.0, "an entropy bonus is not part of the course loss"),
-    "use_adaptive_entropy": (False, "an entropy bonus is not part of the course loss"),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking is not part of the course loss"),
-}
 
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
@@ -86,6 +83,15 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
+    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo_terms.py)
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_off_policy_mask": (
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
+    ),
     "_tokenize_prompts": ("prompts",),
     "_get_per_token_logps_and_entropies": (
         "model",
@@ -276,8 +282,11 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
             "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor where a "
-            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
+            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor with "
+            "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy: such a row still has its entropy's "
+            "gradient), nor where a row's outputs depend on the other rows of its batch or dropout is active (one log "
+            "line says so). TRL's entropy mask (top_entropy_quantile) and off-policy mask (off_policy_mask_threshold) "
+            "keep it on: they only zero policy-loss tokens."
         },
     )
     pack_completions: bool = field(
@@ -320,7 +329,9 @@ class GRPOConfig(trl.GRPOConfig):
             "dynamic_sampling/reward, reward_std, frac_reward_zero_std (reward, reward_std, frac_reward_zero_std, "
             "completions/* and num_tokens keep upstream's meaning: over every round generated). Needs "
             "per_device_train_batch_size x steps_per_generation to be a multiple of num_generations, and a "
-            "pg_loss_type whose zero weights give zero gradients (all built-in ones). Default False (TRL's behaviour)."
+            "pg_loss_type whose zero weights give zero gradients (all built-in ones). It only chooses which groups a "
+            "batch trains on, so it stays valid with TRL's entropy bonus (the groups it fills in then train their "
+            "entropy term alone). Default False (TRL's behaviour)."
         },
     )
     max_sampling_rounds: int = field(
@@ -381,11 +392,6 @@ class GRPOConfig(trl.GRPOConfig):
         )
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
-        for name, (off, why) in _UNSUPPORTED.items():
-            if getattr(self, name) != off:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}"
-                )
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise ValueError(f"epsilon_high={self.epsilon_high}; expected a float >= 0 (or None: epsilon)")
         if self.delta is not None and not self.delta > 0:
@@ -442,8 +448,7 @@ class GRPOConfig(trl.GRPOConfig):
         ``TrainingArguments``.
 
         Raises:
-            ValueError: where upstream asks for what trl_ext.GRPOTrainer does not implement (the options of
-                ``_UNSUPPORTED``) or for names that contradict each other (``scale_rewards='none'`` with
+            ValueError: for values out of range or names that contradict each other (``scale_rewards='none'`` with
                 ``multi_objective_aggregation='normalize_then_sum'``, which upstream ignores), and whatever else
                 ``__post_init__`` rejects.
         """
@@ -452,7 +457,7 @@ class GRPOConfig(trl.GRPOConfig):
         return config_from_upstream(cls, args, generation_batch_size=None, **upstream_eps)
 
 
-class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -650,6 +655,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
+        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo_terms.py), None when both off
+        loss_mask, entropy_mask = self._policy_loss_masks(
+            inputs, per_token_logps, old_log_probs, entropies, mask, advantages
+        )
 
         # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config,
         # with TRL's sampler-mismatch correction (vLLM) applied by policy_loss or taken by the loss (VESPO)
@@ -657,6 +666,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         per_token_loss, loss_metrics = policy_loss(
             self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args, sampling_ratio
         )
+        if loss_mask is not None:  # before the vLLM correction and the KL term, as upstream
+            per_token_loss = per_token_loss * loss_mask
         if self.beta != 0.0:
             per_token_kl = functional.compute_kl(per_token_logps, inputs["ref_per_token_logps"], self.args.kl_estimator)
             if self.args.use_bias_correction_kl:  # by the ratio at importance_sampling_level, as TRL 1.16
@@ -674,7 +685,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             empty_rows="drop",  # rows masked by mask_truncated_completions leave the mean (upstream: "zero")
         )
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        aggregated = loss  # the policy loss (and KL) of this micro-batch, logged as policy_loss with a bonus
         loss = loss / accumulation
+        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo_terms.py)
+            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, aggregated, accumulation, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())

@@ -55,6 +55,10 @@ USED_FROM_NOW = "the steps after the checkpoint use {new!r}"
 ADAPTIVE_BETA = (
     "with kl_target the adaptive beta goes on from the checkpoint's value ({new!r} is only a starting value)"
 )
+ADAPTIVE_ENTROPY = (
+    "with use_adaptive_entropy the entropy coefficient goes on from the checkpoint's value ({new!r} is only a "
+    "starting value)"
+)
 DATA_SKIP = (
     "the steps after the checkpoint read the epoch again from its first batch, not the rows the uninterrupted run "
     "reads (transformers skips no batch already trained on)"
@@ -312,6 +316,12 @@ def _beta_effect(old: Any, new: Any, saved: dict[str, Any], args: Any) -> str:
     return USED_FROM_NOW.format(new=new)
 
 
+def _entropy_coef_effect(old: Any, new: Any, saved: dict[str, Any], args: Any) -> str:
+    if args.use_adaptive_entropy and saved.get("use_adaptive_entropy"):
+        return ADAPTIVE_ENTROPY.format(new=new)
+    return USED_FROM_NOW.format(new=new)
+
+
 GRPO: dict[str, ResumeRule] = {
     # the rollout's shape and where the run stopped in its cycle (``_step``), which the checkpoint restores
     "steps_per_generation": refused("the rollout each step trains on"),
@@ -374,10 +384,10 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_importance_sampling_cap": warned(),
     "vllm_importance_sampling_clip_min": warned(),
     "vllm_importance_sampling_clip_max": warned(),
-    # TRL's objective options (those trl_ext.trainers.grpo._UNSUPPORTED refuses classified as upstream means them)
+    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo_terms, trl_ext.losses)
     "importance_sampling_level": warned(),
     "top_entropy_quantile": warned(),
-    "entropy_coef": warned(),
+    "entropy_coef": warned(_entropy_coef_effect),
     "entropy_coef_delta": warned(),
     "entropy_coef_min": warned(),
     "entropy_coef_max": warned(),
@@ -418,7 +428,8 @@ GRPO: dict[str, ResumeRule] = {
 ``multi_objective_aggregation`` are other names of ``pg_loss_type``, ``length_normalization``, ``normalize_by_std`` and
 ``advantage_estimator`` (compared under the course names: one warning per change). ``beta``
 with ``kl_target`` in both runs is the adaptive controller's starting value only: the checkpoint's adapted beta goes
-on (:data:`ADAPTIVE_BETA`)."""
+on (:data:`ADAPTIVE_BETA`); so is ``entropy_coef`` with ``use_adaptive_entropy`` in both runs
+(:data:`ADAPTIVE_ENTROPY`)."""
 
 TRAINER_RULES: tuple[tuple[type, dict[str, ResumeRule]], ...] = (
     (trl.SFTConfig, {**_TRL_SHARED, **SFT}),
