@@ -50,7 +50,7 @@ from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
 from trl_ext.data.prompts import ANSWER_WITH_NUMBER, TEMPLATES, format_prompt
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
-from trl_ext.errors import RecipeError, user_input
+from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
 
@@ -357,17 +357,23 @@ def _grader(reward: str | None, template: str, kind: str) -> tuple[str, Grader]:
 
 def resolve_template(template: str) -> str:
     """A template name of ``trl_ext.data.prompts.TEMPLATES`` as is, or the text of a template file (a path to a file
-    holding ``{question}``).
+    holding ``{question}``), read by :func:`trl_ext.errors.read_text`: UTF-8 with a byte-order mark dropped (else
+    every prompt would start with U+FEFF), UTF-16/UTF-32 with a byte-order mark decoded as such, Windows line ends
+    read as ``\\n``.
 
     Raises:
-        RecipeError: neither a name nor a readable file with ``{question}``, naming ``--template``.
+        RecipeError: neither a name nor a readable file with ``{question}``, or a file in another encoding (cp1252,
+            UTF-16 without a byte-order mark), naming ``--template`` and the file.
     """
     if template in TEMPLATES:
         return template
     path = Path(template)
     if not path.is_file():
         raise RecipeError(f"--template {template!r}: expected one of {list(TEMPLATES)} or a template file path")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_text(path)  # UTF-8 (a byte-order mark dropped, not put before every prompt); else one line
+    except ValueError as err:
+        raise RecipeError(f"--template {err}") from None
     if "{question}" not in text:
         raise RecipeError(f"--template {template}: the file has no {{question}} placeholder")
     return text
