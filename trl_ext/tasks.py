@@ -35,8 +35,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import itertools
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -66,7 +68,11 @@ class Task:
     Attributes:
         name: the task's name (``"arithmetic"``, ``"gsm8k"``, ``"reasoning_gym:chain_sum"``, ...).
         train: training rows, a ``datasets.Dataset`` (or ``IterableDataset``) with a ``prompt`` column and the
-            columns the scorer reads; None for an evaluation-only task.
+            columns the scorer reads; None for an evaluation-only task. A column TRL's ``GRPOTrainer`` would keep
+            from reward functions (``completion``, ``completion_ids``, ``prompts``, ``completions``,
+            ``trainer_state``, ``log_extra``, ``log_metric``, ``environments``:
+            :data:`trl_ext.rewards.adapters.TRL_RESERVED_COLUMNS`) is carried under ``trl_ext.<name>`` here, and
+            :meth:`score` renames it back, so the scorer sees the same row in training as in evaluation.
         test: held-out rows, a ``datasets.Dataset`` with ``prompt`` and the columns the scorer reads.
         scorer: ``scorer(response, row) -> {"reward", "format_reward", "answer_reward"}``; see :meth:`score`.
         extractor: ``extractor(response, row) -> str | None``, the answer the scorer reads from a response
@@ -96,15 +102,25 @@ class Task:
     max_new_tokens: int = 20
     batch_size: int = 50
 
+    def __post_init__(self) -> None:
+        if self.train is not None:
+            self.train = rewards.carry_reserved_columns(self.train, f"task {self.name!r}: training rows")
+
     def score(self, response: str, row: Mapping[str, Any]) -> dict[str, float]:
         """The task's judgement of ``response`` against its whole ``row``: ``{"reward", "format_reward",
         "answer_reward"}`` as floats (``answer_reward`` is what held-out accuracy averages; ``format_reward`` may be
-        NaN when the task does not measure a format).
+        NaN when the task does not measure a format). Columns carried under ``trl_ext.<name>`` (see :attr:`train`)
+        reach the scorer under their own names.
 
         Raises:
-            ValueError: the scorer returned something else (the task is named).
+            ValueError: the scorer raised (any exception: the task and the error are named, the exception is the
+                ``__cause__``; the callers add the row), or returned something else (the task is named).
         """
-        scores = self.scorer(response, row)
+        try:
+            scores = self.scorer(response, rewards.restore_carried_columns(row))
+        except Exception as err:  # noqa: BLE001 -- a user's scorer: whatever it raises is named with its task
+            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            raise ValueError(f"task {self.name!r}: the scorer raised {detail}") from err
         missing = [k for k in rewards.REWARD_KEYS if k not in (scores or {})]
         if missing:
             raise ValueError(f"task {self.name!r}: its scorer returned {scores!r}; missing keys {missing}")
@@ -112,17 +128,26 @@ class Task:
 
     def extract(self, response: str, row: Mapping[str, Any]) -> str | None:
         """The answer the scorer reads from ``response`` (None: nothing found, or the task does not say)."""
-        return None if self.extractor is None else self.extractor(response, row)
+        return None if self.extractor is None else self.extractor(response, rewards.restore_carried_columns(row))
 
     def answer(self, row: Mapping[str, Any]) -> Any:
         """The row's reference answer, as recorded with each evaluation."""
-        return row.get(self.answer_column)
+        return rewards.restore_carried_columns(row).get(self.answer_column)
+
+    @property
+    def reward_keys(self) -> tuple[str, ...]:
+        """The scores training rewards (``"reward"`` by default; the sort task adds ``"answer_reward"``)."""
+        return tuple(key for _, key in self.rewards) if self.rewards else ("reward",)
 
     @property
     def reward_funcs(self) -> list[Callable[..., list[float]]]:
-        """The TRL reward functions of :attr:`rewards`, each derived from :meth:`score` (one per pair)."""
+        """The TRL reward functions of :attr:`rewards`, each derived from :meth:`score` (one per pair). Each fails,
+        naming the cause, when TRL passes none of the training rows' columns (``remove_unused_columns=True``)."""
         pairs = self.rewards or ((f"{self.name.split(':')[-1]}_reward", "reward"),)
-        return [rewards.as_trl_row_reward(self.score, key=key, name=name) for name, key in pairs]
+        columns = [c for c in rewards.dataset_columns(self.train) if c != "prompt"] if self.train is not None else []
+        return [
+            rewards.as_trl_row_reward(self.score, key=key, name=name, expected_columns=columns) for name, key in pairs
+        ]
 
     def evaluate(
         self,
@@ -167,11 +192,35 @@ class Task:
         }
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
-        """Refuse, before any model work, a training set that cannot fill one generation batch of ``training_args``
-        (:func:`trl_ext.options.check_fills_one_step`); ``what`` is added to the source (``", arm course"``). A
-        streaming training set (no length) is not checked."""
+        """Refuse, before any model work, training rows that would train nothing under ``training_args``: too few to
+        fill one generation batch (:func:`trl_ext.options.check_fills_one_step`; TRL would train 0 steps and exit 0),
+        or -- with ``remove_unused_columns=True`` -- columns TRL would drop before the scorer sees them. ``what`` is
+        added to the source (``", arm course"``).
+
+        A streaming training set (no length) is counted up to the rows one step needs (its first rows are read
+        once): a stream with fewer rows than one generation batch is refused as a dataset is (upstream TRL trains 0
+        steps on it, with or without dynamic sampling, and only transformers' log says so).
+
+        Raises:
+            RecipeError: naming the numbers and the flags that change them, or the columns and the flag.
+        """
+        if self.train is None:
+            return
+        columns = [c for c in rewards.dataset_columns(self.train) if c not in ("prompt", "image", "images")]
+        if getattr(training_args, "remove_unused_columns", False) and columns:
+            raise RecipeError(
+                f"--remove_unused_columns true: TRL would drop the columns {columns} of {self.source + what} before "
+                f"the task's scorer sees them; pass --remove_unused_columns false (GRPO's default)"
+            )
         if hasattr(self.train, "__len__"):
-            check_fills_one_step(len(self.train), training_args, self.source + what, "prompts")
+            rows = len(self.train)
+        else:  # a stream: count what one step needs, at most (a bound on check_fills_one_step's need)
+            steps = getattr(training_args, "steps_per_generation", None) or training_args.gradient_accumulation_steps
+            enough = training_args.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1")) * steps
+            rows = sum(1 for _ in itertools.islice(iter(self.train), enough))
+            if rows >= enough:
+                return
+        check_fills_one_step(rows, training_args, self.source + what, "prompts")
 
     def probe(self, flag: str = "--task") -> None:
         """Score the first held-out row with its own answer and with an empty response: a scorer that raises or
@@ -195,17 +244,36 @@ class Task:
                 ) from None
 
 
-def nothing_to_learn(result: Mapping[str, Any]) -> str | None:
-    """The line to print before training when an evaluation's reward was 0 on every held-out row (GRPO learns only
-    from groups whose rewards differ, so a task the model never scores on teaches nothing), or None."""
+def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",)) -> str | None:
+    """The line to print before training when no reward varies over an evaluation's held-out rows, or None.
+
+    GRPO learns only from groups whose rewards differ, and a NaN reward (TRL's "no score") is left out of a group's
+    baseline with advantage 0; so the rule is "nothing to learn: no reward varies": every score of ``keys`` (the
+    ones training rewards, :attr:`Task.reward_keys`) has at most one value over the rows, NaN rows aside -- 0
+    everywhere, -1 everywhere, NaN everywhere, or 1 everywhere (already solved) alike. A greedy evaluation is a
+    proxy for sampled groups (sampling may still find other rewards), hence a warning, not a refusal.
+
+    Args:
+        result: an evaluation (:meth:`Task.evaluate`), its ``records`` holding each row's scores.
+        keys: the scores training rewards (default ``("reward",)``).
+    """
     records = result.get("records") or []
-    if not records or any(r["reward"] != 0 for r in records):
+    if not records:
         return None
+    constant = {}
+    for key in keys:
+        values = {float(r[key]) for r in records if not math.isnan(float(r[key]))}
+        if len(values) > 1:
+            return None
+        constant[key] = f"{values.pop():g}" if values else "NaN (no score)"
     fmt = result.get("format_rate")
     fmt = "" if fmt is None or (isinstance(fmt, float) and math.isnan(fmt)) else f", format rate {fmt:.0%}"
+    value = (
+        constant["reward"] if list(constant) == ["reward"] else " and ".join(f"{k} {v}" for k, v in constant.items())
+    )
     return (
-        f"the reward was 0 on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
-        "groups whose rewards differ, so unless sampling finds rewarded answers this run will not learn (check the "
+        f"the reward was {value} on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
+        "groups whose rewards differ, so unless sampling finds other rewards this run will not learn (check the "
         "prompt template and the answer format the scorer expects, e.g. in eval_before.jsonl)"
     )
 
