@@ -779,7 +779,12 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         f"  {VLLM_MISSING}",
         f"  {BF16_NO_GPU}",
         f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
+        f"  --dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
+        "remove it",  # the Hub dataset's config does not apply to the local stand-in
     ]
+    trimmed = tmp_path / "math.yaml"
+    trimmed.write_text("".join(line for line in open(config) if not line.startswith("dataset_config:")))
+    config = str(trimmed)
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)

@@ -350,7 +350,9 @@ def parse(
     The checks, each problem naming the flag that fixes it: options unknown to every class (naming the file), flag
     values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
     a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
-    (:func:`source_problems`) and whatever a config class itself rejects (its ``__post_init__``; run with the
+    (:func:`source_problems`), the task's name and every task option the user set that the task does not use
+    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.task_options.option_problems`) and whatever a config class
+    itself rejects (its ``__post_init__``; run with the
     options above switched off, so its own objections are found in the same pass).
 
     Args:
@@ -440,8 +442,12 @@ def parse(
     problems += flagged
     devices = device_problems(values)
     problems += devices + source_problems(values)
-    if "task" in values:  # --task and --task_config, before any data is read
+    if "task" in values:  # --task and --task_config, and every option the task would not use, before any data is read
         problems += [p for p in [tasks.task_problem(values)] if p]
+        given = {k: src for k, src in source.items() if src != str(default_config)}  # the user's --config files
+        given.update(dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), ""))  # flags
+        own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
+        problems += tasks.option_problems(values, given, defaults=tasks.option_defaults(own))
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:

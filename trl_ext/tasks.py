@@ -45,8 +45,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import trl
-
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
@@ -55,6 +53,14 @@ from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
+from trl_ext.task_options import (  # noqa: F401 -- TaskArguments and MathTaskArguments are this module's API
+    TASK_OPTIONS,
+    MathTaskArguments,
+    TaskArguments,
+    option_defaults,
+    option_problems,
+    task_kind,
+)
 
 Scorer = Callable[[str, Mapping[str, Any]], Mapping[str, float]]
 """``score(response, row) -> {"reward", "format_reward", "answer_reward"}``: a task's one judge."""
@@ -278,90 +284,6 @@ def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward
     )
 
 
-# ------------------------------------------------------------------------------------------------------- options
-@dataclass
-class TaskArguments(trl.ScriptArguments, RecipeArguments):
-    """A recipe's options for its task (:func:`load_task`)."""
-
-    task: str | None = field(
-        default=None,
-        metadata={
-            "help": "The task: 'arithmetic' (generated additions; the default without --dataset_name), 'gsm8k', "
-            "'math' (a --dataset_name file or Hub dataset; with --dataset_name and no --task the kind is read from "
-            "its columns), 'sort', 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) "
-            "or 'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task)."
-        },
-    )
-    task_config: str | None = field(
-        default=None,
-        metadata={
-            "help": 'The task\'s settings as a JSON object, e.g. \'{"min_terms": 2, "max_terms": 2}\' for '
-            "reasoning_gym:chain_sum (passed to reasoning_gym.create_dataset), '{\"digits\": 3}' for arithmetic; "
-            "a factory's keyword arguments."
-        },
-    )
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
-            "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."
-        },
-    )
-    dataset_kind: str | None = field(
-        default=None,
-        metadata={
-            "help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns when unset."
-        },
-    )
-    test_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "A separate held-out file (same columns as --dataset_name), e.g. the course's "
-            "data/gsm8k/test.jsonl: its first --num_eval rows are evaluated and --dataset_name trains whole."
-        },
-    )
-    template: str = field(
-        default="chat",
-        metadata={
-            "help": "Prompt template: 'chat' (instruct models), 'r1_zero', 'question_only', or a path to a "
-            "template file holding {question} (e.g. the course's cs336_alignment/prompts/r1_zero.prompt)."
-        },
-    )
-    instruction: str | None = field(
-        default=None,
-        metadata={
-            "help": "Appended to each question. Unset: 'Answer with just the number.' for 'chat' and "
-            "'question_only' on numeric tasks, none for 'r1_zero' and template files (their format asks for "
-            "<answer> tags); '' for none."
-        },
-    )
-    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
-    reward: str | None = field(
-        default=None,
-        metadata={
-            "help": "The math grader: one of 'arithmetic', 'gsm8k', 'math', 'r1_zero' (default: r1_zero for the "
-            "r1_zero template and template files, else by dataset kind), or 'package.module:function', a course "
-            "reward_fn(response, ground_truth) -> {reward, format_reward, answer_reward}, e.g. the course's "
-            "cs336_alignment.drgrpo_grader:r1_zero_reward_fn."
-        },
-    )
-    num_train_problems: int = field(default=2000, metadata={"help": "Generated training problems (rows drawn)."})
-    arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
-    num_eval: int = field(
-        default=200,
-        metadata={
-            "help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
-            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split, --test_file its first rows."
-        },
-    )
-    eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
-
-
-MathTaskArguments = TaskArguments
-"""The name recipes and user scripts used before tasks other than math existed."""
-
-
 # ---------------------------------------------------------------------------------------------------- math tasks
 def _r1_zero_answer(response: str) -> str | None:
     return rewards.extract_math_answer(response) if "</think> <answer>" in response else None
@@ -582,14 +504,25 @@ def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
     (exact match, all or nothing) as ``sort_exact_reward``; held-out accuracy is the exact-match rate.
 
     ``args`` has ``num_train_problems``, ``num_eval``, ``eval_batch_size`` and, unless given in ``config``,
-    ``num_numbers``, ``max_number``, ``instruction`` (:class:`SortingTaskArguments`)."""
-    settings = {k: getattr(args, k, None) for k in ("num_numbers", "max_number", "instruction")}
+    ``num_numbers``, ``max_number``, ``instruction`` (unset: :data:`SORT_INSTRUCTION`; ``""``: none) and
+    ``system_prompt`` (:class:`SortingTaskArguments`). The prompt is a chat conversation.
+
+    Raises:
+        RecipeError: a ``config`` key other than those four (naming ``--task_config``).
+    """
+    keys = ("num_numbers", "max_number", "instruction", "system_prompt")
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise RecipeError(f"--task_config: unknown key(s) {unknown} for the sort task; expected some of {list(keys)}")
+    settings = {k: getattr(args, k, None) for k in keys}
     settings = {**{"num_numbers": 3, "max_number": 99}, **{k: v for k, v in settings.items() if v is not None}}
     settings.update(config)
+    instruction = settings.get("instruction")
     data = dict(
         num_numbers=settings["num_numbers"],
         high=settings["max_number"],
-        instruction=settings.get("instruction") or SORT_INSTRUCTION,
+        instruction=SORT_INSTRUCTION if instruction is None else instruction or None,
+        system_prompt=settings.get("system_prompt"),
     )
     with user_input("--task_config: " if config else ""):
         train = make_sorting_dataset(args.num_train_problems, seed=0, split="train", **data)
@@ -866,31 +799,55 @@ def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, tr
         template: replaces ``--template`` (math tasks; the experiment that compares prompts).
         train: False loads the held-out rows only (``recipes/eval_math.py``).
 
+    Every option set that the task does not use is refused (:func:`trl_ext.task_options.option_problems`; an option
+    counts as set here when it differs from its dataclass default), so is a ``template`` for a task that takes none.
+
     Raises:
-        RecipeError: whatever :func:`task_problem` finds, a task that cannot load its data, a factory that does not
-            return a :class:`Task`, or a scorer that fails on a probe row -- one line naming the flag.
+        RecipeError: whatever :func:`task_problem` finds, an option the task does not use, a task that cannot load
+            its data, a factory that does not return a :class:`Task`, or a scorer that fails on a probe row -- one
+            line naming the flag.
     """
-    problem = task_problem(vars(args) if not isinstance(args, Mapping) else args)
+    values = vars(args) if not isinstance(args, Mapping) else args
+    problem = task_problem(values)
     if problem:
         raise RecipeError(problem)
+    problems = option_problems(args, held_out_only=not train)
     name, config = getattr(args, "task", None), parse_task_config(getattr(args, "task_config", None))
+    if template is not None and "template" not in TASK_OPTIONS[task_kind(values)]:
+        problems.append(f"--task {name}: takes no --template, so its prompts cannot be compared across templates")
+    if problems:
+        raise RecipeError(problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems))
     if name is None:
         task = math_task(_with_config(args, config), max_new_tokens, template=template, train=train)
+    elif name in MATH_TASKS:
+        task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
     elif name in TASKS:
-        if template is not None and name in MATH_TASKS:
-            task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
-        else:
-            task = TASKS[name](args, max_new_tokens, train=train, **config)
+        task = TASKS[name](args, max_new_tokens, train=train, **config)
     elif name.startswith(REASONING_GYM_PREFIX):
+        args = replace(args, template=template) if template is not None else args
         task = reasoning_gym_task(name[len(REASONING_GYM_PREFIX) :], config, args, max_new_tokens, train=train)
     else:
-        factory = _import_object(name, "--task")
-        try:
-            task = factory(**config)
-        except TypeError as err:
-            raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
-        if not isinstance(task, Task):
-            raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
-        task = replace(task, max_new_tokens=max_new_tokens)
+        task = _factory_task(name, config, args, max_new_tokens)
     task.probe()
     return task
+
+
+def _factory_task(name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int) -> Task:
+    """``package.module:factory`` called with ``--task_config``'s keywords; its held-out rows cut to ``--num_eval``
+    and its evaluation batch set to ``--eval_batch_size`` when those are set (differ from their defaults)."""
+    factory = _import_object(name, "--task")
+    try:
+        task = factory(**config)
+    except TypeError as err:
+        raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
+    if not isinstance(task, Task):
+        raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
+    defaults = option_defaults(type(args)) if not isinstance(args, Mapping) else option_defaults()
+    changes: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    num_eval, batch_size = getattr(args, "num_eval", None), getattr(args, "eval_batch_size", None)
+    if num_eval is not None and num_eval != defaults.get("num_eval") and task.test is not None:
+        keep = min(num_eval, len(task.test))
+        changes["test"] = task.test.select(range(keep)) if hasattr(task.test, "select") else task.test[:keep]
+    if batch_size is not None and batch_size != defaults.get("eval_batch_size"):
+        changes["batch_size"] = batch_size
+    return replace(task, **changes)
