@@ -108,7 +108,8 @@ def test_a_scorer_that_fails_is_reported_before_any_model_loads():
         ),
         (
             dict(task="reasoning_gym:chain_sum", task_config='{"answer_format": "xml"}'),
-            r"answer_format='xml'; expected one of \['auto', 'answer_tag', 'last_number', 'last_line'\]",
+            r"answer_format='xml'; expected one of \['auto', 'answer_tag', 'answer_tag_or_whole', 'last_number', "
+            r"'last_line'\]",
         ),
     ],
 )
@@ -504,3 +505,72 @@ def test_a_stream_too_short_for_one_generation_batch_is_refused_like_a_dataset(t
                 task.check_fills_one_step(config)
         else:
             task.check_fills_one_step(config)
+
+
+# ------------------------------------------------------------------- reasoning-gym: a perfect answer gets its credit
+def _generators():
+    import reasoning_gym
+
+    return sorted(reasoning_gym.factory.DATASETS)
+
+
+NOT_BUILT = {"composite": "builds only with its datasets named in --task_config (reasoning-gym refuses {})"}
+"""reasoning-gym generators that do not build with an empty --task_config, with the reason."""
+
+
+@pytest.mark.parametrize("name", _generators())
+def test_a_response_that_is_the_gold_answer_gets_what_score_answer_gives_it(name):
+    """open-thought/reasoning-gym#443, NovaSky-AI/SkyRL#160: with the chat template 15 generators gave the gold answer
+    0 (multi-line grids and move lists cut to their last line, under an instruction to answer on one line), 0.05
+    (arc_agi, rearc), 0.75/0.01 (sentences that lost their final period). The gold answer, alone, as the instruction
+    asks, and after some reasoning, must get what the generator's own score_answer(gold, entry) gives it. Entries
+    without a gold answer (answer None: boxnet, graph_color, ... verify a solution instead) are skipped."""
+    import reasoning_gym
+
+    if name in NOT_BUILT:
+        pytest.skip(NOT_BUILT[name])
+    task = tasks.load_task(tasks.TaskArguments(task=f"reasoning_gym:{name}", num_train_problems=3, num_eval=3), 64)
+    oracle = reasoning_gym.create_dataset(name, size=3, seed=1)  # the held-out entries, drawn independently
+    answer_format = task.description.split(", ")[1]
+    for row, entry in zip(task.test, (oracle[i] for i in range(len(oracle)))):
+        if row["question"] != entry["question"]:  # list_functions draws from Python's global generator: the row's own
+            entry = json.loads(row["entry"])
+        instruction = row["prompt"][-1]["content"].removeprefix(entry["question"].strip())
+        assert instruction == "\n" + tasks.RG_INSTRUCTIONS[answer_format]
+        if entry["answer"] is None:
+            continue
+        gold = str(entry["answer"])
+        assert not ("\n" in gold and "one line" in instruction)  # the instruction does not contradict the question
+        expected = oracle.score_answer(answer=entry["answer"], entry=entry)
+        instructed = f"<answer>{gold}</answer>" if answer_format.startswith("answer_tag") else gold
+        for response in (gold, instructed, "Let me think it through.\n" + instructed):
+            assert task.score(response, row)["answer_reward"] == expected, (answer_format, response)
+
+
+def test_generators_that_draw_from_pythons_global_generator_give_the_same_rows_and_leave_it_alone():
+    """reasoning-gym's list_functions calls random.randint: its rows depended on what ran before, and loading the
+    task moved the user's generator."""
+    import random
+
+    args = tasks.TaskArguments(task="reasoning_gym:list_functions", num_train_problems=4, num_eval=3)
+    random.seed(123)
+    first = tasks.load_task(args, 20)
+    after = random.random()
+    random.seed(456)
+    second = tasks.load_task(args, 20)
+    random.seed(123)
+    assert random.random() == after  # loading drew nothing from the user's generator
+    assert first.test["question"] == second.test["question"] and first.train["question"] == second.train["question"]
+
+
+def test_multi_line_and_sentence_answers_take_tags_or_the_whole_response():
+    expected = {"sudoku": "answer_tag_or_whole", "sentence_reordering": "answer_tag_or_whole"}
+    expected.update(chain_sum="last_number", spell_backward="last_line")
+    for name, answer_format in expected.items():
+        args = tasks.TaskArguments(task=f"reasoning_gym:{name}", num_train_problems=20, num_eval=5)
+        assert tasks.load_task(args, 20).description.split(", ")[1] == answer_format
+    task = tasks.load_task(tasks.TaskArguments(task="reasoning_gym:sudoku", num_train_problems=2, num_eval=2), 20)
+    row = task.test[0]
+    assert task.extract(f"I solved it.\n<answer>\n{row['answer']}\n</answer>", row) == row["answer"]
+    assert task.score(row["answer"].replace("\n", " "), row)["answer_reward"] == 0.0  # one line is not the grid
+    assert task.score("", row)["format_reward"] == 0.0

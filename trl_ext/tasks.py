@@ -32,6 +32,7 @@ the flag, before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -39,6 +40,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -544,8 +546,9 @@ def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
 # --------------------------------------------------------------------------------------------------- reasoning-gym
 REASONING_GYM_PREFIX = "reasoning_gym:"
 REASONING_GYM_EXTRA = "reasoning-gym is not installed: `uv sync --extra tasks` (or `pip install reasoning-gym`)"
-ANSWER_FORMATS = ("auto", "answer_tag", "last_number", "last_line")
-"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``)."""
+ANSWER_FORMATS = ("auto", "answer_tag", "answer_tag_or_whole", "last_number", "last_line")
+"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``; see
+:func:`reasoning_gym_task`)."""
 
 
 def _unknown_generator(rg: Any, dataset_name: str) -> str | None:
@@ -583,6 +586,23 @@ def extract_last_line(response: str) -> str | None:
     return line.strip().strip("\"'").strip() or None
 
 
+@contextlib.contextmanager
+def _seeded_global_generators(seed: int):
+    """Python's and NumPy's global generators seeded with ``seed`` inside the block and restored after it: a
+    reasoning-gym generator that draws from them (``list_functions`` calls ``random.randint``) then makes the same
+    entries whatever ran before, and the user's generators are left as they were."""
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 def reasoning_gym_task(
     dataset_name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int, train: bool = True
 ) -> Task:
@@ -599,12 +619,19 @@ def reasoning_gym_task(
     ``config`` (``--task_config``) goes to ``reasoning_gym.create_dataset`` except trl_ext's keys:
 
     * ``seed`` (default 0): the training rows' seed; held-out rows use ``seed + 1``;
-    * ``answer_format``: how the answer is read from a response -- ``"auto"`` (default: the last number when the
-      generator's answers are numbers, else the last line), ``"answer_tag"`` (reasoning-gym's ``<answer>...</answer>``
-      convention, ``reasoning_gym.utils.extract_answer``; the default with the ``r1_zero`` template), ``"last_number"``
-      or ``"last_line"`` (:func:`extract_last_line`);
-    * ``instruction``: replaces the answer-format instruction (default: "Answer with just the number." /
-      "Answer with just the answer, on one line." / "Put the final answer inside <answer> </answer> tags.").
+    * ``answer_format``: how the answer is read from a response -- ``"last_number"``, ``"last_line"``
+      (:func:`extract_last_line`), ``"answer_tag"`` (reasoning-gym's ``<answer>...</answer>`` convention,
+      ``reasoning_gym.utils.extract_answer``; no tags, no answer), ``"answer_tag_or_whole"`` (the tags' content, else
+      the whole response: a response that is only the answer needs no tags), or ``"auto"`` (default), chosen per
+      generator by :func:`choose_answer_format` so that every row's gold answer gets the credit ``score_answer``
+      gives it: ``answer_tag`` under the ``r1_zero`` template and template files (their text asks for tags); else the
+      first of ``last_number`` (numeric answers), ``last_line`` and ``answer_tag_or_whole`` that reads every gold
+      answer of this run's rows -- written alone and written as the instruction asks -- back to its full credit
+      (multi-line grids and move lists, sentences whose final period counts, take ``answer_tag_or_whole``);
+    * ``instruction``: replaces the answer-format instruction (default: :data:`RG_INSTRUCTIONS` of the format:
+      "Answer with just the number." / "Answer with just the answer, on one line." / "If you write anything besides
+      the answer, put the answer inside <answer> </answer> tags." / "Put the final answer inside <answer> </answer>
+      tags."; none under the ``r1_zero`` template and template files, which say how to answer).
 
     Rewards: ``format_reward`` is 1 when an answer was found, ``answer_reward`` is ``score_answer``'s value (partial
     credit where the generator gives it), ``reward`` = ``answer_reward``.
@@ -623,13 +650,15 @@ def reasoning_gym_task(
     instruction = config.pop("instruction", None)
     if answer_format not in ANSWER_FORMATS:
         raise RecipeError(f"--task_config: answer_format={answer_format!r}; expected one of {list(ANSWER_FORMATS)}")
-    try:
-        test_data = rg.create_dataset(dataset_name, size=args.num_eval, seed=seed + 1, **config)
-        test_entries = [test_data[i] for i in range(len(test_data))]
-        train_data = (
-            rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
-        )
-        train_entries = [train_data[i] for i in range(len(train_data))] if train else []
+    try:  # entries are drawn when indexed; some generators draw from Python's global generator (list_functions)
+        with _seeded_global_generators(seed + 1):
+            test_data = rg.create_dataset(dataset_name, size=args.num_eval, seed=seed + 1, **config)
+            test_entries = [test_data[i] for i in range(len(test_data))]
+        with _seeded_global_generators(seed):
+            train_data = (
+                rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
+            )
+            train_entries = [train_data[i] for i in range(len(train_data))] if train else []
     except Exception as err:  # noqa: BLE001 -- the generator validates its own configuration
         raise RecipeError(
             f"--task_config {json.dumps(dict(config))}: reasoning-gym's {dataset_name} refused it "
@@ -637,16 +666,13 @@ def reasoning_gym_task(
         ) from None
     text = resolve_template(getattr(args, "template", "chat"))
     if answer_format == "auto":
-        numeric = all(_is_number(e["answer"]) for e in test_entries)
-        answer_format = (
-            "answer_tag" if text not in ("chat", "question_only") else "last_number" if numeric else "last_line"
-        )
+        answer_format = choose_answer_format(test_entries + train_entries, test_data.score_answer, text)
     if instruction is None:
         given = getattr(args, "instruction", None)
-        instruction = given if given is not None else _RG_INSTRUCTIONS[answer_format]
+        instruction = given if given is not None else RG_INSTRUCTIONS[answer_format]
         if text not in ("chat", "question_only") and given is None:
             instruction = None  # the template's text says how to answer
-    extract = _extractor(answer_format, rg)
+    extract = answer_extractor(answer_format)
     entries: dict[str, Mapping[str, Any]] = {}
 
     def rows(split: str, split_entries: list[Mapping[str, Any]], skip: set[str]) -> list[dict[str, Any]]:
@@ -706,21 +732,75 @@ def reasoning_gym_task(
     )
 
 
-_RG_INSTRUCTIONS = {
+RG_INSTRUCTIONS = {
     "last_number": ANSWER_WITH_NUMBER,
     "last_line": "Answer with just the answer, on one line.",
+    "answer_tag_or_whole": "If you write anything besides the answer, put the answer inside <answer> </answer> tags.",
     "answer_tag": "Put the final answer inside <answer> </answer> tags.",
 }
+"""The answer-format instruction appended to a reasoning-gym question, by ``answer_format``. Each says how the answer
+is read and none contradicts a question that asks for "only your answer" or for a multi-line layout."""
 
 
-def _extractor(answer_format: str, rg: Any) -> Callable[[str], str | None]:
-    if answer_format == "answer_tag":
+def answer_extractor(answer_format: str) -> Callable[[str], str | None]:
+    """The function that reads an answer from a response under ``answer_format`` (:data:`ANSWER_FORMATS` but
+    ``auto``); None from it means no answer was found."""
+    if answer_format in ("answer_tag", "answer_tag_or_whole"):
         from reasoning_gym.utils import extract_answer
 
-        return lambda response: extract_answer(response)
+        if answer_format == "answer_tag":
+            return lambda response: extract_answer(response)
+        return lambda response: (
+            (extract_answer(response) if re.search(r"<answer>.*</answer>", response, re.DOTALL) else response.strip())
+            or None
+        )
     if answer_format == "last_number":
         return rewards.extract_last_number
     return extract_last_line
+
+
+def as_instructed(answer_format: str, answer: str) -> str:
+    """The response that gives ``answer`` the way the instruction of ``answer_format`` asks (:data:`RG_INSTRUCTIONS`):
+    the answer itself, or inside ``<answer> </answer>`` tags."""
+    return f"<answer>{answer}</answer>" if answer_format.startswith("answer_tag") else answer
+
+
+def choose_answer_format(
+    entries: list[Mapping[str, Any]], score_answer: Callable[..., float], template: str = "chat"
+) -> str:
+    """``answer_format="auto"`` for a reasoning-gym generator: ``answer_tag`` under the ``r1_zero`` template and
+    template files; else the first of ``last_number`` (when every gold answer is a number), ``last_line`` and
+    ``answer_tag_or_whole`` under which every entry's gold answer, given alone and given as the instruction asks
+    (:func:`as_instructed`), is read back to what ``score_answer(answer=gold, entry=entry)`` gives it (entries
+    without a gold answer -- ``answer`` None: the generator verifies solutions -- are not checked).
+    ``answer_tag_or_whole`` when none does (it reads a response that is exactly the gold answer as that answer).
+
+    Args:
+        entries: the generator's entries this run uses (held-out and training).
+        score_answer: the generator's ``score_answer(answer=..., entry=...)``.
+        template: the prompt template (a name, or a template file's text).
+    """
+    if template not in ("chat", "question_only"):
+        return "answer_tag"
+    golds = [e for e in entries if e.get("answer") is not None]
+
+    def full_credit(answer_format: str, entry: Mapping[str, Any]) -> bool:
+        extract, gold = answer_extractor(answer_format), str(entry["answer"])
+        try:
+            target = float(score_answer(answer=gold, entry=entry))
+            for response in (gold, as_instructed(answer_format, gold)):
+                read = extract(response)
+                if read is None or float(score_answer(answer=read, entry=entry)) < target - 1e-9:
+                    return False
+        except Exception:  # noqa: BLE001 -- a generator whose scorer fails on a reading has not read it back
+            return False
+        return True
+
+    numeric = bool(golds) and all(_is_number(e["answer"]) for e in golds)
+    for answer_format in ("last_number", "last_line") if numeric else ("last_line",):
+        if all(full_credit(answer_format, e) for e in golds):
+            return answer_format
+    return "answer_tag_or_whole"
 
 
 # ------------------------------------------------------------------------------------------------------ registry
