@@ -497,7 +497,7 @@ class SortingTaskArguments(RecipeArguments):
     num_train_problems: int = field(default=1000, metadata={"help": "Training prompts."})
     num_eval: int = field(default=50, metadata={"help": "Held-out prompts evaluated greedily."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
-    instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question."})
+    instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question ('' for none)."})
 
 
 def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
