@@ -56,7 +56,7 @@ def main(run, script_args, training_args, model_args, speed=None):
                 {"model": model_name, **task.fingerprint()},
                 lambda: task.evaluate(model, tokenizer, "eval before"),
             )
-        run.warn(tasks.nothing_to_learn(before))  # a task the model never scores on teaches GRPO nothing
+        run.warn(tasks.nothing_to_learn(before, task.reward_keys))  # no reward varies: nothing for GRPO to learn
     trainer = trl_ext.GRPOTrainer(
         model=model,
         reward_funcs=task.reward_funcs,

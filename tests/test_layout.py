@@ -28,13 +28,15 @@ LIBRARY = ROOT / "trl_ext"
 LAYERS = (  # bottom first; a module imports modules of its own layer or of a layer below, never above
     # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
-    # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
-    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling),
-    # the user's random generators left as they were (rng)
+    # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
+    # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
+    # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
+    # were (rng)
     (
         "functional",
         "errors",
         "options",
+        "task_options",
         "machine",
         "observations",
         "profiling",

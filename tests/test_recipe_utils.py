@@ -471,6 +471,40 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize(
+    "recipe, loaders, flags",
+    [
+        ("grpo_math", ["load_model_and_tokenizer", "load_model"], ["--dataset_name", "{bad}"]),
+        ("grpo_math", ["load_model_and_tokenizer", "load_model"], ["--dataset_name", "{good}", "--test_file", "{bad}"]),
+        ("eval_math", ["load_eval_model"], ["--dataset_name", "{bad}"]),
+        ("sft_instruct", ["load_model_and_tokenizer"], ["--train_file", "{bad}"]),
+        ("dpo", ["load_model_and_tokenizer"], ["--test_file", "{bad}"]),
+        ("reward_model", ["load_tokenizer", "resolve_model_name_or_path"], ["--train_file", "{bad}"]),
+        ("rlhf", ["load_tokenizer", "resolve_model_name_or_path", "train_reward_model"], ["--train_file", "{bad}"]),
+        ("expert_iteration", ["load_model_and_tokenizer"], ["--dataset_name", "{bad}"]),
+    ],
+)
+def test_every_recipe_reads_data_files_as_utf8_without_the_mark(tmp_path, monkeypatch, recipe, loaders, flags):
+    """A data file saved with a byte-order mark reads its first row (the first problem is the bad line 2, not an
+    "invalid JSON" line 1); one in cp1252 is one line naming the file, the byte and its place, before any model."""
+    module = load_recipe(recipe)
+    _explode_loaders(monkeypatch, module, loaders)
+    first = GOOD_FIRST.get(recipe, {"question": "Combien font 1 + 1 ?", "answer": "#### 2"})
+    first = {k: v + " é" if k in ("question", "output", "chosen") else v for k, v in first.items()}
+    line = json.dumps(first, ensure_ascii=False) + "\n"
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"question": f"{i} + 1 ?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
+    bad = tmp_path / "bad.jsonl"
+    argv = [f.format(bad=bad, good=good) for f in flags] + ["--output_dir", str(tmp_path / "out")]
+    bad.write_bytes(b"\xef\xbb\xbf" + (line + '{"question": oops}\n').encode())
+    with pytest.raises(RecipeError, match=rf"{bad} (row 1 \()?line 2\)?: invalid JSON"):
+        module.main(*module.main.parse_args(argv))
+    bad.write_bytes(line.encode("cp1252"))
+    column = line.index("é") + 1
+    with pytest.raises(RecipeError, match=rf"{bad}: not UTF-8 text \(byte 0xe9 at line 1, column {column}; a cp1252"):
+        module.main(*module.main.parse_args(argv))
+
+
+@pytest.mark.parametrize(
     "recipe",
     [
         "grpo_math",
@@ -745,7 +779,12 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         f"  {VLLM_MISSING}",
         f"  {BF16_NO_GPU}",
         f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
+        f"  --dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
+        "remove it",  # the Hub dataset's config does not apply to the local stand-in
     ]
+    trimmed = tmp_path / "math.yaml"
+    trimmed.write_text("".join(line for line in open(config) if not line.startswith("dataset_config:")))
+    config = str(trimmed)
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)

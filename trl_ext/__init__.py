@@ -46,6 +46,7 @@ _SUBMODULES = (
     "models",
     "observations",
     "options",
+    "task_options",
     "packed_linear",
     "profiling",
     "report",

@@ -49,6 +49,7 @@ from transformers import TrainingArguments
 from trl_ext import machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
+from trl_ext.errors import decode_text, read_text
 from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
 from trl_ext.options import RecipeArguments as RecipeArguments
@@ -166,8 +167,9 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
 
 def source_problems(values: Mapping[str, Any]) -> list[str]:
     """Where the options name models, datasets and files this machine cannot reach: ``model_name_or_path``
-    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist) and
-    ``reward_model_path`` (a local folder)."""
+    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist),
+    ``reward_model_path`` (a local folder) and a ``chat_template_path`` file TRL would misread
+    (:func:`_read_by_trl_problem`)."""
     problems = [model_source_problem(values.get("model_name_or_path"))]
     if "dataset_name" in values:
         problems.append(dataset_source_problem(values.get("dataset_name")))
@@ -176,7 +178,28 @@ def source_problems(values: Mapping[str, Any]) -> list[str]:
             problems.append(f"--{name} {value}: no such file")
     if values.get("reward_model_path") and not Path(values["reward_model_path"]).is_dir():
         problems.append(f"--reward_model_path {values['reward_model_path']}: no such folder")
+    template = values.get("chat_template_path")
+    if isinstance(template, str) and template.endswith((".jinja", ".j2")) and Path(template).is_file():
+        problems.append(_read_by_trl_problem("--chat_template_path", template))
     return [p for p in problems if p]
+
+
+def _read_by_trl_problem(flag: str, path: str) -> str | None:
+    """What is wrong with a text file TRL itself reads as UTF-8 (``open(path, encoding="utf-8")``: SFT's and the
+    reward trainer's ``chat_template_path``), or None: not UTF-8 (TRL would raise UnicodeDecodeError mid-setup), or a
+    byte-order mark, which TRL would keep as U+FEFF at the start of the template, so before every prompt (trl_ext's
+    own readers drop it, :func:`trl_ext.errors.read_text`; this file is read by TRL, so it is refused instead)."""
+    data = Path(path).read_bytes()
+    try:
+        decode_text(data, path)
+    except ValueError as err:
+        return f"{flag} {err}"
+    if data.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
+        return (
+            f"{flag} {path}: starts with a byte-order mark, which TRL reads into the chat template (U+FEFF before "
+            "every prompt, or a UnicodeDecodeError for UTF-16); save it as UTF-8 without one"
+        )
+    return None
 
 
 def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
@@ -226,7 +249,11 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError(f"--config {path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = read_text(path)  # UTF-8, a byte-order mark dropped
+    except ValueError as err:  # not UTF-8: the message starts with the path
+        raise RecipeError(f"--config {err}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise RecipeError(f"--config {path}: not valid YAML ({err})") from None
     if data is None:
@@ -323,7 +350,9 @@ def parse(
     The checks, each problem naming the flag that fixes it: options unknown to every class (naming the file), flag
     values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
     a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
-    (:func:`source_problems`) and whatever a config class itself rejects (its ``__post_init__``; run with the
+    (:func:`source_problems`), the task's name and every task option the user set that the task does not use
+    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.task_options.option_problems`) and whatever a config class
+    itself rejects (its ``__post_init__``; run with the
     options above switched off, so its own objections are found in the same pass).
 
     Args:
@@ -413,8 +442,12 @@ def parse(
     problems += flagged
     devices = device_problems(values)
     problems += devices + source_problems(values)
-    if "task" in values:  # --task and --task_config, before any data is read
+    if "task" in values:  # --task and --task_config, and every option the task would not use, before any data is read
         problems += [p for p in [tasks.task_problem(values)] if p]
+        given = {k: src for k, src in source.items() if src != str(default_config)}  # the user's --config files
+        given.update(dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), ""))  # flags
+        own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
+        problems += tasks.option_problems(values, given, defaults=tasks.option_defaults(own))
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:

@@ -327,8 +327,9 @@ def score_rows(
         prompt, response, answer, extracted answer and score).
 
     Raises:
-        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` returns something without
-            the three keys or with a value that is not a number (the message names the row).
+        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (any exception, its
+            ``__cause__``), or returns something without the three keys or with a value that is not a number (the
+            message names the row).
     """
     if len(rows) != len(responses):
         raise ValueError(f"got {len(rows)} rows and {len(responses)} responses; expected one response per row")
@@ -336,7 +337,11 @@ def score_rows(
         raise ValueError("nothing to score: expected at least one response")
     records = []
     for i, (row, response) in enumerate(zip(rows, responses)):
-        scores = score(response, row)
+        try:
+            scores = score(response, row)
+        except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            raise ValueError(f"held-out row {i} (0-based): {detail}") from err
         missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
         if missing:
             raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")

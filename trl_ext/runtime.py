@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from trl_ext.errors import read_text
+
 THREAD_FLAG = "--num_cpu_threads_per_process"
 
 
@@ -194,7 +196,7 @@ def precision_set_by_user(argv: Sequence[str] | None = None, config_path: str | 
     if config_path is not None:
         import yaml
 
-        config = yaml.safe_load(Path(config_path).read_text()) or {}
+        config = yaml.safe_load(read_text(config_path)) or {}  # as trl_ext.cli reads it (parse checked it)
         return "bf16" in config or "fp16" in config
     return False
 

@@ -7,15 +7,20 @@ Course shape (``reward_fn(response, ground_truth) -> {"reward", "format_reward",
 ``r1_zero_reward_fn``, ``gsm8k_reward_fn`` (also grades the arithmetic problems), ``math_reward_fn``.
 
 Adapters: ``as_trl_reward`` (course -> TRL), ``as_trl_row_reward`` (a scorer of whole rows -> TRL) and
-``as_course_reward_fn`` (TRL -> course).
+``as_course_reward_fn`` (TRL -> course); ``carry_reserved_columns`` / ``restore_carried_columns`` move the columns
+TRL keeps from reward functions (``TRL_RESERVED_COLUMNS``) under names it passes on.
 """
 
 from trl_ext.rewards.adapters import (
     REWARD_KEYS,
+    TRL_RESERVED_COLUMNS,
     as_course_reward_fn,
     as_trl_reward,
     as_trl_row_reward,
+    carry_reserved_columns,
     completion_text,
+    dataset_columns,
+    restore_carried_columns,
 )
 from trl_ext.rewards.math_answers import (
     MATH_VERIFY_TIMEOUT_S,
@@ -42,10 +47,14 @@ from trl_ext.rewards.math_answers import (
 __all__ = [
     "MATH_VERIFY_TIMEOUT_S",
     "REWARD_KEYS",
+    "TRL_RESERVED_COLUMNS",
     "arithmetic_reward",
     "as_course_reward_fn",
     "as_trl_reward",
     "as_trl_row_reward",
+    "carry_reserved_columns",
+    "dataset_columns",
+    "restore_carried_columns",
     "completion_text",
     "extract_answer_tag",
     "extract_boxed",

@@ -108,8 +108,69 @@ def as_trl_reward(
     return trl_reward
 
 
-TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
-"""Keyword arguments TRL 1.16 passes to reward functions besides the dataset's columns."""
+TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+"""Keyword arguments TRL 1.16 passes to reward functions besides ``prompts``, ``completions`` and the dataset's
+columns (``environments`` only with an ``environment_factory``)."""
+
+TRL_RESERVED_COLUMNS = (
+    "completion",
+    "completion_ids",
+    "prompts",
+    "completions",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+    "environments",
+)
+"""Dataset column names that cannot reach a reward function of TRL 1.16's ``GRPOTrainer`` as they are
+(``GRPOTrainer._calculate_rewards``): ``completion`` and ``completion_ids`` are removed from the columns it passes
+(``prompt`` too, which comes back as ``prompts``); ``prompts``, ``completions`` and ``completion_ids`` are keywords it
+passes itself (a column of that name makes the call fail: "got multiple values for keyword argument"); and
+``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are overwritten by its own values. A task's
+training rows carry such a column under :data:`CARRIED_PREFIX` + its name (:func:`carry_reserved_columns`), and the
+task's scorer gets it back under its own name (:func:`restore_carried_columns`)."""
+
+CARRIED_PREFIX = "trl_ext."
+"""Prefix of the name under which a :data:`TRL_RESERVED_COLUMNS` column travels through TRL (``trl_ext.completion``)."""
+
+
+def dataset_columns(dataset: Any) -> list[str]:
+    """The column names of a ``datasets.Dataset`` or ``IterableDataset`` (a stream without declared features: its
+    first row's keys)."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:  # a streaming dataset without declared features: its first row says
+        names = list(next(iter(dataset), {}))
+    return list(names)
+
+
+def carry_reserved_columns(dataset: Any, what: str = "the dataset") -> Any:
+    """``dataset`` with each :data:`TRL_RESERVED_COLUMNS` column renamed to :data:`CARRIED_PREFIX` + its name, so
+    that TRL hands it to reward functions unchanged; the same object when it has none.
+
+    Args:
+        dataset: a ``datasets.Dataset`` or ``IterableDataset``.
+        what: the dataset, for messages (``"task 'mine': training rows"``).
+
+    Raises:
+        ValueError: a column to carry whose carried name is already a column (both named).
+    """
+    names = dataset_columns(dataset)
+    renames = {c: CARRIED_PREFIX + c for c in names if c in TRL_RESERVED_COLUMNS}
+    clash = [f"{c!r} and {n!r}" for c, n in renames.items() if n in names]
+    if clash:
+        raise ValueError(
+            f"{what}: columns {', '.join(clash)}: the first is a name TRL keeps from reward functions, carried under "
+            "the second, which is taken; rename one of them"
+        )
+    return dataset.rename_columns(renames) if renames else dataset
+
+
+def restore_carried_columns(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``row`` with its carried columns (:func:`carry_reserved_columns`) under their own names again; the same mapping
+    when it has none."""
+    if not any(k.startswith(CARRIED_PREFIX) for k in row):
+        return row
+    return {k.removeprefix(CARRIED_PREFIX) if k.startswith(CARRIED_PREFIX) else k: v for k, v in row.items()}
 
 
 def as_trl_row_reward(
@@ -119,6 +180,7 @@ def as_trl_row_reward(
     name: str = "reward",
     required_column: str | None = None,
     hint: str = "add it to the dataset",
+    expected_columns: Sequence[str] = (),
 ) -> TrlRewardFunc:
     """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
     function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
@@ -136,14 +198,18 @@ def as_trl_row_reward(
         name: ``__name__`` of the returned function (TRL logs ``rewards/<name>/mean``).
         required_column: a column that must be among the dataset's (checked once per call, named when absent).
         hint: what the missing-column message suggests.
+        expected_columns: the columns of the rows (a task's training columns): when TRL passes none of them, the
+            call fails naming them and the likely cause, ``remove_unused_columns=True``, under which TRL drops every
+            column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
 
     Returns:
         The TRL reward function ``(prompts, completions, **columns) -> list[float]``.
 
     Raises:
         ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``required_column`` is
-            absent, a column's length differs from ``completions``, or ``score`` raises a ValueError (the message
-            names the row index).
+            absent, or every one of ``expected_columns``, a column's length differs from ``completions``, or
+            ``score`` raises (any exception: the message names the row index in the batch, the error and the row's
+            prompt; the original exception is its ``__cause__``).
     """
     if key not in REWARD_KEYS:
         raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
@@ -156,6 +222,12 @@ def as_trl_row_reward(
             raise ValueError(
                 f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
             )
+        if expected_columns and not any(c in data for c in expected_columns):
+            raise ValueError(
+                f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
+                "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
+                "false, GRPO's default)"
+            )
         for column, values in data.items():
             if len(values) != len(completions):
                 raise ValueError(
@@ -166,8 +238,10 @@ def as_trl_row_reward(
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
             try:
                 results.append(score(completion_text(completion, row=i), row))
-            except ValueError as err:
-                raise ValueError(f"{name}: row {i} (0-based): {err}") from None
+            except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+                prompt = _short(row["prompt"])
+                detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+                raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
         log_metric = columns.get("log_metric")
         if log_metric is not None and results:
             for k in ("format_reward", "answer_reward"):
@@ -183,6 +257,14 @@ def as_trl_row_reward(
         f"score of each completion against its row."
     )
     return trl_reward
+
+
+def _short(prompt: Any, limit: int = 60) -> str:
+    """A prompt for messages: its last message's text (a conversation) or the text, shortened to ``limit``."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content")
+    text = repr(prompt)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
 def as_course_reward_fn(
