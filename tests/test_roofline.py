@@ -385,3 +385,32 @@ def test_untimed_phases_and_ratios_below_1_are_left_out_with_the_reason(caplog):
         f"roofline: {report['omitted'][name]['reason']}" for name in ("backward", "optimizer")
     ]
     assert "left out: backward not timed" in format_roofline(report)
+
+
+def test_a_phase_under_autocast_is_floored_by_its_dtypes_peak():
+    """Under bf16 autocast the matmuls run in bf16: the forward's and its backward's compute floors use the bf16
+    peak (the fp32 one would put the floor too high: ratios below 1 on a CPU with AMX); the optimizer stays fp32."""
+    model = small_llama()
+    counter = WorkCounter(model, lambda: None)
+    ids = torch.randint(0, 256, (ROWS, TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids).logits.float().pow(2).mean()
+    loss.backward()
+    with torch.no_grad():
+        model(input_ids=ids)  # an fp32 forward in the same bucket: the narrower dtype's (faster) peak is kept
+    assert counter.dtypes == {"forward": torch.bfloat16, "backward": torch.bfloat16}
+    counter.remove()
+    peaks = MachinePeaks("cpu", "float32", 1e9, 1e12, 2, 1.0)  # fp32 1 GFLOP/s; bf16 10 GFLOP/s below
+    work = {"backward": Work(flops=4e9, bytes=1.0), "optimizer": Work(flops=3e9, bytes=1.0)}
+    report = roofline_report(
+        {"backward": 1.0, "optimizer": 5.0},
+        work,
+        peaks,
+        dtypes={"backward": "bfloat16"},
+        matmul_peaks={"bfloat16": 1e10},
+    )
+    backward, optimizer = report["phases"]["backward"], report["phases"]["optimizer"]
+    assert (backward["floor_seconds"], backward["ratio"], backward["dtype"]) == (0.4, 2.5, "bfloat16")  # 4e9 / 1e10
+    assert (optimizer["floor_seconds"], optimizer["dtype"]) == (3.0, "float32")  # 3e9 / 1e9
+    assert report["machine"]["matmul_flops_per_s_by_dtype"] == {"float32": 1e9, "bfloat16": 1e10}
+    assert "10.0 GFLOP/s in bfloat16" in format_roofline(report)

@@ -3,9 +3,11 @@
 For each phase of a run (held-out evaluation, generation prefill and decode, the log-prob forward, other training
 forwards, backward, optimizer) the report puts the seconds measured beside the floor this machine allows for that
 phase's work: ``max(FLOPs / matmul peak, bytes / memory bandwidth)``, with the peak and the bandwidth **measured in
-the run** (:func:`measure_peaks`, about a second), never taken from a data sheet. ``ratio = seconds / floor`` says how
-many times slower than the floor the phase ran (1 = at the roofline); on CUDA the same numbers read as MFU
-(``flops_utilization``: achieved FLOP/s over the measured matmul peak) and bandwidth use.
+the run** (:func:`measure_peaks`, about a second), never taken from a data sheet. The matmul peak is measured in each
+dtype a phase computed in: the weights' dtype, and autocast's (bf16) for the phases that ran under it -- against the
+fp32 peak a bf16 phase's floor would be too high (on a CPU with AMX the bf16 peak is about 30 x the fp32 one).
+``ratio = seconds / floor`` says how many times slower than the floor the phase ran (1 = at the roofline); on CUDA the
+same numbers read as MFU (``flops_utilization``: achieved FLOP/s over the measured matmul peak) and bandwidth use.
 
 The work is counted, not estimated from wall time: :class:`WorkCounter` hooks the model's forward and, for every
 call, counts from its inputs (Williams, Waterman & Patterson 2009, "Roofline"; Kaplan et al. 2020 for 2 x parameters
@@ -44,7 +46,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -120,6 +122,16 @@ def _copy_rate(size: int, device: torch.device, budget_s: float) -> float:
     return _best_rate(2.0 * src.numel() * 4, lambda: dst.copy_(src), device, budget_s)
 
 
+def measure_matmul_peak(
+    device: str | torch.device, dtype: torch.dtype, budget_s: float = 1.0, matmul_size: int | None = None
+) -> float:
+    """The best FLOP/s of an ``n x n`` matmul in ``dtype`` on ``device`` within ``budget_s`` seconds (``n`` default
+    1024 on CPU, 8192 on CUDA)."""
+    device = torch.device(device)
+    n = matmul_size or (8192 if device.type == "cuda" else 1024)
+    return _matmul_rate(n, device, dtype, budget_s)
+
+
 def measure_peaks(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -141,13 +153,12 @@ def measure_peaks(
     """
     device = torch.device(device)
     start = time.perf_counter()
-    n = matmul_size or (8192 if device.type == "cuda" else 1024)
-    flops = _matmul_rate(n, device, dtype, budget_s)
+    flops = measure_matmul_peak(device, dtype, budget_s, matmul_size)
     size = copy_bytes or (2**30 if device.type == "cuda" else 2**28)
     bandwidth = _copy_rate(size, device, budget_s)
     return MachinePeaks(
         device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=_dtype_name(dtype),
         matmul_flops_per_s=flops,
         bandwidth_bytes_per_s=bandwidth,
         threads=torch.get_num_threads(),
@@ -419,7 +430,8 @@ class WorkCounter:
         self.shape = ModelShape.of(model)
         self.current_phase = current_phase
         self.work: dict[str, Work] = {}
-        self._started: list[tuple[float, Work, str, bool, float, int | None]] = []
+        self.dtypes: dict[str, torch.dtype] = {}  # bucket -> the dtype its matmuls ran in (autocast's, else weights')
+        self._started: list[tuple[float, Work, str, bool, float, int | None, torch.dtype]] = []
         self._depth = 0  # forwards of the model running now
         self._pending = 0  # forwards with gradients whose backward has not run (nor will: their output was freed)
         self._module_handles: list[Any] = []  # per-module hooks, on while gradients may flow
@@ -493,17 +505,20 @@ class WorkCounter:
             torch.cuda.synchronize()
         self._depth += 1
         attention = self.shape.layers * attention_flops(self.shape, pairs)
-        self._started.append((time.perf_counter(), work, bucket, grad, attention, fused))
+        device = self.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.dtype
+        self._started.append((time.perf_counter(), work, bucket, grad, attention, fused, dtype))
 
     def _after(self, module, args, kwargs, output):
         if not self._started:
             return
         self._depth -= 1
-        start, work, bucket, grad, attention, fused = self._started.pop()
+        start, work, bucket, grad, attention, fused, dtype = self._started.pop()
         if self._cuda and bucket in TIMED_BY_HOOK:
             torch.cuda.synchronize()
         work.forward_seconds = time.perf_counter() - start
         self.work.setdefault(bucket, Work()).add(work)
+        self._note_dtype(bucket, dtype)
         anchor = _anchor(output)
         if not (grad and anchor is not None and anchor.requires_grad):
             return
@@ -536,6 +551,7 @@ class WorkCounter:
             self._add_backward(backward)
 
         self._pending += 1
+        self._note_dtype("backward", dtype)  # autocast's dtype holds for the backward of what ran under it
         anchor.register_hook(on_gradient)
         weakref.finalize(anchor, settle)  # never backpropagated and freed: nothing pending
 
@@ -562,6 +578,12 @@ class WorkCounter:
             handle.remove()
         self._module_handles = []
         self._attention_per_layer.clear()
+
+    def _note_dtype(self, bucket: str, dtype: torch.dtype) -> None:
+        # a bucket whose forwards ran in several dtypes: the narrowest (fastest) one, so its floor stays a floor
+        seen = self.dtypes.get(bucket)
+        if seen is None or dtype.itemsize < seen.itemsize:
+            self.dtypes[bucket] = dtype
 
     def _add_backward(self, work: Work) -> None:
         self.work.setdefault("backward", Work()).add(work)
@@ -614,6 +636,7 @@ class PhaseRoofline:
     bandwidth_utilization: float | None
     calls: int = 0
     tokens: int = 0
+    dtype: str = ""
 
 
 def phase_roofline(seconds: float, work: Work, peaks: MachinePeaks) -> PhaseRoofline:
@@ -639,6 +662,7 @@ def phase_roofline(seconds: float, work: Work, peaks: MachinePeaks) -> PhaseRoof
         bandwidth_utilization=work.bytes / seconds / peaks.bandwidth_bytes_per_s if seconds > 0 else None,
         calls=work.calls,
         tokens=work.tokens,
+        dtype=peaks.dtype,
     )
 
 
@@ -648,6 +672,8 @@ def roofline_report(
     peaks: MachinePeaks,
     optimizer_steps: int = 0,
     shape: ModelShape | None = None,
+    dtypes: Mapping[str, str] | None = None,
+    matmul_peaks: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The report: the machine's peaks and one :class:`PhaseRoofline` per phase that ran and was timed.
 
@@ -667,6 +693,9 @@ def roofline_report(
         peaks: :func:`measure_peaks`'s result.
         optimizer_steps: optimizer steps timed (their work is not seen by the forward hooks).
         shape: the model's shape, for the optimizer's work (its trainable weights).
+        dtypes: phase -> the dtype its matmuls ran in (``WorkCounter.dtypes``: bf16 under bf16 autocast); a phase's
+            compute floor uses that dtype's peak. Default: every phase in ``peaks.dtype``.
+        matmul_peaks: dtype -> measured matmul FLOP/s, for the dtypes of ``dtypes`` other than ``peaks.dtype``.
 
     Returns:
         ``{"machine": {...}, "phases": {name: {...}}, "omitted": {name: {"reason": ..., ...}}}`` (JSON-ready).
@@ -688,14 +717,20 @@ def roofline_report(
     for name in PHASES:
         if name not in work or (work[name].flops <= 0 and work[name].bytes <= 0):
             continue
-        row = phase_roofline(seconds[name], work[name], peaks)
+        dtype = (dtypes or {}).get(name, peaks.dtype)
+        peak = peaks.matmul_flops_per_s if dtype == peaks.dtype else (matmul_peaks or {})[dtype]
+        row = phase_roofline(seconds[name], work[name], replace(peaks, dtype=dtype, matmul_flops_per_s=peak))
         reason = below_the_floor(name, row)
         if reason is None:
             phases[name] = asdict(row)
         else:
             omitted[name] = {"reason": reason, **asdict(row)}
             logger.warning("roofline: %s", reason)
-    return {"machine": asdict(peaks), "phases": phases, "omitted": omitted}
+    machine = {
+        **asdict(peaks),
+        "matmul_flops_per_s_by_dtype": {peaks.dtype: peaks.matmul_flops_per_s, **(matmul_peaks or {})},
+    }
+    return {"machine": machine, "phases": phases, "omitted": omitted}
 
 
 def below_the_floor(name: str, row: PhaseRoofline) -> str | None:
@@ -718,11 +753,12 @@ def format_roofline(report: Mapping[str, Any]) -> str:
     """The report as a console table: per phase seconds, floor, ratio, bound, FLOP/s and bandwidth achieved; then one
     line per phase left out, with the reason."""
     machine = report["machine"]
+    by_dtype = machine.get("matmul_flops_per_s_by_dtype") or {machine["dtype"]: machine["matmul_flops_per_s"]}
+    peaks = ", ".join(f"{flops / 1e9:.1f} GFLOP/s in {dtype}" for dtype, flops in by_dtype.items())
     lines = [
-        f"roofline on {machine['device']} ({machine['dtype']}, {machine['threads']} threads): matmul peak "
-        f"{machine['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, bandwidth {machine['bandwidth_bytes_per_s'] / 1e9:.1f} "
-        "GB/s (measured in this run)",
-        f"{'phase':<20}{'seconds':>9}{'floor s':>9}{'ratio':>8}  {'bound':<8}{'FLOP/s %':>9}{'bytes/s %':>10}",
+        f"roofline on {machine['device']} ({machine['threads']} threads): matmul peak {peaks}, bandwidth "
+        f"{machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (measured in this run)",
+        f"{'phase':<20}{'seconds':>9}{'floor s':>9}{'ratio':>8}  {'bound':<8}{'FLOP/s %':>9}{'bytes/s %':>10}  dtype",
     ]
     for name, row in report["phases"].items():
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.1f}x"
@@ -730,6 +766,7 @@ def format_roofline(report: Mapping[str, Any]) -> str:
         bu = "-" if row["bandwidth_utilization"] is None else f"{row['bandwidth_utilization']:.1%}"
         lines.append(
             f"{name:<20}{row['seconds']:>9.1f}{row['floor_seconds']:>9.2f}{ratio:>8}  {row['bound']:<8}{fu:>9}{bu:>10}"
+            f"  {row.get('dtype') or machine['dtype']}"
         )
     lines += [f"left out: {row['reason']}" for row in report.get("omitted", {}).values()]
     return "\n".join(lines)
@@ -765,7 +802,22 @@ class RooflineRecorder:
         for counter in self.counters:
             for name, w in counter.work.items():
                 work.setdefault(name, Work()).add(w)
+        dtypes: dict[str, torch.dtype] = {}
+        for counter in self.counters:
+            for name, dtype in counter.dtypes.items():
+                if name not in dtypes or dtype.itemsize < dtypes[name].itemsize:
+                    dtypes[name] = dtype
         first = self.counters[0]
         first.refresh()  # the trainable weights the optimizer stepped (the adapters only under LoRA)
         peaks = measure_peaks(first.device, first.dtype)  # in the weights' dtype, on their device
-        return roofline_report(phase_seconds, work, peaks, optimizer_steps, first.shape)
+        matmul_peaks = {  # and in every other dtype a phase computed in (bf16 autocast)
+            _dtype_name(dtype): measure_matmul_peak(first.device, dtype)
+            for dtype in set(dtypes.values())
+            if dtype != first.dtype
+        }
+        names = {name: _dtype_name(dtype) for name, dtype in dtypes.items()}
+        return roofline_report(phase_seconds, work, peaks, optimizer_steps, first.shape, names, matmul_peaks)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
