@@ -414,3 +414,16 @@ def test_a_phase_under_autocast_is_floored_by_its_dtypes_peak():
     assert (optimizer["floor_seconds"], optimizer["dtype"]) == (3.0, "float32")  # 3e9 / 1e9
     assert report["machine"]["matmul_flops_per_s_by_dtype"] == {"float32": 1e9, "bfloat16": 1e10}
     assert "10.0 GFLOP/s in bfloat16" in format_roofline(report)
+
+
+def test_a_forward_that_raises_leaves_the_count_right():
+    """A forward that fails (a token id beyond the vocabulary) must not leave the counter thinking a forward still
+    runs: gradient checkpointing's re-run forward is told apart from the model's own by exactly that."""
+    model = small_llama()
+    checkpoint(model, reentrant=False)
+    counter = WorkCounter(model, lambda: None)
+    with pytest.raises(IndexError):
+        model(input_ids=torch.full((1, 4), 10_000))
+    measured, _, _ = measured_backward_flops(model)  # its own counter beside this one
+    assert counter.work["backward"].flops == pytest.approx(measured, rel=1e-9)
+    counter.remove()

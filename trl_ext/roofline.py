@@ -431,7 +431,7 @@ class WorkCounter:
         self.current_phase = current_phase
         self.work: dict[str, Work] = {}
         self.dtypes: dict[str, torch.dtype] = {}  # bucket -> the dtype its matmuls ran in (autocast's, else weights')
-        self._started: list[tuple[float, Work, str, bool, float, int | None, torch.dtype]] = []
+        self._started: list[tuple[float, Work, str, bool, float, int | None, torch.dtype] | None] = []
         self._depth = 0  # forwards of the model running now
         self._pending = 0  # forwards with gradients whose backward has not run (nor will: their output was freed)
         self._module_handles: list[Any] = []  # per-module hooks, on while gradients may flow
@@ -480,7 +480,9 @@ class WorkCounter:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        if ids is None:
+        self._depth += 1
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            self._started.append(None)  # nothing to count; its _after pops this
             return
         rows, new = int(ids.shape[0]), int(ids.shape[1])
         keep = kwargs.get("logits_to_keep", 0)
@@ -494,7 +496,7 @@ class WorkCounter:
         pairs = rows * new * (past + (new + 1) / 2) if pairs is None else pairs
         work = forward_work(self.shape, rows, new, past, rows * head_rows if fused is None else fused, pairs)
         grad = torch.is_grad_enabled()
-        if self._depth == 0:
+        if self._depth == 1:  # the outermost forward
             if grad:
                 self._add_module_hooks()
                 self._attention_per_layer[(rows, new)] = attention_flops(self.shape, pairs)
@@ -503,7 +505,6 @@ class WorkCounter:
         bucket = self.bucket(new)
         if self._cuda and bucket in TIMED_BY_HOOK:  # only these forwards' own seconds are read: no sync per token
             torch.cuda.synchronize()
-        self._depth += 1
         attention = self.shape.layers * attention_flops(self.shape, pairs)
         device = self.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.dtype
@@ -513,7 +514,10 @@ class WorkCounter:
         if not self._started:
             return
         self._depth -= 1
-        start, work, bucket, grad, attention, fused, dtype = self._started.pop()
+        started = self._started.pop()
+        if started is None:
+            return
+        start, work, bucket, grad, attention, fused, dtype = started
         if self._cuda and bucket in TIMED_BY_HOOK:
             torch.cuda.synchronize()
         work.forward_seconds = time.perf_counter() - start
