@@ -133,6 +133,7 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
     t0 = time.perf_counter()
     trainer = trl_ext.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
+    run.profile(trainer)  # its forward, backward and optimizer seconds: the roofline's rows
     with run.phase("sft"):
         result = trainer.train()
     fields = {
@@ -217,7 +218,7 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
     rows = [dict(zip(batch, values)) for values in zip(*batch.values()) for _ in range(group)]  # G per question
     prompts = [row["prompt"] for row in rows]
     t0 = time.perf_counter()
-    with run.phase("sample"):  # G outputs per question from the current policy
+    with run.phase("sample", breakdown="generation"):  # G outputs per question from the current policy
         prompt_ids, completion_ids, completions = sampler.sample(prompts)
     generation_seconds = time.perf_counter() - t0
     texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
@@ -245,7 +246,7 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
             run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step
         )
         record.update(fields)
-    with run.phase("eval_steps"):
+    with run.phase("eval_steps", breakdown="evaluation"):
         after = task.evaluate(model, tokenizer, f"eval after EI step {step}", progress=False)
     record.update(accuracy=after["accuracy"], format_rate=after["format_rate"])
     print(

@@ -84,6 +84,24 @@ def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path)
     assert sum(seconds.values()) == pytest.approx(profiler.train_seconds, rel=1e-6)
 
 
+def test_step_profiler_times_any_trainer_and_counts_steps_without_clipping(tiny_model, tokenizer, tmp_path):
+    """An SFT trainer has no generation, reward or log-prob phase: the profiler times what it has (issue 37: the
+    reward-model recipe reported backward 0.0 s); with clipping off (max_grad_norm 0) a step is still one call."""
+    data = Dataset.from_list([{"prompt": f"Count to {i}:", "completion": " 1 2 3"} for i in range(4)])
+    args = trl_ext.SFTConfig(
+        output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "max_steps": 2}, per_device_train_batch_size=2, max_grad_norm=0.0
+    )
+    trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
+    profiler = StepProfiler().attach(trainer)
+    with pytest.raises(ValueError, match="already has a StepProfiler"):
+        StepProfiler().attach(trainer)  # its phases would be timed twice
+    trainer.train()
+    seconds, calls = profiler.timer.seconds, profiler.timer.calls
+    assert seconds["backward"] > 0 and seconds["optimizer"] > 0
+    assert not {"generation", "reward", "logprob_forward"} & set(seconds)
+    assert (calls["backward"], calls["optimizer"], profiler.optimizer_steps) == (2, 2, 2)
+
+
 def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path, monkeypatch):
     """Master weights fp32; log-probs (LM head in fp32), ratio inputs, advantages and KL fp32 under bf16 autocast."""
     seen = {}

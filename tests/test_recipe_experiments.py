@@ -252,6 +252,13 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
         assert step["sft_steps"] == 2 * math.ceil(step["kept"] / 2)
         # a random model over the 49152-token vocabulary is nearly uniform: entropy close to ln 49152 = 10.80 nats
         assert step["entropy"] == pytest.approx(math.log(49152), abs=0.1)
+    # every SFT trainer profiled: its backward and optimizer rows timed, one optimizer row call per SFT step
+    roofline = metrics["roofline"]
+    assert all(row["ratio"] >= 1 for row in roofline["phases"].values())
+    rows = {**roofline["phases"], **roofline["omitted"]}
+    assert rows["backward"]["seconds"] > 0 and rows["optimizer"]["seconds"] > 0
+    assert rows["optimizer"]["calls"] == sum(step["sft_steps"] for step in metrics["ei_steps"])
+    assert {"generation_prefill", "generation_decode", "evaluation"} <= set(rows)  # sampling and held-out phases
     assert (out / "ei_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = (out / "experiment.md").read_text()
     assert "- git commit: `" in record and "| n_ei_steps | 2 |" in record and "![ei_curves](ei_curves.png)" in record

@@ -159,8 +159,11 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     # each phase beside the floor the machine allows for its work, the peaks measured in this run
     roofline = metrics["roofline"]
     assert roofline["machine"]["matmul_flops_per_s"] > 0 and roofline["machine"]["bandwidth_bytes_per_s"] > 0
+    rows = {**roofline["phases"], **roofline["omitted"]}  # a row under its floor is left out, with the reason
+    assert all(row["ratio"] >= 1 for row in roofline["phases"].values())
+    assert all(row["seconds"] > 0 and row["ratio"] < 1 for row in roofline["omitted"].values())
     for phase in ("evaluation", "generation_prefill", "generation_decode", "logprob_forward", "backward", "optimizer"):
-        row = roofline["phases"][phase]
+        row = rows[phase]
         floor = max(
             row["flops"] / roofline["machine"]["matmul_flops_per_s"],
             row["bytes"] / roofline["machine"]["bandwidth_bytes_per_s"],
@@ -168,7 +171,7 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         assert row["floor_seconds"] == pytest.approx(floor) and row["ratio"] == pytest.approx(row["seconds"] / floor), (
             phase
         )
-    assert roofline["phases"]["optimizer"]["calls"] == 2  # the two optimizer steps of this run
+    assert rows["optimizer"]["calls"] == 2  # the two optimizer steps of this run
     assert "roofline on cpu" in proc.stdout
     assert (out / "model.safetensors").exists() and list(out.glob("checkpoint-*"))
     from transformers import AutoModelForCausalLM

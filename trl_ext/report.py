@@ -369,7 +369,9 @@ def finish(
         metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``, and, unless ``metrics`` has
             them: with a ``trainer``, ``train_steps``, ``train_seconds`` (the run's ``train`` phase) and
             ``log_history``; when the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
-            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far).
+            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far) and, when it watched a
+            model, ``roofline`` (``run.roofline_report()``: a phase that was not timed or ran under its floor is left
+            out with the reason, never reported with a ratio below 1).
         title: the record's first heading (``experiment.md``).
         table: ``(caption, columns, rows)`` printed to the console.
         lines: printed after the table (summary, examples); then which results were reused on resume and, when
@@ -418,9 +420,7 @@ def finish(
             )
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
-        state = getattr(trainer, "state", None)  # expert iteration passes the trainer class (for its model card)
-        trained = state.global_step - run.resumed_step if hasattr(state, "global_step") else 0
-        roofline = run.roofline_report(optimizer_steps=trained)
+        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)
     if model_card is not None:

@@ -295,6 +295,7 @@ class RecipeRun:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
         resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
         timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
+        profilers: the :class:`~trl_ext.profiling.StepProfiler` of each trainer :meth:`profile` was given.
         roofline: the run's :class:`~trl_ext.roofline.RooflineRecorder`: the work of every forward of the models
             :meth:`watch` was given, counted by phase; ``trl_ext.report.finish`` reports it against the machine's
             peaks, measured then.
@@ -337,6 +338,8 @@ class RecipeRun:
         )
         self.timer = PhaseTimer()
         self.roofline = RooflineRecorder(lambda: self.timer.current)
+        self.profilers: list[StepProfiler] = []
+        self._profiled: set[int] = set()  # ids of the trainers profiled
         self.reused: list[str] = []
         self.warnings: list[str] = []
         self.started = time.time()
@@ -379,19 +382,27 @@ class RecipeRun:
 
     def profile(self, trainer: Any) -> None:
         """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
-        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`), and count the work of its model's forwards
-        (:meth:`watch`)."""
-        StepProfiler(self.timer).attach(trainer)
+        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`; any Trainer: the phases it does not have are not
+        timed), and count the work of its model's forwards and backwards (:meth:`watch`). Once per trainer: a second
+        call changes nothing."""
+        if id(trainer) not in self._profiled:
+            self._profiled.add(id(trainer))
+            self.profilers.append(StepProfiler(self.timer).attach(trainer))
         self.watch(trainer.model)
 
     def watch(self, model: Any) -> None:
         """Count the work of every forward of ``model`` by phase, for the roofline report (once per model; call it
-        before the first evaluation so that it is counted too)."""
+        before the first evaluation so that it is counted too; a trainer's PEFT wrapper of a watched model counts as
+        that model, whose shape is read again)."""
         self.roofline.watch(model)
 
-    def roofline_report(self, optimizer_steps: int = 0) -> dict[str, Any] | None:
+    def roofline_report(self, optimizer_steps: int | None = None) -> dict[str, Any] | None:
         """Each phase's seconds against the floor this machine allows for its work, the peaks measured now (about
-        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched."""
+        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched. ``optimizer_steps``: default
+        the steps the profilers timed (:meth:`profile`), so that the optimizer's floor covers the steps its seconds
+        do."""
+        if optimizer_steps is None:
+            optimizer_steps = sum(p.optimizer_steps for p in self.profilers)
         return self.roofline.report(self.timer.seconds, optimizer_steps)
 
     def time_breakdown(self) -> dict[str, float]:
@@ -421,15 +432,15 @@ class RecipeRun:
         self, trainer: Any, evaluate: Callable[[], Any], key: Mapping[str, Any]
     ) -> tuple[Any, Any, Any]:
         """The phases of a recipe that evaluates held-out data before and after training, in order: this run
-        attached to ``trainer`` (:meth:`attach`), ``eval_before`` (``evaluate()``, read back on resume when ``key``
-        is the same: :meth:`reuse_or_compute`), ``train`` (``trainer.train``, from :attr:`resume_from_checkpoint`)
-        and ``eval_after`` (``evaluate()`` again).
+        attached to ``trainer`` (:meth:`attach`) and its phases profiled (:meth:`profile`), ``eval_before``
+        (``evaluate()``, read back on resume when ``key`` is the same: :meth:`reuse_or_compute`), ``train``
+        (``trainer.train``, from :attr:`resume_from_checkpoint`) and ``eval_after`` (``evaluate()`` again).
 
         Returns:
             ``(before, what trainer.train() returned, after)``.
         """
         self.attach(trainer)
-        self.watch(trainer.model)
+        self.profile(trainer)  # every trainer's phases timed: the roofline's rows need their seconds
         with self.phase("eval_before", breakdown="evaluation"):
             before = self.reuse_or_compute("eval_before", key, evaluate)
         with self.phase("train"):
