@@ -768,7 +768,7 @@ def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_n
     )
 
 
-def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
+def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
     # three problems, each fixed by the flag its message names; the fourth flag points at local stand-ins
     config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_math.yaml")
     data = tmp_path / "math.jsonl"
@@ -779,12 +779,13 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         f"  {VLLM_MISSING}",
         f"  {BF16_NO_GPU}",
         f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
-        f"  --dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
-        "remove it",  # the Hub dataset's config does not apply to the local stand-in
     ]
-    trimmed = tmp_path / "math.yaml"
-    trimmed.write_text("".join(line for line in open(config) if not line.startswith("dataset_config:")))
-    config = str(trimmed)
+    # the Hub dataset's config does not apply to the local stand-in the flag chose, and no flag can unset a
+    # file's value: ignored, in one warning line, not refused
+    assert (
+        f"warning: --dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read "
+        "whole); ignored\n"
+    ) in capsys.readouterr().err
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)
@@ -1097,3 +1098,16 @@ def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_
             )
             trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
         assert trainer.train().global_step == (0 if rows < needed else 2)
+
+
+def test_an_option_a_config_file_sets_that_the_task_does_not_use_is_refused_without_overriding_flags(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "solution": "$\\boxed{2}$"}) + "\n")
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"dataset_name: {data}\ndataset_config: default\n")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.main.parse_args(["--config", str(config)])
+    assert str(err.value) == (
+        f"--dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
+        "remove it"
+    )

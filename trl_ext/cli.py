@@ -55,6 +55,7 @@ from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
 from trl_ext.run import RecipeRun, command_line, install_interrupt_handler, is_main_process, refuse_resume
+from trl_ext.task_options import TASK_OPTION_NAMES
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -444,10 +445,22 @@ def parse(
     problems += devices + source_problems(values)
     if "task" in values:  # --task and --task_config, and every option the task would not use, before any data is read
         problems += [p for p in [tasks.task_problem(values)] if p]
-        given = {k: src for k, src in source.items() if src != str(default_config)}  # the user's --config files
-        given.update(dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), ""))  # flags
+        flags = dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), "")
+        files = {k: src for k, src in source.items() if src != str(default_config) and k not in flags}
         own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
-        problems += tasks.option_problems(values, given, defaults=tasks.option_defaults(own))
+        defaults = tasks.option_defaults(own)
+        # An option a --config file sets that the task does not use is refused as a flag is -- unless a flag
+        # replaced a task option the file sets: the flag then overrides part of the file (a GPU config's Hub
+        # dataset, whose dataset_config a local --dataset_name leaves unused), and what it leaves unused in the file
+        # is ignored with a warning, since no flag can unset a file's value.
+        file_set = {k for k, src in source.items() if src != str(default_config)}
+        if not any(name in TASK_OPTION_NAMES and name in file_set for name in flags):
+            problems += tasks.option_problems(values, {**files, **flags}, defaults=defaults)
+        else:
+            problems += tasks.option_problems(values, flags, defaults=defaults)
+            for problem in tasks.option_problems(values, files, defaults=defaults):
+                if is_main_process():
+                    print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:
