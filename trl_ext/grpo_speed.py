@@ -21,6 +21,7 @@ time). Measured effect on the main job: docs/performance.md.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -39,6 +40,8 @@ from .shared_prompts import (
     savings_decision,
     training_noise,
 )
+
+logger = logging.getLogger("trl_ext")
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
 FORWARD_KEYS = (
@@ -75,9 +78,16 @@ class GRPOSpeedMixin:
         # copies serve the decode steps' row count, one row per sequence
         self._packed_linear = (
             PackedLinearWeights(rows_hint=self.args.per_device_train_batch_size)
-            if getattr(self.args, "prepack_linear_weights", False) and not sharded
+            if getattr(self.args, "prepack_linear_weights", False) and not sharded and not self.use_vllm
             else None
         )
+        if self.use_vllm:
+            logger.warning(
+                "trl_ext generation savings off with use_vllm: vLLM generates (its own kernels, prefix cache and "
+                "sampler), so share_prompt_cache's shared prefill, prepack_linear_weights and the vectorised sampler "
+                "(transformers generation only) do not run; the log-prob forward and backward keep share_prompt_cache, "
+                "pack_completions and skip_zero_advantage_rows where they are exact"
+            )
 
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
