@@ -2,15 +2,16 @@
 evaluation) with the config's own values, so a mistake in a config file fails here rather than on a rented GPU.
 
 Each run is ``recipes/<recipe>.py --config <file>`` started the way the command line starts it (its ``__main__``
-block, in this process to share the imports: a few minutes for all 17 on 2 cores), plus only the flags
+block, in this process to share the imports: a few minutes for all 18 on 2 cores), plus only the flags
 ``stand_ins.allowed_overrides`` derives from the config file itself -- :func:`assert_config_kept` then checks, on the
 run's recorded configuration, that every other option of the file ran with the file's value:
 
 1. What a CPU forces (the config asks for something this machine cannot do): ``--use_vllm false`` where the config
-   sets ``use_vllm: true`` (vLLM needs CUDA); ``--backend hf`` where eval_math's config sets ``backend: vllm``;
-   ``--use_cpu true`` where the config sets ``bf16: true`` (transformers refuses bf16 without a bf16 GPU unless
-   use_cpu; the run keeps the config's bf16 autocast and bfloat16 weights on the CPU rather than changing the
-   precision with ``--bf16 false``).
+   sets ``use_vllm: true`` (vLLM needs CUDA, or its CPU build, which the default environment does not install;
+   grpo_math_vllm_cpu.yaml runs with vLLM in scripts/vllm_cpu_check.sh's environment); ``--backend hf`` where
+   eval_math's config sets ``backend: vllm``; ``--use_cpu true`` where the config sets ``bf16: true`` (transformers
+   refuses bf16 without a bf16 GPU unless use_cpu; the run keeps the config's bf16 autocast and bfloat16 weights on
+   the CPU rather than changing the precision with ``--bf16 false``).
 2. Paths redirected to local stand-ins (tests/stand_ins.py): ``--model_name_or_path`` (Qwen2.5-Math -> a tiny Qwen2
    model and Qwen2 tokenizer built here; the embedded SmolLM2 -> a tiny random Llama with the embedded tokenizer),
    ``--dataset_name`` (a Hub dataset -> a small local file with that dataset's columns), rlhf's
@@ -79,6 +80,7 @@ REHEARSALS = {
     "grpo_math_cpu.yaml": Rehearsal("grpo_math"),
     "grpo_math_gsm8k.yaml": Rehearsal("grpo_math", rows=40),
     "grpo_math_math.yaml": Rehearsal("grpo_math", rows=40),
+    "grpo_math_vllm_cpu.yaml": Rehearsal("grpo_math"),  # with vLLM: scripts/vllm_cpu_check.sh, docs/scaling.md
     "grpo_sort_cpu.yaml": Rehearsal("grpo_sort", result="comparison.json"),
     "reward_model.yaml": Rehearsal("reward_model"),
     "rlhf.yaml": Rehearsal("rlhf"),
@@ -115,7 +117,7 @@ def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> Non
     ran = flatten_recorded(record)
     names = {flag[2:] for flag in overridden[::2]}
     for key, value in config.items():
-        if key in names:
+        if key in names or key == "env":  # TRL's env: block sets environment variables, not options
             continue
         assert key in ran, f"{key} is not among the recorded options"
         got = ran[key]

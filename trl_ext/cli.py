@@ -140,15 +140,23 @@ def raise_problems(problems: Sequence[str]) -> None:
 
 def device_problems(values: Mapping[str, Any]) -> list[str]:
     """What the options ask of this machine and it cannot do (:func:`trl_ext.machine.problem`), each naming the flag
-    that fixes it: vLLM (``use_vllm``, eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless
-    ``use_cpu``), 4/8-bit loading and flash-attention without their packages or a CUDA GPU."""
+    that fixes it: vLLM (``use_vllm``; its server mode without CUDA; on vLLM's CPU build a memory reservation it would
+    refuse; eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``), 4/8-bit
+    loading and flash-attention without their packages or a CUDA GPU."""
     problems = []
 
     def need(name: str, option: str, off: str) -> None:
         problems.append(machine.problem(name, option, f"pass {off}"))
 
     if values.get("use_vllm"):
-        need("vllm", "--use_vllm true", "`--use_vllm false`")
+        if values.get("vllm_mode") == "server":
+            need("vllm_server", "--use_vllm true --vllm_mode server", "`--vllm_mode colocate` or `--use_vllm false`")
+        else:
+            need("vllm", "--use_vllm true", "`--use_vllm false`")
+            if machine.vllm_cpu_build() and machine.package_available("vllm"):
+                fraction = values.get("vllm_gpu_memory_utilization", 0.3)  # TRL 1.16's default
+                memory = machine.vllm_cpu_memory_problem(fraction)
+                problems.append(memory and f"--vllm_gpu_memory_utilization {fraction}: {memory}")
     if values.get("backend") == "vllm":
         need("vllm", "--backend vllm", "`--backend hf`")
     if values.get("use_liger_kernel"):

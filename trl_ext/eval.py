@@ -215,8 +215,9 @@ def generate_completions(
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """Map ``"auto"`` to ``"vllm"`` when this machine can run vLLM (``trl_ext.machine.can_run``), else ``"hf"``;
-    check an explicit choice.
+    """Map ``"auto"`` to ``"vllm"`` when this machine can run vLLM (``trl_ext.machine.can_run``) on a CUDA GPU, else
+    ``"hf"`` (vLLM's CPU build only when asked for: it reserves its own memory and KV cache); check an explicit
+    choice.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -226,7 +227,7 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "vllm" if machine.can_run("vllm") else "hf"
+        return "vllm" if machine.can_run("vllm") and machine.cuda_available() else "hf"
     if backend == "vllm":
         machine.require("vllm", "backend='vllm'", "pass `backend='hf'`")
     return backend

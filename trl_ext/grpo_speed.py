@@ -22,6 +22,7 @@ time). Measured effect on the main job: docs/performance.md.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -40,6 +41,8 @@ from .shared_prompts import (
     savings_decision,
     training_noise,
 )
+
+logger = logging.getLogger("trl_ext")
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
 FORWARD_KEYS = (
@@ -75,8 +78,17 @@ class GRPOSpeedMixin:
         # packed linear weights for transformers generation on the CPU, packed once per generation batch for the rows
         # each generate call decodes (trl_ext.packed_linear)
         self._packed_linear = (
-            PackedLinearWeights() if getattr(self.args, "prepack_linear_weights", False) and not sharded else None
+            PackedLinearWeights()
+            if getattr(self.args, "prepack_linear_weights", False) and not sharded and not self.use_vllm
+            else None
         )
+        if self.use_vllm:
+            logger.warning(
+                "trl_ext generation savings off with use_vllm: vLLM generates (its own kernels, prefix cache and "
+                "sampler), so share_prompt_cache's shared prefill, prepack_linear_weights and the vectorised sampler "
+                "(transformers generation only) do not run; the log-prob forward and backward keep share_prompt_cache, "
+                "pack_completions and skip_zero_advantage_rows where they are exact"
+            )
 
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.

