@@ -29,7 +29,8 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
     # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
-    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling)
+    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling),
+    # bitsandbytes' 4-bit layers kept trainable on the CPU (quantized)
     (
         "functional",
         "errors",
@@ -41,6 +42,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "roofline",
         "packed_linear",
         "sampling",
+        "quantized",
     ),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),

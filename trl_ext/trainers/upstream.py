@@ -30,6 +30,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..models import base_model_id, name_base_model
+from ..quantized import keep_trainable
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +385,12 @@ class TrainerMixin:
     STATE_FILE = STATE_FILE
     RANK_STATE_FILE = RANK_STATE_FILE
     has_rank_state = False  # True when _checkpoint_rank_state returns per-process state
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # A 4-bit (QLoRA) model stays trainable on the CPU: bitsandbytes' bf16 inference kernel, which has no backward
+        # and which an evaluation-mode forward (the savings probe, evaluate()) would switch on, stays off.
+        keep_trainable(self.model)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         # Resume refuses options that would not continue the checkpoint exactly, before any model work.
