@@ -313,9 +313,14 @@ def test_the_import_check_finds_what_it_must():
 
 
 def test_every_room_is_a_lazy_attribute_of_the_package():
-    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` is imported with the
-    package, the others by ``trl_ext.__getattr__`` on first use."""
+    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` and ``quantized`` (a leaf
+    that must act before TRL imports bitsandbytes) are imported with the package, the others by
+    ``trl_ext.__getattr__`` on first use."""
     import trl_ext
 
     rooms = {room for layer in LAYERS for room in layer} - {"trl_ext"}
-    assert {"functional", *trl_ext._SUBMODULES} == rooms == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    assert (
+        {"functional", "quantized", *trl_ext._SUBMODULES}
+        == rooms
+        == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    )
