@@ -416,6 +416,18 @@ class TrainerMixin:
             self.accelerator._models = [m for m in self.accelerator._models if m is not model]
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # Resuming a PEFT model, transformers 5 reloads the adapter with PEFT's `load_adapter`, which casts it to fp32
+        # (autocast_adapter_dtype). TRL trains the adapters of a quantized (QLoRA) base in bf16, so the resumed run
+        # would go on in fp32 -- another computation than the uninterrupted run's. Each trainable parameter keeps the
+        # dtype it had before the checkpoint was loaded (the values are the checkpoint's, saved in that dtype).
+        target = self.model if model is None else model
+        dtypes = {name: p.dtype for name, p in target.named_parameters() if p.requires_grad}
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for name, param in target.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
+
     def _checkpoint_state(self) -> dict[str, Any]:
         """JSON-serializable state of the whole run. Default: upstream's running token count (logged as
         ``num_tokens``, which upstream restarts from 0 on resume)."""
