@@ -415,6 +415,39 @@ def test_savings_on_a_qlora_model_are_on_and_exact(tokenizer, tiny_model_dir, tm
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.gpu
+def test_a_qlora_grpo_step_on_the_gpu(tokenizer, tiny_model_dir, tmp_path):
+    """What a GPU user runs: --load_in_4bit --use_peft with bf16 compute; bitsandbytes places the 4-bit base on the
+    GPU itself. One step changes every adapter and no base tensor (scripts/gpu_check.sh runs it first; on the CPU
+    only with TRL_EXT_GPU_TESTS_ON_CPU=1)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_args = qlora_args(tiny_model_dir, dtype="bfloat16")
+    model, tok, peft_config = load_model_and_tokenizer(model_args, padding_side="left")
+    layers = quantized.linear4bit_modules(model)
+    assert len(layers) == 14 and {layer.weight.device.type for _, layer in layers} == {device}
+    before = base_state(model)
+    args = trl_ext.GRPOConfig(
+        output_dir=str(tmp_path), **{**COMMON, "max_steps": 1, "bf16": True, "use_cpu": device == "cpu"}
+    )
+    torch.manual_seed(0)
+    trainer = trl_ext.GRPOTrainer(
+        model=model,
+        reward_funcs=length_mod5_reward,
+        args=args,
+        train_dataset=toy_dataset(),
+        processing_class=tok,
+        peft_config=peft_config,
+    )
+    lora_b = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert trainer.state.global_step == 1 and len(lora_b) == 14
+    for name, tensor in base_state(trainer.model).items():
+        assert torch.equal(tensor, before[name]), name
+    for name, start in lora_b.items():  # step 1 moves B (A's gradient is 0 while B is 0)
+        param = trainer.model.get_parameter(name)
+        assert param.device.type == device and not torch.equal(param.detach(), start), name
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 8-bit, and the flag checks
 # ----------------------------------------------------------------------------------------------------------------
