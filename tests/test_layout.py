@@ -31,7 +31,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
     # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
     # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
-    # were (rng)
+    # were (rng), bitsandbytes' 4-bit layers kept trainable on the CPU (quantized)
     (
         "functional",
         "errors",
@@ -45,6 +45,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "packed_linear",
         "sampling",
         "rng",
+        "quantized",
     ),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
@@ -316,9 +317,14 @@ def test_the_import_check_finds_what_it_must():
 
 
 def test_every_room_is_a_lazy_attribute_of_the_package():
-    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` is imported with the
-    package, the others by ``trl_ext.__getattr__`` on first use."""
+    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` and ``quantized`` (a leaf
+    that must act before TRL imports bitsandbytes) are imported with the package, the others by
+    ``trl_ext.__getattr__`` on first use."""
     import trl_ext
 
     rooms = {room for layer in LAYERS for room in layer} - {"trl_ext"}
-    assert {"functional", *trl_ext._SUBMODULES} == rooms == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    assert (
+        {"functional", "quantized", *trl_ext._SUBMODULES}
+        == rooms
+        == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    )

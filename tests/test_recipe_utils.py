@@ -702,8 +702,8 @@ GPU_ONLY_PACKAGES = ("vllm", "bitsandbytes", "flash_attn", "liger_kernel")
 
 @pytest.fixture
 def cpu_user(monkeypatch, tmp_path):
-    """This machine as a CPU user without the gpu extra and without Hub access sees it, whatever the test machine has:
-    no CUDA, no GPU-only package, HF_HUB_OFFLINE set, empty Hugging Face caches."""
+    """This machine as a CPU user without the gpu and qlora extras and without Hub access sees it, whatever the test
+    machine has: no CUDA, none of those extras' packages, HF_HUB_OFFLINE set, empty Hugging Face caches."""
     import importlib.util
 
     import datasets.config
@@ -831,8 +831,8 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
         (
             "dpo",
             ["--load_in_4bit", "true"],
-            "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; "
-            "pass `--load_in_4bit false`, or install the gpu extra on a CUDA machine",
+            "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; pass `--load_in_4bit false`, "
+            "or install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)",
         ),
         (
             "reward_model",

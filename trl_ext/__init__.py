@@ -6,18 +6,19 @@ which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or the da
 
 The rooms, from the math up (README "Layout"; imports point down, tests/test_layout.py's ``LAYERS``): ``functional``
 (what the trainers compute) and the leaves ``errors`` (bad user input), ``options`` (what every recipe's options
-share), ``machine`` (what this machine can run and reach), ``observations`` (what a training log says), ``profiling``
-and ``runtime``; ``course`` (the rest of the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
-``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed`` and the vLLM engine
-TRL builds for GRPO, ``vllm_engine``; ``trainers`` (the four TRL subclasses and their configs); ``eval``; ``tasks``
-(a task owns its data, reward and evaluation);
-``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run`` (output folder,
-resume, signals), ``report`` (results), ``cli`` (flags, checks, the command line).
+share), ``machine`` (what this machine can run and reach), ``observations`` (what a training log says),
+``profiling``, ``runtime`` and ``quantized`` (bitsandbytes' 4-bit layers kept trainable on the CPU); ``course`` (the
+rest of the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and ``models`` (loading, the embedded
+model); the GRPO speed paths ``shared_prompts``/``grpo_speed`` and the vLLM engine TRL builds for GRPO,
+``vllm_engine``; ``trainers`` (the four TRL subclasses and their configs); ``eval``; ``tasks`` (a task owns its data,
+reward and evaluation); ``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run``
+(output folder, resume, signals), ``report`` (results), ``cli`` (flags, checks, the command line).
 """
 
 import importlib
 
-from . import functional
+# quantized: before TRL/PEFT import bitsandbytes, it drops bitsandbytes' Hub-kernel message (see there)
+from . import functional, quantized
 
 _TRAINERS = (
     "DPOConfig",
@@ -30,7 +31,7 @@ _TRAINERS = (
     "SFTTrainer",
 )
 
-__all__ = ["functional", *_TRAINERS]
+__all__ = ["functional", "quantized", *_TRAINERS]
 __version__ = "0.1.0"
 
 

