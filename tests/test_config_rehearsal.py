@@ -38,6 +38,8 @@ tests/test_recipe_experiments.py does); without it no sample is kept and no SFT 
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import json
 import os
@@ -112,12 +114,16 @@ def flatten_recorded(record: dict) -> dict:
     return flat
 
 
-def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> None:
-    """Every option of the config file, except the overridden ones, ran with the file's value."""
+def assert_config_kept(config: dict, record: dict, overridden: list[str], ignored: set[str] = frozenset()) -> None:
+    """Every option of the config file, except the overridden ones, ran with the file's value; an option the run
+    said it ignored (``ignored``: a Hub dataset's ``dataset_config`` beside the local ``--dataset_name`` stand-in,
+    which reads the file whole) ran with its default instead, None."""
     ran = flatten_recorded(record)
     names = {flag[2:] for flag in overridden[::2]}
+    for key in ignored:
+        assert key in config and ran[key] is None, f"{key}: said ignored, but the run used {ran[key]!r}"
     for key, value in config.items():
-        if key in names or key == "env":  # TRL's env: block sets environment variables, not options
+        if key in names or key in ignored or key == "env":  # TRL's env: block sets environment variables, not options
             continue
         assert key in ran, f"{key} is not among the recorded options"
         got = ran[key]
@@ -156,7 +162,7 @@ def assert_one_step(recipe: str, config: dict, record: dict, rows: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REHEARSALS))
-def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in, llama_stand_in):
+def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, capsys, qwen_stand_in, llama_stand_in):
     rehearsal = REHEARSALS[name]
     config = yaml.safe_load((CONFIG_DIR / name).read_text())
     model = config.get("model_name_or_path")
@@ -175,7 +181,11 @@ def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in,
     flags = allowed_overrides(config, rehearsal.recipe, model_dir, data_file, out, reward_model_dir=llama_stand_in)
     run_recipe(rehearsal.recipe, ["--config", str(CONFIG_DIR / name), *flags], monkeypatch)
     record = json.loads((out / rehearsal.result).read_text())
-    assert_config_kept(config, record, flags)
+    said = re.findall(r"^warning: --(\w+) .*; ignored$", capsys.readouterr().err, re.MULTILINE)
+    # only a Hub dataset's options are left unused by a local stand-in, and only where the config names a Hub dataset
+    assert set(said) <= {"dataset_config", "dataset_train_split", "dataset_test_split"}
+    assert bool(said) == (config.get("dataset_config") is not None and data_file is not None)
+    assert_config_kept(config, record, flags, ignored=set(said))
     assert_one_step(rehearsal.recipe, config, record, rehearsal.rows)
     if model in QWEN_MODELS and rehearsal.recipe == "grpo_math":  # bf16 weights and bf16 autocast, as on the GPU
         assert record["runtime"]["precision"] == "bf16 autocast, bf16 weights"

@@ -796,7 +796,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
             ["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"]
         )
     assert str(err.value) == _offline_model("Qwen/Qwen2.5-Math-1.5B")
-    _, training_args, _ = grpo_math.main.parse_args(
+    script_args, training_args, _ = grpo_math.main.parse_args(
         [
             "--config",
             config,
@@ -811,6 +811,11 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
         ]
     )
     assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
+    # ignored for real: the parsed options hold the default, so load_task's own check (which refuses an unused
+    # option set by a caller from Python) passes, as the accelerate launch of this config does
+    from trl_ext.task_options import option_problems
+
+    assert script_args.dataset_config is None and option_problems(script_args) == []
 
 
 @pytest.mark.parametrize(

@@ -486,9 +486,12 @@ def parse(
             problems += tasks.option_problems(values, {**files, **flags}, defaults=defaults)
         else:
             problems += tasks.option_problems(values, flags, defaults=defaults)
-            for problem in tasks.option_problems(values, files, defaults=defaults):
-                if is_main_process():
-                    print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
+            for name, src in files.items():  # each unused file option is reset to its default: ignored for real
+                for problem in tasks.option_problems(values, {name: src}, defaults=defaults):
+                    if is_main_process():
+                        print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
+                    if name in defaults:
+                        values[name] = defaults[name]
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:

@@ -128,6 +128,7 @@ TRAINER_MIXIN_SEAMS = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
     "save_model": ("output_dir", "_internal_call"),
     "create_model_card": ("model_name", "dataset_name", "tags"),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
 }
 
 
