@@ -38,11 +38,10 @@ tests/test_recipe_experiments.py does); without it no sample is kept and no SFT 
 
 from __future__ import annotations
 
-import re
-
 import dataclasses
 import json
 import os
+import re
 import runpy
 import signal
 import sys
