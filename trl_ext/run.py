@@ -504,8 +504,9 @@ class RecipeRun:
                 cb.tb_writer = None
 
     def interrupted(self, signum: int) -> None:
-        """Signal handler body: one line naming the last checkpoint and the resume command, then exit 130 at once
-        (or right after the checkpoint being written)."""
+        """Signal handler body: one line naming the last checkpoint and the resume command, then exit at once (or
+        right after the checkpoint being written) with 128 + the signal's number (:func:`exit_status`: 130 for
+        Ctrl-C, 143 for SIGTERM)."""
         if self._saving:
             self._exit_after_save = signal.Signals(signum).name
             return
@@ -555,12 +556,20 @@ def _stop(output_dir: Path, signame: str) -> None:
             line = f"{reason} before the first checkpoint in {output_dir}; nothing to resume, run again to start over."
         print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(exit_status(signame))
+
+
+def exit_status(signame: str) -> int:
+    """The shell's exit status of a process stopped by signal ``signame``: 128 + its number (SIGINT, Ctrl-C: 130;
+    SIGTERM, what ``kill``, schedulers and containers send: 143), so a caller can tell the two apart."""
+    return 128 + int(signal.Signals[signame])
 
 
 def _stopped_before_the_run(signum, frame):  # noqa: ARG001
-    print("Stopped (Ctrl-C) before the run started.", file=sys.stderr, flush=True)
-    os._exit(130)
+    name = signal.Signals(signum).name
+    reason = "Ctrl-C" if name == "SIGINT" else name
+    print(f"Stopped ({reason}) before the run started.", file=sys.stderr, flush=True)
+    os._exit(exit_status(name))
 
 
 def install_interrupt_handler() -> None:
