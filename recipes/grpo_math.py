@@ -1,7 +1,7 @@
 """GRPO on math problems with verifiable rewards: evaluate, train with trl_ext.GRPOTrainer, evaluate again.
 
     uv run python recipes/grpo_math.py                            # CPU default: embedded model, arithmetic
-    uv run --extra gpu accelerate launch recipes/grpo_math.py \
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo_math.py \
         --config recipes/configs/grpo_math_gsm8k.yaml             # GPU: Qwen2.5-Math, vLLM
     uv run python recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
 

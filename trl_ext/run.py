@@ -186,16 +186,32 @@ RECIPE_START_OVER = (
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher (``uv
-    run accelerate launch`` under accelerate, else ``uv run python``), the script relative to the working directory
-    (as given when it lies outside), the flags."""
+    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher, the
+    script relative to the working directory (as given when it lies outside), the flags.
+
+    The launcher reproduces this launch without accelerate's "values were not passed" warning (which a bare ``uv run
+    accelerate launch`` prints): ``uv run python`` for one process without accelerate's mixed precision (the same
+    job: trl_ext.runtime picks the threads either way), else ``uv run accelerate launch`` with every value that
+    warning names (``--num_processes``, ``--num_machines``, ``--mixed_precision``, ``--dynamo_backend``;
+    ``--multi_gpu`` for several processes, torchrun's launcher, which also runs CPU processes). A launch config's
+    other settings (FSDP, DeepSpeed) are not in it: repeat your ``--config_file``."""
     script, *flags = list(sys.argv if argv is None else argv)
     try:
         relative = os.path.relpath(script)
         script = script if relative.startswith("..") else relative
     except ValueError:
         pass
-    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
+    launcher = "uv run python"
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        machines = max(1, processes // int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
+        precision = os.environ["ACCELERATE_MIXED_PRECISION"].lower()
+        if processes > 1 or precision != "no":
+            launcher = (
+                f"uv run accelerate launch{' --multi_gpu' if processes > 1 else ''} --num_processes {processes} "
+                f"--num_machines {machines} --mixed_precision {precision} --dynamo_backend "
+                f"{os.environ.get('ACCELERATE_DYNAMO_BACKEND', 'no').lower()}"
+            )
     return f"{launcher} {shlex.join([script, *flags])}"
 
 
