@@ -259,36 +259,97 @@ def _json_config(obj: Any) -> Any:
     return obj
 
 
+GIT_KEYS = ("commit", "describe", "dirty", "root")
+"""What :func:`git_state` reads of a git checkout."""
+
+
 def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the git repository holding ``path`` (default: this
-    package's source tree): the one place trl_ext reads git. ``dirty`` is True when tracked files differ from the
-    commit or untracked files that git does not ignore exist. None where git or the repository is unavailable (e.g.
-    an installed wheel)."""
+    """``{"commit": sha, "describe": git describe --tags --always --dirty, "dirty": bool, "root": the checkout's
+    folder}`` of the git checkout holding ``path``: the one place trl_ext reads git. ``dirty`` is True when tracked
+    files differ from the commit or untracked files that git does not ignore exist. Every value is None where git or
+    the repository is unavailable.
+
+    Default ``path``: trl_ext's own source tree, which counts only when the package's files are tracked there. A
+    trl_ext installed into another project's environment (a wheel in a ``.venv`` inside the CS336 course repository)
+    lies in a folder that project's repository ignores: that repository's commit is not trl_ext's, so all None
+    (the project's own checkout is :func:`project_git_state`)."""
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
-        ).stdout
+
+    try:
+        if path is None:  # the package's own files tracked: a checkout of trl_ext, not of a project it is installed in
+            git("ls-files", "--error-unmatch", "--", Path(__file__).name)
+        state = {
+            "commit": git("rev-parse", "HEAD") or None,
+            "describe": git("describe", "--tags", "--always", "--dirty") or None,
+            "dirty": bool(git("status", "--porcelain")),
+            "root": git("rev-parse", "--show-toplevel") or None,
+        }
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": bool(status.strip())}
+        return dict.fromkeys(GIT_KEYS)
+    return state
 
 
-def library_versions(git: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and ``git_commit``: the commit of ``git``
-    (default: :func:`git_state` now), if any."""
-    versions = {"python": platform.python_version()}
+def project_git_state(trl_ext_git: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """:func:`git_state` of the working directory's checkout when it is not trl_ext's own (``trl_ext_git``, default
+    :func:`git_state` now): the project a run is started from, e.g. the course repository with trl_ext installed into
+    it; None when the working directory is in no checkout or in trl_ext's."""
+    trl_ext_git = git_state() if trl_ext_git is None else trl_ext_git
+    here = git_state(Path.cwd())
+    return None if here["root"] is None or here["root"] == trl_ext_git.get("root") else here
+
+
+def trl_ext_version() -> str:
+    """trl_ext's installed version (its package metadata), or ``"unknown"`` when it is not installed (a bare
+    source tree on ``sys.path``)."""
+    try:
+        return metadata.version("trl-ext")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def describe_code(git: Mapping[str, Any], project: Mapping[str, Any] | None = None) -> list[str]:
+    """What code a record was made with, one line each: trl_ext's version and, from ``git`` (:func:`git_state` of
+    trl_ext), its commit, ``git describe`` and dirty flag, or "not a git checkout" and where the package is; then,
+    when given, the working directory's checkout (``project``: :func:`project_git_state`)."""
+    version = trl_ext_version()
+    if git.get("commit"):
+        lines = [
+            f"trl_ext {version}, git commit `{git['commit']}` (`git describe`: {git.get('describe')}; dirty: "
+            f"{str(git.get('dirty')).lower()})"
+        ]
+    else:
+        lines = [f"trl_ext {version} (not a git checkout: {Path(__file__).resolve().parent})"]
+    if project and project.get("commit"):
+        lines.append(
+            f"working directory: {project['root']} at git commit `{project['commit']}` (dirty: "
+            f"{str(project['dirty']).lower()}; not trl_ext's repository)"
+        )
+    return lines
+
+
+def library_versions(git: Mapping[str, Any] | None = None, project: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python; ``trl_ext_git``: trl_ext's ``commit``,
+    ``describe`` and ``dirty`` from ``git`` (default: :func:`git_state` now), or ``"not a git checkout"`` when trl_ext
+    is an installed package; and ``project_git``, the working directory's checkout when it is another repository
+    (``project``, :func:`project_git_state`), when given."""
+    versions: dict[str, Any] = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:
         try:
             versions[name] = metadata.version(name.replace("_", "-"))
         except metadata.PackageNotFoundError:
             pass
-    commit = (git_state() if git is None else git).get("commit")
-    if commit:
-        versions["git_commit"] = commit
+    versions.setdefault("trl_ext", trl_ext_version())
+    git = git_state() if git is None else git
+    versions["trl_ext_git"] = (
+        {k: git.get(k) for k in ("commit", "describe", "dirty")} if git.get("commit") else "not a git checkout"
+    )
+    if project and project.get("commit"):
+        versions["project_git"] = dict(project)
     return versions
 
 
@@ -318,8 +379,10 @@ class RecipeRun:
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
         reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
         warnings: what :meth:`warn` said, recorded in ``metrics.json``.
-        git: :func:`git_state` when the run started: the code it runs (``metrics.json``'s ``versions``,
+        git: :func:`git_state` of trl_ext when the run started: the code it runs (``metrics.json``'s ``versions``,
             ``experiment.md``), whatever is committed while it goes on.
+        project_git: :func:`project_git_state`: the working directory's checkout when it is not trl_ext's (the
+            project trl_ext is installed into), else None.
 
     Raises:
         RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
@@ -360,6 +423,7 @@ class RecipeRun:
         self.warnings: list[str] = []
         self.started = time.time()
         self.git = git_state()
+        self.project_git = project_git_state(self.git)  # the course repository, when trl_ext is installed into it
         self._saving = False
         self._exit_after_save: str | None = None
         if handle_signals:
@@ -482,7 +546,7 @@ class RecipeRun:
             "recipe": self.name,
             "command": shlex.join(sys.argv),
             "config": {k: _json_config(v) for k, v in self.configs.items()},
-            "versions": library_versions(self.git),
+            "versions": library_versions(self.git, self.project_git),
             "phase_seconds": {**self.phase_seconds, "total": round(self.seconds, 3)},
             "resumed_from": self.resume_from_checkpoint,
             "resumed_from_step": self.resumed_step,
