@@ -252,7 +252,9 @@ class Task:
                 ) from None
 
 
-def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",)) -> str | None:
+def nothing_to_learn(
+    result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",), records: str = "eval_before.jsonl"
+) -> str | None:
     """The line to print before training when no reward varies over an evaluation's held-out rows, or None.
 
     GRPO learns only from groups whose rewards differ, and a NaN reward (TRL's "no score") is left out of a group's
@@ -264,6 +266,7 @@ def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward
     Args:
         result: an evaluation (:meth:`Task.evaluate`), its ``records`` holding each row's scores.
         keys: the scores training rewards (default ``("reward",)``).
+        records: the file holding the evaluation's records, named in the line (written before training).
     """
     records = result.get("records") or []
     if not records:
@@ -282,7 +285,7 @@ def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward
     return (
         f"the reward was {value} on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
         "groups whose rewards differ, so unless sampling finds other rewards this run will not learn (check the "
-        "prompt template and the answer format the scorer expects, e.g. in eval_before.jsonl)"
+        f"prompt template and the answer format the scorer expects, e.g. in {records})"
     )
 
 
