@@ -50,7 +50,7 @@ from typing import Any
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
-from trl_ext.data.prompts import ANSWER_WITH_NUMBER, TEMPLATES, format_prompt
+from trl_ext.data.prompts import ANSWER_WITH_NUMBER, R1_ZERO_TEMPLATE, TEMPLATES, format_prompt
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
@@ -467,7 +467,10 @@ def math_task(
         name=name,
         train=train_rows,
         test=test,
-        scorer=_answer_scorer(grader.reward_fn),
+        # a response that repeats the template's own "<answer> final result </answer>" has no format
+        scorer=_answer_scorer(
+            rewards.without_copied_format(grader.reward_fn, R1_ZERO_TEMPLATE if text == "r1_zero" else text)
+        ),
         extractor=None if grader.extract is None else (lambda response, row, fn=grader.extract: fn(response)),
         rewards=((f"{name}_reward", "reward"),),
         dataset=dataset,
