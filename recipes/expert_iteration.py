@@ -131,11 +131,11 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
     args.output_dir, args.logging_dir = str(Path(training_args.output_dir) / f"sft_step{step}"), None
     data = Dataset.from_dict({"prompt": prompts, "completion": completions})
     t0 = time.perf_counter()
-    with run.phase("sft_setup", breakdown="sft_setup"):  # the trainer tokenizes the kept samples
+    # the trainer's set-up (tokenizing the kept samples) and what train() does outside the profiled phases
+    with run.phase("sft", breakdown="sft"):
         trainer = trl_ext.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-    run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
-    run.profile(trainer)  # its forward, backward and optimizer seconds: the roofline's rows
-    with run.phase("sft"):
+        run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
+        run.profile(trainer)  # its backward, optimizer and other train() seconds: the roofline's rows
         result = trainer.train()
     fields = {
         "sft_loss": result.training_loss,

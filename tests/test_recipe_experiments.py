@@ -266,12 +266,12 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     # every stage of the loop is charged to a phase of the breakdown (sampling, filtering, entropy, SFT set-up and
     # training, evaluation, ...): what is left as "other" is the time outside every stage, not the loop's work
     breakdown, stages = metrics["time_breakdown"], metrics["phase_seconds"]
-    assert {"model_load", "evaluation", "generation", "reward", "entropy", "sft_setup", "sampler_setup", "save"} <= set(
+    assert {"model_load", "evaluation", "generation", "reward", "entropy", "sft", "sampler_setup", "save"} <= set(
         breakdown
     )
-    assert {"filter", "entropy", "sft_setup", "sampler_setup"} <= set(stages)
+    assert {"filter", "entropy", "sft", "sampler_setup"} <= set(stages)
     timed = sum(v for k, v in stages.items() if k not in ("total", "load_data"))
-    assert breakdown["other"] <= breakdown["total"] - timed + 0.5
+    assert breakdown["other"] <= breakdown["total"] - timed + 0.1
 
 
 @pytest.mark.slow
@@ -317,6 +317,22 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
     assert (out / "baselines" / "comparison.png").stat().st_size > 10_000
     record = (out / "baselines" / "experiment.md").read_text()
     assert "GRPO ablation: baselines" in record and "| no_baseline |" in record and "dirty:" in record
+    # the step-0 records, written before any arm trained: one per held-out row, scored by the task's judge
+    rows = [json.loads(line) for line in (out / "baselines" / "eval_before.jsonl").read_text().splitlines()]
+    assert (
+        len(rows) == 4 and [r["answer_reward"] for r in rows].count(1.0) / 4 == data["arms"][0]["accuracy_curve"][0][1]
+    )
+    task = tasks.load_task(args[0], max_new_tokens=4)
+    assert all(task.score(r["response"], {"answer": r["answer"]})["reward"] == r["reward"] for r in rows)
+    # the random tiny model earns no reward on two-digit additions: said before training, and by the record
+    if all(r["reward"] == 0 for r in rows):
+        assert any(str(out / "baselines" / "eval_before.jsonl") in w for w in data["warnings"])
+    every_reward_zero = all(
+        v == 0 and dict(arm["curves"]["reward_std"])[s] == 0 for arm in data["arms"] for s, v in arm["curves"]["reward"]
+    )
+    assert ("No arm trained: every reward was 0" in record) == every_reward_zero
+    if every_reward_zero:
+        assert "within noise" not in record and "Best final" not in record
 
 
 def test_report_lists_finished_experiments_with_standard_errors_and_what_is_missing(tmp_path):

@@ -253,7 +253,7 @@ class Task:
 
 
 def nothing_to_learn(
-    result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",), records: str = "eval_before.jsonl"
+    result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",), where: str = "eval_before.jsonl"
 ) -> str | None:
     """The line to print before training when no reward varies over an evaluation's held-out rows, or None.
 
@@ -266,7 +266,7 @@ def nothing_to_learn(
     Args:
         result: an evaluation (:meth:`Task.evaluate`), its ``records`` holding each row's scores.
         keys: the scores training rewards (default ``("reward",)``).
-        records: the file holding the evaluation's records, named in the line (written before training).
+        where: the file holding the evaluation's records, named in the line (written before training).
     """
     records = result.get("records") or []
     if not records:
@@ -285,7 +285,7 @@ def nothing_to_learn(
     return (
         f"the reward was {value} on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
         "groups whose rewards differ, so unless sampling finds other rewards this run will not learn (check the "
-        f"prompt template and the answer format the scorer expects, e.g. in {records})"
+        f"prompt template and the answer format the scorer expects, e.g. in {where})"
     )
 
 

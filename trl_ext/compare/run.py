@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import trl
@@ -16,10 +16,7 @@ from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
 from trl_ext.eval import write_jsonl
 from trl_ext.profiling import StepProfiler, time_breakdown
-from trl_ext.tasks import nothing_to_learn
-
-if TYPE_CHECKING:
-    from trl_ext.tasks import Task
+from trl_ext.tasks import Task, nothing_to_learn
 
 
 def eval_steps(max_steps: int, every: int) -> list[int]:
@@ -122,7 +119,7 @@ def run_comparison(
                     result["records"],
                     Path(base_args.output_dir) / f"eval_before{f'_{task_name}' if task_name else ''}.jsonl",
                 )
-                warning = nothing_to_learn(result, tasks[task_name].reward_keys, records=str(records))
+                warning = nothing_to_learn(result, tasks[task_name].reward_keys, where=str(records))
                 if warning:
                     warn(warning)
             del model
