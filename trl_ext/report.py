@@ -303,6 +303,24 @@ def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dic
     }
 
 
+def held_out_logs(result: Mapping[str, Any]) -> dict[str, float]:
+    """A held-out evaluation (``Task.evaluate`` result) as logged at a step: ``{"eval_accuracy", "eval_format_rate"}``
+    (TensorBoard shows them as ``eval/accuracy`` and ``eval/format_rate``; :func:`eval_curve` reads them back)."""
+    return {"eval_accuracy": result["accuracy"], "eval_format_rate": result["format_rate"]}
+
+
+def eval_curve(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out evaluations of a training log, in step order: ``[{"step", "accuracy", "format_rate"}, ...]`` from
+    its ``eval_accuracy``/``eval_format_rate`` entries (:func:`held_out_logs`: before training at step 0, every
+    ``--eval_every`` steps, after training at the last step); a step logged twice keeps its last value."""
+    points = {
+        e["step"]: {"step": e["step"], "accuracy": e["eval_accuracy"], "format_rate": e.get("eval_format_rate")}
+        for e in log_history
+        if "eval_accuracy" in e and "step" in e
+    }
+    return [points[step] for step in sorted(points)]
+
+
 def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
     """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table)."""
     n = after["n"]
@@ -376,7 +394,8 @@ def finish(
         run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
         metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``, and, unless ``metrics`` has
             them: with a ``trainer``, ``train_steps``, ``train_seconds`` (the run's ``train`` phase) and
-            ``log_history``; when the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
+            ``log_history``, and ``eval_curve`` (:func:`eval_curve`) when the log holds held-out evaluations; when
+            the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
             ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far) and, when it watched a
             model, ``roofline`` (``run.roofline_report()``: a phase that was not timed or ran under its floor is left
             out with the reason, never reported with a ratio below 1).
@@ -387,7 +406,8 @@ def finish(
         trainer: the trainer whose model card template names the training method; its ``state.log_history`` is
             the default ``log_history``.
         model_card: ``(base model, dataset)``: write ``README.md`` (:func:`write_model_card`) naming them.
-        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`).
+        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`); ``points`` None marks
+            the held-out evaluations of the log (``eval_curve``).
         log_history: the training log for ``curves`` and for the record's observations.
         records: file stem -> rows, each written as JSON lines (``{"eval_after": [...]}`` -> ``eval_after.jsonl``).
         results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
@@ -416,6 +436,8 @@ def finish(
         metrics.setdefault("train_steps", trainer.state.global_step)
         metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
         metrics.setdefault("log_history", log_history)
+        if eval_curve(log_history):  # held-out accuracy at each evaluated step
+            metrics.setdefault("eval_curve", eval_curve(log_history))
         if hasattr(trainer, "accelerator"):
             accelerator = trainer.accelerator
             metrics.setdefault(
@@ -435,6 +457,11 @@ def finish(
         write_model_card(trainer, out, *model_card)
     if curves is not None:
         name, panels, points = curves
+        if points is None and metrics.get("eval_curve"):  # every held-out evaluation marked with its value
+            points = {
+                key: [(p["step"], p[field]) for p in metrics["eval_curve"] if p[field] is not None]
+                for key, field in (("eval_accuracy", "accuracy"), ("eval_format_rate", "format_rate"))
+            }
         plot = plot_curves(log_history or [], panels, out / name, points)
         written.append(plot.name if plot else "no plot")
     if record:

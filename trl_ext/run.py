@@ -58,9 +58,10 @@ VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "
 """Packages whose installed versions ``metrics.json`` records (absent ones are left out)."""
 
 
-RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
+RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "rollouts.jsonl", "runs", "checkpoint-*")
 """What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
-cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
+cached before-evaluation, its rollout samples, its TensorBoard logs and its checkpoints (model files are replaced when
+the new run saves)."""
 
 
 def is_main_process() -> bool:
@@ -563,12 +564,45 @@ class RecipeRun:
         tmp.replace(path)
         return path
 
-    def attach(self, trainer: Any, first_logs: Mapping[str, float] | None = None) -> None:
+    def attach(
+        self,
+        trainer: Any,
+        first_logs: Mapping[str, float] | None = None,
+        *,
+        evaluate: Callable[[Any], Mapping[str, Any]] | None = None,
+        eval_every: int | None = None,
+        rollouts: int = 0,
+    ) -> None:
         """Add this run's TrainerCallback to ``trainer``: it logs the last step whatever ``logging_steps`` is,
         makes a Ctrl-C that arrives while a checkpoint is written wait until that checkpoint is complete, and logs
         ``first_logs`` (e.g. the held-out accuracy before training) at step 0 once the loggers are set up (not
-        again on resume)."""
+        again on resume).
+
+        ``evaluate`` (``evaluate(model) -> {"accuracy", "format_rate", ...}``, e.g. ``Task.evaluate``) with
+        ``eval_every``: held-out evaluation after every ``eval_every``-th optimizer step but the last (which the
+        recipe evaluates after training), logged as ``eval_accuracy`` and ``eval_format_rate`` at that step
+        (``trl_ext.compare.ArmMonitor``: TensorBoard's ``eval/accuracy``, ``log_history``) and timed as
+        ``evaluation``; not under FSDP or DeepSpeed (said once). ``rollouts`` > 0: that many of each step's rollouts
+        written to ``output_dir/rollouts.jsonl`` (``trl_ext.compare.RolloutLog``)."""
         trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
+        if evaluate is not None and eval_every:
+            if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+                self.warn(
+                    f"--eval_every {eval_every}: not run under FSDP or DeepSpeed (the main process alone cannot "
+                    "generate from sharded weights); held-out accuracy before and after training only"
+                )
+            else:
+                from trl_ext.compare.monitoring import ArmMonitor  # here: trl_ext.compare loads TRL's trainers
+
+                def timed(model: Any) -> Mapping[str, Any]:
+                    with self.timer.phase("evaluation"):
+                        return evaluate(model)
+
+                ArmMonitor(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
+        if rollouts:
+            from trl_ext.compare.monitoring import RolloutLog
+
+            RolloutLog(self.output_dir / "rollouts.jsonl", rollouts).attach(trainer)
 
     @staticmethod
     def log_after_training(trainer: Any, logs: Mapping[str, float]) -> None:

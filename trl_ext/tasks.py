@@ -153,8 +153,11 @@ class Task:
         naming the cause, when TRL passes none of the training rows' columns (``remove_unused_columns=True``)."""
         pairs = self.rewards or ((f"{self.name.split(':')[-1]}_reward", "reward"),)
         columns = [c for c in rewards.dataset_columns(self.train) if c != "prompt"] if self.train is not None else []
-        return [
-            rewards.as_trl_row_reward(self.score, key=key, name=name, expected_columns=columns) for name, key in pairs
+        return [  # the first also adds each completion's scores and answer to TRL's completions table
+            rewards.as_trl_row_reward(
+                self.score, key=key, name=name, expected_columns=columns, log_scores=i == 0, answer=self.answer
+            )
+            for i, (name, key) in enumerate(pairs)
         ]
 
     def evaluate(
