@@ -205,7 +205,9 @@ class RolloutLog(TrainerCallback):
     trl_ext's trainer replaces the advantages with the course's) and the columns reward functions add to that table
     through TRL's ``log_extra`` (a task's reward function logs its three scores and the answer:
     :func:`trl_ext.rewards.as_trl_row_reward`). A step that generated nothing (its batch was generated at an earlier
-    step: ``steps_per_generation`` > ``gradient_accumulation_steps``, ``num_iterations`` > 1) adds no rows. The
+    step: ``steps_per_generation`` > ``gradient_accumulation_steps``, ``num_iterations`` > 1) adds no rows; with
+    dynamic sampling the rows come from the step's last generation round (the step trains on the informative groups
+    of all its rounds). The
     samples are spread evenly over the batch (``samples`` of ``n``: rows ``i * n // samples``), so several groups are
     seen. Main process only; a run that resumes keeps the rows up to its checkpoint's step and drops the rest; a run
     that starts at step 0 starts the file anew. A trainer without that table (not a GRPO trainer) writes nothing and
