@@ -243,6 +243,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     (out / "checkpoint-40").mkdir(parents=True)
     (out / "runs").mkdir()
     (out / "metrics.json").write_text("{}")
+    (out / "rollouts.jsonl").write_text('{"step": 40}\n')
     (out / "model.safetensors").write_text("weights")
     with pytest.raises(RecipeError) as err:
         check_output_dir(out)
@@ -251,7 +252,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert "choose a new --output_dir" in message and "--overwrite_output_dir" in message
     assert (out / "metrics.json").exists()  # nothing touched
     check_output_dir(out, overwrite=True)
-    # the previous run's metrics, checkpoints and TensorBoard logs are gone, so two runs never mix
+    # the previous run's metrics, rollouts, checkpoints and TensorBoard logs are gone, so two runs never mix
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
