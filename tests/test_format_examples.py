@@ -21,8 +21,8 @@ COURSE_PROMPT = (FIXTURES / "cs336_r1_zero.prompt").read_text()
 def test_the_examples_are_what_each_template_shows_inside_its_answer_tags():
     # the course's: "... enclosed within <answer> </answer> tags, respectively, i.e., <think> reasoning process here
     # </think> <answer> answer here </answer>." -- the first pair holds nothing, the second the example
-    assert template_answer_examples(COURSE_PROMPT) == {"answer here"}
-    assert template_answer_examples(R1_ZERO_TEMPLATE) == {"final result"}
+    assert template_answer_examples(COURSE_PROMPT) == {"", "answer here"}
+    assert template_answer_examples(R1_ZERO_TEMPLATE) == {"", "final result"}
     assert template_answer_examples("Q: {question}\nA:") == frozenset()
 
 
@@ -32,6 +32,8 @@ def test_the_examples_are_what_each_template_shows_inside_its_answer_tags():
         # the course's example line repeated: well formed for the course's grader, format 0 here
         (" reasoning process here </think> <answer> answer here </answer>", (0.0, 1.0, 0.0), (0.0, 0.0, 0.0)),
         (" x </think> <answer>  Answer   here </answer>", (0.0, 1.0, 0.0), (0.0, 0.0, 0.0)),  # spacing, case
+        # an empty answer, as the template's "enclosed within <answer> </answer> tags" shows: no answer either
+        (" 9 * 2 </think> <answer> </answer>", (0.0, 1.0, 0.0), (0.0, 0.0, 0.0)),
         # a real answer, even after copying the reasoning part: counted
         (" reasoning process here </think> <answer> 18 </answer>", (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)),
         (" 16 - 3 - 4 = 9, 9 * 2 = 18 </think> <answer> 17 </answer>", (0.0, 1.0, 0.0), (0.0, 1.0, 0.0)),
@@ -56,7 +58,7 @@ def test_a_math_tasks_format_rate_does_not_count_the_templates_example(template)
     args = TaskArguments(dataset_name=str(FIXTURES / "data_gsm8k.jsonl"), template=template)
     task = tasks.load_task(args, max_new_tokens=32)
     row = dict(task.test[0])
-    example = next(iter(template_answer_examples(COURSE_PROMPT if template != "r1_zero" else R1_ZERO_TEMPLATE)))
+    example = max(template_answer_examples(COURSE_PROMPT if template != "r1_zero" else R1_ZERO_TEMPLATE))
     copied = f" reasoning </think> <answer> {example} </answer>"
     right = f" reasoning </think> <answer> {row['answer']} </answer>"
     assert task.score(copied, row) == {"reward": 0.0, "format_reward": 0.0, "answer_reward": 0.0}

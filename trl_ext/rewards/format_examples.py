@@ -5,8 +5,9 @@ The R1-Zero prompts show the format they ask for: trl_ext's ``r1_zero`` template
 ``<think> reasoning process here </think> <answer> answer here </answer>``. A small model often repeats that line,
 which the course's ``r1_zero_reward_fn`` scores as well formed (``format_reward`` 1, the answer wrong): measured on
 GSM8K with the course's prompt, such copies made up much of the 135M model's format rate. :func:`without_copied_format`
-wraps a grader so that a response whose ``<answer>`` tag holds the template's own example text (``final result``,
-``answer here``) gets ``format_reward`` 0; its ``reward`` and ``answer_reward`` are the grader's, unchanged (the
+wraps a grader so that a response whose last ``<answer>`` tag holds the template's own example text (``final
+result``, ``answer here``, or nothing, as in the template's "enclosed within <answer> </answer> tags") gets
+``format_reward`` 0; its ``reward`` and ``answer_reward`` are the grader's, unchanged (the
 example is never a right answer, and training keeps the grader's reward as it is).
 """
 
@@ -25,13 +26,14 @@ def _normalized(text: str) -> str:
 
 def template_answer_examples(template: str) -> frozenset[str]:
     """The texts a prompt template shows inside its own ``<answer> </answer>`` tags, whitespace collapsed and case
-    folded; tags around nothing (``"inside <answer> </answer> tags"``) show no example. Empty for a template without
-    them (``chat``, ``question_only``).
+    folded, the empty text of tags around nothing (``"enclosed within <answer> </answer> tags"``) included: a
+    response that repeats that sentence answers nothing either. Empty for a template without the tags (``chat``,
+    ``question_only``).
 
-    Examples: trl_ext's ``r1_zero`` template -> ``{"final result"}``; the course's ``r1_zero.prompt`` ->
-    ``{"answer here"}``.
+    Examples: trl_ext's ``r1_zero`` template -> ``{"", "final result"}``; the course's ``r1_zero.prompt`` ->
+    ``{"", "answer here"}``.
     """
-    return frozenset(text for text in map(_normalized, _ANSWER_TAG_RE.findall(template)) if text)
+    return frozenset(map(_normalized, _ANSWER_TAG_RE.findall(template)))
 
 
 def copies_template_example(response: str, examples: frozenset[str]) -> bool:
