@@ -1,9 +1,10 @@
 """The GRPO experiments of CS336 assignment 5 (handout section 8), each as arms of trl_ext.compare.
 
-    uv run accelerate launch recipes/grpo_ablations.py --experiment baselines        # CPU default, one experiment
-    uv run accelerate launch recipes/grpo_ablations.py --experiment all              # every experiment + report.md
-    uv run accelerate launch recipes/grpo_ablations.py --experiment clip_ablation \\
-        --config recipes/configs/grpo_ablations_math.yaml                            # GPU: Qwen2.5-Math-1.5B, vLLM
+    uv run python recipes/grpo_ablations.py --experiment baselines                 # CPU default, one experiment
+    uv run python recipes/grpo_ablations.py --experiment all                       # every experiment + report.md
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml \\
+        recipes/grpo_ablations.py --experiment clip_ablation \\
+        --config recipes/configs/grpo_ablations_math.yaml                          # GPU: Qwen2.5-Math-1.5B, vLLM
 
 Experiments (--experiment NAME; the reference arm is the handout's default: reinforce_with_baseline, std
 normalization, masked_mean, on-policy, beta 0):
@@ -55,6 +56,7 @@ PANELS = (
 )
 CURVE_KEYS = (
     "reward",
+    "reward_std",
     "entropy",
     "completions/mean_length",
     "completions/clipped_ratio",
@@ -125,7 +127,7 @@ def result_files(script_args, *configs) -> list[str]:
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     ablations, compare, models = trl_ext.compare.ablations, trl_ext.compare, trl_ext.models
     names, state = script_args.experiments, PartialState()
-    command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
+    command = command or "uv run python recipes/grpo_ablations.py --experiment " + script_args.experiment
     budget = training_args.max_completion_length
     with run.phase("load_data"):
         task = tasks.load_task(script_args, max_new_tokens=budget)
@@ -153,6 +155,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
                 curve_keys=CURVE_KEYS,
                 tasks=prompt_tasks,
                 cache=cache,
+                warn=run.warn,
             )
         if not state.is_main_process:
             continue
@@ -166,8 +169,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
                 {"experiment": name, "task": described, "held-out problems": len(task.test)},
             ),
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
-            "git commit": run.git["commit"],  # the code this run started from
-            "dirty": run.git["dirty"],
+            "code": "; ".join(trl_ext.run.describe_code(run.git, run.project_git)),  # what this run started from
         }
         report.finish_comparison(
             run,

@@ -37,6 +37,19 @@ def test_nested_phases_are_exclusive(monkeypatch):
     assert timer.calls == {"outer": 1, "inner": 2}
 
 
+def test_seconds_added_inside_a_phase_are_not_that_phases(monkeypatch):
+    # an interval measured by hand (the optimizer step, train()'s remainder) while a recipe's phase runs
+    clock = FakeClock()
+    monkeypatch.setattr(profiling.time, "perf_counter", clock)
+    timer = PhaseTimer()
+    with timer.phase("sft"):
+        clock.now += 10.0
+        timer.add("optimizer", 4.0)  # 4 of the 10 s were the optimizer's
+    timer.add("train_other", 1.0)  # outside any phase: charged to itself only
+    assert timer.seconds == {"sft": 6.0, "optimizer": 4.0, "train_other": 1.0}
+    assert sum(timer.seconds.values()) == 11.0  # never more than the wall time the phases covered
+
+
 def test_time_breakdown_order_other_and_total():
     timer = PhaseTimer()
     for name, seconds in (("backward", 4.0), ("generation", 10.0), ("evaluation", 6.0), ("model_load", 1.0)):

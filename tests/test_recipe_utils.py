@@ -244,6 +244,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     (out / "checkpoint-40").mkdir(parents=True)
     (out / "runs").mkdir()
     (out / "metrics.json").write_text("{}")
+    (out / "rollouts.jsonl").write_text('{"step": 40}\n')
     (out / "model.safetensors").write_text("weights")
     with pytest.raises(RecipeError) as err:
         check_output_dir(out)
@@ -252,7 +253,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert "choose a new --output_dir" in message and "--overwrite_output_dir" in message
     assert (out / "metrics.json").exists()  # nothing touched
     check_output_dir(out, overwrite=True)
-    # the previous run's metrics, checkpoints and TensorBoard logs are gone, so two runs never mix
+    # the previous run's metrics, rollouts, checkpoints and TensorBoard logs are gone, so two runs never mix
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
@@ -293,6 +294,53 @@ def test_resume_command_repeats_the_flags_with_resume_true():
     argv = ["recipes/grpo_math.py", "--max_steps", "5", "--resume_from_checkpoint", "out/checkpoint-2", "--seed", "1"]
     command = resume_command(argv)
     assert command.endswith("recipes/grpo_math.py --max_steps 5 --seed 1 --resume_from_checkpoint true")
+
+
+_SIGNAL_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from trl_ext.run import RecipeRun, _RecipeCallback, install_interrupt_handler
+
+out, when, signame = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+install_interrupt_handler()
+if when == "before":  # before the run's own handler: the launcher's
+    os.kill(os.getpid(), signal.Signals[signame])
+    time.sleep(30)
+run = RecipeRun("t", out, {}, handle_signals=True)
+callback = _RecipeCallback(run)
+run._saving = True  # a checkpoint is being written: the signal waits for it
+os.kill(os.getpid(), signal.Signals[signame])
+ckpt = out / "checkpoint-3"
+ckpt.mkdir()
+(ckpt / "trainer_state.json").write_text("{}")  # transformers writes it last: the checkpoint is complete
+print("checkpoint written", flush=True)
+callback.on_save(None, None, None)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize(
+    "signame, status, reason, when",
+    [("SIGINT", 130, "Ctrl-C", "during"), ("SIGTERM", 143, "SIGTERM", "during"), ("SIGTERM", 143, "SIGTERM", "before")],
+)
+def test_a_signal_stops_the_run_with_128_plus_its_number(tmp_path, signame, status, reason, when):
+    """Ctrl-C exits 130 and SIGTERM 143 (128 + 2 and 128 + 15, the shell's codes), before the run and during it; a
+    signal that arrives while a checkpoint is written waits for it, and the line names that checkpoint."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, str(tmp_path / "out"), when, signame],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == status, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    if when == "before":
+        assert line == f"Stopped ({reason}) before the run started."
+        return
+    assert proc.stdout == "checkpoint written\n"  # the process lived until the checkpoint was complete
+    assert line.startswith(f"Stopped ({reason}). Last checkpoint: {tmp_path / 'out' / 'checkpoint-3'}. Resume with: ")
 
 
 def test_a_model_path_that_does_not_exist_says_so(monkeypatch, tmp_path):

@@ -88,6 +88,7 @@ FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "batch_size": (lambda v: v >= 1, ">= 1"),
     "num_train_problems": (lambda v: v >= 1, ">= 1"),
     "eval_every": (lambda v: v >= 1, ">= 1"),
+    "rollout_samples": (lambda v: v >= 0, ">= 0 (0: no rollouts.jsonl)"),
 }
 
 

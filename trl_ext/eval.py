@@ -298,6 +298,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+NOT_EXTRACTED = "not reported: this task's grader returns its scores, not the answer it read"
+"""``extracted_note`` of a record whose task does not say which answer it read (``extracted`` is then None): a
+course-shaped ``--reward package.module:function``, the sort task, a task of your own without an extractor."""
+
+
 def score_rows(
     rows: Sequence[Mapping[str, Any]],
     responses: Sequence[str],
@@ -318,6 +323,8 @@ def score_rows(
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
         answer: the row's reference answer, as recorded (default: its ``answer`` column, when it has one).
         extract: the answer the scorer read from a response (recorded as ``extracted``; None: nothing found).
+            Without it, ``extracted`` is None and ``extracted_note`` says the grader does not report it
+            (:data:`NOT_EXTRACTED`).
 
     Returns:
         dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``format_rate`` (mean
@@ -325,7 +332,7 @@ def score_rows(
         ``format1_answer0``, ``format0_answer0`` and ``format0_answer1`` (a score counts as 1 when >= 0.5), the
         course's categories; ``num_unparsed`` (responses with format_reward < 0.5) and ``unparsed_examples`` (the
         first ``num_examples`` of them); ``examples`` (the first ``num_examples`` records) and ``records`` (every
-        prompt, response, answer, extracted answer and score).
+        prompt, response, answer, extracted answer -- or None and ``extracted_note`` -- and score).
 
     Raises:
         ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (any exception, its
@@ -354,6 +361,8 @@ def score_rows(
         record["answer"] = answer(row) if answer is not None else row.get("answer")
         if extract is not None:
             record["extracted"] = extract(response, row)
+        else:  # what is known (the scores) and what is not: the answer the grader read
+            record["extracted"], record["extracted_note"] = None, NOT_EXTRACTED
         records.append({**record, **values})
     format_measured = not any(math.isnan(r["format_reward"]) for r in records)
     breakdown: dict[str, int | None] = {}

@@ -97,9 +97,12 @@ class PhaseTimer:
         return self._stack[-1][0] if self._stack else None
 
     def add(self, name: str, seconds: float) -> None:
-        """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`)."""
+        """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`); measured while a phase runs,
+        they are that phase's no longer (exclusive, as if timed by a nested :meth:`phase`)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.calls[name] = self.calls.get(name, 0) + 1
+        if self._stack:
+            self._stack[-1][2] += seconds
 
     def wrap(self, obj: Any, method: str, name: str) -> None:
         """Replace ``obj.method`` (on the instance) by a version timed as ``name``."""

@@ -50,7 +50,7 @@ from typing import Any
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
-from trl_ext.data.prompts import ANSWER_WITH_NUMBER, TEMPLATES, format_prompt
+from trl_ext.data.prompts import ANSWER_WITH_NUMBER, R1_ZERO_TEMPLATE, TEMPLATES, format_prompt
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
@@ -153,8 +153,11 @@ class Task:
         naming the cause, when TRL passes none of the training rows' columns (``remove_unused_columns=True``)."""
         pairs = self.rewards or ((f"{self.name.split(':')[-1]}_reward", "reward"),)
         columns = [c for c in rewards.dataset_columns(self.train) if c != "prompt"] if self.train is not None else []
-        return [
-            rewards.as_trl_row_reward(self.score, key=key, name=name, expected_columns=columns) for name, key in pairs
+        return [  # the first also adds each completion's scores and answer to TRL's completions table
+            rewards.as_trl_row_reward(
+                self.score, key=key, name=name, expected_columns=columns, log_scores=i == 0, answer=self.answer
+            )
+            for i, (name, key) in enumerate(pairs)
         ]
 
     def evaluate(
@@ -252,7 +255,9 @@ class Task:
                 ) from None
 
 
-def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",)) -> str | None:
+def nothing_to_learn(
+    result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",), where: str = "eval_before.jsonl"
+) -> str | None:
     """The line to print before training when no reward varies over an evaluation's held-out rows, or None.
 
     GRPO learns only from groups whose rewards differ, and a NaN reward (TRL's "no score") is left out of a group's
@@ -264,6 +269,7 @@ def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward
     Args:
         result: an evaluation (:meth:`Task.evaluate`), its ``records`` holding each row's scores.
         keys: the scores training rewards (default ``("reward",)``).
+        where: the file holding the evaluation's records, named in the line (written before training).
     """
     records = result.get("records") or []
     if not records:
@@ -282,7 +288,7 @@ def nothing_to_learn(result: Mapping[str, Any], keys: tuple[str, ...] = ("reward
     return (
         f"the reward was {value} on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
         "groups whose rewards differ, so unless sampling finds other rewards this run will not learn (check the "
-        "prompt template and the answer format the scorer expects, e.g. in eval_before.jsonl)"
+        f"prompt template and the answer format the scorer expects, e.g. in {where})"
     )
 
 
@@ -464,7 +470,10 @@ def math_task(
         name=name,
         train=train_rows,
         test=test,
-        scorer=_answer_scorer(grader.reward_fn),
+        # a response that repeats the template's own "<answer> final result </answer>" has no format
+        scorer=_answer_scorer(
+            rewards.without_copied_format(grader.reward_fn, R1_ZERO_TEMPLATE if text == "r1_zero" else text)
+        ),
         extractor=None if grader.extract is None else (lambda response, row, fn=grader.extract: fn(response)),
         rewards=((f"{name}_reward", "reward"),),
         dataset=dataset,

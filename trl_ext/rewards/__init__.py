@@ -22,6 +22,7 @@ from trl_ext.rewards.adapters import (
     dataset_columns,
     restore_carried_columns,
 )
+from trl_ext.rewards.format_examples import copies_template_example, template_answer_examples, without_copied_format
 from trl_ext.rewards.math_answers import (
     MATH_VERIFY_TIMEOUT_S,
     arithmetic_reward,
@@ -56,6 +57,7 @@ __all__ = [
     "dataset_columns",
     "restore_carried_columns",
     "completion_text",
+    "copies_template_example",
     "extract_answer_tag",
     "extract_boxed",
     "extract_boxed_answer",
@@ -72,7 +74,9 @@ __all__ = [
     "parse_gsm8k_ground_truth",
     "r1_zero_reward",
     "r1_zero_reward_fn",
+    "template_answer_examples",
     "to_decimal",
+    "without_copied_format",
 ]
 
 # Sorting toy task of the lecture (shaped vs all-or-nothing reward).

@@ -181,6 +181,8 @@ def as_trl_row_reward(
     required_column: str | None = None,
     hint: str = "add it to the dataset",
     expected_columns: Sequence[str] = (),
+    log_scores: bool = False,
+    answer: Callable[[Mapping[str, Any]], Any] | None = None,
 ) -> TrlRewardFunc:
     """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
     function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
@@ -190,7 +192,10 @@ def as_trl_row_reward(
     ...}`` (TRL's own keywords -- :data:`TRL_REWARD_EXTRAS` -- left out). When TRL passes ``log_metric``, the batch
     means of ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
     ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean`` (a NaN format reward, not measured,
-    is not logged).
+    is not logged). With ``log_scores`` and TRL's ``log_extra``, each completion's ``reward``, ``format_reward`` and
+    ``answer_reward`` (NaN: None) and, with ``answer``, its row's answer are added to TRL's completions table (the
+    table ``log_completions`` prints and sends to wandb/trackio, and trl_ext's ``rollouts.jsonl`` reads); give it to
+    one function of a trainer only, as every function's columns go to the same table.
 
     Args:
         score: the row scorer.
@@ -201,6 +206,8 @@ def as_trl_row_reward(
         expected_columns: the columns of the rows (a task's training columns): when TRL passes none of them, the
             call fails naming them and the likely cause, ``remove_unused_columns=True``, under which TRL drops every
             column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
+        log_scores: add the three scores of every completion to TRL's completions table (``log_extra``).
+        answer: ``answer(row)``, the row's reference answer, added to that table with ``log_scores``.
 
     Returns:
         The TRL reward function ``(prompts, completions, **columns) -> list[float]``.
@@ -233,15 +240,22 @@ def as_trl_row_reward(
                 raise ValueError(
                     f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
                 )
-        results = []
+        results, rows = [], []
         for i, completion in enumerate(completions):
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
+            rows.append(row)
             try:
                 results.append(score(completion_text(completion, row=i), row))
             except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
                 prompt = _short(row["prompt"])
                 detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
                 raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+        log_extra = columns.get("log_extra")
+        if log_scores and log_extra is not None and results:  # TRL's completions table: each completion's scores
+            for k in REWARD_KEYS:
+                log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
+            if answer is not None:
+                log_extra("answer", [answer(row) for row in rows])
         log_metric = columns.get("log_metric")
         if log_metric is not None and results:
             for k in ("format_reward", "answer_reward"):
