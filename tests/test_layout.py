@@ -31,7 +31,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
     # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
     # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
-    # were (rng)
+    # were (rng), where a completion ends at a stop string (stop_strings)
     (
         "functional",
         "errors",
@@ -45,6 +45,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "packed_linear",
         "sampling",
         "rng",
+        "stop_strings",
     ),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),

@@ -57,6 +57,7 @@ _SUBMODULES = (
     "runtime",
     "sampling",
     "shared_prompts",
+    "stop_strings",
     "tasks",
     "trainers",
 )
