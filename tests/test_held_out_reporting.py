@@ -1,5 +1,5 @@
-"""What an evaluation says about its held-out rows (issue 40): how many questions differ (reasoning-gym held-out rows are
-drawn distinct), how much of the accuracy is partial credit, how many responses the length limit cut; each task's
+"""What an evaluation says about its held-out rows (issue 40): how many questions differ (reasoning-gym held-out rows
+are drawn distinct), how much of the accuracy is partial credit, how many responses the length limit cut; each task's
 stop strings and truncation rule; the prompt experiment's arms with the course's prompt file."""
 
 import json
