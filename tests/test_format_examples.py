@@ -22,7 +22,9 @@ def test_the_examples_are_what_each_template_shows_inside_its_answer_tags():
     # the course's: "... enclosed within <answer> </answer> tags, respectively, i.e., <think> reasoning process here
     # </think> <answer> answer here </answer>." -- the first pair holds nothing, the second the example
     assert template_answer_examples(COURSE_PROMPT) == {"", "answer here"}
-    assert template_answer_examples(R1_ZERO_TEMPLATE) == {"", "final result"}
+    # trl_ext's r1_zero is the R1 paper's prompt verbatim (Table 1 of DeepSeek-R1), the course's wording too
+    assert template_answer_examples(R1_ZERO_TEMPLATE) == {"", "answer here"}
+    assert template_answer_examples("... <answer> final result </answer>.\n{question}") == {"final result"}
     assert template_answer_examples("Q: {question}\nA:") == frozenset()
 
 

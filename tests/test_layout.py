@@ -31,7 +31,8 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
     # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
     # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
-    # were (rng), bitsandbytes' 4-bit layers kept trainable on the CPU (quantized)
+    # were (rng), bitsandbytes' 4-bit layers kept trainable on the CPU (quantized), where a completion ends at a stop
+    # string (stop_strings)
     (
         "functional",
         "errors",
@@ -46,6 +47,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "sampling",
         "rng",
         "quantized",
+        "stop_strings",
     ),
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),

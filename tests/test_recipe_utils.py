@@ -966,7 +966,8 @@ RECIPES = (
     "expert_iteration",
     "grpo_ablations",
 )
-OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir"}  # uv's, pip's and tensorboard's, in examples
+# uv, pip, tensorboard, accelerate launch
+OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir", "--config_file"}
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
     "compare_upstream": ["resume_from_checkpoint"],
     "grpo_sort": ["resume_from_checkpoint"],

@@ -120,6 +120,8 @@ def _probe(option, kind, data):
         "num_eval": 2,
         "eval_batch_size": 7,
         "skip_bad_rows": True,
+        "stop": ["\n\n"],
+        "credit_truncated": kind in ("arithmetic", "gsm8k", "reasoning_gym"),  # the opposite of the kind's default
     }[option]
 
 
@@ -138,7 +140,7 @@ def _observe(options):
     except RecipeError as err:
         return ("refused", str(err))
     rows = [[(json.dumps(r["prompt"]), str(task.answer(r))) for r in split] for split in (task.train, task.test)]
-    return (task.name, task.description, task.batch_size, rows)
+    return (task.name, task.description, task.batch_size, rows, task.stop, task.credit_truncated)
 
 
 def test_the_table_covers_every_kind_and_option():

@@ -59,6 +59,7 @@ _SUBMODULES = (
     "runtime",
     "sampling",
     "shared_prompts",
+    "stop_strings",
     "tasks",
     "trainers",
     "vllm_engine",

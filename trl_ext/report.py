@@ -291,16 +291,34 @@ def before_after_rows(before: Mapping[str, float], after: Mapping[str, float], k
 
 
 def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
-    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy and
-    format rate before and after, the number of problems and the evaluation speed after."""
-    return {
+    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy (the mean
+    score, partial credit included) and exact accuracy (the share of answers scored 1), format rate and responses cut
+    by the length limit before and after, the number of problems and how many are distinct (and the task's note on
+    them), and the evaluation speed after."""
+    metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
+        "exact_accuracy_before": before.get("exact_accuracy"),
+        "exact_accuracy_after": after.get("exact_accuracy"),
         "format_rate_before": before["format_rate"],
         "format_rate_after": after["format_rate"],
+        "truncated_before": before.get("num_truncated"),
+        "truncated_after": after.get("num_truncated"),
         "n_eval": after["n"],
+        "n_eval_distinct": after.get("distinct_prompts"),
         "eval_examples_per_second": after["examples_per_second"],
     }
+    if after.get("held_out_note"):
+        metrics["held_out_note"] = after["held_out_note"]
+    return metrics
+
+
+def held_out_caption(result: Mapping[str, Any]) -> str:
+    """``"200 held-out problems"``, and how many are distinct when some repeat (``"100 held-out problems, 63
+    distinct"``)."""
+    n, distinct = result["n"], result.get("distinct_prompts")
+    text = f"{n} held-out problem{'s' if n != 1 else ''}"
+    return text + (f", {distinct} distinct" if distinct is not None and distinct != n else "")
 
 
 def held_out_logs(result: Mapping[str, Any]) -> dict[str, float]:
@@ -322,12 +340,24 @@ def eval_curve(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 
 def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
-    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table)."""
-    n = after["n"]
+    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table); with an
+    ``exact`` column (answers scored 1) when some answer earned partial credit, and a ``cut`` column (responses the
+    length limit cut) when some was cut."""
+    results = (("before", before), ("after", after))
+    partial = any(r.get("partial_credit_rows") for _, r in results)
+    cut = any(r.get("num_truncated") for _, r in results)
+    columns = ("", "accuracy", *(("exact",) if partial else ()), "format rate", *(("cut",) if cut else ()))
     rows = [
-        (name, f"{r['accuracy']:.1%}", f"{r['format_rate']:.1%}") for name, r in (("before", before), ("after", after))
+        (
+            name,
+            f"{r['accuracy']:.1%}",
+            *((f"{r['exact_accuracy']:.1%}",) if partial else ()),
+            f"{r['format_rate']:.1%}",
+            *((r.get("num_truncated"),) if cut else ()),
+        )
+        for name, r in results
     ]
-    return f"{what} ({n} held-out problem{'s' if n != 1 else ''}, greedy)", ("", "accuracy", "format rate"), rows
+    return f"{what} ({held_out_caption(after)}, greedy)", columns, rows
 
 
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:

@@ -108,6 +108,24 @@ class TaskArguments(trl.ScriptArguments, RecipeArguments):
     )
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
     skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
+    stop: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Stop strings: rollouts and evaluation end a completion with the first of these it writes, kept "
+            "in the completion (the course's vLLM stop=[...], include_stop_str_in_output=True), e.g. --stop "
+            "'</answer>' or --stop A B. Unset: '</answer>' for the r1_zero template and template files whose "
+            "format closes the answer with </answer>, none otherwise; '' for none."
+        },
+    )
+    credit_truncated: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether a response the length limit cut (no EOS, no stop string) can earn reward and accuracy. "
+            "Unset: false for tasks that read the answer from the end of the response (the last number: "
+            "arithmetic, gsm8k; reasoning-gym's last_number, last_line and answer_tag_or_whole formats), true "
+            "otherwise."
+        },
+    )
 
 
 MathTaskArguments = TaskArguments
@@ -129,7 +147,7 @@ TASK_KINDS = ("arithmetic", "gsm8k", "math", "sort", "reasoning_gym", "factory")
 """The kinds of task (:func:`task_kind`): the built-ins by name, any ``reasoning_gym:NAME``, any
 ``package.module:factory``."""
 
-_EVERY_TASK = ("task_config", "num_eval", "eval_batch_size")
+_EVERY_TASK = ("task_config", "num_eval", "eval_batch_size", "stop", "credit_truncated")
 _PROMPT = ("template", "instruction", "system_prompt")
 _DATASET = (
     "dataset_name",

@@ -50,11 +50,12 @@ from typing import Any
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
-from trl_ext.data.prompts import ANSWER_WITH_NUMBER, R1_ZERO_TEMPLATE, TEMPLATES, format_prompt
+from trl_ext.data.prompts import ANSWER_WITH_NUMBER, R1_ZERO_TEMPLATE, TEMPLATES, format_prompt, template_stop_strings
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
+from trl_ext.stop_strings import check_stop_strings
 from trl_ext.task_options import (  # noqa: F401 -- TaskArguments and MathTaskArguments are this module's API
     TASK_OPTIONS,
     MathTaskArguments,
@@ -94,6 +95,15 @@ class Task:
         template: the prompt template the rows were rendered with (a name, or the text of a template file).
         max_new_tokens: generation budget of an evaluation.
         batch_size: prompts per ``generate`` call of an evaluation.
+        stop: stop strings: rollouts (``trl_ext.GRPOTrainer`` takes them from :attr:`reward_funcs` when its own
+            ``stop_strings`` is unset) and evaluation end a completion with the first one it writes, kept in the
+            completion (:mod:`trl_ext.stop_strings`); default none (``"</answer>"`` for the R1-Zero format).
+        credit_truncated: False: a response the length limit cut (it ended neither with EOS nor at a stop string)
+            earns no credit in training and evaluation (``trl_ext.rewards.without_credit``) -- for tasks that read
+            the answer from the end of the response, where the last number of a cut-off sentence would count.
+            Default True.
+        held_out_note: what a report should say about the held-out rows beside their count (e.g. that the
+            generator has fewer distinct questions than asked for); "" for nothing.
     """
 
     name: str
@@ -109,8 +119,12 @@ class Task:
     template: str = "chat"
     max_new_tokens: int = 20
     batch_size: int = 50
+    stop: tuple[str, ...] = ()
+    credit_truncated: bool = True
+    held_out_note: str = ""
 
     def __post_init__(self) -> None:
+        self.stop = check_stop_strings(self.stop, f"task {self.name!r}: stop")
         if self.train is not None:
             self.train = rewards.carry_reserved_columns(self.train, f"task {self.name!r}: training rows")
 
@@ -155,7 +169,14 @@ class Task:
         columns = [c for c in rewards.dataset_columns(self.train) if c != "prompt"] if self.train is not None else []
         return [  # the first also adds each completion's scores and answer to TRL's completions table
             rewards.as_trl_row_reward(
-                self.score, key=key, name=name, expected_columns=columns, log_scores=i == 0, answer=self.answer
+                self.score,
+                key=key,
+                name=name,
+                expected_columns=columns,
+                log_scores=i == 0,
+                answer=self.answer,
+                credit_truncated=self.credit_truncated,
+                stop_strings=self.stop,
             )
             for i, (name, key) in enumerate(pairs)
         ]
@@ -171,8 +192,10 @@ class Task:
         jsonl_path: str | Path | None = None,
     ) -> dict[str, Any]:
         """Greedy accuracy of ``model`` on :attr:`test`: the mean ``answer_reward`` of :meth:`score`
-        (:func:`trl_ext.eval.evaluate_rows`: ``accuracy``, ``format_rate``, ``reward``, ``records``, ...)."""
-        return evaluate_rows(
+        (:func:`trl_ext.eval.evaluate_rows`: ``accuracy``, ``exact_accuracy``, ``format_rate``, ``reward``,
+        ``distinct_prompts``, ``num_truncated``, ``records``, ...), generation ending at :attr:`stop` and a cut
+        response credited as :attr:`credit_truncated` says; ``held_out_note`` is :attr:`held_out_note`."""
+        result = evaluate_rows(
             model,
             tokenizer,
             self.test,
@@ -185,11 +208,16 @@ class Task:
             disable_progress=not progress,
             answer=self.answer,
             extract=self.extract if self.extractor is not None else None,
+            stop_strings=self.stop,
+            credit_truncated=self.credit_truncated,
         )
+        result["held_out_note"] = self.held_out_note
+        return result
 
     def fingerprint(self) -> dict[str, Any]:
         """What an evaluation's result depends on besides the model: the held-out rows (sha256 of every column),
-        the budget, the task and its scorer, and the template (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
+        the budget, the task and its scorer, the template, the stop strings and the truncation rule
+        (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
         rows = [dict(row) for row in self.test]
         held_out = hashlib.sha256(json.dumps(rows, default=str, sort_keys=True).encode()).hexdigest()
         scorer = getattr(self.scorer, "__qualname__", type(self.scorer).__name__)
@@ -200,6 +228,8 @@ class Task:
             "reward": self.name,
             "scorer": scorer,
             "template": template,
+            "stop": list(self.stop),
+            "credit_truncated": self.credit_truncated,
         }
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
@@ -300,20 +330,24 @@ def _r1_zero_answer(response: str) -> str | None:
 @dataclass(frozen=True)
 class Grader:
     """How one kind of math answer is judged: ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
-    "answer_reward"}`` (the course shape) and the answer it reads from a response (``extract``)."""
+    "answer_reward"}`` (the course shape), the answer it reads from a response (``extract``), and whether a response
+    the length limit cut may earn credit (``credit_truncated``: not where the answer is read from the response's
+    end, which a cut-off sentence also has)."""
 
     reward_fn: Callable[[str, str], dict[str, float]]
     extract: Callable[[str], str | None] | None
+    credit_truncated: bool = True
 
 
 GRADERS = {
-    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
-    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
+    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
+    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
     "math": Grader(rewards.math_reward_fn, rewards.extract_math_answer),
     "r1_zero": Grader(rewards.r1_zero_reward_fn, _r1_zero_answer),
 }
-"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response, ``math`` a
-``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the "</think> <answer> ... </answer>" format."""
+"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response (so a response the
+length limit cut earns nothing), ``math`` a ``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the
+"</think> <answer> ... </answer>" format."""
 
 MATH_TASKS = ("arithmetic", "gsm8k", "math")
 
@@ -470,7 +504,7 @@ def math_task(
         name=name,
         train=train_rows,
         test=test,
-        # a response that repeats the template's own "<answer> final result </answer>" has no format
+        # a response that repeats the template's own "<answer> answer here </answer>" has no format
         scorer=_answer_scorer(
             rewards.without_copied_format(grader.reward_fn, R1_ZERO_TEMPLATE if text == "r1_zero" else text)
         ),
@@ -482,6 +516,8 @@ def math_task(
         template=text,
         max_new_tokens=max_new_tokens,
         batch_size=args.eval_batch_size,
+        stop=template_stop_strings(text),
+        credit_truncated=grader.credit_truncated,
     )
     return task
 
@@ -619,7 +655,9 @@ def reasoning_gym_task(
     entry=...)`` on the full entry (question, answer and metadata).
 
     Rows: ``--num_train_problems`` training entries drawn with ``seed`` (default 0) and ``--num_eval`` held-out
-    entries drawn with ``seed + 1``; training entries whose question is also a held-out question are dropped, so the
+    entries with distinct questions drawn with ``seed + 1`` (more are drawn while questions repeat,
+    :func:`_distinct_entries`; a generator with fewer distinct questions gives fewer held-out rows, and the task's
+    ``held_out_note`` says so); training entries whose question is also a held-out question are dropped, so the
     two are disjoint (the source says how many). Each row holds ``prompt`` (the question, plus the answer-format
     instruction, in the ``--template``: a chat conversation by default), ``answer``, ``question``, ``entry_id`` and
     ``entry`` (the whole entry as JSON, for records and for your inspection); the scorer finds the generator's own
@@ -643,7 +681,11 @@ def reasoning_gym_task(
       tags."; none under the ``r1_zero`` template and template files, which say how to answer).
 
     Rewards: ``format_reward`` is 1 when an answer was found, ``answer_reward`` is ``score_answer``'s value (partial
-    credit where the generator gives it), ``reward`` = ``answer_reward``.
+    credit where the generator gives it; evaluation reports the exact answers beside it), ``reward`` =
+    ``answer_reward``. Under every format but ``answer_tag`` the answer is read from the end of the response, so a
+    response the length limit cut earns nothing (``credit_truncated=False``; ``--credit_truncated true`` to credit
+    it); under the ``r1_zero`` template and template files that close the answer with ``</answer>``, generation stops
+    there.
 
     Raises:
         RecipeError: reasoning-gym missing (naming the ``tasks`` extra), an unknown generator (naming ``--task``), a
@@ -660,9 +702,7 @@ def reasoning_gym_task(
     if answer_format not in ANSWER_FORMATS:
         raise RecipeError(f"--task_config: answer_format={answer_format!r}; expected one of {list(ANSWER_FORMATS)}")
     try:  # entries are drawn when indexed; some generators draw from Python's global generator (list_functions)
-        with _seeded_global_generators(seed + 1):
-            test_data = rg.create_dataset(dataset_name, size=args.num_eval, seed=seed + 1, **config)
-            test_entries = [test_data[i] for i in range(len(test_data))]
+        test_data, test_entries, drawn = _distinct_entries(rg, dataset_name, args.num_eval, seed + 1, config)
         with _seeded_global_generators(seed):
             train_data = (
                 rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
@@ -683,6 +723,12 @@ def reasoning_gym_task(
             instruction = None  # the template's text says how to answer
     extract = answer_extractor(answer_format)
     entries: dict[str, Mapping[str, Any]] = {}
+    held_out_note = ""
+    if len(test_entries) < args.num_eval:
+        held_out_note = (
+            f"{len(test_entries)} distinct questions, not --num_eval {args.num_eval}: {drawn} entries of "
+            f"reasoning-gym's {dataset_name}" + (f" {json.dumps(dict(config))}" if config else "") + " held no more"
+        )
 
     def rows(split: str, split_entries: list[Mapping[str, Any]], skip: set[str]) -> list[dict[str, Any]]:
         out = []
@@ -738,7 +784,41 @@ def reasoning_gym_task(
         template=text,
         max_new_tokens=max_new_tokens,
         batch_size=getattr(args, "eval_batch_size", 50),
+        stop=template_stop_strings(text),
+        credit_truncated=answer_format == "answer_tag",  # the other formats read the end of the response
+        held_out_note=held_out_note,
     )
+
+
+MAX_DRAWS_PER_HELD_OUT_ROW = 16
+"""A reasoning-gym task draws at most this many entries per held-out row asked for while it looks for distinct
+questions (:func:`_distinct_entries`)."""
+
+
+def _distinct_entries(
+    rg: Any, dataset_name: str, num_eval: int, seed: int, config: Mapping[str, Any]
+) -> tuple[Any, list[Mapping[str, Any]], int]:
+    """``num_eval`` entries of a reasoning-gym generator with distinct questions, when it has that many:
+    ``(dataset, entries, entries drawn)``.
+
+    ``num_eval`` entries are drawn with ``seed``; while fewer than ``num_eval`` of their questions differ, twice as
+    many are drawn (same seed), until enough differ, a doubling brings no new question (the generator's questions
+    are exhausted, e.g. lcm with max_value 12) or :data:`MAX_DRAWS_PER_HELD_OUT_ROW` x ``num_eval`` were drawn. The
+    first entry of each question is kept, in the order drawn; a generator whose first ``num_eval`` entries all
+    differ gives exactly those.
+    """
+    size, known = num_eval, -1
+    while True:
+        with _seeded_global_generators(seed):
+            data = rg.create_dataset(dataset_name, size=size, seed=seed, **config)
+            entries = [data[i] for i in range(len(data))]
+        distinct: dict[str, Mapping[str, Any]] = {}
+        for entry in entries:
+            distinct.setdefault(json.dumps(entry["question"], default=str), entry)
+        found = len(distinct)
+        if found >= num_eval or found == known or size >= MAX_DRAWS_PER_HELD_OUT_ROW * num_eval:
+            return data, list(distinct.values())[:num_eval], size
+        size, known = size * 2, found
 
 
 RG_INSTRUCTIONS = {
@@ -917,8 +997,31 @@ def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, tr
         task = reasoning_gym_task(name[len(REASONING_GYM_PREFIX) :], config, args, max_new_tokens, train=train)
     else:
         task = _factory_task(name, config, args, max_new_tokens)
+    task = _with_generation_options(task, args)
     task.probe()
     return task
+
+
+def _with_generation_options(task: Task, args: Any) -> Task:
+    """``task`` with ``--stop`` and ``--credit_truncated`` applied where given (``--stop ''``: no stop string).
+
+    Raises:
+        RecipeError: a ``--stop`` entry that is empty beside others.
+    """
+    changes: dict[str, Any] = {}
+    stop = getattr(args, "stop", None)
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if stop == [""] or not stop:
+            changes["stop"] = ()
+        else:
+            try:
+                changes["stop"] = check_stop_strings(stop, "--stop")
+            except ValueError as err:
+                raise RecipeError(str(err).replace("--stop=", "--stop ") + " (--stop '' alone: none)") from None
+    if getattr(args, "credit_truncated", None) is not None:
+        changes["credit_truncated"] = bool(args.credit_truncated)
+    return replace(task, **changes) if changes else task
 
 
 def _factory_task(name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int) -> Task:

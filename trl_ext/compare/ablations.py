@@ -37,7 +37,14 @@ REFERENCE = {
 """The handout's default GRPO settings; every experiment changes one thing relative to them."""
 
 PROMPT_TEMPLATES = ("r1_zero", "question_only")
-"""The templates of the ``prompt`` experiment; each arm trains on the task of that template (its own reward)."""
+"""The default templates of the ``prompt`` experiment (``--prompt_templates``); each arm trains on the task of that
+template (its own reward and stop strings)."""
+
+
+def prompt_arm_name(template: str) -> str:
+    """The ``prompt`` experiment's arm for ``template``: a template name as is, a template file by its file name
+    (``cs336_alignment/prompts/r1_zero.prompt`` -> ``r1_zero.prompt``)."""
+    return template if "/" not in template and "\\" not in template else Path(template).name.replace(" ", "_")
 
 
 def parse_setting(text: str) -> tuple[int, int]:
@@ -80,7 +87,7 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
     Args:
         name: one of :data:`EXPERIMENTS`.
         options: the recipe's options: ``lr_factors``, ``off_policy_settings``, ``clip_ablation_setting``,
-            ``cliprange``.
+            ``cliprange``, ``prompt_templates`` (default :data:`PROMPT_TEMPLATES`).
         training_args: the shared config (its ``learning_rate`` and ``gradient_accumulation_steps``).
 
     Raises:
@@ -119,7 +126,8 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
             {**ref, "name": "dynamic_sampling_on", "dynamic_sampling": True},
         ]
     if name == "prompt":
-        return [{**ref, "name": template, "task": template} for template in PROMPT_TEMPLATES]
+        templates = getattr(options, "prompt_templates", None) or PROMPT_TEMPLATES
+        return [{**ref, "name": prompt_arm_name(t), "task": t} for t in templates]
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")
 
 

@@ -14,6 +14,7 @@ TRL keeps from reward functions (``TRL_RESERVED_COLUMNS``) under names it passes
 from trl_ext.rewards.adapters import (
     REWARD_KEYS,
     TRL_RESERVED_COLUMNS,
+    TRUNCATION_KEYWORD,
     as_course_reward_fn,
     as_trl_reward,
     as_trl_row_reward,
@@ -21,6 +22,7 @@ from trl_ext.rewards.adapters import (
     completion_text,
     dataset_columns,
     restore_carried_columns,
+    without_credit,
 )
 from trl_ext.rewards.format_examples import copies_template_example, template_answer_examples, without_copied_format
 from trl_ext.rewards.math_answers import (
@@ -49,6 +51,7 @@ __all__ = [
     "MATH_VERIFY_TIMEOUT_S",
     "REWARD_KEYS",
     "TRL_RESERVED_COLUMNS",
+    "TRUNCATION_KEYWORD",
     "arithmetic_reward",
     "as_course_reward_fn",
     "as_trl_reward",
@@ -77,6 +80,7 @@ __all__ = [
     "template_answer_examples",
     "to_decimal",
     "without_copied_format",
+    "without_credit",
 ]
 
 # Sorting toy task of the lecture (shaped vs all-or-nothing reward).

@@ -112,6 +112,27 @@ TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric
 """Keyword arguments TRL 1.16 passes to reward functions besides ``prompts``, ``completions`` and the dataset's
 columns (``environments`` only with an ``environment_factory``)."""
 
+TRUNCATION_KEYWORD = "completion_truncated"
+"""The keyword ``trl_ext.GRPOTrainer`` adds to every reward function call: per completion, whether the length limit
+cut it (it ended neither with EOS nor at a stop string). TRL's convention of ``**kwargs`` in reward functions lets
+any reward ignore it; :func:`as_trl_row_reward` reads it."""
+
+
+def without_credit(scores: Mapping[str, float]) -> dict[str, float]:
+    """The scores of a response the length limit cut, for a task that gives such a response no credit: ``reward`` and
+    ``answer_reward`` at most 0 (a wrong reading keeps a negative score; a right one earns nothing), ``format_reward``
+    as scored.
+
+    A task that reads its answer from the end of the response (the last number, the last line) would otherwise
+    credit the last number of a cut-off sentence, usually one of the question's own numbers: a run learns to echo.
+    """
+    out = {k: float(v) for k, v in scores.items()}
+    for key in ("reward", "answer_reward"):
+        if key in out:
+            out[key] = min(out[key], 0.0)
+    return out
+
+
 TRL_RESERVED_COLUMNS = (
     "completion",
     "completion_ids",
@@ -183,6 +204,8 @@ def as_trl_row_reward(
     expected_columns: Sequence[str] = (),
     log_scores: bool = False,
     answer: Callable[[Mapping[str, Any]], Any] | None = None,
+    credit_truncated: bool = True,
+    stop_strings: Sequence[str] = (),
 ) -> TrlRewardFunc:
     """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
     function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
@@ -208,9 +231,18 @@ def as_trl_row_reward(
             column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
         log_scores: add the three scores of every completion to TRL's completions table (``log_extra``).
         answer: ``answer(row)``, the row's reference answer, added to that table with ``log_scores``.
+        credit_truncated: False: a completion the length limit cut earns no credit (:func:`without_credit`). Which
+            completions were cut: the :data:`TRUNCATION_KEYWORD` list ``trl_ext.GRPOTrainer`` passes (exact: it
+            knows EOS, stop strings and the limit); from upstream ``trl.GRPOTrainer``, which passes none, TRL's own
+            rule of ``completions/clipped_ratio`` -- the last token is neither an EOS token nor the pad token -- read
+            from the trainer whose ``log_metric`` TRL passes; from any other caller, none is known (one warning,
+            every completion credited). Default True (every completion scored as it is).
+        stop_strings: the stop strings generation should end the task's completions with (``trl_ext.GRPOTrainer``
+            uses them when its ``stop_strings`` is unset). Default none.
 
     Returns:
-        The TRL reward function ``(prompts, completions, **columns) -> list[float]``.
+        The TRL reward function ``(prompts, completions, **columns) -> list[float]``, with the attributes
+        ``credit_truncated`` and ``stop_strings`` (tuple).
 
     Raises:
         ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``required_column`` is
@@ -224,7 +256,7 @@ def as_trl_row_reward(
     def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
         if completions is None:
             raise ValueError(f"{name}: missing argument 'completions'")
-        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS}
+        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
         if required_column is not None and required_column not in data:
             raise ValueError(
                 f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
@@ -240,16 +272,18 @@ def as_trl_row_reward(
                 raise ValueError(
                     f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
                 )
+        cut = None if credit_truncated else _truncated(name, columns, len(completions))
         results, rows = [], []
         for i, completion in enumerate(completions):
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
             rows.append(row)
             try:
-                results.append(score(completion_text(completion, row=i), row))
+                scores = score(completion_text(completion, row=i), row)
             except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
                 prompt = _short(row["prompt"])
                 detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
                 raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+            results.append(without_credit(scores) if cut is not None and cut[i] else scores)
         log_extra = columns.get("log_extra")
         if log_scores and log_extra is not None and results:  # TRL's completions table: each completion's scores
             for k in REWARD_KEYS:
@@ -268,9 +302,43 @@ def as_trl_row_reward(
     trl_reward.__qualname__ = name
     trl_reward.__doc__ = (
         f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; returns the {key!r} "
-        f"score of each completion against its row."
+        f"score of each completion against its row"
+        + ("" if credit_truncated else " (0 at most for a completion the length limit cut)")
+        + "."
     )
+    trl_reward.credit_truncated = credit_truncated
+    trl_reward.stop_strings = tuple(stop_strings)
     return trl_reward
+
+
+_warned_unknown_truncation: set[str] = set()
+
+
+def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | None:
+    """Per completion, whether the length limit cut it (see ``credit_truncated`` of :func:`as_trl_row_reward`), or
+    None when the caller does not say (warned once per reward name)."""
+    flags = columns.get(TRUNCATION_KEYWORD)
+    if flags is not None:
+        if len(flags) != n:
+            raise ValueError(f"{name}: {TRUNCATION_KEYWORD} has {len(flags)} entries but there are {n} completions")
+        return [bool(f) for f in flags]
+    trainer = getattr(columns.get("log_metric"), "__self__", None)  # TRL passes its trainer's bound _log_metric
+    ids = columns.get("completion_ids")
+    eos = getattr(trainer, "eos_token_ids", None)
+    tokenizer = getattr(trainer, "_tokenizer", None)
+    if eos is not None and tokenizer is not None and ids is not None and len(ids) == n:
+        ends = {*eos, tokenizer.pad_token_id}
+        return [not c or c[-1] not in ends for c in ids]  # trl.GRPOTrainer._generate's is_truncated
+    if name not in _warned_unknown_truncation:
+        _warned_unknown_truncation.add(name)
+        import logging
+
+        logging.getLogger("trl_ext").warning(
+            f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
+            f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
+            "completion is credited"
+        )
+    return None
 
 
 def _short(prompt: Any, limit: int = 60) -> str:

@@ -1,12 +1,12 @@
 """A response that copies its prompt's example of the answer format has not used the format.
 
-The R1-Zero prompts show the format they ask for: trl_ext's ``r1_zero`` template ends its instruction with
-``<think> step-by-step reasoning </think> <answer> final result </answer>``, the course's ``r1_zero.prompt`` with
+The R1-Zero prompt shows the format it asks for: trl_ext's ``r1_zero`` template (the DeepSeek-R1 paper's, Table 1)
+and the course's ``r1_zero.prompt`` end their instruction with
 ``<think> reasoning process here </think> <answer> answer here </answer>``. A small model often repeats that line,
 which the course's ``r1_zero_reward_fn`` scores as well formed (``format_reward`` 1, the answer wrong): measured on
 GSM8K with the course's prompt, such copies made up much of the 135M model's format rate. :func:`without_copied_format`
-wraps a grader so that a response whose last ``<answer>`` tag holds the template's own example text (``final
-result``, ``answer here``, or nothing, as in the template's "enclosed within <answer> </answer> tags") gets
+wraps a grader so that a response whose last ``<answer>`` tag holds the template's own example text (``answer
+here``, or nothing, as in the template's "enclosed within <answer> </answer> tags") gets
 ``format_reward`` 0; its ``reward`` and ``answer_reward`` are the grader's, unchanged (the
 example is never a right answer, and training keeps the grader's reward as it is).
 """
@@ -30,8 +30,8 @@ def template_answer_examples(template: str) -> frozenset[str]:
     response that repeats that sentence answers nothing either. Empty for a template without the tags (``chat``,
     ``question_only``).
 
-    Examples: trl_ext's ``r1_zero`` template -> ``{"", "final result"}``; the course's ``r1_zero.prompt`` ->
-    ``{"", "answer here"}``.
+    Examples: trl_ext's ``r1_zero`` template and the course's ``r1_zero.prompt`` -> ``{"", "answer here"}``;
+    ``"... <answer> final result </answer>"`` -> ``{"final result"}``.
     """
     return frozenset(map(_normalized, _ANSWER_TAG_RE.findall(template)))
 
