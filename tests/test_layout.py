@@ -47,7 +47,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),
-    ("shared_prompts", "grpo_speed"),  # the GRPO speed paths (evaluation shares the prompt-cache generation)
+    ("packing", "shared_prompts", "grpo_speed"),  # the GRPO speed paths (evaluation shares the prompt-cache generation)
     ("trainers",),
     ("eval",),
     ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API

@@ -47,6 +47,7 @@ _SUBMODULES = (
     "observations",
     "options",
     "packed_linear",
+    "packing",
     "profiling",
     "report",
     "rewards",
