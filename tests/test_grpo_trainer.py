@@ -835,6 +835,37 @@ def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tin
     assert abs(per_step - beta2) > 1e-3
 
 
+def test_with_checkpointing_and_pack_completions_off_the_log_prob_forwards_run_unshared_and_say_so(
+    tokenizer, tiny_model_dir, tmp_path, caplog
+):
+    """Under checkpointing the log-prob forwards share prompts only in the packed one-sequence forward:
+    pack_completions=False leaves them unshared (TRL's padded rows), in one log line; generation still shares."""
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer = make_trainer(
+            trl_ext.GRPOTrainer,
+            trl_ext.GRPOConfig,
+            tiny_model_dir,
+            tokenizer,
+            tmp_path,
+            pack_completions=False,
+            gradient_checkpointing=True,
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
+    assert len(lines) == 1 and (
+        "share_prompt_cache in the log-prob forwards off: under gradient checkpointing they share prompts only in "
+        "the padding-free one-sequence forward, and pack_completions=False" in lines[0]
+    ), lines
+    assert trainer._share_prompts and not trainer._pack
+    inputs = generation_batch(trainer)
+    shapes = []
+    trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    loss_and_grads(trainer, inputs)
+    width = inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
+    assert shapes == [(4, width)]  # the 4 padded rows, as upstream
+
+
 @pytest.mark.parametrize("checkpointing", [False, {"use_reentrant": True}, {"use_reentrant": False}])
 def test_log_probs_of_equal_weights_are_bit_equal_in_every_forward_of_the_first_step(
     checkpointing, tokenizer, tiny_model_dir, tmp_path
