@@ -144,13 +144,13 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str, str]]:
+def decision_table(vocab_size: int = 49152, seconds: int = 120) -> list[tuple[str, str, str, str, str]]:
     """(architecture, prompt sharing, completion packing, zero-row skipping, the log-prob forwards' sharing under
     gradient checkpointing) for ``FAST`` and every other causal-LM type: "on", the reason a saving is off, or why
     the generic tiny config could not build the model (``uv run python tests/architectures.py`` prints it;
     docs/performance.md has the table). The last column is the one-sequence forward (``SavingsDecision.sequence``)
     that shares prompts and packs completions without a cache; TRL's MoE load-balancing loss, a trainer option,
-    is not judged here."""
+    is not judged here. Each model gets ``seconds`` of wall time (more on a busy machine)."""
     import os
     import signal
 
@@ -163,7 +163,7 @@ def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str, st
         pid = os.fork()
         if pid == 0:  # each model in a child: a model that allocates too much or hangs cannot stop the table
             os.close(read)
-            signal.alarm(120)
+            signal.alarm(seconds)
             try:
                 model = tiny_model(name, vocab_size)
                 decision = savings_decision(model)
@@ -187,6 +187,7 @@ def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str, st
 
 if __name__ == "__main__":
     import logging
+    import os
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -199,5 +200,5 @@ if __name__ == "__main__":
         "| architecture | share_prompt_cache | pack_completions | skip_zero_advantage_rows | log-prob sharing under "
         "gradient checkpointing |\n|---|---|---|---|---|"
     )
-    for row in decision_table():
+    for row in decision_table(seconds=int(os.environ.get("TRL_EXT_TABLE_SECONDS", "120"))):
         print("| " + " | ".join(row) + " |", flush=True)
