@@ -52,8 +52,9 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),
-    # the GRPO speed paths (evaluation shares the prompt-cache generation) and the vLLM engine TRL builds for it
-    ("shared_prompts", "grpo_speed", "vllm_engine"),
+    # the GRPO speed paths (evaluation shares the prompt-cache generation; log-prob forwards in one sequence) and the
+    # vLLM engine TRL builds for it
+    ("packing", "shared_prompts", "grpo_speed", "vllm_engine"),
     ("trainers",),
     ("eval",),
     ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API

@@ -50,6 +50,7 @@ _SUBMODULES = (
     "options",
     "task_options",
     "packed_linear",
+    "packing",
     "profiling",
     "report",
     "rewards",
