@@ -1,8 +1,8 @@
 """Upstream trl.GRPOTrainer next to trl_ext.GRPOTrainer settings: same model, data, seed, prompts and step budget.
 
     uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
-    uv run --extra gpu accelerate launch recipes/compare_upstream.py \
-        --config recipes/configs/compare_upstream_gsm8k.yaml      # GPU
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml \
+        recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml      # GPU
     uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
 Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
@@ -56,7 +56,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
     tokenizer = models.load_tokenizer(model_args.model_name_or_path, revision=model_args.model_revision)
     steps = compare.eval_steps(training_args.max_steps, script_args.eval_every)
     load = lambda: models.load_model_and_tokenizer(model_args)  # noqa: E731  (a fresh model per arm)
-    results = compare.run_comparison(arms, training_args, load, task, tokenizer, steps)
+    results = compare.run_comparison(arms, training_args, load, task, tokenizer, steps, warn=run.warn)
     if not PartialState().is_main_process:
         return
     setup = compare.setup_summary(

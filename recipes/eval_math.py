@@ -60,24 +60,33 @@ def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     b = result["breakdown"]
     row = (
         f"{result['accuracy']:.1%}",
+        f"{result['exact_accuracy']:.1%}",
         f"{result['format_rate']:.1%}",
         b["format1_answer1"],
         b["format1_answer0"],
         result["num_unparsed"],
+        result["num_truncated"],
         f"{result['examples_per_second']:.2f}",
         f"{result['tokens_per_second']:.1f}",
     )
+    columns = ("accuracy", "exact", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "cut")
+    notes = [result["held_out_note"]] if result["held_out_note"] else []
+    if result["partial_credit_rows"]:
+        notes.append(
+            f"accuracy is the mean score: {result['partial_credit_rows']} answers earned partial credit; "
+            f"{result['exact_accuracy']:.1%} were exact"
+        )
     report.finish(
         run,
         metrics,
         title="Evaluation",
         record=False,
         table=(
-            f"{metrics['model']} on {task.dataset} ({result['n']} problems, greedy, {backend})",
-            ("accuracy", "format rate", "format+answer ok", "format ok, wrong", "unparsed", "ex/s", "tok/s"),
+            f"{metrics['model']} on {task.dataset} ({report.held_out_caption(result)}, greedy, {backend})",
+            (*columns, "ex/s", "tok/s"),
             [row],
         ),
-        lines=[f"unparsed: {r['response']!r} (answer {r['answer']})" for r in result["unparsed_examples"]],
+        lines=notes + [f"unparsed: {r['response']!r} (answer {r['answer']})" for r in result["unparsed_examples"]],
         wrote=("responses.jsonl",),
     )
     return metrics

@@ -1,9 +1,9 @@
 """Expert iteration (CS336 A5 handout, Algorithm 2): sample, keep the correct outputs, SFT on them, repeat.
 
-    uv run accelerate launch recipes/expert_iteration.py                     # CPU default: embedded model, arithmetic
-    uv run accelerate launch recipes/expert_iteration.py --n_ei_steps 5 --num_generations 4 --sft_epochs 2
-    uv run --extra gpu accelerate launch recipes/expert_iteration.py \\
-        --config recipes/configs/expert_iteration_math.yaml                  # GPU: Qwen2.5-Math-1.5B on MATH, vLLM
+    uv run python recipes/expert_iteration.py                                # CPU default: embedded model, arithmetic
+    uv run python recipes/expert_iteration.py --n_ei_steps 5 --num_generations 4 --sft_epochs 2
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml \\
+        recipes/expert_iteration.py --config recipes/configs/expert_iteration_math.yaml   # GPU: Qwen2.5-Math-1.5B, vLLM
 
 For each of --n_ei_steps: sample --ei_batch_size training questions, generate --num_generations (G) outputs per
 question from the current policy, keep those whose reward is 1, and fine-tune on them with trl_ext.SFTTrainer
@@ -131,9 +131,11 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
     args.output_dir, args.logging_dir = str(Path(training_args.output_dir) / f"sft_step{step}"), None
     data = Dataset.from_dict({"prompt": prompts, "completion": completions})
     t0 = time.perf_counter()
-    trainer = trl_ext.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-    run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
-    with run.phase("sft"):
+    # the trainer's set-up (tokenizing the kept samples) and what train() does outside the profiled phases
+    with run.phase("sft", breakdown="sft"):
+        trainer = trl_ext.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        run.attach(trainer)  # logs the last step; a Ctrl-C during a checkpoint write waits for it to complete
+        run.profile(trainer)  # its backward, optimizer and other train() seconds: the roofline's rows
         result = trainer.train()
     fields = {
         "sft_loss": result.training_loss,
@@ -217,16 +219,17 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
     rows = [dict(zip(batch, values)) for values in zip(*batch.values()) for _ in range(group)]  # G per question
     prompts = [row["prompt"] for row in rows]
     t0 = time.perf_counter()
-    with run.phase("sample"):  # G outputs per question from the current policy
+    with run.phase("sample", breakdown="generation"):  # G outputs per question from the current policy
         prompt_ids, completion_ids, completions = sampler.sample(prompts)
     generation_seconds = time.perf_counter() - t0
-    texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
-    rewards = [task.score(text, row)["reward"] for text, row in zip(texts, rows)]  # the task's judge, whole rows
-    with run.phase("entropy"):
+    with run.phase("filter", breakdown="reward"):  # the task's judge on whole rows; keep the correct outputs
+        texts = [trl_ext.rewards.completion_text(c, i) for i, c in enumerate(completions)]
+        rewards = [task.score(text, row)["reward"] for text, row in zip(texts, rows)]
+        kept = [i for i, r in enumerate(rewards) if r == 1.0]
+    with run.phase("entropy", breakdown="entropy"):  # a forward over every sampled response
         entropy = trl_ext.course.mean_response_entropy(
             model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
         )
-    kept = [i for i, r in enumerate(rewards) if r == 1.0]  # filter: the correct outputs
     record = {
         "step": step,
         "questions": len(batch["prompt"]),
@@ -245,7 +248,7 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
             run, model, tokenizer, [prompts[i] for i in kept], [texts[i] for i in kept], training_args, step
         )
         record.update(fields)
-    with run.phase("eval_steps"):
+    with run.phase("eval_steps", breakdown="evaluation"):
         after = task.evaluate(model, tokenizer, f"eval after EI step {step}", progress=False)
     record.update(accuracy=after["accuracy"], format_rate=after["format_rate"])
     print(
@@ -269,7 +272,7 @@ def main(run, script_args, training_args, model_args, speed=None):
         task = tasks.load_task(script_args, max_new_tokens=script_args.max_completion_length)
     check_options(script_args, training_args, model_args, len(task.train))
     training_args.num_train_epochs = script_args.sft_epochs
-    with run.phase("load_model"):
+    with run.phase("load_model", breakdown="model_load"):
         model, tokenizer, _ = trl_ext.models.load_model_and_tokenizer(model_args)
     trl_ext.runtime.note_loaded_weights(speed, training_args, model_args.dtype, model)  # --dtype auto: known now
     model.to(PartialState().device)
@@ -277,7 +280,8 @@ def main(run, script_args, training_args, model_args, speed=None):
     with run.phase("eval_before", breakdown="evaluation"):
         before = task.evaluate(model, tokenizer, "eval before", progress=False)
     print(f"before: held-out accuracy {before['accuracy']:.1%} on {before['n']} problems", flush=True)
-    sampler = make_sampler(model, tokenizer, task, script_args, training_args)
+    with run.phase("sampler_setup", breakdown="sampler_setup"):
+        sampler = make_sampler(model, tokenizer, task, script_args, training_args)
     order = random.Random(training_args.seed).sample(range(len(task.train)), len(task.train))
     questions = script_args.ei_batch_size
     steps, log_history, start, cpu_start = [], [], time.perf_counter(), trl_ext.profiling.cpu_seconds()
@@ -287,7 +291,7 @@ def main(run, script_args, training_args, model_args, speed=None):
         steps.append(record)
         log_history += log
     seconds, cpu_seconds = time.perf_counter() - start, trl_ext.profiling.cpu_seconds() - cpu_start
-    with run.phase("save"):
+    with run.phase("save", breakdown="save"):
         model.save_pretrained(run.output_dir)
         tokenizer.save_pretrained(run.output_dir)
     report.plot_curves([{"step": 0, "accuracy": before["accuracy"]}, *steps], PANELS, run.output_dir / "ei_curves.png")

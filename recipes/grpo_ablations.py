@@ -1,9 +1,10 @@
 """The GRPO experiments of CS336 assignment 5 (handout section 8), each as arms of trl_ext.compare.
 
-    uv run accelerate launch recipes/grpo_ablations.py --experiment baselines        # CPU default, one experiment
-    uv run accelerate launch recipes/grpo_ablations.py --experiment all              # every experiment + report.md
-    uv run accelerate launch recipes/grpo_ablations.py --experiment clip_ablation \\
-        --config recipes/configs/grpo_ablations_math.yaml                            # GPU: Qwen2.5-Math-1.5B, vLLM
+    uv run python recipes/grpo_ablations.py --experiment baselines                 # CPU default, one experiment
+    uv run python recipes/grpo_ablations.py --experiment all                       # every experiment + report.md
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml \\
+        recipes/grpo_ablations.py --experiment clip_ablation \\
+        --config recipes/configs/grpo_ablations_math.yaml                          # GPU: Qwen2.5-Math-1.5B, vLLM
 
 Experiments (--experiment NAME; the reference arm is the handout's default: reinforce_with_baseline, std
 normalization, masked_mean, on-policy, beta 0):
@@ -17,7 +18,9 @@ normalization, masked_mean, on-policy, beta 0):
                         (num_iterations x steps_per_generation / gradient_accumulation_steps); '1x1' is on-policy,
                         where GRPO-Clip's gradient equals the reference's, so it is the reference arm
   clip_ablation         grpo_clip vs grpo_no_clip at --clip_ablation_setting (an off-policy setting)
-  prompt                the R1-Zero prompt with the r1_zero reward vs the question-only prompt with the answer reward
+  prompt                the R1-Zero prompt with the r1_zero reward (stopping at </answer>) vs the question-only prompt
+                        with the answer reward; --prompt_templates replaces them (e.g. the course's r1_zero.prompt
+                        file)
   all                   every experiment one after another (an arm shared by several is trained once), then
                         <output_dir>/report.md linking every table and plot
 
@@ -55,6 +58,7 @@ PANELS = (
 )
 CURVE_KEYS = (
     "reward",
+    "reward_std",
     "entropy",
     "completions/mean_length",
     "completions/clipped_ratio",
@@ -92,6 +96,14 @@ class AblationArguments(tasks.TaskArguments):
     cliprange: float = field(
         default=0.2, metadata={"help": "GRPO-Clip epsilon of the off_policy and clip_ablation arms."}
     )
+    prompt_templates: list[str] = field(
+        default_factory=lambda: list(trl_ext.compare.ablations.PROMPT_TEMPLATES),
+        metadata={
+            "help": "prompt experiment: one arm per template, each with its own grader and stop strings: names "
+            "('r1_zero', 'question_only', 'chat') or template files, e.g. the course's "
+            "cs336_alignment/prompts/r1_zero.prompt question_only."
+        },
+    )
 
     def __post_init__(self):
         experiments = trl_ext.compare.ablations.EXPERIMENTS
@@ -103,6 +115,9 @@ class AblationArguments(tasks.TaskArguments):
             raise ValueError(f"--lr_factors={self.lr_factors}; expected positive factors")
         for setting in (*self.off_policy_settings, self.clip_ablation_setting):
             trl_ext.compare.ablations.parse_setting(setting)
+        arms = [trl_ext.compare.ablations.prompt_arm_name(t) for t in self.prompt_templates]
+        if not arms or len(set(arms)) != len(arms):
+            raise ValueError(f"--prompt_templates {self.prompt_templates}: expected templates with distinct names")
 
     @property
     def experiments(self) -> list[str]:
@@ -125,12 +140,14 @@ def result_files(script_args, *configs) -> list[str]:
 def main(run, script_args, training_args, model_args, command=None, speed=None):
     ablations, compare, models = trl_ext.compare.ablations, trl_ext.compare, trl_ext.models
     names, state = script_args.experiments, PartialState()
-    command = command or "uv run accelerate launch recipes/grpo_ablations.py --experiment " + script_args.experiment
+    command = command or "uv run python recipes/grpo_ablations.py --experiment " + script_args.experiment
     budget = training_args.max_completion_length
     with run.phase("load_data"):
         task = tasks.load_task(script_args, max_new_tokens=budget)
         prompt_tasks = {
-            t: tasks.load_task(script_args, budget, template=t) for t in ablations.PROMPT_TEMPLATES if "prompt" in names
+            t: tasks.load_task(script_args, budget, template=t)
+            for t in script_args.prompt_templates
+            if "prompt" in names
         }
     arms = {name: compare.parse_arms(ablations.experiment_arms(name, script_args, training_args)) for name in names}
     for name in names:  # every arm's own batch sizes (the off-policy arms generate several train batches at once)
@@ -153,6 +170,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
                 curve_keys=CURVE_KEYS,
                 tasks=prompt_tasks,
                 cache=cache,
+                warn=run.warn,
             )
         if not state.is_main_process:
             continue
@@ -166,8 +184,7 @@ def main(run, script_args, training_args, model_args, command=None, speed=None):
                 {"experiment": name, "task": described, "held-out problems": len(task.test)},
             ),
             "wall seconds (this experiment, reused arms cost 0)": round(time.perf_counter() - start),
-            "git commit": run.git["commit"],  # the code this run started from
-            "dirty": run.git["dirty"],
+            "code": "; ".join(trl_ext.run.describe_code(run.git, run.project_git)),  # what this run started from
         }
         report.finish_comparison(
             run,

@@ -1,21 +1,24 @@
 """GRPO on math problems with verifiable rewards: evaluate, train with trl_ext.GRPOTrainer, evaluate again.
 
     uv run python recipes/grpo_math.py                            # CPU default: embedded model, arithmetic
-    uv run --extra gpu accelerate launch recipes/grpo_math.py \
+    uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo_math.py \
         --config recipes/configs/grpo_math_gsm8k.yaml             # GPU: Qwen2.5-Math, vLLM
     uv run python recipes/grpo_math.py --dataset_name data/gsm8k.jsonl --max_steps 2   # any GSM8K/MATH file
 
 Options: recipes/configs/grpo_math_cpu.yaml holds the recipe's defaults; a --config file is layered over them (it
 replaces only what it sets) and flags override both. Data, options and --output_dir are checked before the model is
-loaded. Writes metrics.json (results, command, resolved configs, versions, phase times), eval_before.jsonl and
-eval_after.jsonl (every held-out problem, response and extracted answer), training_curves.png, TensorBoard logs,
-checkpoints and the trained model (or adapter) with its model card into --output_dir.
+loaded. Writes metrics.json (results, command, resolved configs, versions, phase times, the held-out curve
+eval_curve), eval_before.jsonl (before training) and eval_after.jsonl (every held-out problem, response and
+extracted answer), rollouts.jsonl (--rollout_samples of each step's rollouts with their scores),
+training_curves.png, TensorBoard logs, checkpoints and the trained model (or adapter) with its model card into
+--output_dir. --eval_every N also evaluates the held-out rows every N steps during training.
 
 Stopping and resuming: Ctrl-C stops at once and prints the resume command; --resume_from_checkpoint true continues
 from the latest checkpoint in --output_dir and reuses the saved before-evaluation. A folder holding a finished run
 is never overwritten unless --overwrite_output_dir is given.
 """
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trl
@@ -28,12 +31,35 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_cpu.yaml"
 PANELS = (
     ("reward", "reward (train batch)"),
     ("eval_accuracy", "held-out accuracy (greedy)"),
+    ("eval_format_rate", "held-out format rate (greedy)"),
     ("entropy", "entropy (nats/token)"),
     ("completions/mean_length", "completion length (tokens)"),
 )
 
 
-@cli.recipe("grpo_math", (tasks.TaskArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
+@dataclass
+class GRPOMathArguments(tasks.TaskArguments):
+    """The task's options (--task, --task_config, data), plus held-out evaluation during training and the rollout
+    samples."""
+
+    eval_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "Also evaluate the held-out rows (greedy) after every this many optimizer steps, logged as "
+            "eval_accuracy/eval_format_rate at that step (TensorBoard eval/accuracy, metrics.json's eval_curve, "
+            "training_curves.png). Unset: before and after training only (each evaluation costs a held-out pass)."
+        },
+    )
+    rollout_samples: int = field(
+        default=4,
+        metadata={
+            "help": "Rollouts of each step written to rollouts.jsonl in --output_dir (step, prompt, response, "
+            "reward, format_reward, answer_reward, answer, advantage); 0 for none."
+        },
+    )
+
+
+@cli.recipe("grpo_math", (GRPOMathArguments, trl_ext.GRPOConfig, trl.ModelConfig), DEFAULT_CONFIG)
 def main(run, script_args, training_args, model_args, speed=None):
     # the decorator checked the folder, the checkpoint and the model's options; then the data, before the model loads
     with run.phase("load_data"):
@@ -51,22 +77,22 @@ def main(run, script_args, training_args, model_args, speed=None):
     before = None
     if state.is_main_process:  # a resumed run reuses the before-evaluation of the same model, rows, budget, reward
         with run.phase("eval_before", breakdown="evaluation"):
-            before = run.reuse_or_compute(
+            before = run.reuse_or_compute(  # eval_before.jsonl now: what the warning below points at
                 "eval_before",
                 {"model": model_name, **task.fingerprint()},
-                lambda: task.evaluate(model, tokenizer, "eval before"),
+                lambda: task.evaluate(model, tokenizer, "eval before", jsonl_path=run.output_dir / "eval_before.jsonl"),
             )
-        run.warn(tasks.nothing_to_learn(before))  # a task the model never scores on teaches GRPO nothing
-    trainer = trl_ext.GRPOTrainer(
-        model=model,
-        reward_funcs=task.reward_funcs,
-        args=training_args,
-        train_dataset=task.train,
-        processing_class=tokenizer,
-        peft_config=peft_config,
+        run.warn(tasks.nothing_to_learn(before, task.reward_keys))  # no reward varies: nothing for GRPO to learn
+    trainer = trl_ext.GRPOTrainer(  # model, reward functions, config, training rows
+        model, task.reward_funcs, training_args, task.train, processing_class=tokenizer, peft_config=peft_config
     )
-    first_logs = {"eval_accuracy": before["accuracy"], "eval_format_rate": before["format_rate"]} if before else None
-    run.attach(trainer, first_logs)  # held-out accuracy at step 0 in TensorBoard; the last step always logged
+    run.attach(  # held-out accuracy at step 0 (and every --eval_every steps) in TensorBoard; rollouts.jsonl
+        trainer,
+        report.held_out_logs(before) if before else None,
+        evaluate=lambda policy: task.evaluate(policy, tokenizer, progress=False),
+        eval_every=script_args.eval_every,
+        rollouts=script_args.rollout_samples,
+    )
     run.profile(trainer)
     with run.phase("train"):
         trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
@@ -80,8 +106,7 @@ def main(run, script_args, training_args, model_args, speed=None):
         trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     with run.phase("eval_after", breakdown="evaluation"):
         after = task.evaluate(trained, tokenizer, "eval after")
-    run.log_after_training(trainer, {"eval_accuracy": after["accuracy"], "eval_format_rate": after["format_rate"]})
-
+    run.log_after_training(trainer, report.held_out_logs(after))
     steps, gain, example = trainer.state.global_step, after["accuracy"] - before["accuracy"], after["examples"][0]
     report.finish(
         run,
@@ -95,12 +120,8 @@ def main(run, script_args, training_args, model_args, speed=None):
         trainer=trainer,
         speed=speed,
         model_card=(model_args.model_name_or_path, task.dataset),
-        records={"eval_before": before["records"], "eval_after": after["records"]},
-        curves=(
-            "training_curves.png",
-            PANELS,
-            {"eval_accuracy": [(0, before["accuracy"]), (steps, after["accuracy"])]},
-        ),
+        records={"eval_after": after["records"]},  # eval_before.jsonl was written before training
+        curves=("training_curves.png", PANELS, None),  # the held-out points of log_history marked
     )
 
 

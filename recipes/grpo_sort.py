@@ -95,6 +95,7 @@ def main(run, script_args, training_args, model_args, command=None):
         tokenizer,
         steps,
         curve_keys=[key for key, _ in PANELS] + ["reward", "completions/mean_length"],
+        warn=run.warn,
     )
     if not PartialState().is_main_process:
         return

@@ -7,8 +7,9 @@ Without `--config`, `recipes/configs/sft_instruct.yaml` is used; command-line fl
 `recipes/data/instructions_train.jsonl` (format: trl_ext.data.instructions) and reports, before and after training,
 on the held-out `instructions_test.jsonl`: the completion-only CE loss, the safety penalty (unlikelihood of the
 unsafe responses), and the refusal rate of greedy answers to the safety prompts (and to the ordinary prompts, to
-catch over-refusal). Writes `metrics.json` (results, command, resolved configs, versions, phase times), checkpoints
-and TensorBoard logs into `output_dir`.
+catch over-refusal). Writes `metrics.json` (results, command, resolved configs, versions, phase times), checkpoints,
+TensorBoard logs and the trained model (with `--use_peft`, its adapter; `--load_in_4bit true` trains QLoRA) into
+`output_dir`.
 
 A `--config` file is layered over the recipe's defaults (it replaces only what it sets; flags override both). Data,
 options and `--output_dir` are checked before the model is loaded. `--resume_from_checkpoint true` continues from the
@@ -109,6 +110,8 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     before, train_output, after = run.train_and_evaluate(
         trainer, lambda: evaluate(trainer, tokenizer, test_rows, script_args), key
     )
+    with run.phase("save"):
+        trainer.save_model(training_args.output_dir)  # the trained model; with --use_peft its adapter
     if not trainer.accelerator.is_main_process:
         return {}
     metrics = report.before_after_metrics(

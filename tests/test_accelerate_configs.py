@@ -243,3 +243,39 @@ def test_config_launches_the_recipe_on_cpu(name, tmp_path, qwen_stand_in, llama_
     assert metrics["runtime"]["distributed_type"] == f"DistributedType.{distributed}"
     if "--use_peft" in header_flags:  # the LoRA adapter is what was saved
         assert (out / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "name", ["single_process.yaml", "cpu_2proc.yaml", "multi_gpu_ddp.yaml", "single_gpu_lora.yaml"]
+)
+def test_the_command_a_launched_run_prints_relaunches_it_without_the_warning(name, caplog, monkeypatch, tmp_path):
+    """The command a run records and prints (trl_ext.run.command_line: experiment.md, the resume line) under a launch
+    with this config: run through accelerate's own launch parsing with no config file anywhere, it warns of no value
+    "not passed" and launches as many processes with the same mixed precision; one process without mixed precision
+    is `uv run python`, the same job."""
+    import shlex
+
+    from trl_ext.run import command_line
+
+    args, env = launch_env(CONFIG_DIR / name)
+    processes = int(args.num_processes)
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(key)
+    for key, value in {**env, "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes)}.items():
+        monkeypatch.setenv(key, value)  # what the training processes of that launch see
+    command = command_line(["recipes/grpo_math.py", "--max_steps", "2"])
+    if processes == 1 and args.mixed_precision == "no":
+        assert command == "uv run python recipes/grpo_math.py --max_steps 2"
+        return
+    words = shlex.split(command)
+    assert words[:4] == ["uv", "run", "accelerate", "launch"] and words[-3:] == [
+        "recipes/grpo_math.py",
+        "--max_steps",
+        "2",
+    ]
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no default accelerate config either
+    with caplog.at_level("WARNING"):
+        relaunched, _, _ = _validate_launch_command(launch_command_parser().parse_args(words[4:]))
+    assert "were not passed" not in caplog.text
+    assert (relaunched.num_processes, relaunched.mixed_precision) == (processes, args.mixed_precision)
+    assert relaunched.multi_gpu == (processes > 1)

@@ -6,6 +6,11 @@ Either the savings are on and the step gives the same generated tokens, loss, en
 SGD, so the update is lr x gradient) as the plain computation, or the trainer reports them off in one log line and
 runs the plain computation. The expected decision of each architecture of ``FAST`` is written next to it; the slow
 long tail runs every other causal-LM architecture transformers can build from the generic tiny config.
+
+The matrix runs again with activation (gradient) checkpointing on -- TRL's default -- with both values of
+``use_reentrant`` (issue 41): the training forward keeps no cache then, so the log-prob forwards share prompts in one
+cache-free padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), checked against the plain step with
+the same checkpointing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext.shared_prompts import training_noise
+from trl_ext.shared_prompts import activation_checkpointing, training_noise
 
 PLAIN = dict(share_prompt_cache=False, skip_zero_advantage_rows=False, prepack_linear_weights=False)
 """The options of the plain step every default step is checked against: every speed saving off."""
@@ -47,7 +52,8 @@ EXPECTED_PACKING = {
     "gpt2": "pack",
     "mistral": "its cache has DynamicSlidingWindowLayer layers",
     "gemma3_text": "its cache has DynamicSlidingWindowLayer layers",
-    "mixtral": "pack",
+    # TRL adds an MoE model's load-balancing loss, over every token of every row: the log-prob forwards run in full
+    "mixtral": "the MoE load-balancing loss (router_aux_loss_coef=0.001)",
     "bloom": "attention implementation 'eager'",
 }
 SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
@@ -70,9 +76,8 @@ def one_step(model, tokenizer, tmp_path, before_train=None, **options):
         save_strategy="no",
         disable_tqdm=True,
         logging_steps=1,
-        gradient_checkpointing=False,
         temperature=1.5,
-        **options,
+        **{"gradient_checkpointing": False, **options},
     )
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"
@@ -101,23 +106,55 @@ def one_step(model, tokenizer, tmp_path, before_train=None, **options):
     return trainer, batches[0]
 
 
-def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing=None):
+def gradient_forward_rows(model) -> list[int]:
+    """Rows of each forward of ``model`` that runs with gradient (the training forwards; filled as they run)."""
+    rows = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(kw["input_ids"].size(0)) if torch.is_grad_enabled() else None, with_kwargs=True
+    )
+    return rows
+
+
+CHECKPOINTED_PACKING_OFF = (
+    "share_prompt_cache and pack_completions in the log-prob forwards off: gradient checkpointing keeps no cache in "
+    "training, and the one-sequence forward that shares without one is not exact here ("
+)
+"""How the log line names the savings the training forward loses under checkpointing where packing is not exact."""
+
+
+def check_architecture(name, tokenizer, tmp_path, caplog, expected=None, packing=None, checkpointing=None):
+    """One step with the defaults against the plain step; ``checkpointing``: None (off), or the
+    ``gradient_checkpointing_kwargs`` of TRL's ``gradient_checkpointing=True`` for both steps."""
     model = tiny_model(name, len(tokenizer))
     plain_model = copy.deepcopy(model)
+    options = (
+        {} if checkpointing is None else dict(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
+    )
+    rows = gradient_forward_rows(model)
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
-        ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN)
+        ours, batch = one_step(model, tokenizer, tmp_path / "ours", **options)
+    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN, **options)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
+    if checkpointing is not None:  # Trainer.train turned it on, and the training forwards ran under it
+        assert activation_checkpointing(ours.model) and activation_checkpointing(plain.model)
     if expected is not None:
         if expected == "share" and packing == "pack":
             assert ours._share_prompts and ours._skip_zero_advantage and ours._pack and not lines, lines
+            # the training forward ran packed: one row (with checkpointing, the prompts inside it: no cache)
+            assert rows and set(rows) == {1}, rows
         elif expected == "share":
-            assert ours._share_prompts and ours._skip_zero_advantage and not ours._pack, lines
-            assert (
-                len(lines) == 1
-                and f"pack_completions off: {packing}" in lines[0]
-                and "share_prompt_cache" not in lines[0]
-            ), lines
+            moe = packing.startswith("the MoE")
+            assert ours._share_prompts and ours._skip_zero_advantage != moe and not ours._pack, lines
+            assert len(lines) == 1, lines
+            if moe:  # generation shares; the training forward runs every row in full, none skipped
+                assert f"share_prompt_cache and pack_completions in the log-prob forwards off: {packing}" in lines[0]
+                assert f"skip_zero_advantage_rows off: {packing}" in lines[0], lines
+                assert rows and set(rows) == {4}, rows
+            elif checkpointing is None:
+                assert f"pack_completions off: {packing}" in lines[0] and "share_prompt_cache" not in lines[0], lines
+            else:  # generation still shares its prompt cache; the log-prob forwards run unshared
+                assert CHECKPOINTED_PACKING_OFF + packing in lines[0], lines
+                assert "share_prompt_cache off" not in lines[0], lines
         else:
             assert not ours._share_prompts and not ours._pack and len(lines) == 1, lines
             assert f"share_prompt_cache off: {expected}" in lines[0] and "pack_completions" not in lines[0], lines
@@ -139,17 +176,103 @@ def test_defaults_equal_the_plain_step_or_report_themselves_off(name, tokenizer,
     check_architecture(name, tokenizer, tmp_path, caplog, EXPECTED_SHARING[name], EXPECTED_PACKING.get(name))
 
 
-def test_lora_on_top_shares_and_equals_the_plain_step(tokenizer, tmp_path, caplog):
+def _checkpointed_cases():
+    """Every FAST architecture with both values of use_reentrant. Where prompt sharing is on both run by default;
+    where the model rules sharing out (it is off with checkpointing or without: the same plain step), one value runs
+    by default and the other is slow."""
+    cases = []
+    for index, name in enumerate(FAST):
+        for reentrant in (True, False):
+            slow = name in SLOW_FAST or (EXPECTED_SHARING[name] != "share" and reentrant != bool(index % 2))
+            case = (name, reentrant)
+            cases.append(pytest.param(*case, marks=pytest.mark.slow) if slow else case)
+    return cases
+
+
+@pytest.mark.parametrize("name, reentrant", _checkpointed_cases())
+def test_with_gradient_checkpointing_the_defaults_equal_the_plain_step_or_report_themselves_off(
+    name, reentrant, tokenizer, tmp_path, caplog
+):
+    """TRL's way: GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": ...}), for
+    the defaults' step and the plain one. Architectures that pack without checkpointing pack with it (one
+    cache-free sequence; no log line); the others run the log-prob forwards unshared, said in one line."""
+    check_architecture(
+        name,
+        tokenizer,
+        tmp_path,
+        caplog,
+        EXPECTED_SHARING[name],
+        EXPECTED_PACKING.get(name),
+        checkpointing={"use_reentrant": reentrant},
+    )
+
+
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}])
+def test_moe_without_its_load_balancing_loss_packs(checkpointing, tokenizer, tmp_path, caplog):
+    """router_aux_loss_coef=0 (TRL then adds no load-balancing loss): an MoE model packs and skips like any other,
+    with checkpointing or without, and its step equals the plain step."""
+    options = dict(router_aux_loss_coef=0.0)
+    if checkpointing is not None:
+        options.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
+    model = tiny_model("mixtral", len(tokenizer))
+    plain_model = copy.deepcopy(model)
+    rows = gradient_forward_rows(model)
+    with caplog.at_level(logging.WARNING, logger="trl_ext"):
+        ours, batch = one_step(model, tokenizer, tmp_path / "ours", **options)
+    plain, _ = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN, **options)
+    assert not ours.aux_loss_enabled and ours._share_prompts and ours._skip_zero_advantage and ours._pack
+    assert "trl_ext speed savings" not in caplog.text and rows and set(rows) == {1}, rows
+    assert ours.state.log_history[0]["loss"] == pytest.approx(plain.state.log_history[0]["loss"], abs=1e-5)
+    for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_turned_on_the_transformers_way_shares_in_one_sequence(reentrant, tokenizer, tmp_path, caplog):
+    """transformers' way: ``model.gradient_checkpointing_enable(...)`` before the trainer is built, and the config's
+    gradient_checkpointing False (Trainer.train leaves the model's own checkpointing on). The trainer sees it: the
+    old and training forwards take the cache-free one-sequence path (two iterations: TRL computes old log-probs, with
+    checkpointing switched off around them), and the step equals the plain step with the same checkpointing."""
+    model = tiny_model("llama", len(tokenizer))
+    plain_model = copy.deepcopy(model)
+    for m in (model, plain_model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    rows = gradient_forward_rows(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda m, a, kw: forwards.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    ours, batch = one_step(model, tokenizer, tmp_path / "ours", num_iterations=2, beta=0.0)
+    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", num_iterations=2, beta=0.0, **PLAIN)
+    assert not ours.args.gradient_checkpointing and activation_checkpointing(ours.model) and ours._checkpointing()
+    assert ours._share_prompts and ours._pack and set(rows) == {1}, rows
+    # the old log-probs' forward (in generation, on the completions as generated) and the training forward (on the
+    # masks one_step shortened): one row each -- the prompt's tokens but its last (4 rows of one prompt), then each
+    # row's last prompt token and completion
+    sequence = (1, int(batch["prompt_mask"][0, :-1].sum()) + int(batch["completion_mask"].sum()) + 4)
+    assert forwards[-2][0] == 1 and forwards[-1] == sequence, forwards
+    assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
+    ours_log, plain_log = ours.state.log_history[0], plain.state.log_history[0]
+    assert ours_log["loss"] == pytest.approx(plain_log["loss"], abs=1e-5)
+    for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": True}, {"use_reentrant": False}])
+def test_lora_on_top_shares_and_equals_the_plain_step(checkpointing, tokenizer, tmp_path, caplog):
     from peft import LoraConfig, get_peft_model
 
     def lora(model):
         return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
 
+    options = (
+        {} if checkpointing is None else dict(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
+    )
     model = lora(tiny_model("llama", len(tokenizer)))
     plain_model = copy.deepcopy(model)
-    ours, batch = one_step(model, tokenizer, tmp_path / "ours")
-    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN)
-    assert ours._share_prompts and ours._skip_zero_advantage and ours._pack
+    rows = gradient_forward_rows(model)
+    ours, batch = one_step(model, tokenizer, tmp_path / "ours", **options)
+    plain, plain_batch = one_step(plain_model, tokenizer, tmp_path / "plain", **PLAIN, **options)
+    assert ours._share_prompts and ours._skip_zero_advantage and ours._pack and set(rows) == {1}, rows
+    assert activation_checkpointing(ours.model) == (checkpointing is not None)
     assert torch.equal(batch["completion_ids"], plain_batch["completion_ids"])
     for (n, p), (_, q) in zip(ours.model.named_parameters(), plain.model.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")

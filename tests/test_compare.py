@@ -212,6 +212,91 @@ def test_write_comparison_files(tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# ------------------------------------------------------------------------------------------ monitoring helpers
+def test_a_tasks_first_reward_function_adds_each_completions_scores_to_trls_table():
+    """Task.reward_funcs[0] hands TRL's log_extra the three scores and the answer of every completion, as the task
+    scores them; the other functions add nothing (every function's columns go to the same table)."""
+    rows = Dataset.from_dict({"prompt": ["1+1?", "2+3?"], "answer": ["2", "5"]})
+    task = Task(name="t", train=rows, test=rows, scorer=lambda r, row: gsm8k_reward_fn(r, row["answer"]))
+    task.rewards = (("t_reward", "reward"), ("t_exact", "answer_reward"))
+    extra: dict = {}
+
+    def log_extra(column, values):
+        extra.setdefault(column, []).extend(values)
+
+    first, second = task.reward_funcs
+    kwargs = dict(prompts=["1+1?", "2+3?"], completions=["It is 2", "six"], answer=["2", "5"], log_extra=log_extra)
+    assert first(**kwargs) == [1.0, 0.0]
+    assert extra == {
+        "reward": [1.0, 0.0],
+        "format_reward": [1.0, 0.0],
+        "answer_reward": [1.0, 0.0],
+        "answer": ["2", "5"],
+    }
+    assert second(**kwargs) == [1.0, 0.0] and len(extra["reward"]) == 2  # nothing added by the second function
+
+
+class _Logs:
+    """A trainer holding a TRL 1.16-shaped completions table (``_logs``) of 6 completions."""
+
+    def __init__(self):
+        from collections import defaultdict, deque
+
+        self._logs = {
+            "prompt": deque([f"p{i}" for i in range(6)]),
+            "completion": deque([[{"role": "assistant", "content": f"c{i}"}] for i in range(6)]),
+            "rewards": defaultdict(deque, {"t_reward": deque([0.0, 1.0, 0.0, 1.0, float("nan"), 0.0])}),
+            "advantages": deque([-0.5, 0.5, -0.5, 0.5, 0.0, -1.0]),
+            "extra": defaultdict(deque, {"reward": deque([0.0, 1.0, 0.0, 1.0, None, 0.0]), "answer": deque("abcdef")}),
+        }
+
+
+def test_rollout_log_keeps_samples_spread_over_the_batch_of_each_step_that_generated(tmp_path):
+    from types import SimpleNamespace
+
+    from trl_ext.compare.monitoring import RolloutLog
+
+    trainer, path = _Logs(), tmp_path / "rollouts.jsonl"
+    trainer.add_callback = lambda cb: None
+    log = RolloutLog(path, samples=4).attach(trainer)
+    state = SimpleNamespace(global_step=0, num_input_tokens_seen=0, is_world_process_zero=True)
+    log.on_train_begin(None, state, None)
+    state.global_step, state.num_input_tokens_seen = 1, 40  # step 1 generated
+    log.on_step_end(None, state, None)
+    state.global_step = 2  # step 2 trained on the same rollouts (num_input_tokens_seen unchanged): no rows
+    log.on_step_end(None, state, None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["p0", "p1", "p3", "p4"]  # rows i * 6 // 4 for i < 4
+    assert rows[1] == {
+        "step": 1,
+        "prompt": "p1",
+        "response": "c1",
+        "reward": 1.0,
+        "answer": "b",
+        "rewards": {"t_reward": 1.0},
+        "advantage": 0.5,
+    }
+    assert rows[3]["reward"] is None and rows[3]["rewards"] == {"t_reward": None}  # TRL's NaN: no score
+    # a run resumed from step 1 keeps step 1's rows; a fresh run (step 0) starts the file anew
+    path.write_text(path.read_text() + json.dumps({"step": 2, "prompt": "lost"}) + "\n")
+    state.global_step = 1
+    log.on_train_begin(None, state, None)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 1, 1, 1]
+    state.global_step = 0
+    log.on_train_begin(None, state, None)
+    assert path.read_text() == ""
+
+
+def test_arm_monitor_evaluates_every_n_steps_but_the_last_when_asked():
+    from trl_ext.compare import ArmMonitor
+
+    monitor = ArmMonitor(lambda model: {"accuracy": 0.5}, eval_every=2, skip_last=True)
+    assert [s for s in range(1, 7) if monitor.due(s, 6)] == [2, 4]
+    monitor = ArmMonitor(lambda model: {"accuracy": 0.5}, [3], eval_every=2)
+    assert [s for s in range(1, 7) if monitor.due(s, 6)] == [2, 3, 4, 6]
+    assert not ArmMonitor(None, [1]).due(1, 2)  # nothing to evaluate with
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 def test_run_comparison_tiny_model_two_arms(tiny_model, tokenizer, tmp_path):
     model_dir = tmp_path / "tiny"

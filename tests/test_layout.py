@@ -29,14 +29,17 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # the math, and leaves that import nothing above them: named choices (registry), bad user input (errors),
     # options every recipe has
     # (options), what this machine can run and reach (machine), what a training log says (observations), timers
-    # (profiling), threads and CPU precision (runtime), each phase's work against the machine's floor (roofline),
-    # oneDNN-packed linear weights for CPU inference (packed_linear), torch.multinomial's draws vectorised (sampling),
-    # the user's random generators left as they were (rng)
+    # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
+    # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
+    # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
+    # were (rng), bitsandbytes' 4-bit layers kept trainable on the CPU (quantized), where a completion ends at a stop
+    # string (stop_strings)
     (
         "functional",
         "registry",
         "errors",
         "options",
+        "task_options",
         "machine",
         "observations",
         "profiling",
@@ -45,6 +48,8 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
         "packed_linear",
         "sampling",
         "rng",
+        "quantized",
+        "stop_strings",
     ),
     # the registered choices of GRPO's objective, each entry a thin call of functional: policy losses,
     # aggregations (length normalization), advantage estimators
@@ -52,7 +57,9 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("course",),  # the course's helpers beyond what the trainers run
     ("rewards",),
     ("data", "models"),
-    ("shared_prompts", "grpo_speed"),  # the GRPO speed paths (evaluation shares the prompt-cache generation)
+    # the GRPO speed paths (evaluation shares the prompt-cache generation; log-prob forwards in one sequence) and the
+    # vLLM engine TRL builds for it
+    ("packing", "shared_prompts", "grpo_speed", "vllm_engine"),
     ("trainers",),
     ("eval",),
     ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API
@@ -303,7 +310,7 @@ def test_the_library_imports_point_down():
     assert not problems, "imports that point up (or modules in no layer):\n" + "\n".join(problems)
 
 
-def test_the_import_check_finds_what_it_must():
+def test_the_import_check_finds_what_it_must(tmp_path):
     """The check itself, on made-up graphs: an upward arrow (named with its file and line), a cycle, a lazy import."""
     graph = _import_graph()
     bad = {**graph, "trl_ext.errors": {**graph["trl_ext.errors"], "trl_ext.cli": 7}}
@@ -314,13 +321,24 @@ def test_the_import_check_finds_what_it_must():
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
     # lazy imports count, TYPE_CHECKING ones do not
     assert "trl_ext.trainers" in graph["trl_ext"] and "trl_ext.trainers.resume" in graph["trl_ext.run"]
-    assert "trl_ext.tasks" not in graph["trl_ext.compare.run"]
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from trl_ext.cli import x\n"  # for annotations only: not an import of cli
+        "from trl_ext import errors\n"
+    )
+    assert [module for module, _ in _imports("trl_ext.m", source, _library_modules())] == ["trl_ext.errors"]
 
 
 def test_every_room_is_a_lazy_attribute_of_the_package():
-    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` is imported with the
-    package, the others by ``trl_ext.__getattr__`` on first use."""
+    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` and ``quantized`` (a leaf
+    that must act before TRL imports bitsandbytes) are imported with the package, the others by
+    ``trl_ext.__getattr__`` on first use."""
     import trl_ext
 
     rooms = {room for layer in LAYERS for room in layer} - {"trl_ext"}
-    assert {"functional", *trl_ext._SUBMODULES} == rooms == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    assert (
+        {"functional", "quantized", *trl_ext._SUBMODULES}
+        == rooms
+        == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    )

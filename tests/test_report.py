@@ -19,13 +19,65 @@ def test_git_state_commit_and_dirty_flag(tmp_path):
     git(tmp_path, "init", "-q")
     git(tmp_path, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
-    assert git_state(tmp_path) == {"commit": head, "dirty": False}
+    root = str(tmp_path.resolve())
+    assert git_state(tmp_path) == {"commit": head, "describe": head[:7], "dirty": False, "root": root}
     (tmp_path / "new.py").write_text("x = 1\n")  # an untracked, not ignored file makes the tree dirty
-    assert git_state(tmp_path) == {"commit": head, "dirty": True}
+    git(tmp_path, "-c", "user.email=a@b", "-c", "user.name=a", "tag", "v9.9")
+    assert git_state(tmp_path) == {"commit": head, "describe": "v9.9", "dirty": True, "root": root}
+    (tmp_path / "tracked.py").write_text("x = 1\n")
+    git(tmp_path, "add", "tracked.py")  # a tracked change: git describe says dirty too
+    assert git_state(tmp_path)["describe"] == "v9.9-dirty"
 
 
 def test_git_state_outside_a_repository(tmp_path_factory):
-    assert git_state(tmp_path_factory.mktemp("nogit")) == {"commit": None, "dirty": None}
+    assert git_state(tmp_path_factory.mktemp("nogit")) == dict.fromkeys(("commit", "describe", "dirty", "root"))
+
+
+_INSTALLED_COPY = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import trl_ext.run as run
+assert run.__file__.startswith(sys.argv[1]), run.__file__
+os.chdir(sys.argv[2])
+git = run.git_state()
+project = run.project_git_state(git)
+print(json.dumps({"git": git, "project": project, "lines": run.describe_code(git, project),
+                  "versions": run.library_versions(git, project)}))
+"""
+
+
+def test_trl_ext_installed_inside_another_projects_checkout_is_not_that_checkout(tmp_path):
+    """trl_ext's files copied into an ignored .venv of another git repository (the course repository with trl_ext
+    installed into it): that repository's commit is the project's, not trl_ext's. trl_ext's own checkout is found."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import trl_ext
+
+    course = tmp_path / "course"
+    site = course / ".venv" / "lib" / "site-packages"
+    shutil.copytree(Path(trl_ext.__file__).parent, site / "trl_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    (course / ".gitignore").write_text(".venv/\n")
+    git(course, "init", "-q")
+    git(course, "add", ".gitignore")
+    git(course, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "course")
+    course_head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=course, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _INSTALLED_COPY, str(site), str(course)], capture_output=True, text=True, check=True
+    )
+    seen = json.loads(out.stdout)
+    assert seen["git"] == dict.fromkeys(("commit", "describe", "dirty", "root"))
+    assert seen["project"]["commit"] == course_head.strip() and seen["project"]["root"] == str(course.resolve())
+    assert seen["versions"]["trl_ext_git"] == "not a git checkout"
+    assert seen["versions"]["project_git"]["commit"] == course_head.strip()
+    assert seen["lines"][0].endswith(f"(not a git checkout: {site / 'trl_ext'})")
+    assert seen["lines"][1].startswith(f"working directory: {course.resolve()} at git commit `{course_head.strip()}`")
+    # this very checkout: trl_ext's own commit, the same as git says for the package folder
+    package = Path(trl_ext.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=package, capture_output=True, text=True).stdout.strip()
+    assert git_state()["commit"] == head
 
 
 @dataclasses.dataclass
@@ -90,11 +142,19 @@ def test_write_experiment_record(tmp_path):
         observations=["Something happened."],
         log_history=[log(1, reward=0.0), log(2, reward=1.0)],
         command="uv run x --flag 1",
-        git={"commit": "abc123", "dirty": True},
+        git={"commit": "abc123", "describe": "v0.1-3-gabc123-dirty", "dirty": True},
+        project_git={"commit": "def456", "dirty": False, "root": "/course"},
     )
     text = path.read_text()
     assert path == tmp_path / "experiment.md" and text.startswith("# A run")
-    assert "- git commit: `abc123` (dirty: true)" in text and "- command: `uv run x --flag 1`" in text
+    from trl_ext.run import trl_ext_version
+
+    assert (
+        f"- trl_ext {trl_ext_version()}, git commit `abc123` (`git describe`: v0.1-3-gabc123-dirty; dirty: true)"
+        in (text)
+    )
+    assert "- working directory: /course at git commit `def456` (dirty: false; not trl_ext's repository)" in text
+    assert "- command: `uv run x --flag 1`" in text
     assert "| beta | 0.1 |" in text and "| experiment | baselines |" in text and "| output_dir |" not in text
     assert "| metric | before | after |" in text and "| accuracy | 9.0% | 60.0% |" in text
     assert "![curves](curves.png)" in text
@@ -157,3 +217,16 @@ def test_comparison_results_one_row_per_arm_and_its_observations():
 def test_entropy_collapse_rule():
     assert entropy_collapsed(1.0, 0.09) and entropy_collapsed(1.0, 0.19) and not entropy_collapsed(1.0, 0.21)
     assert entropy_collapsed(0.4, 0.099) and not entropy_collapsed(0.4, 0.1)
+
+
+@pytest.mark.parametrize("name", [None, "embedded", "embedded:SmolLM2-135M-Instruct"])
+def test_the_record_names_the_embedded_model_by_its_hub_id(tmp_path, name):
+    import trl
+
+    text = write_experiment_record(
+        tmp_path, "A run", configs=(trl.ModelConfig(model_name_or_path=name),), git={"commit": None}
+    ).read_text()
+    assert "| model_name_or_path | HuggingFaceTB/SmolLM2-135M-Instruct (trl_ext's embedded copy) |" in text
+    assert "None" not in text.split("## Hyperparameters")[1]
+    other = write_experiment_record(tmp_path, "A run", configs=(trl.ModelConfig(model_name_or_path="Qwen/Q"),))
+    assert "| model_name_or_path | Qwen/Q |" in other.read_text()

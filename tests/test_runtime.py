@@ -154,6 +154,11 @@ def test_precision_set_by_user(tmp_path):
     assert runtime.precision_set_by_user([], with_bf16)
     assert runtime.precision_set_by_user(["--config", str(with_bf16)])
     assert not runtime.precision_set_by_user(["--bf16_full_eval", "true"], plain)
+    # every layer counts: the recipe's defaults set it, a --config over them does not mention it (the CPU config
+    # says bf16: false; a --config that only adds use_vllm must not turn bf16 autocast on)
+    assert runtime.precision_set_by_user(["--config", str(plain)], with_bf16)
+    assert runtime.precision_set_by_user([f"--config={plain}", "--config", str(with_bf16)], plain)
+    assert not runtime.precision_set_by_user(["--config", str(plain)], plain)
 
 
 def _args(**kwargs):

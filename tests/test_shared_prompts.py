@@ -18,6 +18,7 @@ from tiny import tiny_model_for_tests
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_ext import shared_prompts
+from trl_ext.packing import canonical_order, forward_in_one_sequence, one_sequence_inputs
 from trl_ext.shared_prompts import (
     cache_argument,
     common_prefix_length,
@@ -83,13 +84,17 @@ def batch(tokenizer, prompts, group_size=3):
     return ids, mask
 
 
-def fused_outputs(model, ids, mask, completion_length, shared, pack=False):
+def fused_outputs(model, ids, mask, completion_length, shared, pack=False, sequence=False):
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-completion_length] = -100
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     prompt_length = ids.size(1) - completion_length
     model.zero_grad()
-    if shared:
+    if sequence:
+        out = forward_in_one_sequence(
+            model, ids.size(1) - completion_length, ids, mask, positions, labels=labels, fused_lm_head=True
+        )
+    elif shared:
         out = forward_with_shared_prompts(
             model,
             prompt_length,
@@ -260,3 +265,74 @@ def test_a_dropout_rate_held_by_a_module_attribute_counts_once_it_changes(tokeni
     assert training_noise(model) is None and len(forwards) == 2
     model.model.layers[1].self_attn.attention_dropout = 0.3
     assert "model.layers.1.self_attn.attention_dropout=0.3" in training_noise(model) and len(forwards) == 4
+
+
+def test_one_sequence_inputs_by_hand():
+    """P = 3: the distinct prompts' first 2 columns (row 0 and 1 share one; row 2's is left-padded), then each row's
+    last prompt token and completion (row 1's ends a token early). Which token sees which, worked out by hand."""
+    ids = torch.tensor([[9, 5, 6, 7, 8], [9, 5, 6, 4, 0], [0, 5, 3, 2, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed_ids, packed_positions, sees, prompt_tokens = one_sequence_inputs(3, ids, mask, positions)
+    assert prompt_tokens == 3
+    assert packed_ids.tolist() == [9, 5, 5, 6, 7, 8, 6, 4, 3, 2, 1]
+    assert packed_positions.tolist() == [0, 1, 0, 2, 3, 4, 2, 3, 1, 2, 3]
+    expected = [
+        {0},  # prompt A, column 0
+        {0, 1},  # prompt A, column 1
+        {2},  # prompt B (row 2's), its only real token
+        {0, 1, 3},  # row 0: prompt A, then its own tokens up to itself
+        {0, 1, 3, 4},
+        {0, 1, 3, 4, 5},
+        {0, 1, 6},  # row 1: prompt A too
+        {0, 1, 6, 7},
+        {2, 8},  # row 2: prompt B
+        {2, 8, 9},
+        {2, 8, 9, 10},
+    ]
+    assert [set(row.nonzero().flatten().tolist()) for row in sees] == expected
+
+
+def test_canonical_order_sorts_any_order_of_the_same_rows_alike():
+    ids = torch.tensor([[3, 1], [2, 9], [3, 1], [2, 5]])
+    mask = torch.ones_like(ids)
+    order = canonical_order(ids, mask)
+    assert ids[order].tolist() == [[2, 5], [2, 9], [3, 1], [3, 1]]
+    shuffled = torch.tensor([2, 3, 0, 1])
+    assert torch.equal(ids[shuffled][canonical_order(ids[shuffled], mask)], ids[order])
+
+
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": True}, {"use_reentrant": False}])
+def test_one_sequence_forward_equals_plain_log_probs_entropies_and_gradients(model, tokenizer, checkpointing):
+    """Issue 41: the distinct prompts and every completion in ONE padding-free forward, no cache, give the padded
+    forward's log-probs, entropies and every gradient -- with activation checkpointing on (both use_reentrant values:
+    the training forward recomputes each layer in the backward) as without. Completions of 4, 4, 2, 4, 1 and 3
+    tokens; two distinct prompts, one left-padded; the rows come in a shuffled order."""
+    model = no_dropout(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    ids, mask = batch(tokenizer, PADDED)
+    for row, kept in ((2, 2), (4, 1)):
+        ids[row, 5 + kept :], mask[row, 5 + kept :] = tokenizer.pad_token_id, 0
+    shuffle = torch.tensor([3, 0, 5, 1, 4, 2])
+    ids, mask = ids[shuffle], mask[shuffle]
+    calls = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    plain = fused_outputs(model, ids, mask, 4, shared=False)
+    sequence = fused_outputs(model, ids, mask, 4, shared=False, sequence=True)
+    # one forward of one row: prompt A's first 4 tokens, prompt B's 2 (left-padded to 5: 3 real, the last one in the
+    # rows), then 6 last prompt tokens + 4 + 4 + 2 + 4 + 1 + 3 completion tokens
+    assert calls == [(6, 9), (1, 4 + 2 + 24)]
+    valid = mask[:, -4:].bool()
+    assert sequence[0][~valid].eq(0).all() and sequence[1][~valid].eq(0).all()
+    torch.testing.assert_close(sequence[0][valid], plain[0][valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sequence[1][valid], plain[1][valid], atol=1e-5, rtol=1e-5)
+    assert sequence[2].keys() == plain[2].keys() and len(plain[2]) > 0
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(sequence[2][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    # the same rows in another order: the same computation, bit for bit
+    again = fused_outputs(model, ids[shuffle], mask[shuffle], 4, shared=False, sequence=True)
+    assert torch.equal(again[0], sequence[0][shuffle]) and torch.equal(again[1], sequence[1][shuffle])

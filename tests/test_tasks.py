@@ -95,7 +95,10 @@ def test_a_scorer_that_fails_is_reported_before_any_model_loads():
         (dict(task="reasoning_gym:chainsum"), r"no such reasoning-gym dataset \(did you mean chain_sum"),
         (dict(task="arithmetic", task_config="{digits: 3}"), r"--task_config '\{digits: 3\}': not valid JSON"),
         (dict(task="arithmetic", task_config="[3]"), "--task_config '\\[3\\]': expected a JSON object"),
-        (dict(task="arithmetic", task_config='{"digit": 3}'), r"--task_config: unknown key\(s\) \['digit'\]"),
+        (
+            dict(task="arithmetic", task_config='{"digit": 3}'),
+            r"--task_config key 'digit': --task arithmetic takes no such setting \(its keys: 'digits', ",
+        ),
         (dict(task="no_such_module_x:make"), "--task 'no_such_module_x:make': cannot import 'no_such_module_x'"),
         (dict(task="json:nothing_here"), "--task 'json:nothing_here': module 'json' has no 'nothing_here'"),
         (
@@ -105,7 +108,8 @@ def test_a_scorer_that_fails_is_reported_before_any_model_loads():
         ),
         (
             dict(task="reasoning_gym:chain_sum", task_config='{"answer_format": "xml"}'),
-            r"answer_format='xml'; expected one of \['auto', 'answer_tag', 'last_number', 'last_line'\]",
+            r"answer_format='xml'; expected one of \['auto', 'answer_tag', 'answer_tag_or_whole', 'last_number', "
+            r"'last_line'\]",
         ),
     ],
 )
@@ -281,3 +285,292 @@ def test_the_math_tasks_keep_their_rows_and_reward_names():
         f(prompts=[row["prompt"]], completions=[row["answer"]], answer=[row["answer"]]) for f in sort.reward_funcs
     )
     assert (shaped, exact) == ([5.0], [1.0])  # 3 numbers: 3 included + 2 ordered pairs
+
+
+# ------------------------------------------------------------------------------------- the row TRL hands over
+RESERVED = ("completion", "completion_ids", "prompts", "completions", "trainer_state", "log_extra", "log_metric")
+"""Every column name TRL 1.16's GRPOTrainer keeps from reward functions (read in trl/trainer/grpo_trainer.py,
+_calculate_rewards): removed (completion, completion_ids), passed by TRL itself (prompts, completions,
+completion_ids: a column of that name fails the call) or overwritten (trainer_state, log_extra, log_metric; and
+environments, which only an environment_factory sets, checked without a trainer below)."""
+
+
+def _reference_scorer(response, row):
+    """A user's scorer that keeps its references under TRL's names: full credit when every reserved column holds what
+    the row's prompt says it should (so a dropped or overwritten column scores 0), plus a response-dependent part."""
+    i = int(row["prompt"].split()[1])
+    intact = all(row.get(c) == f"{c}-{i}" for c in (*RESERVED, "environments")) and row["x"] == i
+    value = float(intact) * (1 + len(response) % 3)
+    return {"reward": value, "format_reward": 1.0, "answer_reward": float(intact)}
+
+
+def _reference_rows(n=4):
+    rows = {"prompt": [f"row {i} says" for i in range(n)], "x": list(range(n))}
+    rows.update({c: [f"{c}-{i}" for i in range(n)] for c in (*RESERVED, "environments")})
+    return rows
+
+
+def _reference_task(n=4):
+    rows = _reference_rows(n)
+    return tasks.Task(
+        name="references", train=Dataset.from_dict(rows), test=Dataset.from_dict(rows), scorer=_reference_scorer
+    )
+
+
+@pytest.mark.parametrize("upstream", [False, True], ids=["trl_ext", "upstream"])
+def test_a_task_whose_columns_use_trls_names_scores_the_same_row_in_training(upstream, tiny_model, tokenizer, tmp_path):
+    """unslothai/unsloth-zoo#832, huggingface/trl#2644: a reference in a column named `completion` (or any name TRL
+    takes for itself) scored 1.0 in evaluation and 0.0 (or failed) in training. One real GRPO step: every reward TRL
+    records equals the scorer's formula on the completion and the user's original row."""
+    import copy
+
+    import trl
+
+    import trl_ext
+
+    task = _reference_task()
+    original = {row["prompt"]: row for row in Dataset.from_dict(_reference_rows())}  # the user's rows, as written
+    assert all(f"trl_ext.{c}" in task.train.column_names for c in RESERVED)  # carried under a name TRL passes on
+    recorded = []
+
+    def recording(func):
+        def reward(prompts, completions, **kwargs):
+            values = func(prompts=prompts, completions=completions, **kwargs)
+            recorded.extend(zip(prompts, completions, values))
+            return values
+
+        reward.__name__ = func.__name__
+        return reward
+
+    trainer_cls, config_cls = (
+        (trl.GRPOTrainer, trl.GRPOConfig) if upstream else (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)
+    )
+    args = config_cls(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "left"
+    trainer = trainer_cls(
+        model=tiny_model,
+        reward_funcs=[recording(f) for f in task.reward_funcs],
+        args=args,
+        train_dataset=task.train,
+        processing_class=tok,
+    )
+    trainer.train()
+    assert len(recorded) == 4
+    for prompt, completion, value in recorded:
+        assert value == 1 + len(completion) % 3  # the formula on the user's row: every column arrived intact
+        assert value == _reference_scorer(completion, original[prompt])["reward"]
+    # evaluation scores the same rows the same way
+    result = task.evaluate(tiny_model, tok, progress=False)
+    for record in result["records"]:
+        assert record["reward"] == 1 + len(record["response"]) % 3 and record["answer_reward"] == 1.0
+
+
+def test_trls_own_keywords_never_replace_a_carried_column():
+    """The call TRL makes (its keywords beside the columns, `environments` too), without a trainer."""
+    task = _reference_task(2)
+    (reward,) = task.reward_funcs
+    columns = {c: task.train[c] for c in task.train.column_names if c != "prompt"}
+    values = reward(
+        prompts=task.train["prompt"],
+        completions=["ab", "abc"],
+        completion_ids=[[1], [2]],
+        trainer_state=object(),
+        log_extra=lambda *a: None,
+        log_metric=lambda *a: None,
+        environments=[object(), object()],
+        **columns,
+    )
+    assert values == [1 + 2 % 3, 1 + 3 % 3]
+    # the scorer and the records see the user's names: a row of the training set, or of the held-out set
+    assert task.score("ab", task.train[1]) == task.score("ab", task.test[1]) == _reference_scorer("ab", task.test[1])
+    with pytest.raises(ValueError, match=r"columns 'completion' and 'trl_ext.completion': the first is a name TRL"):
+        tasks.Task(
+            name="both",
+            train=Dataset.from_dict({"prompt": ["p"], "completion": ["a"], "trl_ext.completion": ["b"]}),
+            test=None,
+            scorer=_within_tolerance,
+        )
+
+
+def test_columns_trl_would_drop_are_refused_or_named(tmp_path):
+    import trl_ext
+
+    task = _tolerance_task()
+    config = trl_ext.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=3,
+        num_generations=3,
+        remove_unused_columns=True,
+        use_cpu=True,
+        report_to="none",
+    )
+    with pytest.raises(RecipeError, match=r"--remove_unused_columns true: TRL would drop the columns \['target', "):
+        task.check_fills_one_step(config)
+    (reward,) = task.reward_funcs  # called as TRL calls it after dropping them
+    with pytest.raises(ValueError, match=r"passed none of the rows' columns \['target', 'tolerance'\]: a trainer with"):
+        reward(prompts=["a"], completions=["10"], completion_ids=None, trainer_state=None)
+
+
+# ---------------------------------------------------------------- decided and documented: README "Your own task"
+def _raises_on_row_3(response, row):
+    if row["x"] == 3:
+        return {"reward": 1.0, "format_reward": 1.0, "answer_reward": row["missing"]}  # KeyError, as a typo would
+    return {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0}
+
+
+def test_a_scorer_that_raises_is_named_with_its_task_and_row_in_training_and_evaluation():
+    rows = Dataset.from_dict({"prompt": [f"p{i}" for i in range(5)], "x": list(range(5))})
+    task = tasks.Task(name="mine", train=rows, test=rows, scorer=_raises_on_row_3)
+    (reward,) = task.reward_funcs
+    with pytest.raises(
+        ValueError, match=r"^mine_reward: row 3 \(0-based\): task 'mine': the scorer raised KeyError: "
+    ) as err:
+        reward(prompts=rows["prompt"], completions=["a"] * 5, x=rows["x"])
+    assert "'p3'" in str(err.value) and isinstance(err.value.__cause__, ValueError)
+    assert isinstance(err.value.__cause__.__cause__, KeyError)  # the original exception stays the cause
+    with pytest.raises(
+        ValueError, match=r"^held-out row 3 \(0-based\): task 'mine': the scorer raised KeyError: 'missing'"
+    ):
+        score_rows(list(rows), ["a"] * 5, task.score)
+
+
+@pytest.mark.parametrize(
+    "values, said",
+    [
+        ([0.0, 0.0, 0.0], "the reward was 0 on all 3 held-out rows"),
+        ([-1.0, -1.0, -1.0], "the reward was -1 on all 3 held-out rows"),
+        ([float("nan")] * 3, "the reward was NaN (no score) on all 3 held-out rows"),
+        ([float("nan"), 0.5, 0.5], "the reward was 0.5 on all 3 held-out rows"),  # NaN rows have advantage 0
+        ([1.0, 1.0, 1.0], "the reward was 1 on all 3 held-out rows"),
+        ([0.0, 1.0, 0.0], None),
+        ([-1.0, float("nan"), 0.0], None),
+    ],
+)
+def test_nothing_to_learn_when_no_reward_varies(values, said):
+    result = {"records": [{"reward": v, "answer_reward": v} for v in values], "format_rate": float("nan")}
+    line = tasks.nothing_to_learn(result)
+    assert (line is None) if said is None else line.startswith(said + " before training: GRPO learns only")
+
+
+def test_nothing_to_learn_reads_every_reward_training_uses():
+    """sort trains on its shaped reward and its exact reward: one of them varying is something to learn."""
+    sort = tasks.load_task(tasks.TaskArguments(task="sort", num_train_problems=20, num_eval=5), 20)
+    assert sort.reward_keys == ("reward", "answer_reward")
+    result = {"records": [{"reward": 5.0, "answer_reward": a} for a in (1.0, 0.0)]}
+    assert tasks.nothing_to_learn(result) is not None  # the shaped reward alone is constant
+    assert tasks.nothing_to_learn(result, sort.reward_keys) is None
+    result = {"records": [{"reward": 5.0, "answer_reward": 1.0}] * 2}
+    assert tasks.nothing_to_learn(result, sort.reward_keys).startswith("the reward was reward 5 and answer_reward 1")
+
+
+def test_a_stream_too_short_for_one_generation_batch_is_refused_like_a_dataset(tmp_path):
+    """A 1-row stream trains 0 steps in TRL (transformers only logs "There seems not to be a single sample"), with or
+    without dynamic sampling: refused before any model, as a dataset of one row is."""
+    from datasets import IterableDataset
+
+    import trl_ext
+
+    def stream(n):
+        def rows():
+            yield from ({"prompt": f"p{i}", "target": 1.0, "tolerance": 1.0} for i in range(n))
+
+        return IterableDataset.from_generator(rows)
+
+    config = trl_ext.GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        dynamic_sampling=True,
+        use_cpu=True,
+        report_to="none",
+    )  # 8 completions in groups of 4: 2 prompts per generation batch
+    for n, refused in ((1, True), (2, False), (50, False)):
+        task = tasks.Task(name="streamed", train=stream(n), test=None, scorer=_within_tolerance, source="my stream")
+        if refused:
+            with pytest.raises(
+                RecipeError, match=r"my stream: 1 training prompt cannot fill one generation batch of 2"
+            ):
+                task.check_fills_one_step(config)
+        else:
+            task.check_fills_one_step(config)
+
+
+# ------------------------------------------------------------------- reasoning-gym: a perfect answer gets its credit
+def _generators():
+    import reasoning_gym
+
+    return sorted(reasoning_gym.factory.DATASETS)
+
+
+NOT_BUILT = {"composite": "builds only with its datasets named in --task_config (reasoning-gym refuses {})"}
+"""reasoning-gym generators that do not build with an empty --task_config, with the reason."""
+
+
+@pytest.mark.parametrize("name", _generators())
+def test_a_response_that_is_the_gold_answer_gets_what_score_answer_gives_it(name):
+    """open-thought/reasoning-gym#443, NovaSky-AI/SkyRL#160: with the chat template 15 generators gave the gold answer
+    0 (multi-line grids and move lists cut to their last line, under an instruction to answer on one line), 0.05
+    (arc_agi, rearc), 0.75/0.01 (sentences that lost their final period). The gold answer, alone, as the instruction
+    asks, and after some reasoning, must get what the generator's own score_answer(gold, entry) gives it. Entries
+    without a gold answer (answer None: boxnet, graph_color, ... verify a solution instead) are skipped."""
+    import reasoning_gym
+
+    if name in NOT_BUILT:
+        pytest.skip(NOT_BUILT[name])
+    task = tasks.load_task(tasks.TaskArguments(task=f"reasoning_gym:{name}", num_train_problems=3, num_eval=3), 64)
+    oracle = reasoning_gym.create_dataset(name, size=3, seed=1)  # the held-out entries, drawn independently
+    answer_format = task.description.split(", ")[1]
+    for row, entry in zip(task.test, (oracle[i] for i in range(len(oracle)))):
+        if row["question"] != entry["question"]:  # list_functions draws from Python's global generator: the row's own
+            entry = json.loads(row["entry"])
+        instruction = row["prompt"][-1]["content"].removeprefix(entry["question"].strip())
+        assert instruction == "\n" + tasks.RG_INSTRUCTIONS[answer_format]
+        if entry["answer"] is None:
+            continue
+        gold = str(entry["answer"])
+        assert not ("\n" in gold and "one line" in instruction)  # the instruction does not contradict the question
+        expected = oracle.score_answer(answer=entry["answer"], entry=entry)
+        instructed = f"<answer>{gold}</answer>" if answer_format.startswith("answer_tag") else gold
+        for response in (gold, instructed, "Let me think it through.\n" + instructed):
+            assert task.score(response, row)["answer_reward"] == expected, (answer_format, response)
+
+
+def test_generators_that_draw_from_pythons_global_generator_give_the_same_rows_and_leave_it_alone():
+    """reasoning-gym's list_functions calls random.randint: its rows depended on what ran before, and loading the
+    task moved the user's generator."""
+    import random
+
+    args = tasks.TaskArguments(task="reasoning_gym:list_functions", num_train_problems=4, num_eval=3)
+    random.seed(123)
+    first = tasks.load_task(args, 20)
+    after = random.random()
+    random.seed(456)
+    second = tasks.load_task(args, 20)
+    random.seed(123)
+    assert random.random() == after  # loading drew nothing from the user's generator
+    assert first.test["question"] == second.test["question"] and first.train["question"] == second.train["question"]
+
+
+def test_multi_line_and_sentence_answers_take_tags_or_the_whole_response():
+    expected = {"sudoku": "answer_tag_or_whole", "sentence_reordering": "answer_tag_or_whole"}
+    expected.update(chain_sum="last_number", spell_backward="last_line")
+    for name, answer_format in expected.items():
+        args = tasks.TaskArguments(task=f"reasoning_gym:{name}", num_train_problems=20, num_eval=5)
+        assert tasks.load_task(args, 20).description.split(", ")[1] == answer_format
+    task = tasks.load_task(tasks.TaskArguments(task="reasoning_gym:sudoku", num_train_problems=2, num_eval=2), 20)
+    row = task.test[0]
+    assert task.extract(f"I solved it.\n<answer>\n{row['answer']}\n</answer>", row) == row["answer"]
+    assert task.score(row["answer"].replace("\n", " "), row)["answer_reward"] == 0.0  # one line is not the grid
+    assert task.score("", row)["format_reward"] == 0.0

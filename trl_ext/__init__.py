@@ -7,18 +7,20 @@ which tools that only need ``trl_ext.functional``, ``trl_ext.runtime`` or the da
 The rooms, from the math up (README "Layout"; imports point down, tests/test_layout.py's ``LAYERS``): ``functional``
 (what the trainers compute) and the leaves ``registry`` (named choices), ``errors`` (bad user input), ``options``
 (what every recipe's options share), ``machine`` (what this machine can run and reach), ``observations`` (what a
-training log says), ``profiling`` and ``runtime``; the registered choices of GRPO's objective ``losses`` (policy
-losses), ``aggregations`` (length normalization) and ``advantages`` (advantage estimators); ``course`` (the rest of
-the course's API, re-exported by ``cs336``); ``rewards``, ``data`` and
-``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/``grpo_speed``; ``trainers`` (the
-four TRL subclasses and their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation);
-``compare`` (arms against upstream or each other); and the run lifecycle of a recipe: ``run`` (output folder,
-resume, signals), ``report`` (results), ``cli`` (flags, checks, the command line).
+training log says), ``profiling``, ``runtime`` and ``quantized`` (bitsandbytes' 4-bit layers kept trainable on the
+CPU); the registered choices of GRPO's objective ``losses`` (policy losses), ``aggregations`` (length normalization)
+and ``advantages`` (advantage estimators); ``course`` (the rest of the course's API, re-exported by ``cs336``);
+``rewards``, ``data`` and ``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/
+``grpo_speed`` and the vLLM engine TRL builds for GRPO, ``vllm_engine``; ``trainers`` (the four TRL subclasses and
+their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation); ``compare`` (arms against upstream
+or each other); and the run lifecycle of a recipe: ``run`` (output folder, resume, signals), ``report`` (results),
+``cli`` (flags, checks, the command line).
 """
 
 import importlib
 
-from . import functional
+# quantized: before TRL/PEFT import bitsandbytes, it drops bitsandbytes' Hub-kernel message (see there)
+from . import functional, quantized
 
 _TRAINERS = (
     "DPOConfig",
@@ -31,7 +33,7 @@ _TRAINERS = (
     "SFTTrainer",
 )
 
-__all__ = ["functional", *_TRAINERS]
+__all__ = ["functional", "quantized", *_TRAINERS]
 __version__ = "0.1.0"
 
 
@@ -51,7 +53,9 @@ _SUBMODULES = (
     "models",
     "observations",
     "options",
+    "task_options",
     "packed_linear",
+    "packing",
     "profiling",
     "registry",
     "report",
@@ -62,8 +66,10 @@ _SUBMODULES = (
     "runtime",
     "sampling",
     "shared_prompts",
+    "stop_strings",
     "tasks",
     "trainers",
+    "vllm_engine",
 )
 
 

@@ -50,11 +50,13 @@ from transformers import TrainingArguments
 from trl_ext import advantages, aggregations, losses, machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
+from trl_ext.errors import decode_text, read_text
 from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
 from trl_ext.run import RecipeRun, command_line, install_interrupt_handler, is_main_process, refuse_resume
+from trl_ext.task_options import TASK_OPTION_NAMES
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -87,6 +89,7 @@ FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "batch_size": (lambda v: v >= 1, ">= 1"),
     "num_train_problems": (lambda v: v >= 1, ">= 1"),
     "eval_every": (lambda v: v >= 1, ">= 1"),
+    "rollout_samples": (lambda v: v >= 0, ">= 0 (0: no rollouts.jsonl)"),
 }
 
 
@@ -151,15 +154,25 @@ def raise_problems(problems: Sequence[str]) -> None:
 
 def device_problems(values: Mapping[str, Any]) -> list[str]:
     """What the options ask of this machine and it cannot do (:func:`trl_ext.machine.problem`), each naming the flag
-    that fixes it: vLLM (``use_vllm``, eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless
-    ``use_cpu``), 4/8-bit loading and flash-attention without their packages or a CUDA GPU."""
+    that fixes it: vLLM (``use_vllm``; its server mode without CUDA; on vLLM's CPU build a memory reservation it would
+    refuse; eval_math's ``backend vllm``), Liger kernels, bf16 without a bf16 GPU (unless ``use_cpu``),
+    flash-attention without its package or a CUDA GPU, 4/8-bit loading without bitsandbytes, and what the installed
+    bitsandbytes cannot do on a CPU (:data:`trl_ext.machine.BITSANDBYTES_ON_CPU`: 4/8-bit loading at all, fp4, its
+    optimizers)."""
     problems = []
 
     def need(name: str, option: str, off: str) -> None:
         problems.append(machine.problem(name, option, f"pass {off}"))
 
     if values.get("use_vllm"):
-        need("vllm", "--use_vllm true", "`--use_vllm false`")
+        if values.get("vllm_mode") == "server":
+            need("vllm_server", "--use_vllm true --vllm_mode server", "`--vllm_mode colocate` or `--use_vllm false`")
+        else:
+            need("vllm", "--use_vllm true", "`--use_vllm false`")
+            if machine.vllm_cpu_build() and machine.package_available("vllm"):
+                fraction = values.get("vllm_gpu_memory_utilization", 0.3)  # TRL 1.16's default
+                memory = machine.vllm_cpu_memory_problem(fraction)
+                problems.append(memory and f"--vllm_gpu_memory_utilization {fraction}: {memory}")
     if values.get("backend") == "vllm":
         need("vllm", "--backend vllm", "`--backend hf`")
     if values.get("use_liger_kernel"):
@@ -172,6 +185,23 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
     for bits in ("4", "8"):
         if values.get(f"load_in_{bits}bit"):
             need(f"load_in_{bits}bit", f"--load_in_{bits}bit true", f"`--load_in_{bits}bit false`")
+    if (
+        values.get("load_in_4bit")
+        and values.get("bnb_4bit_quant_type") == "fp4"
+        and machine.package_available("bitsandbytes")
+    ):
+        cpu = machine.bitsandbytes_cpu_problem("bnb_4bit_quant_type fp4")
+        problems.append(cpu and f"--bnb_4bit_quant_type fp4: {cpu}; pass `--bnb_4bit_quant_type nf4`")
+    optim = getattr(values.get("optim"), "value", values.get("optim"))  # transformers' OptimizerNames or a string
+    if optim in machine.BITSANDBYTES_OPTIMIZERS:
+        if not machine.package_available("bitsandbytes"):
+            problems.append(
+                f"--optim {optim}: bitsandbytes is not installed here; pass `--optim adamw_torch`, or "
+                f"{machine.QLORA_EXTRA}"
+            )
+        else:
+            cpu = machine.bitsandbytes_cpu_problem("bitsandbytes optimizers")
+            problems.append(cpu and f"--optim {optim}: {cpu}; pass `--optim adamw_torch`")
     if values.get("attn_implementation") == "flash_attention_2":
         need("flash_attention_2", "--attn_implementation flash_attention_2", "`--attn_implementation sdpa`")
     return [p for p in problems if p]
@@ -179,8 +209,9 @@ def device_problems(values: Mapping[str, Any]) -> list[str]:
 
 def source_problems(values: Mapping[str, Any]) -> list[str]:
     """Where the options name models, datasets and files this machine cannot reach: ``model_name_or_path``
-    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist) and
-    ``reward_model_path`` (a local folder)."""
+    (:func:`model_source_problem`), ``dataset_name`` (:func:`dataset_source_problem`), ``*_file`` (must exist),
+    ``reward_model_path`` (a local folder) and a ``chat_template_path`` file TRL would misread
+    (:func:`_read_by_trl_problem`)."""
     problems = [model_source_problem(values.get("model_name_or_path"))]
     if "dataset_name" in values:
         problems.append(dataset_source_problem(values.get("dataset_name")))
@@ -189,7 +220,28 @@ def source_problems(values: Mapping[str, Any]) -> list[str]:
             problems.append(f"--{name} {value}: no such file")
     if values.get("reward_model_path") and not Path(values["reward_model_path"]).is_dir():
         problems.append(f"--reward_model_path {values['reward_model_path']}: no such folder")
+    template = values.get("chat_template_path")
+    if isinstance(template, str) and template.endswith((".jinja", ".j2")) and Path(template).is_file():
+        problems.append(_read_by_trl_problem("--chat_template_path", template))
     return [p for p in problems if p]
+
+
+def _read_by_trl_problem(flag: str, path: str) -> str | None:
+    """What is wrong with a text file TRL itself reads as UTF-8 (``open(path, encoding="utf-8")``: SFT's and the
+    reward trainer's ``chat_template_path``), or None: not UTF-8 (TRL would raise UnicodeDecodeError mid-setup), or a
+    byte-order mark, which TRL would keep as U+FEFF at the start of the template, so before every prompt (trl_ext's
+    own readers drop it, :func:`trl_ext.errors.read_text`; this file is read by TRL, so it is refused instead)."""
+    data = Path(path).read_bytes()
+    try:
+        decode_text(data, path)
+    except ValueError as err:
+        return f"{flag} {err}"
+    if data.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
+        return (
+            f"{flag} {path}: starts with a byte-order mark, which TRL reads into the chat template (U+FEFF before "
+            "every prompt, or a UnicodeDecodeError for UTF-16); save it as UTF-8 without one"
+        )
+    return None
 
 
 def check_model_source(name_or_path: str | None, flag: str = "--model_name_or_path") -> None:
@@ -209,6 +261,7 @@ def check_model_options(model_args: Any) -> None:
             load_in_4bit=model_args.load_in_4bit,
             load_in_8bit=model_args.load_in_8bit,
             attn_implementation=model_args.attn_implementation,
+            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
         )
     except (ImportError, RuntimeError, ValueError) as err:
         raise RecipeError(str(err)) from None
@@ -250,7 +303,11 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError(f"--config {path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = read_text(path)  # UTF-8, a byte-order mark dropped
+    except ValueError as err:  # not UTF-8: the message starts with the path
+        raise RecipeError(f"--config {err}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise RecipeError(f"--config {path}: not valid YAML ({err})") from None
     if data is None:
@@ -347,7 +404,9 @@ def parse(
     The checks, each problem naming the flag that fixes it: options unknown to every class (naming the file), flag
     values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
     a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
-    (:func:`source_problems`) and whatever a config class itself rejects (its ``__post_init__``; run with the
+    (:func:`source_problems`), the task's name and every task option the user set that the task does not use
+    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.task_options.option_problems`) and whatever a config class
+    itself rejects (its ``__post_init__``; run with the
     options above switched off, so its own objections are found in the same pass).
 
     Args:
@@ -455,8 +514,27 @@ def parse(
     problems += flagged
     devices = device_problems(values)
     problems += devices + source_problems(values)
-    if "task" in values:  # --task and --task_config, before any data is read
+    if "task" in values:  # --task and --task_config, and every option the task would not use, before any data is read
         problems += [p for p in [tasks.task_problem(values)] if p]
+        flags = dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), "")
+        files = {k: src for k, src in source.items() if src != str(default_config) and k not in flags}
+        own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
+        defaults = tasks.option_defaults(own)
+        # An option a --config file sets that the task does not use is refused as a flag is -- unless a flag
+        # replaced a task option the file sets: the flag then overrides part of the file (a GPU config's Hub
+        # dataset, whose dataset_config a local --dataset_name leaves unused), and what it leaves unused in the file
+        # is ignored with a warning, since no flag can unset a file's value.
+        file_set = {k for k, src in source.items() if src != str(default_config)}
+        if not any(name in TASK_OPTION_NAMES and name in file_set for name in flags):
+            problems += tasks.option_problems(values, {**files, **flags}, defaults=defaults)
+        else:
+            problems += tasks.option_problems(values, flags, defaults=defaults)
+            for name, src in files.items():  # each unused file option is reset to its default: ignored for real
+                for problem in tasks.option_problems(values, {name: src}, defaults=defaults):
+                    if is_main_process():
+                        print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
+                    if name in defaults:
+                        values[name] = defaults[name]
     # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
     constructed = dict(values)
     if devices:

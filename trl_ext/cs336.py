@@ -42,6 +42,7 @@ from trl_ext.course import (
     tokenize_prompt_and_output,
 )
 from trl_ext.data.instructions import iterate_batches
+from trl_ext.errors import decode_text
 from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 
 __all__ = [
@@ -198,17 +199,16 @@ def run_grpo_microbatch_train_step(
 # ------------------------------------------------------------------------------------------------- supplement
 def _read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: invalid JSON ({err.msg})") from None
-            rows.append(row)
+    for line_number, line in enumerate(decode_text(data, str(path)).split("\n"), start=1):  # UTF-8, BOM dropped
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_number}: invalid JSON ({err.msg})") from None
+        rows.append(row)
     return rows
 
 

@@ -28,12 +28,15 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StoppingCriteriaList
 
 from trl_ext import machine
 from trl_ext.data.prompts import prompt_token_ids
 from trl_ext.packed_linear import PackedLinearWeights
+from trl_ext.rewards.adapters import without_credit
 from trl_ext.rewards.math_answers import extract_last_number
 from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
+from trl_ext.stop_strings import StopAtStrings, check_stop_strings, cut_at_stop
 
 BACKENDS = ("auto", "hf", "vllm")
 """Generation backends accepted by :func:`resolve_backend` / :func:`load_eval_model`."""
@@ -154,6 +157,8 @@ def generate_completions(
     desc: str = "generating",
     disable_progress: bool = False,
     prepack_linear_weights: bool = True,
+    *,
+    stop_strings: Sequence[str] = (),
 ) -> list[str]:
     """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
 
@@ -169,6 +174,9 @@ def generate_completions(
             once for the call (:mod:`trl_ext.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise; same
             math, float rounding may differ from the plain forward's; off by itself, in one log line, where it cannot
             apply). Default True.
+        stop_strings: a completion ends with the first of these it writes (:mod:`trl_ext.stop_strings`: kept in
+            the text, nothing after it; the handout's ``stop=["</answer>"], include_stop_str_in_output=True``).
+            Default none.
 
     Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
     training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
@@ -182,14 +190,48 @@ def generate_completions(
     Raises:
         ValueError: when ``max_new_tokens`` or ``batch_size`` is < 1.
     """
+    return generate_responses(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        batch_size,
+        desc,
+        disable_progress,
+        prepack_linear_weights,
+        stop_strings=stop_strings,
+    )[0]
+
+
+@torch.no_grad()
+def generate_responses(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str | list[dict[str, str]]],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    desc: str = "generating",
+    disable_progress: bool = False,
+    prepack_linear_weights: bool = True,
+    *,
+    stop_strings: Sequence[str] = (),
+) -> tuple[list[str], list[bool]]:
+    """:func:`generate_completions`, and for each completion whether the length limit cut it: ``(texts, cut)``.
+
+    A completion is cut when it ended neither with an EOS token (the model's ``generation_config.eos_token_id``
+    and the tokenizer's) nor at a stop string: it ran to ``max_new_tokens``.
+    """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}; expected both >= 1")
+    stop_strings = check_stop_strings(stop_strings)
+    end_ids = _eos_ids(model, tokenizer)
     token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
     was_training, padding_side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
+    cut: list[bool] = []
     # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
     # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
@@ -202,21 +244,46 @@ def generate_completions(
                     {"input_ids": token_ids[start : start + batch_size]}, padding=True, return_tensors="pt"
                 )
                 batch = {k: v.to(device) for k, v in batch.items()}
-                rows = batch["input_ids"].size(0)
+                rows, prompt_length = batch["input_ids"].shape
+                stopping = (
+                    {"stopping_criteria": StoppingCriteriaList([StopAtStrings(tokenizer, stop_strings, prompt_length)])}
+                    if stop_strings
+                    else {}
+                )
                 with packed.applied(model, rows=rows) if packed is not None else nullcontext():
                     generated = generate(
-                        **batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                        **batch,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        pad_token_id=tokenizer.pad_token_id,
+                        **stopping,
                     )
-                outputs += tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+                new_tokens = generated[:, prompt_length:]
+                texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                for row, text in zip(new_tokens.tolist(), texts):
+                    stop = cut_at_stop(row, tokenizer, stop_strings) if stop_strings else None
+                    outputs.append(stop.text if stop is not None else text)
+                    cut.append(stop is None and not any(t in end_ids for t in row))
     finally:
         model.train(was_training)
         tokenizer.padding_side = padding_side
-    return outputs
+    return outputs, cut
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end a generation: the model's ``generation_config.eos_token_id`` (an id or a list) and
+    the tokenizer's ``eos_token_id``."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """Map ``"auto"`` to ``"vllm"`` when this machine can run vLLM (``trl_ext.machine.can_run``), else ``"hf"``;
-    check an explicit choice.
+    """Map ``"auto"`` to ``"vllm"`` when this machine can run vLLM (``trl_ext.machine.can_run``) on a CUDA GPU, else
+    ``"hf"`` (vLLM's CPU build only when asked for: it reserves its own memory and KV cache); check an explicit
+    choice.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -226,7 +293,7 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "vllm" if machine.can_run("vllm") else "hf"
+        return "vllm" if machine.can_run("vllm") and machine.cuda_available() else "hf"
     if backend == "vllm":
         machine.require("vllm", "backend='vllm'", "pass `backend='hf'`")
     return backend
@@ -270,22 +337,43 @@ def load_eval_model(
 
 
 def generate_completions_vllm(
-    llm: Any, tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], max_new_tokens: int
+    llm: Any,
+    tokenizer: Any,
+    prompts: Sequence[str | list[dict[str, str]]],
+    max_new_tokens: int,
+    *,
+    stop_strings: Sequence[str] = (),
 ) -> list[str]:
     """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
-    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`).
+    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`); with ``stop_strings``, vLLM's
+    ``stop=stop_strings, include_stop_str_in_output=True`` (the text ends with the stop string).
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1.
     """
+    return generate_responses_vllm(llm, tokenizer, prompts, max_new_tokens, stop_strings=stop_strings)[0]
+
+
+def generate_responses_vllm(
+    llm: Any,
+    tokenizer: Any,
+    prompts: Sequence[str | list[dict[str, str]]],
+    max_new_tokens: int,
+    *,
+    stop_strings: Sequence[str] = (),
+) -> tuple[list[str], list[bool]]:
+    """:func:`generate_completions_vllm`, and for each completion whether the length limit cut it (vLLM's
+    ``finish_reason == "length"``): ``(texts, cut)``."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    stop_strings = check_stop_strings(stop_strings)
+    stop = {"stop": list(stop_strings), "include_stop_str_in_output": True} if stop_strings else {}
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, **stop)
     # token ids, not text: vLLM would add its own special tokens to text (see trl_ext.data.prompt_token_ids)
     outputs = llm.generate([{"prompt_token_ids": prompt_token_ids(tokenizer, p)} for p in prompts], params)
-    return [out.outputs[0].text for out in outputs]
+    return [out.outputs[0].text for out in outputs], [out.outputs[0].finish_reason == "length" for out in outputs]
 
 
 def _is_vllm_engine(model: Any) -> bool:
@@ -297,6 +385,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+NOT_EXTRACTED = "not reported: this task's grader returns its scores, not the answer it read"
+"""``extracted_note`` of a record whose task does not say which answer it read (``extracted`` is then None): a
+course-shaped ``--reward package.module:function``, the sort task, a task of your own without an extractor."""
+
+
 def score_rows(
     rows: Sequence[Mapping[str, Any]],
     responses: Sequence[str],
@@ -305,6 +398,8 @@ def score_rows(
     *,
     answer: Callable[[Mapping[str, Any]], Any] | None = None,
     extract: Callable[[str, Mapping[str, Any]], Any] | None = None,
+    truncated: Sequence[bool] | None = None,
+    credit_truncated: bool = True,
 ) -> dict[str, Any]:
     """Grade each response against its whole row and aggregate the scores (no generation, no timing).
 
@@ -317,26 +412,42 @@ def score_rows(
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
         answer: the row's reference answer, as recorded (default: its ``answer`` column, when it has one).
         extract: the answer the scorer read from a response (recorded as ``extracted``; None: nothing found).
+            Without it, ``extracted`` is None and ``extracted_note`` says the grader does not report it
+            (:data:`NOT_EXTRACTED`).
+        truncated: per response, whether the length limit cut it (recorded as ``truncated``); None: not known.
+        credit_truncated: False: a cut response earns no credit -- its ``reward`` and ``answer_reward`` are at most 0
+            (:func:`trl_ext.rewards.without_credit`; a task that reads its answer from the end of the response would
+            otherwise credit the last number of a cut-off sentence). Default True.
 
     Returns:
-        dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``format_rate`` (mean
-        format_reward), ``reward`` (mean reward), ``n``; ``breakdown``: counts of ``format1_answer1``,
+        dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``exact_accuracy`` (the share
+        of rows with answer_reward 1: exact answers; below ``accuracy`` by the partial credit), ``partial_credit_rows``
+        (rows with 0 < answer_reward < 1), ``format_rate`` (mean format_reward), ``reward`` (mean reward), ``n``,
+        ``distinct_prompts`` (how many of the rows' prompts differ), ``num_truncated`` (responses the length limit
+        cut; None when not known); ``breakdown``: counts of ``format1_answer1``,
         ``format1_answer0``, ``format0_answer0`` and ``format0_answer1`` (a score counts as 1 when >= 0.5), the
         course's categories; ``num_unparsed`` (responses with format_reward < 0.5) and ``unparsed_examples`` (the
         first ``num_examples`` of them); ``examples`` (the first ``num_examples`` records) and ``records`` (every
-        prompt, response, answer, extracted answer and score).
+        prompt, response, answer, extracted answer -- or None and ``extracted_note`` -- and score).
 
     Raises:
-        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` returns something without
-            the three keys or with a value that is not a number (the message names the row).
+        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (any exception, its
+            ``__cause__``), or returns something without the three keys or with a value that is not a number (the
+            message names the row).
     """
     if len(rows) != len(responses):
         raise ValueError(f"got {len(rows)} rows and {len(responses)} responses; expected one response per row")
     if len(responses) == 0:
         raise ValueError("nothing to score: expected at least one response")
+    if truncated is not None and len(truncated) != len(responses):
+        raise ValueError(f"got {len(truncated)} truncation flags for {len(responses)} responses; expected one each")
     records = []
     for i, (row, response) in enumerate(zip(rows, responses)):
-        scores = score(response, row)
+        try:
+            scores = score(response, row)
+        except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            raise ValueError(f"held-out row {i} (0-based): {detail}") from err
         missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
         if missing:
             raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
@@ -348,6 +459,12 @@ def score_rows(
         record["answer"] = answer(row) if answer is not None else row.get("answer")
         if extract is not None:
             record["extracted"] = extract(response, row)
+        else:  # what is known (the scores) and what is not: the answer the grader read
+            record["extracted"], record["extracted_note"] = None, NOT_EXTRACTED
+        if truncated is not None:
+            record["truncated"] = bool(truncated[i])
+            if truncated[i] and not credit_truncated:
+                values = without_credit(values)
         records.append({**record, **values})
     format_measured = not any(math.isnan(r["format_reward"]) for r in records)
     breakdown: dict[str, int | None] = {}
@@ -362,9 +479,13 @@ def score_rows(
     unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
     return {
         "accuracy": _mean([r["answer_reward"] for r in records]),
+        "exact_accuracy": _mean([float(r["answer_reward"] >= 1.0) for r in records]),
+        "partial_credit_rows": sum(0.0 < r["answer_reward"] < 1.0 for r in records),
         "format_rate": _mean([r["format_reward"] for r in records]),
         "reward": _mean([r["reward"] for r in records]),
         "n": len(records),
+        "distinct_prompts": len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in records}),
+        "num_truncated": sum(r["truncated"] for r in records) if truncated is not None else None,
         "breakdown": breakdown,
         "num_unparsed": len(unparsed) if format_measured else None,
         "unparsed_examples": unparsed[:num_examples],
@@ -431,6 +552,8 @@ def evaluate_rows(
     disable_progress: bool = False,
     answer: Callable[[Mapping[str, Any]], Any] | None = None,
     extract: Callable[[str, Mapping[str, Any]], Any] | None = None,
+    stop_strings: Sequence[str] = (),
+    credit_truncated: bool = True,
 ) -> dict[str, Any]:
     """Greedy accuracy of ``model`` on ``dataset``: one greedy response per row's ``prompt``, scored against the
     whole row (:func:`score_rows`).
@@ -449,6 +572,8 @@ def evaluate_rows(
         jsonl_path: when given, every record is written there (:func:`write_jsonl`).
         disable_progress: hide the HF progress bar.
         answer, extract: what each record keeps as the row's answer and the extracted answer (:func:`score_rows`).
+        stop_strings: a response ends with the first of these it writes (:func:`generate_completions`).
+        credit_truncated: False: a response the length limit cut earns no credit (:func:`score_rows`).
 
     Returns:
         :func:`score_rows`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall time),
@@ -467,11 +592,22 @@ def evaluate_rows(
     backend = "vllm" if _is_vllm_engine(model) else "hf"
     start = time.perf_counter()
     if backend == "vllm":
-        responses = generate_completions_vllm(model, tokenizer, prompts, max_new_tokens)
+        responses, cut = generate_responses_vllm(model, tokenizer, prompts, max_new_tokens, stop_strings=stop_strings)
     else:
-        responses = generate_completions(model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress)
+        responses, cut = generate_responses(
+            model, tokenizer, prompts, max_new_tokens, batch_size, desc, disable_progress, stop_strings=stop_strings
+        )
     seconds = time.perf_counter() - start
-    result = score_rows(rows, responses, score, num_examples, answer=answer, extract=extract)
+    result = score_rows(
+        rows,
+        responses,
+        score,
+        num_examples,
+        answer=answer,
+        extract=extract,
+        truncated=cut,
+        credit_truncated=credit_truncated,
+    )
     tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
     result.update(
         backend=backend,

@@ -11,7 +11,8 @@
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
   absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
   each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
-  padding-free with ``pack_completions`` (``packed_forward``);
+  padding-free with ``pack_completions`` (``packed_forward``); under activation (gradient) checkpointing, which
+  keeps no cache in a training forward, both in one cache-free forward instead (``forward_in_one_sequence``);
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
 (``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
@@ -23,16 +24,19 @@ time). Measured effect on the main job: docs/performance.md.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
 
 from .losses import POLICY_LOSSES
 from .packed_linear import PackedLinearWeights
+from .packing import forward_in_one_sequence
 from .sampling import same_draws_multinomial
 from .shared_prompts import (
     SavingsDecision,
     accepts_position_ids,
+    activation_checkpointing,
     announce,
     cache_argument,
     forward_with_shared_prompts,
@@ -41,6 +45,8 @@ from .shared_prompts import (
     savings_decision,
     training_noise,
 )
+
+logger = logging.getLogger("trl_ext")
 
 # Model-input keys upstream passes to _get_per_token_logps_and_entropies (multimodal extras), TRL 1.16.
 FORWARD_KEYS = (
@@ -82,12 +88,34 @@ class GRPOSpeedMixin:
             self.args.skip_zero_advantage_rows and not sharded,
             share and self.args.pack_completions,
         )
+        # TRL's gradient_checkpointing (Trainer.train turns it on), or the model's own (gradient_checkpointing_enable
+        # before the trainer was built): the log-prob forwards take the cache-free path from the start
+        self._checkpointing_seen = bool(self.args.gradient_checkpointing) or activation_checkpointing(self.model)
         self._savings_now(training=True)  # announce now what the training forward rules out
         # packed linear weights for transformers generation on the CPU, packed once per generation batch for the rows
         # each generate call decodes (trl_ext.packed_linear)
         self._packed_linear = (
-            PackedLinearWeights() if getattr(self.args, "prepack_linear_weights", False) and not sharded else None
+            PackedLinearWeights()
+            if getattr(self.args, "prepack_linear_weights", False) and not sharded and not self.use_vllm
+            else None
         )
+        if self.use_vllm:
+            logger.warning(
+                "trl_ext generation savings off with use_vllm: vLLM generates (its own kernels, prefix cache and "
+                "sampler), so share_prompt_cache's shared prefill, prepack_linear_weights and the vectorised sampler "
+                "(transformers generation only) do not run; the log-prob forward and backward keep share_prompt_cache, "
+                "pack_completions and skip_zero_advantage_rows where they are exact"
+            )
+
+    def _checkpointing(self) -> bool:
+        """Whether the policy's training forward is activation-checkpointed: ``gradient_checkpointing`` in the
+        config, or checkpointing found on the model now or at an earlier call (transformers'
+        ``gradient_checkpointing_enable``). Once seen it stays: TRL turns checkpointing off around the old and
+        reference log-prob forwards (``disable_gradient_checkpointing``), which must still take the training
+        forward's path, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0)."""
+        if not getattr(self, "_checkpointing_seen", False):
+            self._checkpointing_seen = activation_checkpointing(self.model)
+        return self._checkpointing_seen
 
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
@@ -98,6 +126,13 @@ class GRPOSpeedMixin:
         (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
         forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
         see one decision, the current one. A saving that is off is named in one log line per model and reason.
+
+        Under activation checkpointing (``_checkpointing``) the training forward keeps no cache, so the log-prob
+        forwards share prompts only in the one-sequence forward (``SavingsDecision.sequence``), which also packs the
+        completions: "pack completions" then means that forward runs, in the old, reference and training forwards
+        alike; generation shares its prompt cache as without checkpointing. With TRL's MoE load-balancing loss
+        (``aux_loss_enabled``), which counts every token of every row, the log-prob forwards run every row in full
+        and no row is skipped; generation still shares.
 
         Args:
             training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
@@ -120,14 +155,44 @@ class GRPOSpeedMixin:
         bonus = _entropy_bonus_option(self.args)
         if loss_reason is None and bonus is not None:
             loss_reason = f"{bonus} adds an entropy bonus, which gives a rollout of advantage 0 a gradient"
+        # TRL adds an MoE model's load-balancing loss (router logits of every token of every row, as the batch
+        # holds them) to the training loss: a shared prompt, a packed row or a skipped row would change it
+        aux = getattr(self, "aux_loss_enabled", False)
+        aux_reason = (
+            f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef:g}) is computed over every "
+            "token of every row of the batch"
+            if aux
+            else None
+        )
+        forwards = f"share_prompt_cache{' and pack_completions' if pack else ''} in the log-prob forwards"
+        names = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions")
+        pack_reason = (decision.pack or noise) if pack else None
+        if share and aux:  # generation still shares its prompt cache
+            names, pack_reason = (*names[:2], forwards), aux_reason
+        elif share and self._checkpointing():
+            # no cache in a checkpointed training forward: the log-prob forwards share prompts only in the
+            # one-sequence forward, which packs the completions too
+            names = (*names[:2], forwards)
+            if not pack:
+                pack_reason = (
+                    "under gradient checkpointing they share prompts only in the padding-free one-sequence forward, "
+                    "and pack_completions=False"
+                )
+            elif decision.sequence or noise:
+                pack_reason = (
+                    "gradient checkpointing keeps no cache in training, and the one-sequence forward that shares "
+                    f"without one is not exact here ({decision.sequence or noise})"
+                )
+            else:
+                pack_reason = None
         decision = SavingsDecision(
             share_prompts=(decision.share_prompts or noise) if share else None,
-            skip_rows=(loss_reason or decision.skip_rows or noise) if skip else None,
-            pack=(decision.pack or noise) if pack else None,
+            skip_rows=(loss_reason or aux_reason or decision.skip_rows or noise) if skip else None,
+            pack=pack_reason,
         )
-        announce(self.model, decision)
+        announce(self.model, decision, names)
         shared = share and decision.share_prompts is None
-        return shared, skip and decision.skip_rows is None, pack and shared and decision.pack is None
+        return shared, skip and decision.skip_rows is None, pack and shared and pack_reason is None
 
     @property
     def _share_prompts(self) -> bool:
@@ -156,17 +221,25 @@ class GRPOSpeedMixin:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
-        # Under gradient checkpointing the policy keeps no cache in training; the old/reference forwards then stay
-        # unshared too, so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0). TRL's
-        # gradient_checkpointing field mirrors transformers' activation_checkpointing (both present in 5.2x).
+        # Under activation checkpointing the training forward keeps no cache: the old, reference and training
+        # forwards then all share prompts in one cache-free forward (forward_in_one_sequence) or all run unshared,
+        # so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0) -- TRL turns checkpointing off
+        # around the no-grad forwards, so the path follows _checkpointing(), not the model's state at the call.
+        # With the MoE aux loss (router logits over every row's tokens) every log-prob forward runs unshared, as
+        # upstream (_savings_now says so; pack is then off).
         shared, _, pack = self._savings_now()
-        share = shared and not kwargs.get("compute_aux_loss") and not self.args.gradient_checkpointing
-        cache_name = cache_argument(unwrapped) if share else None
+        if self._checkpointing():
+            path = "sequence" if pack else None
+        else:
+            path = "cache" if shared and not getattr(self, "aux_loss_enabled", False) else None
+        cache_name = cache_argument(unwrapped) if path == "cache" else None
         prompt_length = input_ids.size(1) - logits_to_keep
 
         def forward_with_positions(**inputs):
             inputs.setdefault("position_ids", position_ids_from_attention_mask(inputs["attention_mask"]))
-            if share:  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
+            if path == "sequence":  # one forward of the (possibly DDP-wrapped) model, as upstream
+                return forward_in_one_sequence(model, prompt_length, **inputs)
+            if path == "cache":  # the prefill runs unwrapped: one DDP forward per chunk on every rank, as upstream
                 return forward_with_shared_prompts(
                     model, prompt_length, cache_name=cache_name, prefill_model=unwrapped, pack=pack, **inputs
                 )

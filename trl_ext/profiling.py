@@ -1,10 +1,10 @@
-"""Where the wall time of a GRPO run goes: per-phase timers around the trainer's seams.
+"""Where the wall time of a training run goes: per-phase timers around the trainer's seams.
 
 :class:`PhaseTimer` accumulates wall seconds per named phase with *exclusive* accounting (a phase that runs inside
 another is charged to itself only), so the phases never double count and their sum is at most the wall time.
-:class:`StepProfiler` is a ``transformers.TrainerCallback`` that attaches such a timer to a ``trl.GRPOTrainer`` (or
-``trl_ext.GRPOTrainer``) by wrapping, on the instance only, the methods each phase runs in (TRL 1.16 / transformers
-5.x):
+:class:`StepProfiler` is a ``transformers.TrainerCallback`` that attaches such a timer to any ``transformers.Trainer``
+-- TRL's and trl_ext's GRPO, SFT, DPO and Reward trainers alike -- by wrapping, on the instance only, the methods each
+phase runs in (TRL 1.16 / transformers 5.x); a trainer without a method (SFT has no ``_generate``) has no such phase:
 
 ==============  ==========================================================================================
 phase           what is timed
@@ -97,9 +97,12 @@ class PhaseTimer:
         return self._stack[-1][0] if self._stack else None
 
     def add(self, name: str, seconds: float) -> None:
-        """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`)."""
+        """Charge ``seconds`` to ``name`` (for intervals measured outside :meth:`phase`); measured while a phase runs,
+        they are that phase's no longer (exclusive, as if timed by a nested :meth:`phase`)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.calls[name] = self.calls.get(name, 0) + 1
+        if self._stack:
+            self._stack[-1][2] += seconds
 
     def wrap(self, obj: Any, method: str, name: str) -> None:
         """Replace ``obj.method`` (on the instance) by a version timed as ``name``."""
@@ -131,22 +134,42 @@ class StepProfiler(TrainerCallback):
         self.timer = timer if timer is not None else PhaseTimer()
         self.train_seconds = 0.0
         self.steps = 0
+        self.optimizer_steps = 0
         self._train_start: float | None = None
         self._optimizer_start: float | None = None
+        self._clipped = False
         self._inside_train = 0.0
 
     def attach(self, trainer: Any) -> StepProfiler:
-        """Wrap ``trainer``'s phase methods and register as its callback; returns ``self``."""
+        """Wrap ``trainer``'s phase methods (those it has) and register as its callback; returns ``self``.
+
+        Raises:
+            ValueError: ``trainer`` already has a StepProfiler (its phases would be timed twice).
+        """
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is not None and any(isinstance(cb, StepProfiler) for cb in handler.callbacks):
+            raise ValueError("this trainer already has a StepProfiler attached; attach one per trainer")
         for method, name in (
             ("_generate", "generation"),
             ("_calculate_rewards", "reward"),
             ("_get_per_token_logps_and_entropies", "logprob_forward"),
             ("_save_checkpoint", "checkpoint"),
         ):
-            self.timer.wrap(trainer, method, name)
-        self.timer.wrap(trainer.accelerator, "backward", "backward")
-        # Gradient clipping runs right before on_pre_optimizer_step; charge it to the optimizer phase.
-        self.timer.wrap(trainer, "_clip_grad_norm", "optimizer")
+            if callable(getattr(trainer, method, None)):
+                self.timer.wrap(trainer, method, name)
+        if callable(getattr(getattr(trainer, "accelerator", None), "backward", None)):
+            self.timer.wrap(trainer.accelerator, "backward", "backward")
+        if callable(getattr(trainer, "_clip_grad_norm", None)):
+            # Gradient clipping runs right before on_pre_optimizer_step; charge it to the optimizer phase.
+            clip = trainer._clip_grad_norm
+
+            @functools.wraps(clip)
+            def clipped(*args, **kwargs):
+                self._clipped = True
+                return clip(*args, **kwargs)
+
+            trainer._clip_grad_norm = clipped
+            self.timer.wrap(trainer, "_clip_grad_norm", "optimizer")
         trainer.add_callback(self)
         return self
 
@@ -167,8 +190,10 @@ class StepProfiler(TrainerCallback):
         if self._optimizer_start is not None:
             _sync()
             self.timer.add("optimizer", time.perf_counter() - self._optimizer_start)
-            self.timer.calls["optimizer"] -= 1  # clipping + step count as one call per optimizer step
-            self._optimizer_start = None
+            if self._clipped:  # clipping + step count as one call per optimizer step
+                self.timer.calls["optimizer"] -= 1
+            self._optimizer_start, self._clipped = None, False
+            self.optimizer_steps += 1
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1

@@ -13,7 +13,9 @@ same for a comparison of arms (``comparison.json``/``.md``/``.png`` through :mod
 
 ``experiment.md`` ties a run to the code that made it and says what a reader wants to know first:
 
-- the project's git commit and whether the working tree had uncommitted changes (``dirty``);
+- trl_ext's version and git commit, ``git describe`` and whether its tree had uncommitted changes (``dirty``), or "not
+  a git checkout" for an installed package; and the working directory's repository when it is another one (the
+  course repository trl_ext is installed into);
 - the hyperparameters that differ from their defaults, plus the important ones whatever their value (learning
   rate, group size, loss type, normalization, beta, steps, ...), from the run's config dataclasses;
 - a results table (before/after, final reward, time) and the plot(s);
@@ -26,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id
+from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id, is_embedded
 from trl_ext.observations import observe_training
 from trl_ext.profiling import format_breakdown
 from trl_ext.roofline import format_roofline
-from trl_ext.run import git_state, is_main_process
+from trl_ext.run import command_line, describe_code, git_state, is_main_process
 
 IMPORTANT_FIELDS = (
     "model_name_or_path",
@@ -134,6 +135,7 @@ def write_experiment_record(
     command: str | None = None,
     extra_markdown: str = "",
     git: Mapping[str, Any] | None = None,
+    project_git: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``output_dir/experiment.md`` and return its path.
 
@@ -141,7 +143,8 @@ def write_experiment_record(
         output_dir: the run's output directory (where ``metrics.json`` is).
         title: first heading.
         configs: the run's config dataclasses (script arguments, training config, ``trl.ModelConfig``); their
-            non-default and important fields are listed (:func:`config_hyperparameters`).
+            non-default and important fields are listed (:func:`config_hyperparameters`), the embedded model (an unset
+            ``model_name_or_path``) by the Hub id it was quantized from.
         hyperparameters: extra or overriding name -> value pairs for the hyperparameter table.
         results: a mapping (two columns) or rows matching ``results_header`` (e.g. ``("accuracy", before, after)``).
         results_header: column titles of ``results``.
@@ -149,13 +152,17 @@ def write_experiment_record(
         observations: sentences written first under "Observations".
         log_history: TRL's log; ``observe_training`` adds its observations.
         max_completion_length: the generation budget, for the length-limit observation.
-        command: the command line that reproduces the run (default: ``sys.argv``).
+        command: the command line that reproduces the run (default: ``trl_ext.run.command_line``: this process's
+            script and flags, with a launcher that reproduces it without accelerate's "values were not passed"
+            warning).
         extra_markdown: appended at the end (e.g. a comparison table).
-        git: ``{"commit", "dirty"}`` taken when the run started (``trl_ext.run.RecipeRun.git``; default:
-            ``trl_ext.run.git_state`` now), so that commits made while the run goes on are not credited with its
-            results.
+        git: trl_ext's ``trl_ext.run.git_state`` taken when the run started (``trl_ext.run.RecipeRun.git``;
+            default: now), so that commits made while the run goes on are not credited with its results.
+        project_git: the working directory's checkout when it is not trl_ext's (``RecipeRun.project_git``: the
+            project trl_ext is installed into, e.g. the course repository), or None.
 
-    The record starts with the git commit and dirty flag of the project.
+    The record starts with the code it was made with (``trl_ext.run.describe_code``): trl_ext's version and git
+    commit (or "not a git checkout"), then the working directory's repository when it is another one.
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,12 +170,13 @@ def write_experiment_record(
         git = git_state()
     params = config_hyperparameters(*configs)
     params.update(hyperparameters or {})
-    command = command or " ".join([Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python", *sys.argv[1:]])
+    if "model_name_or_path" in params and is_embedded(params["model_name_or_path"]):  # unset: the embedded model
+        params["model_name_or_path"] = f"{EMBEDDED_BASE_MODEL} (trl_ext's embedded copy)"
+    command = command or command_line()
     lines = [
         f"# {title}",
         "",
-        f"- git commit: `{git['commit'] or 'unknown'}`"
-        + ("" if git["dirty"] is None else f" (dirty: {str(git['dirty']).lower()})"),
+        *[f"- {line}" for line in describe_code(git, project_git)],
         f"- command: `{command}`",
         "",
         "## Hyperparameters (non-default and important ones)",
@@ -284,25 +292,73 @@ def before_after_rows(before: Mapping[str, float], after: Mapping[str, float], k
 
 
 def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
-    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy and
-    format rate before and after, the number of problems and the evaluation speed after."""
-    return {
+    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy (the mean
+    score, partial credit included) and exact accuracy (the share of answers scored 1), format rate and responses cut
+    by the length limit before and after, the number of problems and how many are distinct (and the task's note on
+    them), and the evaluation speed after."""
+    metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
+        "exact_accuracy_before": before.get("exact_accuracy"),
+        "exact_accuracy_after": after.get("exact_accuracy"),
         "format_rate_before": before["format_rate"],
         "format_rate_after": after["format_rate"],
+        "truncated_before": before.get("num_truncated"),
+        "truncated_after": after.get("num_truncated"),
         "n_eval": after["n"],
+        "n_eval_distinct": after.get("distinct_prompts"),
         "eval_examples_per_second": after["examples_per_second"],
     }
+    if after.get("held_out_note"):
+        metrics["held_out_note"] = after["held_out_note"]
+    return metrics
+
+
+def held_out_caption(result: Mapping[str, Any]) -> str:
+    """``"200 held-out problems"``, and how many are distinct when some repeat (``"100 held-out problems, 63
+    distinct"``)."""
+    n, distinct = result["n"], result.get("distinct_prompts")
+    text = f"{n} held-out problem{'s' if n != 1 else ''}"
+    return text + (f", {distinct} distinct" if distinct is not None and distinct != n else "")
+
+
+def held_out_logs(result: Mapping[str, Any]) -> dict[str, float]:
+    """A held-out evaluation (``Task.evaluate`` result) as logged at a step: ``{"eval_accuracy", "eval_format_rate"}``
+    (TensorBoard shows them as ``eval/accuracy`` and ``eval/format_rate``; :func:`eval_curve` reads them back)."""
+    return {"eval_accuracy": result["accuracy"], "eval_format_rate": result["format_rate"]}
+
+
+def eval_curve(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The held-out evaluations of a training log, in step order: ``[{"step", "accuracy", "format_rate"}, ...]`` from
+    its ``eval_accuracy``/``eval_format_rate`` entries (:func:`held_out_logs`: before training at step 0, every
+    ``--eval_every`` steps, after training at the last step); a step logged twice keeps its last value."""
+    points = {
+        e["step"]: {"step": e["step"], "accuracy": e["eval_accuracy"], "format_rate": e.get("eval_format_rate")}
+        for e in log_history
+        if "eval_accuracy" in e and "step" in e
+    }
+    return [points[step] for step in sorted(points)]
 
 
 def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
-    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table)."""
-    n = after["n"]
+    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table); with an
+    ``exact`` column (answers scored 1) when some answer earned partial credit, and a ``cut`` column (responses the
+    length limit cut) when some was cut."""
+    results = (("before", before), ("after", after))
+    partial = any(r.get("partial_credit_rows") for _, r in results)
+    cut = any(r.get("num_truncated") for _, r in results)
+    columns = ("", "accuracy", *(("exact",) if partial else ()), "format rate", *(("cut",) if cut else ()))
     rows = [
-        (name, f"{r['accuracy']:.1%}", f"{r['format_rate']:.1%}") for name, r in (("before", before), ("after", after))
+        (
+            name,
+            f"{r['accuracy']:.1%}",
+            *((f"{r['exact_accuracy']:.1%}",) if partial else ()),
+            f"{r['format_rate']:.1%}",
+            *((r.get("num_truncated"),) if cut else ()),
+        )
+        for name, r in results
     ]
-    return f"{what} ({n} held-out problem{'s' if n != 1 else ''}, greedy)", ("", "accuracy", "format rate"), rows
+    return f"{what} ({held_out_caption(after)}, greedy)", columns, rows
 
 
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
@@ -369,8 +425,11 @@ def finish(
         run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
         metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``, and, unless ``metrics`` has
             them: with a ``trainer``, ``train_steps``, ``train_seconds`` (the run's ``train`` phase) and
-            ``log_history``; when the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
-            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far).
+            ``log_history``, and ``eval_curve`` (:func:`eval_curve`) when the log holds held-out evaluations; when
+            the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
+            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far) and, when it watched a
+            model, ``roofline`` (``run.roofline_report()``: a phase that was not timed or ran under its floor is left
+            out with the reason, never reported with a ratio below 1).
         title: the record's first heading (``experiment.md``).
         table: ``(caption, columns, rows)`` printed to the console.
         lines: printed after the table (summary, examples); then which results were reused on resume and, when
@@ -378,13 +437,14 @@ def finish(
         trainer: the trainer whose model card template names the training method; its ``state.log_history`` is
             the default ``log_history``.
         model_card: ``(base model, dataset)``: write ``README.md`` (:func:`write_model_card`) naming them.
-        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`).
+        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`); ``points`` None marks
+            the held-out evaluations of the log (``eval_curve``).
         log_history: the training log for ``curves`` and for the record's observations.
         records: file stem -> rows, each written as JSON lines (``{"eval_after": [...]}`` -> ``eval_after.jsonl``).
         results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
         observations: sentences for the record, before ``observe_training``'s.
         record: write ``experiment.md``.
-        git: ``{"commit", "dirty"}`` of the code (default: ``run.git``, taken when the run started).
+        git: trl_ext's ``trl_ext.run.git_state`` (default: ``run.git``, taken when the run started).
         wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.
         speed: what ``trl_ext.runtime.apply_speed_defaults`` chose (threads, precision); with a trainer, recorded
             as ``runtime`` with the number of processes and accelerate's distributed type (FSDP shows there, not
@@ -407,6 +467,8 @@ def finish(
         metrics.setdefault("train_steps", trainer.state.global_step)
         metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
         metrics.setdefault("log_history", log_history)
+        if eval_curve(log_history):  # held-out accuracy at each evaluated step
+            metrics.setdefault("eval_curve", eval_curve(log_history))
         if hasattr(trainer, "accelerator"):
             accelerator = trainer.accelerator
             metrics.setdefault(
@@ -419,15 +481,18 @@ def finish(
             )
     if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
         metrics.setdefault("time_breakdown", run.time_breakdown())
-        state = getattr(trainer, "state", None)  # expert iteration passes the trainer class (for its model card)
-        trained = state.global_step - run.resumed_step if hasattr(state, "global_step") else 0
-        roofline = run.roofline_report(optimizer_steps=trained)
+        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)
     if model_card is not None:
         write_model_card(trainer, out, *model_card)
     if curves is not None:
         name, panels, points = curves
+        if points is None and metrics.get("eval_curve"):  # every held-out evaluation marked with its value
+            points = {
+                key: [(p["step"], p[field]) for p in metrics["eval_curve"] if p[field] is not None]
+                for key, field in (("eval_accuracy", "accuracy"), ("eval_format_rate", "format_rate"))
+            }
         plot = plot_curves(log_history or [], panels, out / name, points)
         written.append(plot.name if plot else "no plot")
     if record:
@@ -445,6 +510,7 @@ def finish(
             log_history=log_history,
             max_completion_length=budget,
             git=run.git if git is None else git,
+            project_git=getattr(run, "project_git", None),
         )
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
@@ -491,7 +557,7 @@ def finish_comparison(
         command: the command that reproduces it.
         record: ``(header, rows, observations)`` of ``experiment.md`` (default :func:`comparison_results`).
         hyperparameters: extra rows of the record's hyperparameter table.
-        git: ``{"commit", "dirty"}`` of the code (default: ``run.git``, taken when the run started).
+        git: trl_ext's ``trl_ext.run.git_state`` (default: ``run.git``, taken when the run started).
 
     Returns:
         ``{"json", "md", "png"}`` paths.
@@ -519,6 +585,7 @@ def finish_comparison(
         observations=notes,
         command=command,
         git=run.git if git is None else git,
+        project_git=getattr(run, "project_git", None),
     )
     print(paths["md"].read_text(), flush=True)
     print(f"Wrote {', '.join(str(p) for p in paths.values())}", flush=True)

@@ -58,9 +58,10 @@ VERSIONED_PACKAGES = ("trl_ext", "trl", "transformers", "torch", "accelerate", "
 """Packages whose installed versions ``metrics.json`` records (absent ones are left out)."""
 
 
-RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "runs", "checkpoint-*")
+RUN_ARTIFACTS = ("metrics.json", "eval_before.json", "rollouts.jsonl", "runs", "checkpoint-*")
 """What :func:`check_output_dir` deletes from a folder on ``--overwrite_output_dir``: a previous run's metrics, its
-cached before-evaluation, its TensorBoard logs and its checkpoints (model files are replaced when the new run saves)."""
+cached before-evaluation, its rollout samples, its TensorBoard logs and its checkpoints (model files are replaced when
+the new run saves)."""
 
 
 def is_main_process() -> bool:
@@ -186,16 +187,32 @@ RECIPE_START_OVER = (
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher (``uv
-    run accelerate launch`` under accelerate, else ``uv run python``), the script relative to the working directory
-    (as given when it lies outside), the flags."""
+    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher, the
+    script relative to the working directory (as given when it lies outside), the flags.
+
+    The launcher reproduces this launch without accelerate's "values were not passed" warning (which a bare ``uv run
+    accelerate launch`` prints): ``uv run python`` for one process without accelerate's mixed precision (the same
+    job: trl_ext.runtime picks the threads either way), else ``uv run accelerate launch`` with every value that
+    warning names (``--num_processes``, ``--num_machines``, ``--mixed_precision``, ``--dynamo_backend``;
+    ``--multi_gpu`` for several processes, torchrun's launcher, which also runs CPU processes). A launch config's
+    other settings (FSDP, DeepSpeed) are not in it: repeat your ``--config_file``."""
     script, *flags = list(sys.argv if argv is None else argv)
     try:
         relative = os.path.relpath(script)
         script = script if relative.startswith("..") else relative
     except ValueError:
         pass
-    launcher = "uv run accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ else "uv run python"
+    launcher = "uv run python"
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        machines = max(1, processes // int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
+        precision = os.environ["ACCELERATE_MIXED_PRECISION"].lower()
+        if processes > 1 or precision != "no":
+            launcher = (
+                f"uv run accelerate launch{' --multi_gpu' if processes > 1 else ''} --num_processes {processes} "
+                f"--num_machines {machines} --mixed_precision {precision} --dynamo_backend "
+                f"{os.environ.get('ACCELERATE_DYNAMO_BACKEND', 'no').lower()}"
+            )
     return f"{launcher} {shlex.join([script, *flags])}"
 
 
@@ -243,36 +260,97 @@ def _json_config(obj: Any) -> Any:
     return obj
 
 
+GIT_KEYS = ("commit", "describe", "dirty", "root")
+"""What :func:`git_state` reads of a git checkout."""
+
+
 def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` of the git repository holding ``path`` (default: this
-    package's source tree): the one place trl_ext reads git. ``dirty`` is True when tracked files differ from the
-    commit or untracked files that git does not ignore exist. None where git or the repository is unavailable (e.g.
-    an installed wheel)."""
+    """``{"commit": sha, "describe": git describe --tags --always --dirty, "dirty": bool, "root": the checkout's
+    folder}`` of the git checkout holding ``path``: the one place trl_ext reads git. ``dirty`` is True when tracked
+    files differ from the commit or untracked files that git does not ignore exist. Every value is None where git or
+    the repository is unavailable.
+
+    Default ``path``: trl_ext's own source tree, which counts only when the package's files are tracked there. A
+    trl_ext installed into another project's environment (a wheel in a ``.venv`` inside the CS336 course repository)
+    lies in a folder that project's repository ignores: that repository's commit is not trl_ext's, so all None
+    (the project's own checkout is :func:`project_git_state`)."""
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True, timeout=10
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True, check=True, timeout=30
-        ).stdout
+
+    try:
+        if path is None:  # the package's own files tracked: a checkout of trl_ext, not of a project it is installed in
+            git("ls-files", "--error-unmatch", "--", Path(__file__).name)
+        state = {
+            "commit": git("rev-parse", "HEAD") or None,
+            "describe": git("describe", "--tags", "--always", "--dirty") or None,
+            "dirty": bool(git("status", "--porcelain")),
+            "root": git("rev-parse", "--show-toplevel") or None,
+        }
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit or None, "dirty": bool(status.strip())}
+        return dict.fromkeys(GIT_KEYS)
+    return state
 
 
-def library_versions(git: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python, and ``git_commit``: the commit of ``git``
-    (default: :func:`git_state` now), if any."""
-    versions = {"python": platform.python_version()}
+def project_git_state(trl_ext_git: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """:func:`git_state` of the working directory's checkout when it is not trl_ext's own (``trl_ext_git``, default
+    :func:`git_state` now): the project a run is started from, e.g. the course repository with trl_ext installed into
+    it; None when the working directory is in no checkout or in trl_ext's."""
+    trl_ext_git = git_state() if trl_ext_git is None else trl_ext_git
+    here = git_state(Path.cwd())
+    return None if here["root"] is None or here["root"] == trl_ext_git.get("root") else here
+
+
+def trl_ext_version() -> str:
+    """trl_ext's installed version (its package metadata), or ``"unknown"`` when it is not installed (a bare
+    source tree on ``sys.path``)."""
+    try:
+        return metadata.version("trl-ext")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def describe_code(git: Mapping[str, Any], project: Mapping[str, Any] | None = None) -> list[str]:
+    """What code a record was made with, one line each: trl_ext's version and, from ``git`` (:func:`git_state` of
+    trl_ext), its commit, ``git describe`` and dirty flag, or "not a git checkout" and where the package is; then,
+    when given, the working directory's checkout (``project``: :func:`project_git_state`)."""
+    version = trl_ext_version()
+    if git.get("commit"):
+        lines = [
+            f"trl_ext {version}, git commit `{git['commit']}` (`git describe`: {git.get('describe')}; dirty: "
+            f"{str(git.get('dirty')).lower()})"
+        ]
+    else:
+        lines = [f"trl_ext {version} (not a git checkout: {Path(__file__).resolve().parent})"]
+    if project and project.get("commit"):
+        lines.append(
+            f"working directory: {project['root']} at git commit `{project['commit']}` (dirty: "
+            f"{str(project['dirty']).lower()}; not trl_ext's repository)"
+        )
+    return lines
+
+
+def library_versions(git: Mapping[str, Any] | None = None, project: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python; ``trl_ext_git``: trl_ext's ``commit``,
+    ``describe`` and ``dirty`` from ``git`` (default: :func:`git_state` now), or ``"not a git checkout"`` when trl_ext
+    is an installed package; and ``project_git``, the working directory's checkout when it is another repository
+    (``project``, :func:`project_git_state`), when given."""
+    versions: dict[str, Any] = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:
         try:
             versions[name] = metadata.version(name.replace("_", "-"))
         except metadata.PackageNotFoundError:
             pass
-    commit = (git_state() if git is None else git).get("commit")
-    if commit:
-        versions["git_commit"] = commit
+    versions.setdefault("trl_ext", trl_ext_version())
+    git = git_state() if git is None else git
+    versions["trl_ext_git"] = (
+        {k: git.get(k) for k in ("commit", "describe", "dirty")} if git.get("commit") else "not a git checkout"
+    )
+    if project and project.get("commit"):
+        versions["project_git"] = dict(project)
     return versions
 
 
@@ -295,14 +373,17 @@ class RecipeRun:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
         resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
         timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
+        profilers: the :class:`~trl_ext.profiling.StepProfiler` of each trainer :meth:`profile` was given.
         roofline: the run's :class:`~trl_ext.roofline.RooflineRecorder`: the work of every forward of the models
             :meth:`watch` was given, counted by phase; ``trl_ext.report.finish`` reports it against the machine's
             peaks, measured then.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
         reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
         warnings: what :meth:`warn` said, recorded in ``metrics.json``.
-        git: :func:`git_state` when the run started: the code it runs (``metrics.json``'s ``versions``,
+        git: :func:`git_state` of trl_ext when the run started: the code it runs (``metrics.json``'s ``versions``,
             ``experiment.md``), whatever is committed while it goes on.
+        project_git: :func:`project_git_state`: the working directory's checkout when it is not trl_ext's (the
+            project trl_ext is installed into), else None.
 
     Raises:
         RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
@@ -337,10 +418,13 @@ class RecipeRun:
         )
         self.timer = PhaseTimer()
         self.roofline = RooflineRecorder(lambda: self.timer.current)
+        self.profilers: list[StepProfiler] = []
+        self._profiled: set[int] = set()  # ids of the trainers profiled
         self.reused: list[str] = []
         self.warnings: list[str] = []
         self.started = time.time()
         self.git = git_state()
+        self.project_git = project_git_state(self.git)  # the course repository, when trl_ext is installed into it
         self._saving = False
         self._exit_after_save: str | None = None
         if handle_signals:
@@ -379,19 +463,27 @@ class RecipeRun:
 
     def profile(self, trainer: Any) -> None:
         """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
-        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`), and count the work of its model's forwards
-        (:meth:`watch`)."""
-        StepProfiler(self.timer).attach(trainer)
+        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`; any Trainer: the phases it does not have are not
+        timed), and count the work of its model's forwards and backwards (:meth:`watch`). Once per trainer: a second
+        call changes nothing."""
+        if id(trainer) not in self._profiled:
+            self._profiled.add(id(trainer))
+            self.profilers.append(StepProfiler(self.timer).attach(trainer))
         self.watch(trainer.model)
 
     def watch(self, model: Any) -> None:
         """Count the work of every forward of ``model`` by phase, for the roofline report (once per model; call it
-        before the first evaluation so that it is counted too)."""
+        before the first evaluation so that it is counted too; a trainer's PEFT wrapper of a watched model counts as
+        that model, whose shape is read again)."""
         self.roofline.watch(model)
 
-    def roofline_report(self, optimizer_steps: int = 0) -> dict[str, Any] | None:
+    def roofline_report(self, optimizer_steps: int | None = None) -> dict[str, Any] | None:
         """Each phase's seconds against the floor this machine allows for its work, the peaks measured now (about
-        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched."""
+        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched. ``optimizer_steps``: default
+        the steps the profilers timed (:meth:`profile`), so that the optimizer's floor covers the steps its seconds
+        do."""
+        if optimizer_steps is None:
+            optimizer_steps = sum(p.optimizer_steps for p in self.profilers)
         return self.roofline.report(self.timer.seconds, optimizer_steps)
 
     def time_breakdown(self) -> dict[str, float]:
@@ -421,15 +513,15 @@ class RecipeRun:
         self, trainer: Any, evaluate: Callable[[], Any], key: Mapping[str, Any]
     ) -> tuple[Any, Any, Any]:
         """The phases of a recipe that evaluates held-out data before and after training, in order: this run
-        attached to ``trainer`` (:meth:`attach`), ``eval_before`` (``evaluate()``, read back on resume when ``key``
-        is the same: :meth:`reuse_or_compute`), ``train`` (``trainer.train``, from :attr:`resume_from_checkpoint`)
-        and ``eval_after`` (``evaluate()`` again).
+        attached to ``trainer`` (:meth:`attach`) and its phases profiled (:meth:`profile`), ``eval_before``
+        (``evaluate()``, read back on resume when ``key`` is the same: :meth:`reuse_or_compute`), ``train``
+        (``trainer.train``, from :attr:`resume_from_checkpoint`) and ``eval_after`` (``evaluate()`` again).
 
         Returns:
             ``(before, what trainer.train() returned, after)``.
         """
         self.attach(trainer)
-        self.watch(trainer.model)
+        self.profile(trainer)  # every trainer's phases timed: the roofline's rows need their seconds
         with self.phase("eval_before", breakdown="evaluation"):
             before = self.reuse_or_compute("eval_before", key, evaluate)
         with self.phase("train"):
@@ -455,7 +547,7 @@ class RecipeRun:
             "recipe": self.name,
             "command": shlex.join(sys.argv),
             "config": {k: _json_config(v) for k, v in self.configs.items()},
-            "versions": library_versions(self.git),
+            "versions": library_versions(self.git, self.project_git),
             "phase_seconds": {**self.phase_seconds, "total": round(self.seconds, 3)},
             "resumed_from": self.resume_from_checkpoint,
             "resumed_from_step": self.resumed_step,
@@ -472,12 +564,45 @@ class RecipeRun:
         tmp.replace(path)
         return path
 
-    def attach(self, trainer: Any, first_logs: Mapping[str, float] | None = None) -> None:
+    def attach(
+        self,
+        trainer: Any,
+        first_logs: Mapping[str, float] | None = None,
+        *,
+        evaluate: Callable[[Any], Mapping[str, Any]] | None = None,
+        eval_every: int | None = None,
+        rollouts: int = 0,
+    ) -> None:
         """Add this run's TrainerCallback to ``trainer``: it logs the last step whatever ``logging_steps`` is,
         makes a Ctrl-C that arrives while a checkpoint is written wait until that checkpoint is complete, and logs
         ``first_logs`` (e.g. the held-out accuracy before training) at step 0 once the loggers are set up (not
-        again on resume)."""
+        again on resume).
+
+        ``evaluate`` (``evaluate(model) -> {"accuracy", "format_rate", ...}``, e.g. ``Task.evaluate``) with
+        ``eval_every``: held-out evaluation after every ``eval_every``-th optimizer step but the last (which the
+        recipe evaluates after training), logged as ``eval_accuracy`` and ``eval_format_rate`` at that step
+        (``trl_ext.compare.ArmMonitor``: TensorBoard's ``eval/accuracy``, ``log_history``) and timed as
+        ``evaluation``; not under FSDP or DeepSpeed (said once). ``rollouts`` > 0: that many of each step's rollouts
+        written to ``output_dir/rollouts.jsonl`` (``trl_ext.compare.RolloutLog``)."""
         trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
+        if evaluate is not None and eval_every:
+            if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+                self.warn(
+                    f"--eval_every {eval_every}: not run under FSDP or DeepSpeed (the main process alone cannot "
+                    "generate from sharded weights); held-out accuracy before and after training only"
+                )
+            else:
+                from trl_ext.compare.monitoring import ArmMonitor  # here: trl_ext.compare loads TRL's trainers
+
+                def timed(model: Any) -> Mapping[str, Any]:
+                    with self.timer.phase("evaluation"):
+                        return evaluate(model)
+
+                ArmMonitor(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
+        if rollouts:
+            from trl_ext.compare.monitoring import RolloutLog
+
+            RolloutLog(self.output_dir / "rollouts.jsonl", rollouts).attach(trainer)
 
     @staticmethod
     def log_after_training(trainer: Any, logs: Mapping[str, float]) -> None:
@@ -493,8 +618,9 @@ class RecipeRun:
                 cb.tb_writer = None
 
     def interrupted(self, signum: int) -> None:
-        """Signal handler body: one line naming the last checkpoint and the resume command, then exit 130 at once
-        (or right after the checkpoint being written)."""
+        """Signal handler body: one line naming the last checkpoint and the resume command, then exit at once (or
+        right after the checkpoint being written) with 128 + the signal's number (:func:`exit_status`: 130 for
+        Ctrl-C, 143 for SIGTERM)."""
         if self._saving:
             self._exit_after_save = signal.Signals(signum).name
             return
@@ -544,12 +670,20 @@ def _stop(output_dir: Path, signame: str) -> None:
             line = f"{reason} before the first checkpoint in {output_dir}; nothing to resume, run again to start over."
         print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(exit_status(signame))
+
+
+def exit_status(signame: str) -> int:
+    """The shell's exit status of a process stopped by signal ``signame``: 128 + its number (SIGINT, Ctrl-C: 130;
+    SIGTERM, what ``kill``, schedulers and containers send: 143), so a caller can tell the two apart."""
+    return 128 + int(signal.Signals[signame])
 
 
 def _stopped_before_the_run(signum, frame):  # noqa: ARG001
-    print("Stopped (Ctrl-C) before the run started.", file=sys.stderr, flush=True)
-    os._exit(130)
+    name = signal.Signals(signum).name
+    reason = "Ctrl-C" if name == "SIGINT" else name
+    print(f"Stopped ({reason}) before the run started.", file=sys.stderr, flush=True)
+    os._exit(exit_status(name))
 
 
 def install_interrupt_handler() -> None:

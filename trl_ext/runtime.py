@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from trl_ext.errors import read_text
+
 THREAD_FLAG = "--num_cpu_threads_per_process"
 
 
@@ -184,18 +186,26 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def precision_set_by_user(argv: Sequence[str] | None = None, config_path: str | os.PathLike | None = None) -> bool:
-    """True when ``--bf16``/``--fp16`` is on the command line or ``bf16``/``fp16`` is a key of the YAML config."""
+    """True when ``--bf16``/``--fp16`` is on the command line, or ``bf16``/``fp16`` is a key of a config layer: the
+    recipe's defaults ``config_path`` or any ``--config FILE`` of ``argv``. Every layer counts, as in
+    ``trl_ext.cli.parse`` (defaults < each --config < flags): a default config's ``bf16: false`` stays set under a
+    ``--config`` that does not mention precision."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for flag in ("--bf16", "--fp16"):
         if any(a == flag or a.startswith(flag + "=") for a in argv):
             return True
-    if config_path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-        config_path = argv[argv.index("--config") + 1]
-    if config_path is not None:
-        import yaml
+    paths = [config_path] if config_path is not None else []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    import yaml
 
-        config = yaml.safe_load(Path(config_path).read_text()) or {}
-        return "bf16" in config or "fp16" in config
+    for path in paths:
+        config = yaml.safe_load(read_text(path))  # as trl_ext.cli reads it or {}
+        if isinstance(config, dict) and ("bf16" in config or "fp16" in config):
+            return True
     return False
 
 
@@ -289,16 +299,15 @@ def apply_speed_defaults(
     Args:
         training_args: the parsed ``TrainingArguments``, changed in place.
         argv: the recipe's command line (default ``sys.argv[1:]``).
-        default_config: the config the recipe reads when ``argv`` has no ``--config``.
+        default_config: the recipe's default config, under every ``--config`` of ``argv``.
         dtype: the model's weights (``trl.ModelConfig.dtype``), named in ``precision``.
 
     Returns:
         ``{"threads", "threads_source", "precision", "cores"}``, for ``metrics.json``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = None if "--config" in argv else default_config
     threads = configure_cpu_threads()
-    precision = enable_cpu_bf16(training_args, user_set=precision_set_by_user(argv, config), dtype=dtype)
+    precision = enable_cpu_bf16(training_args, user_set=precision_set_by_user(argv, default_config), dtype=dtype)
     return {
         "threads": threads["threads"],
         "threads_source": threads["source"],

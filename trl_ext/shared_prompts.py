@@ -8,7 +8,10 @@ the sum over its rows, which autograd forms through the index), up to float roun
 + 20 completion tokens, G = 8) this removes ~60% of the forward/backward tokens and ~85% of the prefill.
 
 Both helpers fall back to the plain call when nothing is shared (every prompt distinct, a one-token prompt) or the
-model returns no cache (e.g. gradient checkpointing turns ``use_cache`` off).
+model returns no cache (activation checkpointing turns ``use_cache`` off in a training forward). Under activation
+checkpointing the log-prob forwards share prompts without a cache instead: the distinct prompts and every completion
+in one padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), decided per model like the rest
+(``SavingsDecision.sequence``).
 
 Exact or off, decided per model (``savings_decision``, once per model object) and per generation call
 (``generation_blocker``): sharing is turned off, with one log line saying why, for a model whose cached forward
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
 from .rng import model_devices, preserved_rng, unpreservable
 
 logger = logging.getLogger("trl_ext")
@@ -66,33 +70,6 @@ def _tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
         return PROBE_TOLERANCE[dtype]
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1e-2
     return 5e-2 + 8 * eps * logits.float().abs().max().item()
-
-
-def group_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct prompts of a batch and, for every row, which one it is.
-
-    Args:
-        prompt_ids: (B, P) token ids, left-padded.
-        prompt_mask: (B, P) attention mask (1 = token); two rows are the same prompt only if both ids and mask agree.
-
-    Returns:
-        ``first`` (U,) the index of each distinct prompt's first row, in order of appearance, and ``inverse`` (B,)
-        the position in ``first`` of every row's prompt, so ``prompt_ids[first][inverse] == prompt_ids``.
-    """
-    if prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(
-            f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} differ in shape"
-        )
-    key = torch.cat([prompt_ids.long(), prompt_mask.long()], dim=1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    rows = torch.arange(key.size(0), device=key.device)
-    # first row of each distinct prompt (scatter_reduce 'amin'), then renumber in order of appearance
-    first_of = torch.full((int(inverse.max()) + 1,), key.size(0), dtype=torch.long, device=key.device)
-    first_of = first_of.scatter_reduce(0, inverse, rows, reduce="amin")
-    order = torch.argsort(first_of)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return first_of[order], rank[inverse]
 
 
 def _forward_parameters(model: Any):
@@ -260,8 +237,11 @@ def forward_with_shared_prompts(
     split = prompt_length - 1  # the last prompt token stays in the second forward: its output scores token P
     prefix_positions = None if position_ids is None else position_ids[:, :split]
     if pack and position_ids is not None:
+        # rows (and so the distinct prompts' cache) in canonical order: the same rows in any order, the same bits
+        order = canonical_order(input_ids, attention_mask)
+        ids, mask, positions = input_ids[order], attention_mask[order], position_ids[order]
         found = prefill_distinct(
-            prefill_model or model, cache_name, input_ids[:, :split], attention_mask[:, :split], prefix_positions
+            prefill_model or model, cache_name, ids[:, :split], mask[:, :split], positions[:, :split]
         )
         if found is None:
             return plain()
@@ -270,11 +250,12 @@ def forward_with_shared_prompts(
             model,
             cache_name,
             *found,
-            attention_mask[:, :split],
-            input_ids[:, split:],
-            attention_mask[:, split:],
-            position_ids[:, split:],
-            labels=None if labels is None else labels[:, split:],
+            mask[:, :split],
+            ids[:, split:],
+            mask[:, split:],
+            positions[:, split:],
+            order=order,
+            labels=None if labels is None else labels[order][:, split:],
             **kwargs,
         )
     cache = prefill(
@@ -288,84 +269,6 @@ def forward_with_shared_prompts(
     return model(
         input_ids=input_ids[:, split:], attention_mask=attention_mask, **extra, **{cache_name: cache}, **kwargs
     )
-
-
-def packed_forward(
-    model: Callable,
-    cache_name: str,
-    cache: Any,
-    inverse: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    **kwargs: Any,
-):
-    """The completion forward without its padding: every row's real tokens in one sequence (padding-free).
-
-    Completions are right-padded to the longest of the batch (11-20 tokens in the main job's), and every padded
-    position otherwise runs through every layer and the LM head, forward and backward. Here the real tokens of all
-    rows are packed into one row of Q tokens; the distinct prompts' cache (U rows of S positions, from
-    :func:`prefill_distinct`) becomes one row of U x S positions; and a 4D attention mask lets each packed token see
-    exactly what it sees in the padded forward -- the real positions of its own prompt and the tokens of its own row
-    up to itself -- at the positions generation gave it. Each real token is therefore the same function of the same
-    inputs as in the padded forward (float rounding aside: other matrix shapes), and padding costs nothing.
-
-    Args:
-        model: the causal LM (sdpa attention, key/value cache layers: ``savings_decision(model).pack`` is None).
-        cache_name: its cache argument (``cache_argument``).
-        cache: the U distinct prompts' cache; its layers are reshaped in place to one row.
-        inverse: (B,) each row's prompt (index into the cache's rows).
-        prompt_mask: (B, S) the rows' prompt attention mask.
-        input_ids, attention_mask, position_ids: (B, C) the completion forward's inputs -- the last prompt token and
-            the completion, right-padded (mask 0 after the end).
-        **kwargs: passed to the forward; ``labels`` (B, C) is packed like the inputs (TRL's fused LM head).
-
-    Returns:
-        The model's output with every per-token tensor back in the rows' shape: (B, C, ...) for unshifted fields
-        (``logits``), (B, C - 1) for the fused head's shifted ones (``log_probs``, ``entropy``, ...); zeros on padding.
-    """
-    rows_count, width = input_ids.shape
-    device = input_ids.device
-    real = attention_mask.bool()
-    rows = torch.arange(rows_count, device=device).unsqueeze(1).expand(rows_count, width)[real]  # (Q,)
-    cols = torch.arange(width, device=device).expand(rows_count, width)[real]  # (Q,)
-    distinct = int(inverse.max()) + 1
-    first = torch.full((distinct,), rows_count, dtype=torch.long, device=device).scatter_reduce(
-        0, inverse, torch.arange(rows_count, device=device), reduce="amin"
-    )
-    sees_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2) & prompt_mask[
-        first
-    ].bool()
-    sees_row = (rows.unsqueeze(1) == rows.unsqueeze(0)) & (cols.unsqueeze(0) <= cols.unsqueeze(1))
-    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[
-        None, None
-    ]  # (1, 1, Q, U*S + Q), True: attend
-    for layer in cache.layers:  # (U, H, S, d) -> (1, H, U*S, d): prompt u's positions at u*S .. u*S + S - 1
-        layer.keys = layer.keys.transpose(0, 1).reshape(1, layer.keys.size(1), -1, layer.keys.size(-1))
-        layer.values = layer.values.transpose(0, 1).reshape(1, layer.values.size(1), -1, layer.values.size(-1))
-    if kwargs.get("labels") is not None:
-        kwargs["labels"] = kwargs["labels"][real].unsqueeze(0)
-    outputs = model(
-        input_ids=input_ids[real].unsqueeze(0),
-        attention_mask=mask,
-        position_ids=position_ids[real].unsqueeze(0),
-        **{cache_name: cache},
-        **kwargs,
-    )
-    q = rows.numel()
-    next_real = cols[1:] > 0  # shifted fields: packed position j scores packed token j + 1, when it is of the same row
-
-    def unpack(value):
-        if not torch.is_tensor(value) or value.dim() < 2 or value.size(0) != 1 or value.size(1) not in (q, q - 1):
-            return value
-        if value.size(1) == q:
-            return value.new_zeros((rows_count, width, *value.shape[2:])).index_put((rows, cols), value[0])
-        return value.new_zeros((rows_count, width - 1, *value.shape[2:])).index_put(
-            (rows[1:][next_real], cols[1:][next_real] - 1), value[0][next_real]
-        )
-
-    return type(outputs)(**{key: unpack(value) for key, value in outputs.items()})
 
 
 def generate_with_shared_prompts(
@@ -426,16 +329,28 @@ class SavingsDecision:
         skip_rows: reason ``skip_zero_advantage_rows`` is off, or None.
         pack: reason ``pack_completions`` (the padding-free completion forward, which rides on the prompt cache) is
             off, or None.
+        sequence: reason the one-sequence forward (``trl_ext.packing.forward_in_one_sequence``: the distinct
+            prompts and the completions in one padding-free sequence, no cache) is off, or None; it is how the
+            log-prob forwards share prompts and pack completions under activation checkpointing.
     """
 
     share_prompts: str | None = None
     skip_rows: str | None = None
     pack: str | None = None
+    sequence: str | None = None
 
 
 def _base_model(model: Any) -> Any:
     base = getattr(model, "module", model)
     return base.get_base_model() if hasattr(base, "get_base_model") else base
+
+
+def activation_checkpointing(model: Any) -> bool:
+    """Whether any module of the underlying model (past DDP and PEFT wrappers) has activation checkpointing on:
+    transformers' ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (which ``Trainer.train``
+    calls for ``gradient_checkpointing=True``) set ``gradient_checkpointing = True`` on the layers it checkpoints
+    (``PreTrainedModel.is_activation_checkpointing``'s rule)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in _base_model(model).modules())
 
 
 def _configs(model: Any) -> list[Any]:
@@ -610,10 +525,11 @@ def static_sharing_blocker(model: Any) -> str | None:
 
 
 def static_packing_blocker(model: Any) -> str | None:
-    """Why the padding-free completion forward (``packed_forward``) cannot be exact for ``model`` from its
-    configuration alone, or None: it passes a custom 4D boolean mask, which transformers hands to the attention
-    as is -- so the attention must be sdpa (which reads a boolean mask) and no layer may apply a mask of its own kind
-    (sliding windows, chunked attention), and every cache layer must be a plain key/value layer."""
+    """Why the padding-free forwards (``packed_forward``, ``forward_in_one_sequence``) cannot be exact for ``model``
+    from its configuration alone, or None: they pass a custom 4D boolean mask, which transformers hands to the
+    attention as is -- so the attention must be sdpa (which reads a boolean mask) and no layer may apply a mask of its
+    own kind (sliding windows, chunked attention), and every cache layer must be a plain key/value layer (a
+    recurrent state would run across the packed rows)."""
     config = getattr(_base_model(model), "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":
@@ -649,30 +565,44 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> tuple[str | None, str | None, str | None]:
-    """Run sharing, row-splitting and packing on a tiny batch against the plain computation; the reason each is off
-    (share, skip, pack), None where it matched. Its inputs come from a private generator, and whatever the model's
-    forwards or greedy generation draw from the global generators is put back (``trl_ext.rng.preserved_rng``)."""
+Reasons = tuple[str | None, str | None, str | None, str | None]
+
+
+def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> Reasons:
+    """Run sharing, row-splitting, packing over the prompt cache and the one-sequence forward on a tiny batch against
+    the plain computation; the reason each is off (share, skip, pack, sequence), None where it matched. Its inputs
+    come from a private generator, and whatever the model's forwards or greedy generation draw from the global
+    generators is put back (``trl_ext.rng.preserved_rng``)."""
     devices = model_devices(model)
     unsaved = unpreservable(devices)
     if unsaved is not None:
-        return (f"the probe's forwards would draw from {unsaved}'s generator, which cannot be put back",) * 3
+        return (f"the probe's forwards would draw from {unsaved}'s generator, which cannot be put back",) * 4
     with preserved_rng(devices):
         return _run_probe(model, share_probe, pack_probe)
 
 
-def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> tuple[str | None, str | None, str | None]:
+def _packed_probe(run: Callable, plain: torch.Tensor, real: torch.Tensor, tolerance: float, what: str) -> str | None:
+    """Why a padding-free forward (``run()``, its logits (B, T - 4, V)) is not the padded one on the probe batch's
+    real completion positions ``real`` (B, T - 4), or None."""
+    try:
+        gap = (_log_probs(run().logits)[real] - plain[:, 4:][real]).abs().max().item()
+    except Exception as err:  # noqa: BLE001 -- any failure means: not exact here
+        return f"the {what} probe failed ({type(err).__name__}: {str(err)[:120]})"
+    return None if gap <= tolerance else f"the {what} forward is {gap:.2g} away from the padded forward (probe)"
+
+
+def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> Reasons:
     base = _base_model(model)
     try:
         parameter = next(model.parameters())
     except (StopIteration, AttributeError):
-        return ("the model has no parameters to probe",) * 3
+        return ("the model has no parameters to probe",) * 4
     ids, mask = _probe_batch(model, parameter.device)
     positions = position_ids_from_attention_mask(mask) if accepts_position_ids(model) else None
     extra = {} if positions is None else {"position_ids": positions}
     was_training = model.training
     model.eval()
-    share, skip, pack = None, None, None
+    share, skip, pack, sequence = None, None, None, None
     try:
         with torch.no_grad():
             try:
@@ -680,7 +610,7 @@ def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> tuple[str | N
             # nothing to compare with: both savings off, the plain path decides
             except Exception as err:  # noqa: BLE001
                 reason = f"the probe's plain forward failed ({type(err).__name__}: {str(err)[:120]})"
-                return reason, reason, reason
+                return reason, reason, reason, reason
             tolerance = _tolerance(plain_logits.dtype, plain_logits)
             plain = _log_probs(plain_logits)
             try:  # the rows without gradient run as a batch of their own: a row must not depend on the others
@@ -694,7 +624,7 @@ def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> tuple[str | N
                 skip = f"the row-split probe failed ({type(err).__name__}: {str(err)[:120]})"
             try:
                 if not share_probe:
-                    return None, skip, None
+                    return None, skip, None, None
                 shared = forward_with_shared_prompts(model, 5, ids, mask, positions, cache_name=cache_argument(model))
                 kept = shared.logits.size(1)  # T - 4, or T where no cache came back and the plain forward ran
                 gap = (_log_probs(shared.logits) - plain[:, -kept:]).abs().max().item()
@@ -706,21 +636,31 @@ def _run_probe(model: Any, share_probe: bool, pack_probe: bool) -> tuple[str | N
             except Exception as err:  # noqa: BLE001
                 share = f"the shared-prompt probe failed ({type(err).__name__}: {str(err)[:120]})"
             if share is None and pack_probe and positions is not None:
-                try:  # row 0's completion ends a token early (right padding): only real positions are compared
-                    ragged = mask.clone()
-                    ragged[0, -1] = 0
-                    packed = forward_with_shared_prompts(
+                # row 0's completion ends a token early (right padding): only real positions are compared
+                ragged = mask.clone()
+                ragged[0, -1] = 0
+                real = ragged[:, 4:].bool()
+                pack = _packed_probe(
+                    lambda: forward_with_shared_prompts(
                         model, 5, ids, ragged, positions, cache_name=cache_argument(model), pack=True
-                    )
-                    real = ragged[:, 4:].bool()
-                    gap = (_log_probs(packed.logits)[real] - plain[:, 4:][real]).abs().max().item()
-                    if not gap <= tolerance:
-                        pack = f"the packed completion forward is {gap:.2g} away from the padded forward (probe)"
-                except Exception as err:  # noqa: BLE001
-                    pack = f"the packing probe failed ({type(err).__name__}: {str(err)[:120]})"
+                    ),
+                    plain,
+                    real,
+                    tolerance,
+                    "packed completion",
+                )
+                sequence = _packed_probe(
+                    lambda: forward_in_one_sequence(model, 5, ids, ragged, positions),
+                    plain,
+                    real,
+                    tolerance,
+                    "one-sequence",
+                )
+            elif share is None and pack_probe:
+                sequence = "the model's forward takes no position_ids (the one-sequence forward numbers its tokens)"
     finally:
         model.train(was_training)
-    return share, skip, pack
+    return share, skip, pack, sequence
 
 
 def _probe_generation(
@@ -750,11 +690,12 @@ def _probe_generation(
 
 
 def savings_decision(model: Any) -> SavingsDecision:
-    """Decide, once per model object, whether prompt sharing and zero-row skipping are exact on ``model``.
+    """Decide, once per model object, whether prompt sharing, packing and zero-row skipping are exact on ``model``.
 
-    Static checks first (``static_sharing_blocker``), then the probe: on a 3-row batch of random
-    tokens (two rows share a prompt, one is left-padded; eval mode, no gradient, ~8 positions, so well under a second
-    on a 135M model) the shared-prompt forward and a 3-token greedy generation are compared with the plain ones, and
+    Static checks first (``static_sharing_blocker``, ``static_packing_blocker``), then the probe: on a 3-row batch
+    of random tokens (two rows share a prompt, one is left-padded; eval mode, no gradient, ~8 positions, so well
+    under a second on a 135M model) the shared-prompt forward and a 3-token greedy generation are compared with the
+    plain ones, the two padding-free forwards (over the prompt cache, and in one sequence) with the padded one, and
     one row's forward alone with the same row inside the batch; an exception or a difference above
     ``PROBE_TOLERANCE`` turns the saving off. The decision is cached on the underlying model. Training noise
     (``training_noise``) is checked separately, at use, since it changes with ``train()``/``eval()`` and dropout.
@@ -767,11 +708,18 @@ def savings_decision(model: Any) -> SavingsDecision:
     if cached is not None:
         return cached
     share = static_sharing_blocker(model)
-    pack = static_packing_blocker(model) if share is None else None
-    share_probe, skip_probe, pack_probe = _probe(model, share_probe=share is None, pack_probe=pack is None)
+    static_pack = static_packing_blocker(model) if share is None else None
+    share_probe, skip_probe, pack_probe, sequence_probe = _probe(
+        model, share_probe=share is None, pack_probe=static_pack is None
+    )
     share = share or share_probe
-    pack = f"prompt sharing is off ({share})" if share is not None else pack or pack_probe
-    decision = SavingsDecision(share_prompts=share, skip_rows=skip_probe, pack=pack)
+    off = f"prompt sharing is off ({share})" if share is not None else None
+    decision = SavingsDecision(
+        share_prompts=share,
+        skip_rows=skip_probe,
+        pack=off or static_pack or pack_probe,
+        sequence=off or static_pack or sequence_probe,
+    )
     base.__dict__["_trl_ext_savings"] = decision
     return decision
 

@@ -32,27 +32,38 @@ the flag, before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
+import itertools
 import json
 import math
+import os
+import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import trl
-
 from trl_ext import rewards
 from trl_ext.data import load_math_dataset, make_arithmetic_dataset
 from trl_ext.data.math_datasets import infer_kind
-from trl_ext.data.prompts import ANSWER_WITH_NUMBER, TEMPLATES, format_prompt
+from trl_ext.data.prompts import ANSWER_WITH_NUMBER, R1_ZERO_TEMPLATE, TEMPLATES, format_prompt, template_stop_strings
 from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
-from trl_ext.errors import RecipeError, user_input
+from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
+from trl_ext.stop_strings import check_stop_strings
+from trl_ext.task_options import (  # noqa: F401 -- TaskArguments and MathTaskArguments are this module's API
+    TASK_OPTIONS,
+    MathTaskArguments,
+    TaskArguments,
+    option_defaults,
+    option_problems,
+    task_kind,
+)
 
 Scorer = Callable[[str, Mapping[str, Any]], Mapping[str, float]]
 """``score(response, row) -> {"reward", "format_reward", "answer_reward"}``: a task's one judge."""
@@ -66,7 +77,11 @@ class Task:
     Attributes:
         name: the task's name (``"arithmetic"``, ``"gsm8k"``, ``"reasoning_gym:chain_sum"``, ...).
         train: training rows, a ``datasets.Dataset`` (or ``IterableDataset``) with a ``prompt`` column and the
-            columns the scorer reads; None for an evaluation-only task.
+            columns the scorer reads; None for an evaluation-only task. A column TRL's ``GRPOTrainer`` would keep
+            from reward functions (``completion``, ``completion_ids``, ``prompts``, ``completions``,
+            ``trainer_state``, ``log_extra``, ``log_metric``, ``environments``:
+            :data:`trl_ext.rewards.adapters.TRL_RESERVED_COLUMNS`) is carried under ``trl_ext.<name>`` here, and
+            :meth:`score` renames it back, so the scorer sees the same row in training as in evaluation.
         test: held-out rows, a ``datasets.Dataset`` with ``prompt`` and the columns the scorer reads.
         scorer: ``scorer(response, row) -> {"reward", "format_reward", "answer_reward"}``; see :meth:`score`.
         extractor: ``extractor(response, row) -> str | None``, the answer the scorer reads from a response
@@ -80,6 +95,15 @@ class Task:
         template: the prompt template the rows were rendered with (a name, or the text of a template file).
         max_new_tokens: generation budget of an evaluation.
         batch_size: prompts per ``generate`` call of an evaluation.
+        stop: stop strings: rollouts (``trl_ext.GRPOTrainer`` takes them from :attr:`reward_funcs` when its own
+            ``stop_strings`` is unset) and evaluation end a completion with the first one it writes, kept in the
+            completion (:mod:`trl_ext.stop_strings`); default none (``"</answer>"`` for the R1-Zero format).
+        credit_truncated: False: a response the length limit cut (it ended neither with EOS nor at a stop string)
+            earns no credit in training and evaluation (``trl_ext.rewards.without_credit``) -- for tasks that read
+            the answer from the end of the response, where the last number of a cut-off sentence would count.
+            Default True.
+        held_out_note: what a report should say about the held-out rows beside their count (e.g. that the
+            generator has fewer distinct questions than asked for); "" for nothing.
     """
 
     name: str
@@ -95,16 +119,30 @@ class Task:
     template: str = "chat"
     max_new_tokens: int = 20
     batch_size: int = 50
+    stop: tuple[str, ...] = ()
+    credit_truncated: bool = True
+    held_out_note: str = ""
+
+    def __post_init__(self) -> None:
+        self.stop = check_stop_strings(self.stop, f"task {self.name!r}: stop")
+        if self.train is not None:
+            self.train = rewards.carry_reserved_columns(self.train, f"task {self.name!r}: training rows")
 
     def score(self, response: str, row: Mapping[str, Any]) -> dict[str, float]:
         """The task's judgement of ``response`` against its whole ``row``: ``{"reward", "format_reward",
         "answer_reward"}`` as floats (``answer_reward`` is what held-out accuracy averages; ``format_reward`` may be
-        NaN when the task does not measure a format).
+        NaN when the task does not measure a format). Columns carried under ``trl_ext.<name>`` (see :attr:`train`)
+        reach the scorer under their own names.
 
         Raises:
-            ValueError: the scorer returned something else (the task is named).
+            ValueError: the scorer raised (any exception: the task and the error are named, the exception is the
+                ``__cause__``; the callers add the row), or returned something else (the task is named).
         """
-        scores = self.scorer(response, row)
+        try:
+            scores = self.scorer(response, rewards.restore_carried_columns(row))
+        except Exception as err:  # noqa: BLE001 -- a user's scorer: whatever it raises is named with its task
+            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            raise ValueError(f"task {self.name!r}: the scorer raised {detail}") from err
         missing = [k for k in rewards.REWARD_KEYS if k not in (scores or {})]
         if missing:
             raise ValueError(f"task {self.name!r}: its scorer returned {scores!r}; missing keys {missing}")
@@ -112,17 +150,36 @@ class Task:
 
     def extract(self, response: str, row: Mapping[str, Any]) -> str | None:
         """The answer the scorer reads from ``response`` (None: nothing found, or the task does not say)."""
-        return None if self.extractor is None else self.extractor(response, row)
+        return None if self.extractor is None else self.extractor(response, rewards.restore_carried_columns(row))
 
     def answer(self, row: Mapping[str, Any]) -> Any:
         """The row's reference answer, as recorded with each evaluation."""
-        return row.get(self.answer_column)
+        return rewards.restore_carried_columns(row).get(self.answer_column)
+
+    @property
+    def reward_keys(self) -> tuple[str, ...]:
+        """The scores training rewards (``"reward"`` by default; the sort task adds ``"answer_reward"``)."""
+        return tuple(key for _, key in self.rewards) if self.rewards else ("reward",)
 
     @property
     def reward_funcs(self) -> list[Callable[..., list[float]]]:
-        """The TRL reward functions of :attr:`rewards`, each derived from :meth:`score` (one per pair)."""
+        """The TRL reward functions of :attr:`rewards`, each derived from :meth:`score` (one per pair). Each fails,
+        naming the cause, when TRL passes none of the training rows' columns (``remove_unused_columns=True``)."""
         pairs = self.rewards or ((f"{self.name.split(':')[-1]}_reward", "reward"),)
-        return [rewards.as_trl_row_reward(self.score, key=key, name=name) for name, key in pairs]
+        columns = [c for c in rewards.dataset_columns(self.train) if c != "prompt"] if self.train is not None else []
+        return [  # the first also adds each completion's scores and answer to TRL's completions table
+            rewards.as_trl_row_reward(
+                self.score,
+                key=key,
+                name=name,
+                expected_columns=columns,
+                log_scores=i == 0,
+                answer=self.answer,
+                credit_truncated=self.credit_truncated,
+                stop_strings=self.stop,
+            )
+            for i, (name, key) in enumerate(pairs)
+        ]
 
     def evaluate(
         self,
@@ -135,8 +192,10 @@ class Task:
         jsonl_path: str | Path | None = None,
     ) -> dict[str, Any]:
         """Greedy accuracy of ``model`` on :attr:`test`: the mean ``answer_reward`` of :meth:`score`
-        (:func:`trl_ext.eval.evaluate_rows`: ``accuracy``, ``format_rate``, ``reward``, ``records``, ...)."""
-        return evaluate_rows(
+        (:func:`trl_ext.eval.evaluate_rows`: ``accuracy``, ``exact_accuracy``, ``format_rate``, ``reward``,
+        ``distinct_prompts``, ``num_truncated``, ``records``, ...), generation ending at :attr:`stop` and a cut
+        response credited as :attr:`credit_truncated` says; ``held_out_note`` is :attr:`held_out_note`."""
+        result = evaluate_rows(
             model,
             tokenizer,
             self.test,
@@ -149,11 +208,16 @@ class Task:
             disable_progress=not progress,
             answer=self.answer,
             extract=self.extract if self.extractor is not None else None,
+            stop_strings=self.stop,
+            credit_truncated=self.credit_truncated,
         )
+        result["held_out_note"] = self.held_out_note
+        return result
 
     def fingerprint(self) -> dict[str, Any]:
         """What an evaluation's result depends on besides the model: the held-out rows (sha256 of every column),
-        the budget, the task and its scorer, and the template (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
+        the budget, the task and its scorer, the template, the stop strings and the truncation rule
+        (``trl_ext.run.RecipeRun.reuse_or_compute`` keys)."""
         rows = [dict(row) for row in self.test]
         held_out = hashlib.sha256(json.dumps(rows, default=str, sort_keys=True).encode()).hexdigest()
         scorer = getattr(self.scorer, "__qualname__", type(self.scorer).__name__)
@@ -164,14 +228,40 @@ class Task:
             "reward": self.name,
             "scorer": scorer,
             "template": template,
+            "stop": list(self.stop),
+            "credit_truncated": self.credit_truncated,
         }
 
     def check_fills_one_step(self, training_args: Any, what: str = "") -> None:
-        """Refuse, before any model work, a training set that cannot fill one generation batch of ``training_args``
-        (:func:`trl_ext.options.check_fills_one_step`); ``what`` is added to the source (``", arm course"``). A
-        streaming training set (no length) is not checked."""
+        """Refuse, before any model work, training rows that would train nothing under ``training_args``: too few to
+        fill one generation batch (:func:`trl_ext.options.check_fills_one_step`; TRL would train 0 steps and exit 0),
+        or -- with ``remove_unused_columns=True`` -- columns TRL would drop before the scorer sees them. ``what`` is
+        added to the source (``", arm course"``).
+
+        A streaming training set (no length) is counted up to the rows one step needs (its first rows are read
+        once): a stream with fewer rows than one generation batch is refused as a dataset is (upstream TRL trains 0
+        steps on it, with or without dynamic sampling, and only transformers' log says so).
+
+        Raises:
+            RecipeError: naming the numbers and the flags that change them, or the columns and the flag.
+        """
+        if self.train is None:
+            return
+        columns = [c for c in rewards.dataset_columns(self.train) if c not in ("prompt", "image", "images")]
+        if getattr(training_args, "remove_unused_columns", False) and columns:
+            raise RecipeError(
+                f"--remove_unused_columns true: TRL would drop the columns {columns} of {self.source + what} before "
+                f"the task's scorer sees them; pass --remove_unused_columns false (GRPO's default)"
+            )
         if hasattr(self.train, "__len__"):
-            check_fills_one_step(len(self.train), training_args, self.source + what, "prompts")
+            rows = len(self.train)
+        else:  # a stream: count what one step needs, at most (a bound on check_fills_one_step's need)
+            steps = getattr(training_args, "steps_per_generation", None) or training_args.gradient_accumulation_steps
+            enough = training_args.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1")) * steps
+            rows = sum(1 for _ in itertools.islice(iter(self.train), enough))
+            if rows >= enough:
+                return
+        check_fills_one_step(rows, training_args, self.source + what, "prompts")
 
     def probe(self, flag: str = "--task") -> None:
         """Score the first held-out row with its own answer and with an empty response: a scorer that raises or
@@ -195,103 +285,41 @@ class Task:
                 ) from None
 
 
-def nothing_to_learn(result: Mapping[str, Any]) -> str | None:
-    """The line to print before training when an evaluation's reward was 0 on every held-out row (GRPO learns only
-    from groups whose rewards differ, so a task the model never scores on teaches nothing), or None."""
+def nothing_to_learn(
+    result: Mapping[str, Any], keys: tuple[str, ...] = ("reward",), where: str = "eval_before.jsonl"
+) -> str | None:
+    """The line to print before training when no reward varies over an evaluation's held-out rows, or None.
+
+    GRPO learns only from groups whose rewards differ, and a NaN reward (TRL's "no score") is left out of a group's
+    baseline with advantage 0; so the rule is "nothing to learn: no reward varies": every score of ``keys`` (the
+    ones training rewards, :attr:`Task.reward_keys`) has at most one value over the rows, NaN rows aside -- 0
+    everywhere, -1 everywhere, NaN everywhere, or 1 everywhere (already solved) alike. A greedy evaluation is a
+    proxy for sampled groups (sampling may still find other rewards), hence a warning, not a refusal.
+
+    Args:
+        result: an evaluation (:meth:`Task.evaluate`), its ``records`` holding each row's scores.
+        keys: the scores training rewards (default ``("reward",)``).
+        where: the file holding the evaluation's records, named in the line (written before training).
+    """
     records = result.get("records") or []
-    if not records or any(r["reward"] != 0 for r in records):
+    if not records:
         return None
+    constant = {}
+    for key in keys:
+        values = {float(r[key]) for r in records if not math.isnan(float(r[key]))}
+        if len(values) > 1:
+            return None
+        constant[key] = f"{values.pop():g}" if values else "NaN (no score)"
     fmt = result.get("format_rate")
     fmt = "" if fmt is None or (isinstance(fmt, float) and math.isnan(fmt)) else f", format rate {fmt:.0%}"
+    value = (
+        constant["reward"] if list(constant) == ["reward"] else " and ".join(f"{k} {v}" for k, v in constant.items())
+    )
     return (
-        f"the reward was 0 on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
-        "groups whose rewards differ, so unless sampling finds rewarded answers this run will not learn (check the "
-        "prompt template and the answer format the scorer expects, e.g. in eval_before.jsonl)"
+        f"the reward was {value} on all {len(records)} held-out rows before training{fmt}: GRPO learns only from "
+        "groups whose rewards differ, so unless sampling finds other rewards this run will not learn (check the "
+        f"prompt template and the answer format the scorer expects, e.g. in {where})"
     )
-
-
-# ------------------------------------------------------------------------------------------------------- options
-@dataclass
-class TaskArguments(trl.ScriptArguments, RecipeArguments):
-    """A recipe's options for its task (:func:`load_task`)."""
-
-    task: str | None = field(
-        default=None,
-        metadata={
-            "help": "The task: 'arithmetic' (generated additions; the default without --dataset_name), 'gsm8k', "
-            "'math' (a --dataset_name file or Hub dataset; with --dataset_name and no --task the kind is read from "
-            "its columns), 'sort', 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) "
-            "or 'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task)."
-        },
-    )
-    task_config: str | None = field(
-        default=None,
-        metadata={
-            "help": 'The task\'s settings as a JSON object, e.g. \'{"min_terms": 2, "max_terms": 2}\' for '
-            "reasoning_gym:chain_sum (passed to reasoning_gym.create_dataset), '{\"digits\": 3}' for arithmetic; "
-            "a factory's keyword arguments."
-        },
-    )
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
-            "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."
-        },
-    )
-    dataset_kind: str | None = field(
-        default=None,
-        metadata={
-            "help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns when unset."
-        },
-    )
-    test_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "A separate held-out file (same columns as --dataset_name), e.g. the course's "
-            "data/gsm8k/test.jsonl: its first --num_eval rows are evaluated and --dataset_name trains whole."
-        },
-    )
-    template: str = field(
-        default="chat",
-        metadata={
-            "help": "Prompt template: 'chat' (instruct models), 'r1_zero', 'question_only', or a path to a "
-            "template file holding {question} (e.g. the course's cs336_alignment/prompts/r1_zero.prompt)."
-        },
-    )
-    instruction: str | None = field(
-        default=None,
-        metadata={
-            "help": "Appended to each question. Unset: 'Answer with just the number.' for 'chat' and "
-            "'question_only' on numeric tasks, none for 'r1_zero' and template files (their format asks for "
-            "<answer> tags); '' for none."
-        },
-    )
-    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
-    reward: str | None = field(
-        default=None,
-        metadata={
-            "help": "The math grader: one of 'arithmetic', 'gsm8k', 'math', 'r1_zero' (default: r1_zero for the "
-            "r1_zero template and template files, else by dataset kind), or 'package.module:function', a course "
-            "reward_fn(response, ground_truth) -> {reward, format_reward, answer_reward}, e.g. the course's "
-            "cs336_alignment.drgrpo_grader:r1_zero_reward_fn."
-        },
-    )
-    num_train_problems: int = field(default=2000, metadata={"help": "Generated training problems (rows drawn)."})
-    arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
-    num_eval: int = field(
-        default=200,
-        metadata={
-            "help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
-            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split, --test_file its first rows."
-        },
-    )
-    eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
-
-
-MathTaskArguments = TaskArguments
-"""The name recipes and user scripts used before tasks other than math existed."""
 
 
 # ---------------------------------------------------------------------------------------------------- math tasks
@@ -302,20 +330,24 @@ def _r1_zero_answer(response: str) -> str | None:
 @dataclass(frozen=True)
 class Grader:
     """How one kind of math answer is judged: ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
-    "answer_reward"}`` (the course shape) and the answer it reads from a response (``extract``)."""
+    "answer_reward"}`` (the course shape), the answer it reads from a response (``extract``), and whether a response
+    the length limit cut may earn credit (``credit_truncated``: not where the answer is read from the response's
+    end, which a cut-off sentence also has)."""
 
     reward_fn: Callable[[str, str], dict[str, float]]
     extract: Callable[[str], str | None] | None
+    credit_truncated: bool = True
 
 
 GRADERS = {
-    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
-    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number),
+    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
+    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
     "math": Grader(rewards.math_reward_fn, rewards.extract_math_answer),
     "r1_zero": Grader(rewards.r1_zero_reward_fn, _r1_zero_answer),
 }
-"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response, ``math`` a
-``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the "</think> <answer> ... </answer>" format."""
+"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response (so a response the
+length limit cut earns nothing), ``math`` a ``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the
+"</think> <answer> ... </answer>" format."""
 
 MATH_TASKS = ("arithmetic", "gsm8k", "math")
 
@@ -357,17 +389,23 @@ def _grader(reward: str | None, template: str, kind: str) -> tuple[str, Grader]:
 
 def resolve_template(template: str) -> str:
     """A template name of ``trl_ext.data.prompts.TEMPLATES`` as is, or the text of a template file (a path to a file
-    holding ``{question}``).
+    holding ``{question}``), read by :func:`trl_ext.errors.read_text`: UTF-8 with a byte-order mark dropped (else
+    every prompt would start with U+FEFF), UTF-16/UTF-32 with a byte-order mark decoded as such, Windows line ends
+    read as ``\\n``.
 
     Raises:
-        RecipeError: neither a name nor a readable file with ``{question}``, naming ``--template``.
+        RecipeError: neither a name nor a readable file with ``{question}``, or a file in another encoding (cp1252,
+            UTF-16 without a byte-order mark), naming ``--template`` and the file.
     """
     if template in TEMPLATES:
         return template
     path = Path(template)
     if not path.is_file():
         raise RecipeError(f"--template {template!r}: expected one of {list(TEMPLATES)} or a template file path")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_text(path)  # UTF-8 (a byte-order mark dropped, not put before every prompt); else one line
+    except ValueError as err:
+        raise RecipeError(f"--template {err}") from None
     if "{question}" not in text:
         raise RecipeError(f"--template {template}: the file has no {{question}} placeholder")
     return text
@@ -466,7 +504,10 @@ def math_task(
         name=name,
         train=train_rows,
         test=test,
-        scorer=_answer_scorer(grader.reward_fn),
+        # a response that repeats the template's own "<answer> answer here </answer>" has no format
+        scorer=_answer_scorer(
+            rewards.without_copied_format(grader.reward_fn, R1_ZERO_TEMPLATE if text == "r1_zero" else text)
+        ),
         extractor=None if grader.extract is None else (lambda response, row, fn=grader.extract: fn(response)),
         rewards=((f"{name}_reward", "reward"),),
         dataset=dataset,
@@ -475,6 +516,8 @@ def math_task(
         template=text,
         max_new_tokens=max_new_tokens,
         batch_size=args.eval_batch_size,
+        stop=template_stop_strings(text),
+        credit_truncated=grader.credit_truncated,
     )
     return task
 
@@ -499,7 +542,7 @@ class SortingTaskArguments(RecipeArguments):
     num_train_problems: int = field(default=1000, metadata={"help": "Training prompts."})
     num_eval: int = field(default=50, metadata={"help": "Held-out prompts evaluated greedily."})
     eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
-    instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question."})
+    instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question ('' for none)."})
 
 
 def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
@@ -508,14 +551,25 @@ def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
     (exact match, all or nothing) as ``sort_exact_reward``; held-out accuracy is the exact-match rate.
 
     ``args`` has ``num_train_problems``, ``num_eval``, ``eval_batch_size`` and, unless given in ``config``,
-    ``num_numbers``, ``max_number``, ``instruction`` (:class:`SortingTaskArguments`)."""
-    settings = {k: getattr(args, k, None) for k in ("num_numbers", "max_number", "instruction")}
+    ``num_numbers``, ``max_number``, ``instruction`` (unset: :data:`SORT_INSTRUCTION`; ``""``: none) and
+    ``system_prompt`` (:class:`SortingTaskArguments`). The prompt is a chat conversation.
+
+    Raises:
+        RecipeError: a ``config`` key other than those four (naming ``--task_config``).
+    """
+    keys = ("num_numbers", "max_number", "instruction", "system_prompt")
+    unknown = sorted(set(config) - set(keys))
+    if unknown:
+        raise RecipeError(f"--task_config: unknown key(s) {unknown} for the sort task; expected some of {list(keys)}")
+    settings = {k: getattr(args, k, None) for k in keys}
     settings = {**{"num_numbers": 3, "max_number": 99}, **{k: v for k, v in settings.items() if v is not None}}
     settings.update(config)
+    instruction = settings.get("instruction")
     data = dict(
         num_numbers=settings["num_numbers"],
         high=settings["max_number"],
-        instruction=settings.get("instruction") or SORT_INSTRUCTION,
+        instruction=SORT_INSTRUCTION if instruction is None else instruction or None,
+        system_prompt=settings.get("system_prompt"),
     )
     with user_input("--task_config: " if config else ""):
         train = make_sorting_dataset(args.num_train_problems, seed=0, split="train", **data)
@@ -537,8 +591,9 @@ def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
 # --------------------------------------------------------------------------------------------------- reasoning-gym
 REASONING_GYM_PREFIX = "reasoning_gym:"
 REASONING_GYM_EXTRA = "reasoning-gym is not installed: `uv sync --extra tasks` (or `pip install reasoning-gym`)"
-ANSWER_FORMATS = ("auto", "answer_tag", "last_number", "last_line")
-"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``)."""
+ANSWER_FORMATS = ("auto", "answer_tag", "answer_tag_or_whole", "last_number", "last_line")
+"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``; see
+:func:`reasoning_gym_task`)."""
 
 
 def _unknown_generator(rg: Any, dataset_name: str) -> str | None:
@@ -576,6 +631,23 @@ def extract_last_line(response: str) -> str | None:
     return line.strip().strip("\"'").strip() or None
 
 
+@contextlib.contextmanager
+def _seeded_global_generators(seed: int):
+    """Python's and NumPy's global generators seeded with ``seed`` inside the block and restored after it: a
+    reasoning-gym generator that draws from them (``list_functions`` calls ``random.randint``) then makes the same
+    entries whatever ran before, and the user's generators are left as they were."""
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 def reasoning_gym_task(
     dataset_name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int, train: bool = True
 ) -> Task:
@@ -583,7 +655,9 @@ def reasoning_gym_task(
     entry=...)`` on the full entry (question, answer and metadata).
 
     Rows: ``--num_train_problems`` training entries drawn with ``seed`` (default 0) and ``--num_eval`` held-out
-    entries drawn with ``seed + 1``; training entries whose question is also a held-out question are dropped, so the
+    entries with distinct questions drawn with ``seed + 1`` (more are drawn while questions repeat,
+    :func:`_distinct_entries`; a generator with fewer distinct questions gives fewer held-out rows, and the task's
+    ``held_out_note`` says so); training entries whose question is also a held-out question are dropped, so the
     two are disjoint (the source says how many). Each row holds ``prompt`` (the question, plus the answer-format
     instruction, in the ``--template``: a chat conversation by default), ``answer``, ``question``, ``entry_id`` and
     ``entry`` (the whole entry as JSON, for records and for your inspection); the scorer finds the generator's own
@@ -592,15 +666,26 @@ def reasoning_gym_task(
     ``config`` (``--task_config``) goes to ``reasoning_gym.create_dataset`` except trl_ext's keys:
 
     * ``seed`` (default 0): the training rows' seed; held-out rows use ``seed + 1``;
-    * ``answer_format``: how the answer is read from a response -- ``"auto"`` (default: the last number when the
-      generator's answers are numbers, else the last line), ``"answer_tag"`` (reasoning-gym's ``<answer>...</answer>``
-      convention, ``reasoning_gym.utils.extract_answer``; the default with the ``r1_zero`` template), ``"last_number"``
-      or ``"last_line"`` (:func:`extract_last_line`);
-    * ``instruction``: replaces the answer-format instruction (default: "Answer with just the number." /
-      "Answer with just the answer, on one line." / "Put the final answer inside <answer> </answer> tags.").
+    * ``answer_format``: how the answer is read from a response -- ``"last_number"``, ``"last_line"``
+      (:func:`extract_last_line`), ``"answer_tag"`` (reasoning-gym's ``<answer>...</answer>`` convention,
+      ``reasoning_gym.utils.extract_answer``; no tags, no answer), ``"answer_tag_or_whole"`` (the tags' content, else
+      the whole response: a response that is only the answer needs no tags), or ``"auto"`` (default), chosen per
+      generator by :func:`choose_answer_format` so that every row's gold answer gets the credit ``score_answer``
+      gives it: ``answer_tag`` under the ``r1_zero`` template and template files (their text asks for tags); else the
+      first of ``last_number`` (numeric answers), ``last_line`` and ``answer_tag_or_whole`` that reads every gold
+      answer of this run's rows -- written alone and written as the instruction asks -- back to its full credit
+      (multi-line grids and move lists, sentences whose final period counts, take ``answer_tag_or_whole``);
+    * ``instruction``: replaces the answer-format instruction (default: :data:`RG_INSTRUCTIONS` of the format:
+      "Answer with just the number." / "Answer with just the answer, on one line." / "If you write anything besides
+      the answer, put the answer inside <answer> </answer> tags." / "Put the final answer inside <answer> </answer>
+      tags."; none under the ``r1_zero`` template and template files, which say how to answer).
 
     Rewards: ``format_reward`` is 1 when an answer was found, ``answer_reward`` is ``score_answer``'s value (partial
-    credit where the generator gives it), ``reward`` = ``answer_reward``.
+    credit where the generator gives it; evaluation reports the exact answers beside it), ``reward`` =
+    ``answer_reward``. Under every format but ``answer_tag`` the answer is read from the end of the response, so a
+    response the length limit cut earns nothing (``credit_truncated=False``; ``--credit_truncated true`` to credit
+    it); under the ``r1_zero`` template and template files that close the answer with ``</answer>``, generation stops
+    there.
 
     Raises:
         RecipeError: reasoning-gym missing (naming the ``tasks`` extra), an unknown generator (naming ``--task``), a
@@ -616,13 +701,13 @@ def reasoning_gym_task(
     instruction = config.pop("instruction", None)
     if answer_format not in ANSWER_FORMATS:
         raise RecipeError(f"--task_config: answer_format={answer_format!r}; expected one of {list(ANSWER_FORMATS)}")
-    try:
-        test_data = rg.create_dataset(dataset_name, size=args.num_eval, seed=seed + 1, **config)
-        test_entries = [test_data[i] for i in range(len(test_data))]
-        train_data = (
-            rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
-        )
-        train_entries = [train_data[i] for i in range(len(train_data))] if train else []
+    try:  # entries are drawn when indexed; some generators draw from Python's global generator (list_functions)
+        test_data, test_entries, drawn = _distinct_entries(rg, dataset_name, args.num_eval, seed + 1, config)
+        with _seeded_global_generators(seed):
+            train_data = (
+                rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
+            )
+            train_entries = [train_data[i] for i in range(len(train_data))] if train else []
     except Exception as err:  # noqa: BLE001 -- the generator validates its own configuration
         raise RecipeError(
             f"--task_config {json.dumps(dict(config))}: reasoning-gym's {dataset_name} refused it "
@@ -630,17 +715,20 @@ def reasoning_gym_task(
         ) from None
     text = resolve_template(getattr(args, "template", "chat"))
     if answer_format == "auto":
-        numeric = all(_is_number(e["answer"]) for e in test_entries)
-        answer_format = (
-            "answer_tag" if text not in ("chat", "question_only") else "last_number" if numeric else "last_line"
-        )
+        answer_format = choose_answer_format(test_entries + train_entries, test_data.score_answer, text)
     if instruction is None:
         given = getattr(args, "instruction", None)
-        instruction = given if given is not None else _RG_INSTRUCTIONS[answer_format]
+        instruction = given if given is not None else RG_INSTRUCTIONS[answer_format]
         if text not in ("chat", "question_only") and given is None:
             instruction = None  # the template's text says how to answer
-    extract = _extractor(answer_format, rg)
+    extract = answer_extractor(answer_format)
     entries: dict[str, Mapping[str, Any]] = {}
+    held_out_note = ""
+    if len(test_entries) < args.num_eval:
+        held_out_note = (
+            f"{len(test_entries)} distinct questions, not --num_eval {args.num_eval}: {drawn} entries of "
+            f"reasoning-gym's {dataset_name}" + (f" {json.dumps(dict(config))}" if config else "") + " held no more"
+        )
 
     def rows(split: str, split_entries: list[Mapping[str, Any]], skip: set[str]) -> list[dict[str, Any]]:
         out = []
@@ -696,24 +784,112 @@ def reasoning_gym_task(
         template=text,
         max_new_tokens=max_new_tokens,
         batch_size=getattr(args, "eval_batch_size", 50),
+        stop=template_stop_strings(text),
+        credit_truncated=answer_format == "answer_tag",  # the other formats read the end of the response
+        held_out_note=held_out_note,
     )
 
 
-_RG_INSTRUCTIONS = {
+MAX_DRAWS_PER_HELD_OUT_ROW = 16
+"""A reasoning-gym task draws at most this many entries per held-out row asked for while it looks for distinct
+questions (:func:`_distinct_entries`)."""
+
+
+def _distinct_entries(
+    rg: Any, dataset_name: str, num_eval: int, seed: int, config: Mapping[str, Any]
+) -> tuple[Any, list[Mapping[str, Any]], int]:
+    """``num_eval`` entries of a reasoning-gym generator with distinct questions, when it has that many:
+    ``(dataset, entries, entries drawn)``.
+
+    ``num_eval`` entries are drawn with ``seed``; while fewer than ``num_eval`` of their questions differ, twice as
+    many are drawn (same seed), until enough differ, a doubling brings no new question (the generator's questions
+    are exhausted, e.g. lcm with max_value 12) or :data:`MAX_DRAWS_PER_HELD_OUT_ROW` x ``num_eval`` were drawn. The
+    first entry of each question is kept, in the order drawn; a generator whose first ``num_eval`` entries all
+    differ gives exactly those.
+    """
+    size, known = num_eval, -1
+    while True:
+        with _seeded_global_generators(seed):
+            data = rg.create_dataset(dataset_name, size=size, seed=seed, **config)
+            entries = [data[i] for i in range(len(data))]
+        distinct: dict[str, Mapping[str, Any]] = {}
+        for entry in entries:
+            distinct.setdefault(json.dumps(entry["question"], default=str), entry)
+        found = len(distinct)
+        if found >= num_eval or found == known or size >= MAX_DRAWS_PER_HELD_OUT_ROW * num_eval:
+            return data, list(distinct.values())[:num_eval], size
+        size, known = size * 2, found
+
+
+RG_INSTRUCTIONS = {
     "last_number": ANSWER_WITH_NUMBER,
     "last_line": "Answer with just the answer, on one line.",
+    "answer_tag_or_whole": "If you write anything besides the answer, put the answer inside <answer> </answer> tags.",
     "answer_tag": "Put the final answer inside <answer> </answer> tags.",
 }
+"""The answer-format instruction appended to a reasoning-gym question, by ``answer_format``. Each says how the answer
+is read and none contradicts a question that asks for "only your answer" or for a multi-line layout."""
 
 
-def _extractor(answer_format: str, rg: Any) -> Callable[[str], str | None]:
-    if answer_format == "answer_tag":
+def answer_extractor(answer_format: str) -> Callable[[str], str | None]:
+    """The function that reads an answer from a response under ``answer_format`` (:data:`ANSWER_FORMATS` but
+    ``auto``); None from it means no answer was found."""
+    if answer_format in ("answer_tag", "answer_tag_or_whole"):
         from reasoning_gym.utils import extract_answer
 
-        return lambda response: extract_answer(response)
+        if answer_format == "answer_tag":
+            return lambda response: extract_answer(response)
+        return lambda response: (
+            (extract_answer(response) if re.search(r"<answer>.*</answer>", response, re.DOTALL) else response.strip())
+            or None
+        )
     if answer_format == "last_number":
         return rewards.extract_last_number
     return extract_last_line
+
+
+def as_instructed(answer_format: str, answer: str) -> str:
+    """The response that gives ``answer`` the way the instruction of ``answer_format`` asks (:data:`RG_INSTRUCTIONS`):
+    the answer itself, or inside ``<answer> </answer>`` tags."""
+    return f"<answer>{answer}</answer>" if answer_format.startswith("answer_tag") else answer
+
+
+def choose_answer_format(
+    entries: list[Mapping[str, Any]], score_answer: Callable[..., float], template: str = "chat"
+) -> str:
+    """``answer_format="auto"`` for a reasoning-gym generator: ``answer_tag`` under the ``r1_zero`` template and
+    template files; else the first of ``last_number`` (when every gold answer is a number), ``last_line`` and
+    ``answer_tag_or_whole`` under which every entry's gold answer, given alone and given as the instruction asks
+    (:func:`as_instructed`), is read back to what ``score_answer(answer=gold, entry=entry)`` gives it (entries
+    without a gold answer -- ``answer`` None: the generator verifies solutions -- are not checked).
+    ``answer_tag_or_whole`` when none does (it reads a response that is exactly the gold answer as that answer).
+
+    Args:
+        entries: the generator's entries this run uses (held-out and training).
+        score_answer: the generator's ``score_answer(answer=..., entry=...)``.
+        template: the prompt template (a name, or a template file's text).
+    """
+    if template not in ("chat", "question_only"):
+        return "answer_tag"
+    golds = [e for e in entries if e.get("answer") is not None]
+
+    def full_credit(answer_format: str, entry: Mapping[str, Any]) -> bool:
+        extract, gold = answer_extractor(answer_format), str(entry["answer"])
+        try:
+            target = float(score_answer(answer=gold, entry=entry))
+            for response in (gold, as_instructed(answer_format, gold)):
+                read = extract(response)
+                if read is None or float(score_answer(answer=read, entry=entry)) < target - 1e-9:
+                    return False
+        except Exception:  # noqa: BLE001 -- a generator whose scorer fails on a reading has not read it back
+            return False
+        return True
+
+    numeric = bool(golds) and all(_is_number(e["answer"]) for e in golds)
+    for answer_format in ("last_number", "last_line") if numeric else ("last_line",):
+        if all(full_credit(answer_format, e) for e in golds):
+            return answer_format
+    return "answer_tag_or_whole"
 
 
 # ------------------------------------------------------------------------------------------------------ registry
@@ -792,31 +968,78 @@ def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, tr
         template: replaces ``--template`` (math tasks; the experiment that compares prompts).
         train: False loads the held-out rows only (``recipes/eval_math.py``).
 
+    Every option set that the task does not use is refused (:func:`trl_ext.task_options.option_problems`; an option
+    counts as set here when it differs from its dataclass default), so is a ``template`` for a task that takes none.
+
     Raises:
-        RecipeError: whatever :func:`task_problem` finds, a task that cannot load its data, a factory that does not
-            return a :class:`Task`, or a scorer that fails on a probe row -- one line naming the flag.
+        RecipeError: whatever :func:`task_problem` finds, an option the task does not use, a task that cannot load
+            its data, a factory that does not return a :class:`Task`, or a scorer that fails on a probe row -- one
+            line naming the flag.
     """
-    problem = task_problem(vars(args) if not isinstance(args, Mapping) else args)
+    values = vars(args) if not isinstance(args, Mapping) else args
+    problem = task_problem(values)
     if problem:
         raise RecipeError(problem)
+    problems = option_problems(args, held_out_only=not train)
     name, config = getattr(args, "task", None), parse_task_config(getattr(args, "task_config", None))
+    if template is not None and "template" not in TASK_OPTIONS[task_kind(values)]:
+        problems.append(f"--task {name}: takes no --template, so its prompts cannot be compared across templates")
+    if problems:
+        raise RecipeError(problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems))
     if name is None:
         task = math_task(_with_config(args, config), max_new_tokens, template=template, train=train)
+    elif name in MATH_TASKS:
+        task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
     elif name in TASKS:
-        if template is not None and name in MATH_TASKS:
-            task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
-        else:
-            task = TASKS[name](args, max_new_tokens, train=train, **config)
+        task = TASKS[name](args, max_new_tokens, train=train, **config)
     elif name.startswith(REASONING_GYM_PREFIX):
+        args = replace(args, template=template) if template is not None else args
         task = reasoning_gym_task(name[len(REASONING_GYM_PREFIX) :], config, args, max_new_tokens, train=train)
     else:
-        factory = _import_object(name, "--task")
-        try:
-            task = factory(**config)
-        except TypeError as err:
-            raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
-        if not isinstance(task, Task):
-            raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
-        task = replace(task, max_new_tokens=max_new_tokens)
+        task = _factory_task(name, config, args, max_new_tokens)
+    task = _with_generation_options(task, args)
     task.probe()
     return task
+
+
+def _with_generation_options(task: Task, args: Any) -> Task:
+    """``task`` with ``--stop`` and ``--credit_truncated`` applied where given (``--stop ''``: no stop string).
+
+    Raises:
+        RecipeError: a ``--stop`` entry that is empty beside others.
+    """
+    changes: dict[str, Any] = {}
+    stop = getattr(args, "stop", None)
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if stop == [""] or not stop:
+            changes["stop"] = ()
+        else:
+            try:
+                changes["stop"] = check_stop_strings(stop, "--stop")
+            except ValueError as err:
+                raise RecipeError(str(err).replace("--stop=", "--stop ") + " (--stop '' alone: none)") from None
+    if getattr(args, "credit_truncated", None) is not None:
+        changes["credit_truncated"] = bool(args.credit_truncated)
+    return replace(task, **changes) if changes else task
+
+
+def _factory_task(name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int) -> Task:
+    """``package.module:factory`` called with ``--task_config``'s keywords; its held-out rows cut to ``--num_eval``
+    and its evaluation batch set to ``--eval_batch_size`` when those are set (differ from their defaults)."""
+    factory = _import_object(name, "--task")
+    try:
+        task = factory(**config)
+    except TypeError as err:
+        raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
+    if not isinstance(task, Task):
+        raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
+    defaults = option_defaults(type(args)) if not isinstance(args, Mapping) else option_defaults()
+    changes: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    num_eval, batch_size = getattr(args, "num_eval", None), getattr(args, "eval_batch_size", None)
+    if num_eval is not None and num_eval != defaults.get("num_eval") and task.test is not None:
+        keep = min(num_eval, len(task.test))
+        changes["test"] = task.test.select(range(keep)) if hasattr(task.test, "select") else task.test[:keep]
+    if batch_size is not None and batch_size != defaults.get("eval_batch_size"):
+        changes["batch_size"] = batch_size
+    return replace(task, **changes)

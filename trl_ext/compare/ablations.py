@@ -37,7 +37,14 @@ REFERENCE = {
 """The handout's default GRPO settings; every experiment changes one thing relative to them."""
 
 PROMPT_TEMPLATES = ("r1_zero", "question_only")
-"""The templates of the ``prompt`` experiment; each arm trains on the task of that template (its own reward)."""
+"""The default templates of the ``prompt`` experiment (``--prompt_templates``); each arm trains on the task of that
+template (its own reward and stop strings)."""
+
+
+def prompt_arm_name(template: str) -> str:
+    """The ``prompt`` experiment's arm for ``template``: a template name as is, a template file by its file name
+    (``cs336_alignment/prompts/r1_zero.prompt`` -> ``r1_zero.prompt``)."""
+    return template if "/" not in template and "\\" not in template else Path(template).name.replace(" ", "_")
 
 
 def parse_setting(text: str) -> tuple[int, int]:
@@ -80,7 +87,7 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
     Args:
         name: one of :data:`EXPERIMENTS`.
         options: the recipe's options: ``lr_factors``, ``off_policy_settings``, ``clip_ablation_setting``,
-            ``cliprange``.
+            ``cliprange``, ``prompt_templates`` (default :data:`PROMPT_TEMPLATES`).
         training_args: the shared config (its ``learning_rate`` and ``gradient_accumulation_steps``).
 
     Raises:
@@ -119,7 +126,8 @@ def experiment_arms(name: str, options: Any, training_args: Any) -> list[dict]:
             {**ref, "name": "dynamic_sampling_on", "dynamic_sampling": True},
         ]
     if name == "prompt":
-        return [{**ref, "name": template, "task": template} for template in PROMPT_TEMPLATES]
+        templates = getattr(options, "prompt_templates", None) or PROMPT_TEMPLATES
+        return [{**ref, "name": prompt_arm_name(t), "task": t} for t in templates]
     raise ValueError(f"unknown experiment {name!r}; expected one of {list(EXPERIMENTS)}")
 
 
@@ -131,18 +139,45 @@ def task_description(name: str, task: Any, prompt_tasks: Mapping[str, Any]) -> s
     return task.description + "; arms: " + ", ".join(f"{k}: {t.description}" for k, t in prompt_tasks.items())
 
 
+def never_rewarded(arm: Mapping[str, Any]) -> bool:
+    """Whether every reward an arm trained on was 0: at every logged step the batch's mean ``reward`` and its
+    ``reward_std`` (both in ``arm["curves"]``) are 0, so every completion's reward was. Its loss then had no learning
+    signal under any of the handout's losses (no_baseline weighs each completion by its reward, the others by its
+    reward minus the group's mean). False when either curve is missing or empty."""
+    rewards, stds = arm["curves"].get("reward"), dict(arm["curves"].get("reward_std") or [])
+    return bool(rewards) and len(stds) == len(rewards) and all(v == 0 and stds.get(s) == 0 for s, v in rewards)
+
+
 def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which arm ended best, and whether each gap to it exceeds the noise of the held-out estimate (2 standard
-    errors of the difference of two binomial accuracies); per arm, entropy collapse
-    (``trl_ext.observations.entropy_collapsed``), completions cut at the length limit, the largest importance ratio."""
+    errors of the difference of two binomial accuracies); an arm that never saw a nonzero reward
+    (:func:`never_rewarded`) is said not to have trained instead, and when no arm did, that is the one finding; per
+    arm, entropy collapse (``trl_ext.observations.entropy_collapsed``), completions cut at the length limit, the
+    largest importance ratio."""
     scored = [r for r in results if r.get("final_accuracy") is not None]
     if not scored:
         return []
+    untrained = {r["name"] for r in results if never_rewarded(r)}
     best = max(scored, key=lambda r: r["final_accuracy"])
     notes = [
         f"Best final held-out accuracy: {best['name']} ({best['final_accuracy']:.1%} on {best['n_eval']} problems)."
     ]
+    if untrained and untrained == {r["name"] for r in results}:
+        notes = [
+            f"No arm trained: every reward was 0 (every completion of every step of all {len(results)} arms), so no "
+            "loss had a learning signal: the accuracies measure the initial model, not the settings (check "
+            "eval_before.jsonl for what the scorer saw: the prompt's answer format, the generation budget)."
+        ]
     for r in scored:
+        if r["name"] in untrained:
+            if len(untrained) < len(results):
+                steps = len(r["curves"]["reward"])
+                notes.append(
+                    f"{r['name']}: did not train: every reward was 0 in its {steps} logged step"
+                    f"{'s' if steps != 1 else ''}, so its loss had no learning signal: its {r['final_accuracy']:.1%} "
+                    "measures the initial model, not its setting."
+                )
+            continue
         if r is best:
             continue
         gap = best["final_accuracy"] - r["final_accuracy"]

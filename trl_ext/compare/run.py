@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 import trl
@@ -13,10 +14,9 @@ from transformers import set_seed
 
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
+from trl_ext.eval import write_jsonl
 from trl_ext.profiling import StepProfiler, time_breakdown
-
-if TYPE_CHECKING:
-    from trl_ext.tasks import Task
+from trl_ext.tasks import Task, nothing_to_learn
 
 
 def eval_steps(max_steps: int, every: int) -> list[int]:
@@ -48,15 +48,18 @@ def run_comparison(
     *,
     tasks: Mapping[str, Task] | None = None,
     cache: MutableMapping[str, Any] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Train each arm from the same initial model, one after another, and summarize it (:func:`summarize_arm`).
 
     Every arm gets ``set_seed(base_args.seed)`` before its model is loaded, the same ``task.train`` (so the same
     prompts in the same order), the same ``task.reward_funcs`` and ``base_args``'s step budget (:func:`arm_config`).
     With a ``tokenizer``, the arms are evaluated on ``task.evaluate`` at ``eval_steps``; when 0 is among them, the
-    initial model is evaluated once and that result is every arm's step-0 point. An arm with a ``task`` trains on
-    ``tasks[arm.task]``'s prompts and rewards and is evaluated on its held-out rows (its own step-0 evaluation, once
-    per task).
+    initial model is evaluated once and that result is every arm's step-0 point: its records are written to
+    ``<output_dir>/eval_before.jsonl`` (``eval_before_<task>.jsonl`` for an arm's own task) before any arm trains,
+    and when no reward training uses varies over them (:func:`trl_ext.tasks.nothing_to_learn`) ``warn`` says so. An
+    arm with a ``task`` trains on ``tasks[arm.task]``'s prompts and rewards and is evaluated on its held-out rows (its
+    own step-0 evaluation, once per task).
 
     Args:
         arms: from :func:`parse_arms`.
@@ -74,6 +77,7 @@ def run_comparison(
         cache: a dict shared by several calls (several comparisons on the same base config, model and data): an
             arm whose :func:`arm_key` is already in it is not trained again; its summary is reused under the arm's
             name. Step-0 evaluations are cached too.
+        warn: prints (and records) a warning, e.g. ``trl_ext.run.RecipeRun.warn``; default ``log("warning: ...")``.
 
     Returns:
         One summary dict per arm (on every process; held-out numbers only exist on the main process).
@@ -91,6 +95,7 @@ def run_comparison(
     cache = {} if cache is None else cache
     is_main = PartialState().is_main_process
     log = log if is_main else (lambda message: None)
+    warn = warn or (lambda message: log(f"warning: {message}"))
 
     def initial_eval(task_name):
         evaluate = _evaluator(tasks[task_name], tokenizer)
@@ -104,10 +109,19 @@ def run_comparison(
             if is_main:
                 if torch.cuda.is_available():
                     model = model.to("cuda")
-                record = _eval_record(0, evaluate(model))
+                result = evaluate(model)
+                record = _eval_record(0, result)
                 log(
                     f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}"
                 )
+                # before any arm trains: the records the warning points at
+                records = write_jsonl(
+                    result["records"],
+                    Path(base_args.output_dir) / f"eval_before{f'_{task_name}' if task_name else ''}.jsonl",
+                )
+                warning = nothing_to_learn(result, tasks[task_name].reward_keys, where=str(records))
+                if warning:
+                    warn(warning)
             del model
             release_memory()
             cache[key] = record

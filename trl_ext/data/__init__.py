@@ -14,6 +14,7 @@ from trl_ext.data.arithmetic import (
 from trl_ext.data.math_datasets import HUB_DEFAULT_CONFIGS, KINDS, LOCAL_FORMATS, infer_kind, load_math_dataset
 from trl_ext.data.prompts import (
     ANSWER_WITH_NUMBER,
+    R1_ZERO_STOP,
     R1_ZERO_TEMPLATE,
     TEMPLATES,
     adds_bos_token,
@@ -22,6 +23,7 @@ from trl_ext.data.prompts import (
     prompt_token_ids,
     render_chat_prompt,
     strip_leading_bos,
+    template_stop_strings,
 )
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "LOCAL_FORMATS",
     "OPERATIONS",
     "PHRASINGS",
+    "R1_ZERO_STOP",
     "R1_ZERO_TEMPLATE",
     "TEMPLATES",
     "adds_bos_token",
@@ -44,4 +47,5 @@ __all__ = [
     "prompt_token_ids",
     "render_chat_prompt",
     "strip_leading_bos",
+    "template_stop_strings",
 ]

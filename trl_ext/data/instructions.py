@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from trl_ext.errors import read_text
+
 PROMPT_FORMATS = ("chat", "template")
 """Values accepted for ``prompt_format``."""
 
@@ -56,16 +58,17 @@ def read_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, int, str]]:
 
     Raises:
         FileNotFoundError: the file does not exist.
+        ValueError: the file is not UTF-8 text (:func:`trl_ext.errors.read_text`; a UTF-8 byte-order mark is
+            dropped, UTF-16/32 with a byte-order mark decoded).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     row = 0
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield row, line_number, line
-                row += 1
+    for line_number, line in enumerate(read_text(path).split("\n"), start=1):  # UTF-8, a byte-order mark dropped
+        if line.strip():
+            yield row, line_number, line
+            row += 1
 
 
 def collect_valid_rows(path: str | os.PathLike, validate: Any, skip_invalid: bool, kind: str) -> list[dict[str, Any]]:

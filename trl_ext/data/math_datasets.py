@@ -16,6 +16,7 @@ from datasets import Dataset, load_dataset
 
 from trl_ext import machine
 from trl_ext.data.prompts import format_prompt
+from trl_ext.errors import read_text
 from trl_ext.rewards.math_answers import extract_boxed_parts, parse_gsm8k_ground_truth, to_decimal
 
 KINDS = ("gsm8k", "math", "arithmetic")
@@ -38,7 +39,7 @@ def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]
     """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
     of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem.
     Returns the rows and, for JSON lines, each row's line number."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)  # UTF-8, a byte-order mark dropped; another encoding refused naming the file
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; expected one JSON object per row")
     if path.suffix.lower() == ".json" and text.lstrip()[:1] in ("[", "{"):

@@ -4,10 +4,11 @@ TRL datasets carry a ``prompt`` column that is either a plain string (the model 
 conversation ``[{"role": "user", "content": ...}]`` (TRL applies the tokenizer's chat template itself and adds
 the generation prompt). :func:`format_prompt` produces either, by template name:
 
-* ``"r1_zero"``: plain text asking for reasoning in ``<think> </think>`` and the final answer in
-  ``<answer> </answer>``, ending with ``"Assistant: <think>"`` so the completion starts inside the reasoning
-  (the R1-Zero setup of DeepSeek-R1 and CS336 assignment 5, in our own words). Grade with
-  ``trl_ext.rewards.r1_zero_reward``.
+* ``"r1_zero"``: the R1-Zero prompt of the DeepSeek-R1 paper (Table 1, word for word), laid out as CS336 assignment
+  5 lays it out: the question on a ``User:`` line and the reply opened with ``"Assistant: <think>"``, so the
+  completion starts inside the reasoning and ends with ``</answer>`` (the task stops generation there). The
+  course's own file (``cs336_alignment/prompts/r1_zero.prompt``) words the same instructions slightly differently;
+  pass its path as the template to train on it exactly. Grade with ``trl_ext.rewards.r1_zero_reward``.
 * ``"question_only"``: the question text itself, plus an optional instruction on a new line.
 * ``"chat"``: a conversation with an optional system message and the question (plus instruction) as the user turn.
 """
@@ -20,13 +21,31 @@ TEMPLATES = ("r1_zero", "question_only", "chat")
 """Names accepted by :func:`format_prompt`."""
 
 R1_ZERO_TEMPLATE = (
-    "Below is a dialogue in which a User gives an Assistant a problem to solve. The Assistant reasons step by "
-    "step inside <think> </think> tags and then gives only the final result inside <answer> </answer> tags, "
-    "laid out as: <think> step-by-step reasoning </think> <answer> final result </answer>.\n"
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
+    "assistant first thinks about the reasoning process in the mind and then provides the user with the answer. The "
+    "reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, respectively, "
+    "i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
     "User: {question}\n"
     "Assistant: <think>"
 )
-"""Plain-text R1-Zero template; ``{question}`` is replaced by the question (and instruction, if any)."""
+"""Plain-text R1-Zero template; ``{question}`` is replaced by the question (and instruction, if any). Its
+instructions are Table 1 of DeepSeek-AI, "DeepSeek-R1: Incentivizing Reasoning Capability in LLMs via Reinforcement
+Learning" (2025) verbatim; the paper ends the template with ``User: prompt. Assistant:``, CS336 with the question on
+its own line and ``Assistant: <think>``, which is the layout kept here."""
+
+R1_ZERO_STOP = ("</answer>",)
+"""Where an R1-Zero completion ends: the course's rollouts and evaluation stop at the closing answer tag and keep it
+(vLLM ``stop=["</answer>"], include_stop_str_in_output=True``)."""
+
+
+def template_stop_strings(template: str) -> tuple[str, ...]:
+    """Where a template's completions end: :data:`R1_ZERO_STOP` for ``"r1_zero"`` and for a template text whose format
+    closes the answer with ``</answer>`` (the course's ``r1_zero.prompt``); none for ``"chat"`` and
+    ``"question_only"`` (a chat model ends its turn with EOS; a question alone states no format)."""
+    if template == "r1_zero" or (template not in TEMPLATES and "</answer>" in template):
+        return R1_ZERO_STOP
+    return ()
+
 
 ANSWER_WITH_NUMBER = "Answer with just the number."
 """A ready-made ``instruction`` for questions with a numeric answer."""

@@ -7,16 +7,24 @@ Course shape (``reward_fn(response, ground_truth) -> {"reward", "format_reward",
 ``r1_zero_reward_fn``, ``gsm8k_reward_fn`` (also grades the arithmetic problems), ``math_reward_fn``.
 
 Adapters: ``as_trl_reward`` (course -> TRL), ``as_trl_row_reward`` (a scorer of whole rows -> TRL) and
-``as_course_reward_fn`` (TRL -> course).
+``as_course_reward_fn`` (TRL -> course); ``carry_reserved_columns`` / ``restore_carried_columns`` move the columns
+TRL keeps from reward functions (``TRL_RESERVED_COLUMNS``) under names it passes on.
 """
 
 from trl_ext.rewards.adapters import (
     REWARD_KEYS,
+    TRL_RESERVED_COLUMNS,
+    TRUNCATION_KEYWORD,
     as_course_reward_fn,
     as_trl_reward,
     as_trl_row_reward,
+    carry_reserved_columns,
     completion_text,
+    dataset_columns,
+    restore_carried_columns,
+    without_credit,
 )
+from trl_ext.rewards.format_examples import copies_template_example, template_answer_examples, without_copied_format
 from trl_ext.rewards.math_answers import (
     MATH_VERIFY_TIMEOUT_S,
     arithmetic_reward,
@@ -42,11 +50,17 @@ from trl_ext.rewards.math_answers import (
 __all__ = [
     "MATH_VERIFY_TIMEOUT_S",
     "REWARD_KEYS",
+    "TRL_RESERVED_COLUMNS",
+    "TRUNCATION_KEYWORD",
     "arithmetic_reward",
     "as_course_reward_fn",
     "as_trl_reward",
     "as_trl_row_reward",
+    "carry_reserved_columns",
+    "dataset_columns",
+    "restore_carried_columns",
     "completion_text",
+    "copies_template_example",
     "extract_answer_tag",
     "extract_boxed",
     "extract_boxed_answer",
@@ -63,7 +77,10 @@ __all__ = [
     "parse_gsm8k_ground_truth",
     "r1_zero_reward",
     "r1_zero_reward_fn",
+    "template_answer_examples",
     "to_decimal",
+    "without_copied_format",
+    "without_credit",
 ]
 
 # Sorting toy task of the lecture (shaped vs all-or-nothing reward).

@@ -108,8 +108,90 @@ def as_trl_reward(
     return trl_reward
 
 
-TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
-"""Keyword arguments TRL 1.16 passes to reward functions besides the dataset's columns."""
+TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+"""Keyword arguments TRL 1.16 passes to reward functions besides ``prompts``, ``completions`` and the dataset's
+columns (``environments`` only with an ``environment_factory``)."""
+
+TRUNCATION_KEYWORD = "completion_truncated"
+"""The keyword ``trl_ext.GRPOTrainer`` adds to every reward function call: per completion, whether the length limit
+cut it (it ended neither with EOS nor at a stop string). TRL's convention of ``**kwargs`` in reward functions lets
+any reward ignore it; :func:`as_trl_row_reward` reads it."""
+
+
+def without_credit(scores: Mapping[str, float]) -> dict[str, float]:
+    """The scores of a response the length limit cut, for a task that gives such a response no credit: ``reward`` and
+    ``answer_reward`` at most 0 (a wrong reading keeps a negative score; a right one earns nothing), ``format_reward``
+    as scored.
+
+    A task that reads its answer from the end of the response (the last number, the last line) would otherwise
+    credit the last number of a cut-off sentence, usually one of the question's own numbers: a run learns to echo.
+    """
+    out = {k: float(v) for k, v in scores.items()}
+    for key in ("reward", "answer_reward"):
+        if key in out:
+            out[key] = min(out[key], 0.0)
+    return out
+
+
+TRL_RESERVED_COLUMNS = (
+    "completion",
+    "completion_ids",
+    "prompts",
+    "completions",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+    "environments",
+)
+"""Dataset column names that cannot reach a reward function of TRL 1.16's ``GRPOTrainer`` as they are
+(``GRPOTrainer._calculate_rewards``): ``completion`` and ``completion_ids`` are removed from the columns it passes
+(``prompt`` too, which comes back as ``prompts``); ``prompts``, ``completions`` and ``completion_ids`` are keywords it
+passes itself (a column of that name makes the call fail: "got multiple values for keyword argument"); and
+``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are overwritten by its own values. A task's
+training rows carry such a column under :data:`CARRIED_PREFIX` + its name (:func:`carry_reserved_columns`), and the
+task's scorer gets it back under its own name (:func:`restore_carried_columns`)."""
+
+CARRIED_PREFIX = "trl_ext."
+"""Prefix of the name under which a :data:`TRL_RESERVED_COLUMNS` column travels through TRL (``trl_ext.completion``)."""
+
+
+def dataset_columns(dataset: Any) -> list[str]:
+    """The column names of a ``datasets.Dataset`` or ``IterableDataset`` (a stream without declared features: its
+    first row's keys)."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:  # a streaming dataset without declared features: its first row says
+        names = list(next(iter(dataset), {}))
+    return list(names)
+
+
+def carry_reserved_columns(dataset: Any, what: str = "the dataset") -> Any:
+    """``dataset`` with each :data:`TRL_RESERVED_COLUMNS` column renamed to :data:`CARRIED_PREFIX` + its name, so
+    that TRL hands it to reward functions unchanged; the same object when it has none.
+
+    Args:
+        dataset: a ``datasets.Dataset`` or ``IterableDataset``.
+        what: the dataset, for messages (``"task 'mine': training rows"``).
+
+    Raises:
+        ValueError: a column to carry whose carried name is already a column (both named).
+    """
+    names = dataset_columns(dataset)
+    renames = {c: CARRIED_PREFIX + c for c in names if c in TRL_RESERVED_COLUMNS}
+    clash = [f"{c!r} and {n!r}" for c, n in renames.items() if n in names]
+    if clash:
+        raise ValueError(
+            f"{what}: columns {', '.join(clash)}: the first is a name TRL keeps from reward functions, carried under "
+            "the second, which is taken; rename one of them"
+        )
+    return dataset.rename_columns(renames) if renames else dataset
+
+
+def restore_carried_columns(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``row`` with its carried columns (:func:`carry_reserved_columns`) under their own names again; the same mapping
+    when it has none."""
+    if not any(k.startswith(CARRIED_PREFIX) for k in row):
+        return row
+    return {k.removeprefix(CARRIED_PREFIX) if k.startswith(CARRIED_PREFIX) else k: v for k, v in row.items()}
 
 
 def as_trl_row_reward(
@@ -119,6 +201,11 @@ def as_trl_row_reward(
     name: str = "reward",
     required_column: str | None = None,
     hint: str = "add it to the dataset",
+    expected_columns: Sequence[str] = (),
+    log_scores: bool = False,
+    answer: Callable[[Mapping[str, Any]], Any] | None = None,
+    credit_truncated: bool = True,
+    stop_strings: Sequence[str] = (),
 ) -> TrlRewardFunc:
     """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
     function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
@@ -128,7 +215,10 @@ def as_trl_row_reward(
     ...}`` (TRL's own keywords -- :data:`TRL_REWARD_EXTRAS` -- left out). When TRL passes ``log_metric``, the batch
     means of ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
     ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean`` (a NaN format reward, not measured,
-    is not logged).
+    is not logged). With ``log_scores`` and TRL's ``log_extra``, each completion's ``reward``, ``format_reward`` and
+    ``answer_reward`` (NaN: None) and, with ``answer``, its row's answer are added to TRL's completions table (the
+    table ``log_completions`` prints and sends to wandb/trackio, and trl_ext's ``rollouts.jsonl`` reads); give it to
+    one function of a trainer only, as every function's columns go to the same table.
 
     Args:
         score: the row scorer.
@@ -136,14 +226,29 @@ def as_trl_row_reward(
         name: ``__name__`` of the returned function (TRL logs ``rewards/<name>/mean``).
         required_column: a column that must be among the dataset's (checked once per call, named when absent).
         hint: what the missing-column message suggests.
+        expected_columns: the columns of the rows (a task's training columns): when TRL passes none of them, the
+            call fails naming them and the likely cause, ``remove_unused_columns=True``, under which TRL drops every
+            column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
+        log_scores: add the three scores of every completion to TRL's completions table (``log_extra``).
+        answer: ``answer(row)``, the row's reference answer, added to that table with ``log_scores``.
+        credit_truncated: False: a completion the length limit cut earns no credit (:func:`without_credit`). Which
+            completions were cut: the :data:`TRUNCATION_KEYWORD` list ``trl_ext.GRPOTrainer`` passes (exact: it
+            knows EOS, stop strings and the limit); from upstream ``trl.GRPOTrainer``, which passes none, TRL's own
+            rule of ``completions/clipped_ratio`` -- the last token is neither an EOS token nor the pad token -- read
+            from the trainer whose ``log_metric`` TRL passes; from any other caller, none is known (one warning,
+            every completion credited). Default True (every completion scored as it is).
+        stop_strings: the stop strings generation should end the task's completions with (``trl_ext.GRPOTrainer``
+            uses them when its ``stop_strings`` is unset). Default none.
 
     Returns:
-        The TRL reward function ``(prompts, completions, **columns) -> list[float]``.
+        The TRL reward function ``(prompts, completions, **columns) -> list[float]``, with the attributes
+        ``credit_truncated`` and ``stop_strings`` (tuple).
 
     Raises:
         ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``required_column`` is
-            absent, a column's length differs from ``completions``, or ``score`` raises a ValueError (the message
-            names the row index).
+            absent, or every one of ``expected_columns``, a column's length differs from ``completions``, or
+            ``score`` raises (any exception: the message names the row index in the batch, the error and the row's
+            prompt; the original exception is its ``__cause__``).
     """
     if key not in REWARD_KEYS:
         raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
@@ -151,23 +256,40 @@ def as_trl_row_reward(
     def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
         if completions is None:
             raise ValueError(f"{name}: missing argument 'completions'")
-        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS}
+        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
         if required_column is not None and required_column not in data:
             raise ValueError(
                 f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
+            )
+        if expected_columns and not any(c in data for c in expected_columns):
+            raise ValueError(
+                f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
+                "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
+                "false, GRPO's default)"
             )
         for column, values in data.items():
             if len(values) != len(completions):
                 raise ValueError(
                     f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
                 )
-        results = []
+        cut = None if credit_truncated else _truncated(name, columns, len(completions))
+        results, rows = [], []
         for i, completion in enumerate(completions):
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
+            rows.append(row)
             try:
-                results.append(score(completion_text(completion, row=i), row))
-            except ValueError as err:
-                raise ValueError(f"{name}: row {i} (0-based): {err}") from None
+                scores = score(completion_text(completion, row=i), row)
+            except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+                prompt = _short(row["prompt"])
+                detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+                raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+            results.append(without_credit(scores) if cut is not None and cut[i] else scores)
+        log_extra = columns.get("log_extra")
+        if log_scores and log_extra is not None and results:  # TRL's completions table: each completion's scores
+            for k in REWARD_KEYS:
+                log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
+            if answer is not None:
+                log_extra("answer", [answer(row) for row in rows])
         log_metric = columns.get("log_metric")
         if log_metric is not None and results:
             for k in ("format_reward", "answer_reward"):
@@ -180,9 +302,51 @@ def as_trl_row_reward(
     trl_reward.__qualname__ = name
     trl_reward.__doc__ = (
         f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; returns the {key!r} "
-        f"score of each completion against its row."
+        f"score of each completion against its row"
+        + ("" if credit_truncated else " (0 at most for a completion the length limit cut)")
+        + "."
     )
+    trl_reward.credit_truncated = credit_truncated
+    trl_reward.stop_strings = tuple(stop_strings)
     return trl_reward
+
+
+_warned_unknown_truncation: set[str] = set()
+
+
+def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | None:
+    """Per completion, whether the length limit cut it (see ``credit_truncated`` of :func:`as_trl_row_reward`), or
+    None when the caller does not say (warned once per reward name)."""
+    flags = columns.get(TRUNCATION_KEYWORD)
+    if flags is not None:
+        if len(flags) != n:
+            raise ValueError(f"{name}: {TRUNCATION_KEYWORD} has {len(flags)} entries but there are {n} completions")
+        return [bool(f) for f in flags]
+    trainer = getattr(columns.get("log_metric"), "__self__", None)  # TRL passes its trainer's bound _log_metric
+    ids = columns.get("completion_ids")
+    eos = getattr(trainer, "eos_token_ids", None)
+    tokenizer = getattr(trainer, "_tokenizer", None)
+    if eos is not None and tokenizer is not None and ids is not None and len(ids) == n:
+        ends = {*eos, tokenizer.pad_token_id}
+        return [not c or c[-1] not in ends for c in ids]  # trl.GRPOTrainer._generate's is_truncated
+    if name not in _warned_unknown_truncation:
+        _warned_unknown_truncation.add(name)
+        import logging
+
+        logging.getLogger("trl_ext").warning(
+            f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
+            f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
+            "completion is credited"
+        )
+    return None
+
+
+def _short(prompt: Any, limit: int = 60) -> str:
+    """A prompt for messages: its last message's text (a conversation) or the text, shortened to ``limit``."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        prompt = prompt[-1].get("content")
+    text = repr(prompt)
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
 def as_course_reward_fn(

@@ -399,7 +399,8 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
 
     One deliberate difference from the course code: text after ``"</answer>"`` is ignored, whereas the course
     grades everything after the last ``"<answer>"`` with ``"</answer>"`` deleted. The course stops generation at
-    ``"</answer>"``; TRL generation runs on to EOS, so trailing text would otherwise turn right answers wrong.
+    ``"</answer>"``, and so do trl_ext's rollouts and evaluation on R1-Zero tasks (``trl_ext.stop_strings``), so both
+    graders see the same text there; this one also grades a response generated without the stop.
 
     Args:
         response: the model's completion (text after the prompt's ``"<think>"``).

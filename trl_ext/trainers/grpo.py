@@ -4,7 +4,8 @@
 
 - ``__init__``: converts a ``trl.GRPOConfig``/``TrainingArguments`` (``GRPOConfig.from_upstream``), checks the seams
   below still exist upstream (``check_upstream``), reports a missing vLLM/liger after upstream's own checks;
-- ``_calculate_rewards``: keeps the rewards of every process's completions (gathered) for the advantages;
+- ``_calculate_rewards``: tells every reward function which completions were cut by the length limit
+  (``completion_truncated``), and keeps the rewards of every process's completions (gathered) for the advantages;
 - ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
   round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with those
   of the config's ``advantage_estimator`` (``trl_ext.advantages``: the course's group-normalized advantages, or the
@@ -18,14 +19,23 @@
   batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
   mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's order
   (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
+- ``_generate_single_turn`` and ``_generate``: stop strings (``stop_strings``, else the reward functions' task's:
+  ``</answer>`` for the R1-Zero format) -- transformers' ``generate`` gets a ``StoppingCriteria``, vLLM's
+  ``SamplingParams`` ``stop``/``include_stop_str_in_output``/``min_tokens`` -- and each completion is cut after the
+  token that completes its first stop string, its decoded text at the stop string's end
+  (``trl_ext.stop_strings``); a completion that ended neither with EOS nor at a stop string is "cut by the length
+  limit" for ``completions/clipped_ratio``, ``mask_truncated_completions`` and the reward functions (upstream's rule
+  would count every stopped completion as cut);
+- ``log``: one console warning when most completions of a logging window were cut by the length limit;
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
   micro-batch counter, the buffered rollout and the dynamic-sampling position (and, through ``GRPOLossTermsMixin``,
   the adaptive entropy controller, which upstream's own ``_save_checkpoint`` also saves), so a resumed run is
   bit-exact.
 
-It adds one public method, ``sample(prompts)``, which only calls upstream's ``_generate`` (no override): rollouts
-from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert iteration.
+It adds one public method, ``sample(prompts)``, which only calls ``_generate`` (upstream's, with the stop-string cut
+above): rollouts from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert
+iteration.
 
 The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
 ``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
@@ -39,6 +49,9 @@ Generation (transformers or vLLM), reward calling, reference model / PEFT adapte
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,21 +59,31 @@ from typing import Any, ClassVar
 
 import torch
 import trl
-from transformers import TrainingArguments
+from transformers import StoppingCriteriaList, TrainingArguments
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional, machine
+from .. import functional, machine, vllm_engine
 from ..advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
 from ..aggregations import AGGREGATIONS, compute_grpo_loss
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
 from ..losses import POLICY_LOSSES, policy_loss
 from ..registry import LiveText
+from ..rewards.adapters import TRUNCATION_KEYWORD
+from ..stop_strings import (
+    DEFAULT_MIN_TOKENS_WITH_STOP,
+    StopAtStrings,
+    check_stop_strings,
+    cut_at_stop,
+    ends_truncated,
+)
 from . import grpo_options
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
 from .grpo_options import _Derived  # also importable here: configs pickled in checkpoints before it moved
 from .grpo_terms import GRPOLossTermsMixin
 from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
+logger = logging.getLogger("trl_ext")
 
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
@@ -106,7 +129,8 @@ _SEAMS = {
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "_prepare_inputs": ("generation_batch",),  # regenerates when _step % (steps_per_generation * num_iterations) == 0
     "training_step": ("model", "inputs", "num_items_in_batch"),
-    "_generate": ("prompts",),  # called by sample(): upstream's generation path, outside train()
+    "_generate": ("prompts",),  # decodes completions (cut at stop strings here); also called by sample()
+    "log": ("logs", "start_time"),  # averages the window's metrics (warns once when most completions were cut)
     **TRAINER_MIXIN_SEAMS,
 }
 
@@ -266,10 +290,16 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Run each distinct prompt of a batch through the model once and reuse its key/value cache for all "
             "of its completions: in transformers generation (prefill) and in the log-prob forward and backward. "
             "Same log-probs and gradients up to float rounding (causal attention: a prompt's keys and values do not "
-            "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. Default True; off "
-            "for vLLM generation (its own prefix caching), multimodal inputs, MoE aux loss, or models that return no "
-            "cache (gradient checkpointing), FSDP and DeepSpeed (every forward gathers parameters collectively, so all "
-            "ranks must run the same forwards), and wherever it cannot be exact for the model, said in one log "
+            "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. With gradient "
+            "checkpointing (TRL's default gradient_checkpointing=True, or the model's gradient_checkpointing_enable), "
+            "which keeps no cache in a training forward, the log-prob forwards share each prompt without a cache "
+            "instead: the distinct prompts and every completion in one padding-free sequence "
+            "(trl_ext.packing.forward_in_one_sequence; needs pack_completions and what packing needs), which "
+            "checkpointing recomputes exactly, reentrant or not. Old, reference and training forwards always take "
+            "the same path, so equal weights give bit-equal log-probs. Default True; off for vLLM generation (its own "
+            "prefix caching), multimodal inputs, FSDP and DeepSpeed (every forward gathers parameters collectively, "
+            "so all ranks must run the same forwards); in the log-prob forwards off with TRL's MoE load-balancing "
+            "loss (it counts every row's tokens); and wherever it cannot be exact for the model, said in one log "
             "line: decided once per model for the architecture (trl_ext.shared_prompts.savings_decision: "
             "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
             "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
@@ -282,7 +312,9 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
             "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Default True; not with FSDP or DeepSpeed (their forwards are collective), nor with "
+            "to float rounding. Works with gradient checkpointing (the rows without gradient run as a batch of their "
+            "own, not checkpointed; the others are checkpointed as usual). Default True; not with FSDP or DeepSpeed "
+            "(their forwards are collective), nor with TRL's MoE load-balancing loss (over every row), nor with "
             "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy: such a row still has its entropy's "
             "gradient), nor where a row's outputs depend on the other rows of its batch or dropout is active (one log "
             "line says so). TRL's entropy mask (top_entropy_quantile) and off-policy mask (off_policy_mask_threshold) "
@@ -294,10 +326,14 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "With share_prompt_cache, run the completion forward and backward padding-free: the real tokens of "
             "every row packed into one sequence, a 4D attention mask letting each token see exactly its own prompt "
-            "and its own row (trl_ext.shared_prompts.packed_forward), so the padding after a completion's end costs "
-            "nothing. Same log-probs and gradients up to float rounding. Default True; on only where it is exact for "
-            "the model (sdpa attention over key/value caches without sliding windows, checked by a probe against "
-            "the padded forward; one log line otherwise)."
+            "and its own row (trl_ext.packing.packed_forward, over the prompts' cache), so the padding after a "
+            "completion's end costs nothing. With gradient checkpointing the distinct prompts go into that sequence "
+            "too, one forward without a cache (trl_ext.packing.forward_in_one_sequence): packing is then how the "
+            "log-prob forwards share prompts, and pack_completions=False runs them unshared. Rows are packed in one "
+            "canonical order, so the same rows in any order give bit-equal log-probs. Same log-probs and gradients "
+            "up to float rounding. Default True; on only where it is exact for the model (sdpa attention over "
+            "key/value caches without sliding windows, checked by a probe against the padded forward; one log line "
+            "otherwise) and not with TRL's MoE load-balancing loss."
         },
     )
     prepack_linear_weights: bool = field(
@@ -313,6 +349,15 @@ class GRPOConfig(trl.GRPOConfig):
             "the packed copies would take more than a quarter of the available memory, or where a probe finds "
             "PyTorch's packing ops computing something else (one log line). "
             "The log-prob forwards and backward are not affected."
+        },
+    )
+    vllm_dtype: str = field(
+        default="policy",
+        metadata={
+            "help": "dtype of the vLLM engine that use_vllm builds in colocate mode: 'policy' (default: the trained "
+            "model's own dtype, so that rollouts come from the policy), 'auto' (vLLM's choice, TRL 1.16's behaviour: "
+            "a float32 checkpoint runs in bfloat16), 'float32', 'bfloat16' or 'float16'. Server mode: the server's "
+            "own --dtype (trl vllm-serve --dtype)."
         },
     )
     dynamic_sampling: bool = field(
@@ -339,6 +384,25 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "With dynamic_sampling: most generation rounds per generation batch, the first included "
             "(default 4; like verl's max_num_gen_batches). Each extra round costs one full generation."
+        },
+    )
+    stop_strings: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Stop strings: generation (transformers and vLLM alike) ends a completion with the first of these "
+            "it writes, kept in the completion, and nothing after it is rewarded or trained on (the course's vLLM "
+            "stop=[...], include_stop_str_in_output=True; trl_ext.stop_strings). Unset (None, the default): the "
+            "stop strings the reward functions declare (a trl_ext task's: '</answer>' for the R1-Zero format, none "
+            "for chat prompts); [] for none. A stop string's last token may run past it (e.g. '>.'): that sampled "
+            "token is trained, the completion's text ends at the stop string."
+        },
+    )
+    min_completion_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Fewest tokens a sampled completion has: EOS and stop strings are held back until then (vLLM's "
+            "min_tokens; transformers' min_new_tokens plus the stop check). Unset (None, the default): 4 when "
+            "stop strings are set (the handout's sampling_min_tokens = 4), else 0 (TRL's default)."
         },
     )
     loss_type: str | None = field(
@@ -390,6 +454,8 @@ class GRPOConfig(trl.GRPOConfig):
         functional._check_choice(
             "importance_sampling_level", self.importance_sampling_level, functional.IMPORTANCE_SAMPLING_LEVELS
         )
+        if self.vllm_dtype is not None:  # None: the policy's dtype
+            functional._check_choice("vllm_dtype", self.vllm_dtype, vllm_engine.VLLM_DTYPES)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
         if self.epsilon_high is not None and self.epsilon_high < 0:
@@ -403,6 +469,10 @@ class GRPOConfig(trl.GRPOConfig):
                     "`vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
                     f"{self.vllm_importance_sampling_mode}."
                 )
+        if self.stop_strings is not None:
+            self.stop_strings = list(check_stop_strings(self.stop_strings))
+        if self.min_completion_length is not None and self.min_completion_length < 0:
+            raise ValueError(f"min_completion_length={self.min_completion_length}; expected an integer >= 0")
         if self.kl_target is not None and not (self.beta > 0 and self.kl_target > 0 and self.kl_horizon > 0):
             raise ValueError(
                 f"kl_target={self.kl_target} needs beta > 0 (the starting coefficient), kl_target > 0 and "
@@ -489,14 +559,28 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             args = GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         elif not isinstance(args, GRPOConfig):
             args = GRPOConfig.from_upstream(args)
+        vllm_need = "vllm_server" if args.vllm_mode == "server" else "vllm"
+        if args.use_vllm and machine.package_available("vllm"):  # installed, but can it run here? (before any load)
+            machine.require(vllm_need, f"use_vllm=True, vllm_mode={args.vllm_mode!r}", "pass `use_vllm=False`")
         # Upstream checks its options first (PEFT on lm_head, data, loss settings, ...) and imports vLLM last; a
-        # missing engine is reported after those checks, with how to install it here.
+        # missing engine is reported after those checks, with how to install it here. The colocated engine gets the
+        # policy's dtype and the run's seed (trl_ext.vllm_engine.engine_options).
+        engine = (
+            vllm_engine.engine_options(lambda: vllm_engine.engine_dtype(args.vllm_dtype, self.model), args.seed)
+            if args.use_vllm and args.vllm_mode == "colocate"
+            else contextlib.nullcontext()
+        )
         try:
-            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+            with engine:
+                super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         except ImportError as err:
             if args.use_vllm and "vllm" in str(err).lower():
-                machine.require("vllm", "use_vllm=True", "pass `use_vllm=False`")
+                machine.require(vllm_need, "use_vllm=True", "pass `use_vllm=False`")
             raise
+        if self.use_vllm and vllm_engine.runs_on_cpu(self.vllm_generation):
+            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.vllm_engine)
+            generation = self.vllm_generation
+            generation.sync_weights = functools.partial(vllm_engine.sync_weights_in_place, generation)
         if args.use_liger_kernel:  # upstream: only at train()
             machine.require("liger_kernel", "use_liger_kernel=True", "pass `use_liger_kernel=False`")
         if args.dynamic_sampling:
@@ -505,6 +589,183 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         self._kl_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-token KL, token count] of this rollout
         self._finished_rollout_kl: list[torch.Tensor] = []  # windows of rollouts finished since the last optimizer step
         self._decide_speed_paths()
+        self._set_up_stop_strings()
+
+    # -- where a completion ends: stop strings, and completions the length limit cut -----------------------------
+
+    def _set_up_stop_strings(self) -> None:
+        """Resolve ``stop_strings`` (the config's, else the ones the reward functions declare) and
+        ``min_completion_length``, and hand them to the generation backend: vLLM's ``SamplingParams`` (``stop``,
+        ``include_stop_str_in_output=True``, ``min_tokens``) through upstream's ``generation_kwargs``; transformers'
+        ``min_new_tokens`` through them too, the stop strings as a ``StoppingCriteria`` at each ``generate`` call
+        (``_generate_single_turn``). Said in one log line when taken from the reward functions.
+
+        Raises:
+            ValueError: stop strings with transformers' continuous batching, a ``rollout_func`` or tools (their
+                generation is not cut here), or beside ``generation_kwargs`` that already set stop strings or a
+                minimum length.
+        """
+        stops = self.args.stop_strings
+        declared = [tuple(getattr(f, "stop_strings", ()) or ()) for f in self.reward_funcs]
+        if stops is None:
+            stops = list(dict.fromkeys(s for d in declared for s in d))
+            if stops:
+                logger.info(f"trl_ext: completions end at {stops} (the stop strings of the reward functions' task)")
+        self._stop_strings = check_stop_strings(stops)
+        minimum = self.args.min_completion_length
+        self._min_completion_length = (
+            minimum if minimum is not None else DEFAULT_MIN_TOKENS_WITH_STOP if self._stop_strings else 0
+        )
+        self._completion_truncated: list[bool] | None = None  # this process's rows of the last _generate
+        self._warned_cut = False
+        if not (self._stop_strings or self._min_completion_length):
+            return
+        given = set(self.args.generation_kwargs or {}) & {"stop", "stop_strings", "min_tokens", "min_new_tokens"}
+        if given:
+            raise ValueError(
+                f"generation_kwargs sets {sorted(given)} beside stop_strings={list(self._stop_strings)} / "
+                f"min_completion_length={self._min_completion_length}: set them through stop_strings and "
+                "min_completion_length only (they work in both generation backends and cut the completion)"
+            )
+        if self._stop_strings:
+            unsupported = [
+                name
+                for name, on in (
+                    ("transformers continuous batching", getattr(self, "use_transformers_continuous_batching", False)),
+                    ("a rollout_func", self.rollout_func is not None),
+                    ("tools", bool(self.tools)),
+                )
+                if on
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"stop_strings={list(self._stop_strings)} with {unsupported[0]}: trl_ext does not cut those "
+                    "completions; pass stop_strings=[] (or drop it)"
+                )
+        if self.use_vllm:
+            options = {"min_tokens": self._min_completion_length}
+            if self._stop_strings:
+                options.update(stop=list(self._stop_strings), include_stop_str_in_output=True)
+            self.vllm_generation.generation_kwargs = {**self.vllm_generation.generation_kwargs, **options}
+        elif self._min_completion_length:
+            # upstream builds its GenerationConfig from these, and unwrap_model_for_generation applies them
+            self.generation_kwargs["min_new_tokens"] = self._min_completion_length
+            self.generation_config.min_new_tokens = self._min_completion_length
+
+    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
+        # Upstream generates (transformers: its `generate` call gets the stop strings as a StoppingCriteria here;
+        # vLLM: SamplingParams got them at construction); each completion is then cut after the token that
+        # completes its first stop string (transformers pads a stopped row to the batch's longest, with the pad
+        # token that TRL takes for EOS when pad = eos; vLLM returns the ids up to that token), with its sampling
+        # log-probs. The cut texts are kept for _generate, which decodes.
+        self._stop_cuts = None
+        if not self._stop_strings:
+            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        if self.use_vllm:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        else:
+            with self._generate_stopping_at_strings():
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        cuts = [
+            cut_at_stop(ids, self.processing_class, self._stop_strings, self._min_completion_length)
+            for ids in completion_ids
+        ]
+        completion_ids = [list(ids)[: c.num_tokens] if c else list(ids) for ids, c in zip(completion_ids, cuts)]
+        if logprobs is not None:
+            logprobs = [list(lp)[: c.num_tokens] if c else lp for lp, c in zip(logprobs, cuts)]
+        self._stop_cuts = cuts
+        return completion_ids, logprobs
+
+    @contextlib.contextmanager
+    def _generate_stopping_at_strings(self):
+        """A block in which the policy's ``generate`` stops each row at its first stop string (``StopAtStrings``,
+        from ``min_completion_length`` tokens on): an instance attribute shadows the method for the block, beneath
+        the speed paths' own wrapper (prompt sharing sees the call as upstream makes it)."""
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        own = unwrapped.__dict__.get("generate")
+        plain = unwrapped.generate
+        tokenizer, stops, minimum = self.processing_class, self._stop_strings, self._min_completion_length
+
+        def generate(*args, **kwargs):
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+            criteria.append(StopAtStrings(tokenizer, stops, input_ids.size(1), minimum))
+            return plain(*args, stopping_criteria=criteria, **kwargs)
+
+        unwrapped.generate = generate
+        try:
+            yield
+        finally:
+            if own is None:
+                del unwrapped.generate
+            else:
+                unwrapped.generate = own
+
+    def _generate(self, prompts: list):
+        # Upstream decodes the completions and logs completions/clipped_ratio and the terminated lengths by its rule
+        # (the last token is neither EOS nor pad): a completion that ended at a stop string is not cut. Its text ends
+        # exactly at the stop string (the last token may carry more); the metrics are recounted with that rule, and
+        # each completion's "cut by the length limit" is kept for the reward functions (_calculate_rewards).
+        self._stop_cuts = None
+        out = list(super()._generate(prompts))
+        completion_ids, completions = out[1], out[3]
+        cuts = self._stop_cuts if self._stop_cuts is not None and len(self._stop_cuts) == len(completion_ids) else None
+        if cuts is not None:
+            out[3] = [_with_text(c, cut.text) if cut else c for c, cut in zip(completions, cuts)]
+        ends = [*self.eos_token_ids, self._tokenizer.pad_token_id]
+        self._completion_truncated = [
+            ends_truncated(ids, ends, stopped=cuts is not None and cuts[i] is not None)
+            for i, ids in enumerate(completion_ids)
+        ]
+        if cuts is not None and out[2] is None:  # upstream's length metrics, recounted (no tool mask)
+            self._recount_length_metrics(completion_ids)
+        return tuple(out)
+
+    def _recount_length_metrics(self, completion_ids: list) -> None:
+        """Replace the ``completions/clipped_ratio`` and ``*_terminated_length`` values upstream's ``_generate`` just
+        appended (TRL 1.16) with the same statistics by ``self._completion_truncated`` (gathered, as upstream)."""
+        device, mode = self.accelerator.device, "train" if self.model.training else "eval"
+        lengths = self.accelerator.gather(torch.tensor([len(ids) for ids in completion_ids], device=device))
+        cut = self.accelerator.gather(torch.tensor(self._completion_truncated, device=device))
+        terminated = lengths[~cut].float() if (~cut).any() else torch.zeros(1, device=device)
+        metrics = self._metrics[mode]
+        for key, value in (
+            ("completions/clipped_ratio", cut.float().mean()),
+            ("completions/mean_terminated_length", terminated.mean()),
+            ("completions/min_terminated_length", terminated.min()),
+            ("completions/max_terminated_length", terminated.max()),
+        ):
+            if metrics.get(key):
+                metrics[key][-1] = value.item()
+
+    def log(self, logs, start_time=None):
+        # One console warning per run, at the first log whose window's completions were mostly cut by the length
+        # limit (upstream's metrics are averaged over the window in super().log and then cleared).
+        if not self._warned_cut and self.model.training:
+            ratios = [v for v in self._metrics["train"].get("completions/clipped_ratio", []) if not math.isnan(v)]
+            if ratios and sum(ratios) / len(ratios) > 0.5:
+                self._warned_cut = True
+                logger.warning(self._cut_warning(sum(ratios) / len(ratios)))
+        super().log(logs, start_time)
+
+    def _cut_warning(self, ratio: float) -> str:
+        """The warning when most completions of a logging window hit ``max_completion_length``."""
+        no_credit = [
+            getattr(f, "__name__", "?") for f in self.reward_funcs if getattr(f, "credit_truncated", True) is False
+        ]
+        consequence = (
+            f"{', '.join(no_credit)} give{'s' if len(no_credit) == 1 else ''} them no reward"
+            if no_credit
+            else "a reward that reads the answer from the end of the response credits the last number of a cut-off "
+            "sentence"
+        )
+        return (
+            f"{ratio:.0%} of the completions generated up to step {self.state.global_step} hit "
+            f"max_completion_length={self.max_completion_length} without EOS"
+            + (f" or a stop string {list(self._stop_strings)}" if self._stop_strings else "")
+            + f": they are cut off mid-answer and {consequence}. Raise --max_completion_length or ask for shorter "
+            "answers (--instruction); completions/clipped_ratio follows it"
+        )
 
     # -- sampling outside train() -------------------------------------------------------------------------------
 
@@ -579,6 +840,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
     # -- advantages -------------------------------------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # Every reward function is also told which completions the length limit cut (TRUNCATION_KEYWORD; TRL passes
+        # every column of `inputs` as a keyword), by _generate's rule (no EOS, no stop string).
+        cut = self._completion_truncated
+        if cut is None or len(cut) != len(completion_ids_list):
+            ends = [*self.eos_token_ids, self._tokenizer.pad_token_id]
+            cut = [ends_truncated(ids, ends, stopped=False) for ids in completion_ids_list]
+        inputs = [{**row, TRUNCATION_KEYWORD: flag} for row, flag in zip(inputs, cut)]
         # Upstream returns (num_processes * local_batch, num_reward_funcs), gathered; keep it for the advantages.
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._gathered_rewards = rewards_per_func
@@ -592,9 +860,25 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
 
     def _generate_and_score_round(self, inputs):
         # One generation round: upstream generates and scores, then the config's advantage estimator replaces
-        # upstream's advantages. (DynamicSamplingMixin._generate_and_score_completions calls this once, or several
-        # times.)
-        output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
+        # upstream's advantages.
+        # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
+        # With stop strings, upstream's mask_truncated_completions would mask every completion that ended at one (its
+        # rule: the last token is neither EOS nor pad); the rows _generate found cut are masked here instead.
+        own_mask = bool(self.mask_truncated_completions and self._stop_strings)
+        if own_mask:
+            self.mask_truncated_completions = False
+        try:
+            output = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
+        finally:
+            if own_mask:
+                self.mask_truncated_completions = True
+        if own_mask:
+            keep = ~torch.tensor(self._completion_truncated, device=output["completion_mask"].device)
+            output["completion_mask"] = output["completion_mask"] * keep.unsqueeze(1).int()
+            if output.get("tool_mask") is not None:
+                output["tool_mask"] = output["tool_mask"] * keep.unsqueeze(1).int()
+            loss_mask = output["completion_mask"] * (output["tool_mask"] if output.get("tool_mask") is not None else 1)
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         rewards_per_func = self._gathered_rewards
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
@@ -815,3 +1099,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
                 self._finished_rollout_kl.clear()
                 self._metrics["train"]["beta"].append(self.beta)
         return loss
+
+
+def _with_text(completion: Any, text: str) -> Any:
+    """A decoded completion (a string, or upstream's ``[{"role": "assistant", "content": ...}]``) with its text
+    replaced by ``text``."""
+    if isinstance(completion, str):
+        return text
+    if isinstance(completion, list) and completion and isinstance(completion[-1].get("content"), str):
+        return [*completion[:-1], {**completion[-1], "content": text}]
+    return completion

@@ -353,6 +353,7 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_mode": warned(),
     "vllm_max_model_length": warned(),
     "vllm_structured_outputs_regex": warned(),
+    "vllm_dtype": warned(),  # the engine samples from a copy of the policy in another dtype: other draws
     "use_transformers_continuous_batching": warned(),
     "use_transformers_paged": warned(),
     "transformers_continuous_batching_config": warned(),

@@ -29,6 +29,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..models import base_model_id, name_base_model
+from ..quantized import keep_trainable
 from .resume import (  # which options a resume refuses, warns about or lets change
     RANK_STATE_FILE,
     STATE_FILE,
@@ -127,6 +128,7 @@ TRAINER_MIXIN_SEAMS = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
     "save_model": ("output_dir", "_internal_call"),
     "create_model_card": ("model_name", "dataset_name", "tags"),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
 }
 
 
@@ -159,6 +161,12 @@ class TrainerMixin:
     RANK_STATE_FILE = RANK_STATE_FILE
     has_rank_state = False  # True when _checkpoint_rank_state returns per-process state
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # A 4-bit (QLoRA) model stays trainable on the CPU: bitsandbytes' bf16 inference kernel, which has no backward
+        # and which an evaluation-mode forward (the savings probe, evaluate()) would switch on, stays off.
+        keep_trainable(self.model)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         # Resume refuses options that would not continue the checkpoint exactly, before any model work.
         checkpoint = resume_from_checkpoint
@@ -183,6 +191,18 @@ class TrainerMixin:
                 model.forward = model.__dict__.pop("_original_forward")
             self.accelerator._models = [m for m in self.accelerator._models if m is not model]
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # Resuming a PEFT model, transformers 5 reloads the adapter with PEFT's `load_adapter`, which casts it to fp32
+        # (autocast_adapter_dtype). TRL trains the adapters of a quantized (QLoRA) base in bf16, so the resumed run
+        # would go on in fp32 -- another computation than the uninterrupted run's. Each trainable parameter keeps the
+        # dtype it had before the checkpoint was loaded (the values are the checkpoint's, saved in that dtype).
+        target = self.model if model is None else model
+        dtypes = {name: p.dtype for name, p in target.named_parameters() if p.requires_grad}
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        for name, param in target.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """JSON-serializable state of the whole run. Default: upstream's running token count (logged as

@@ -1,0 +1,311 @@
+"""Which options each kind of task uses, as data: the one table the checks and the tests read.
+
+A recipe's task options (:class:`TaskArguments`: ``--dataset_name``, ``--test_file``, ``--template``, ``--reward``,
+``--num_train_problems``, ...) mean something to some tasks only: generated arithmetic reads no file, a
+reasoning-gym generator makes its own rows and is scored by its own ``score_answer``, a ``package.module:factory``
+task is whatever the factory returns. An option the task does not use is refused, in one line naming the flag,
+before any data is read or model loaded (:func:`option_problems`; ``trl_ext.cli.parse`` reports it with every other
+problem, ``trl_ext.tasks.load_task`` checks again for callers from Python) -- never silently ignored.
+
+* :data:`TASK_OPTIONS`: task kind (:func:`task_kind`) -> the options it uses;
+* :data:`UNUSED_WHEN`: options that a setting of another option makes unused (a local file has no splits; a
+  separate ``--test_file`` replaces the held-out split; only the chat template has a system turn);
+* :data:`TASK_CONFIG_KEYS`: the ``--task_config`` keys a kind takes (the math tasks' keys are their options).
+
+An option counts as set when its value differs from the dataclass default and -- on the command line, where
+``trl_ext.cli`` knows it -- the user set it (a flag or their ``--config`` file; a recipe's own default config does
+not count).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import trl
+
+from trl_ext.options import RecipeArguments
+
+
+@dataclass
+class TaskArguments(trl.ScriptArguments, RecipeArguments):
+    """A recipe's options for its task (``trl_ext.tasks.load_task``); which task uses which: :data:`TASK_OPTIONS`."""
+
+    task: str | None = field(
+        default=None,
+        metadata={
+            "help": "The task: 'arithmetic' (generated additions; the default without --dataset_name), 'gsm8k', "
+            "'math' (a --dataset_name file or Hub dataset; with --dataset_name and no --task the kind is read from "
+            "its columns or --dataset_kind), 'sort', 'reasoning_gym:DATASET' (any reasoning-gym generator; "
+            "`uv sync --extra tasks`) or 'package.module:factory' (your own: factory(**task_config) returns a "
+            "trl_ext.tasks.Task). Options a task does not use are refused (trl_ext.task_options.TASK_OPTIONS)."
+        },
+    )
+    task_config: str | None = field(
+        default=None,
+        metadata={
+            "help": 'The task\'s settings as a JSON object, e.g. \'{"min_terms": 2, "max_terms": 2}\' for '
+            "reasoning_gym:chain_sum (passed to reasoning_gym.create_dataset), '{\"digits\": 3}' for arithmetic; "
+            "a factory's keyword arguments."
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local .jsonl/.json/.parquet file (GSM8K columns question/answer, MATH columns "
+            "problem/solution or answer) or a Hugging Face Hub dataset id; unset = generated arithmetic."
+        },
+    )
+    dataset_kind: str | None = field(
+        default=None,
+        metadata={
+            "help": "'gsm8k', 'math' or 'arithmetic' (question + integer answer); inferred from the columns when unset."
+        },
+    )
+    test_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A separate held-out file (same columns as --dataset_name), e.g. the course's "
+            "data/gsm8k/test.jsonl: its first --num_eval rows are evaluated and --dataset_name trains whole."
+        },
+    )
+    template: str = field(
+        default="chat",
+        metadata={
+            "help": "Prompt template: 'chat' (instruct models), 'r1_zero', 'question_only', or a path to a "
+            "template file holding {question} (e.g. the course's cs336_alignment/prompts/r1_zero.prompt)."
+        },
+    )
+    instruction: str | None = field(
+        default=None,
+        metadata={
+            "help": "Appended to each question. Unset: 'Answer with just the number.' for 'chat' and "
+            "'question_only' on numeric tasks, none for 'r1_zero' and template files (their format asks for "
+            "<answer> tags); '' for none."
+        },
+    )
+    system_prompt: str | None = field(default=None, metadata={"help": "Optional system message for 'chat'."})
+    reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "The math grader: one of 'arithmetic', 'gsm8k', 'math', 'r1_zero' (default: r1_zero for the "
+            "r1_zero template and template files, else by dataset kind), or 'package.module:function', a course "
+            "reward_fn(response, ground_truth) -> {reward, format_reward, answer_reward}, e.g. the course's "
+            "cs336_alignment.drgrpo_grader:r1_zero_reward_fn."
+        },
+    )
+    num_train_problems: int = field(default=2000, metadata={"help": "Generated training problems (rows drawn)."})
+    arithmetic_digits: int = field(default=2, metadata={"help": "Digits per operand of generated problems."})
+    num_eval: int = field(
+        default=200,
+        metadata={
+            "help": "Held-out problems evaluated (greedy) before and after; a single local file holds out its "
+            "last rows (at most a fifth of it), a hub dataset uses dataset_test_split, --test_file its first rows."
+        },
+    )
+    eval_batch_size: int = field(default=50, metadata={"help": "Prompts per generate call during evaluation."})
+    skip_bad_rows: bool = field(default=False, metadata={"help": "Drop malformed dataset rows with a warning."})
+    stop: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Stop strings: rollouts and evaluation end a completion with the first of these it writes, kept "
+            "in the completion (the course's vLLM stop=[...], include_stop_str_in_output=True), e.g. --stop "
+            "'</answer>' or --stop A B. Unset: '</answer>' for the r1_zero template and template files whose "
+            "format closes the answer with </answer>, none otherwise; '' for none."
+        },
+    )
+    credit_truncated: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether a response the length limit cut (no EOS, no stop string) can earn reward and accuracy. "
+            "Unset: false for tasks that read the answer from the end of the response (the last number: "
+            "arithmetic, gsm8k; reasoning-gym's last_number, last_line and answer_tag_or_whole formats), true "
+            "otherwise."
+        },
+    )
+
+
+MathTaskArguments = TaskArguments
+"""The name recipes and user scripts used before tasks other than math existed."""
+
+TASK_OPTION_NAMES = tuple(
+    f.name
+    for f in fields(TaskArguments)
+    if f.name != "task" and f.name not in {g.name for g in fields(RecipeArguments)}
+)
+"""Every option of :class:`TaskArguments` but ``--task`` itself (and the options every recipe has)."""
+
+OPTION_ALIASES = {"dataset_split": "dataset_test_split"}
+"""A recipe's own name of a task option -> the option (``recipes/eval_math.py``'s ``--dataset_split``)."""
+
+
+# ------------------------------------------------------------------------------------------------------ the table
+TASK_KINDS = ("arithmetic", "gsm8k", "math", "sort", "reasoning_gym", "factory")
+"""The kinds of task (:func:`task_kind`): the built-ins by name, any ``reasoning_gym:NAME``, any
+``package.module:factory``."""
+
+_EVERY_TASK = ("task_config", "num_eval", "eval_batch_size", "stop", "credit_truncated")
+_PROMPT = ("template", "instruction", "system_prompt")
+_DATASET = (
+    "dataset_name",
+    "dataset_config",
+    "dataset_kind",
+    "dataset_train_split",
+    "dataset_test_split",
+    "test_file",
+    "skip_bad_rows",
+)
+
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "arithmetic": (*_EVERY_TASK, *_PROMPT, "reward", "num_train_problems", "arithmetic_digits"),
+    "gsm8k": (*_EVERY_TASK, *_PROMPT, "reward", *_DATASET),
+    "math": (*_EVERY_TASK, *_PROMPT, "reward", *_DATASET),
+    "sort": (*_EVERY_TASK, "instruction", "system_prompt", "num_train_problems"),
+    "reasoning_gym": (*_EVERY_TASK, *_PROMPT, "num_train_problems"),
+    "factory": _EVERY_TASK,
+}
+"""Task kind -> the options of :data:`TASK_OPTION_NAMES` it uses; any other one set is refused. ``dataset_streaming``
+and ``ignore_bias_buffers`` (inherited from ``trl.ScriptArguments``) are used by no task. A factory's held-out rows
+are its own: ``--num_eval`` keeps their first N and ``--eval_batch_size`` sets its evaluation batch, when set."""
+
+KIND_ROWS = {
+    "arithmetic": "it generates its problems",
+    "gsm8k": "its rows are a dataset's",
+    "math": "its rows are a dataset's",
+    "sort": "it generates its problems and scores them with the sorting reward",
+    "reasoning_gym": "the generator makes its rows and its own score_answer scores them",
+    "factory": "the factory makes its rows and its scorer; pass its settings in --task_config",
+}
+"""Why a kind does not use other options, for the messages."""
+
+TASK_CONFIG_KEYS: dict[str, tuple[str, ...] | None] = {
+    "arithmetic": ("digits", *TASK_OPTIONS["arithmetic"]),
+    "gsm8k": TASK_OPTIONS["gsm8k"],
+    "math": TASK_OPTIONS["math"],
+    "sort": ("num_numbers", "max_number", "instruction", "system_prompt"),
+    "reasoning_gym": None,
+    "factory": None,
+}
+"""The ``--task_config`` keys a kind takes (``task_config`` itself aside); None: the generator (``reasoning_gym.
+create_dataset``) or the factory's signature decides."""
+
+
+def _local_file(values: Mapping[str, Any]) -> bool:
+    name = values.get("dataset_name")
+    return isinstance(name, str) and Path(name).is_file()
+
+
+UNUSED_WHEN: tuple[tuple[str, Callable[[Mapping[str, Any]], bool], str], ...] = (
+    ("dataset_config", _local_file, "--dataset_name is a local file, read whole"),
+    ("dataset_train_split", _local_file, "--dataset_name is a local file, read whole"),
+    ("dataset_test_split", _local_file, "--dataset_name is a local file, read whole"),
+    ("dataset_test_split", lambda v: bool(v.get("test_file")), "--test_file holds the held-out rows"),
+    ("system_prompt", lambda v: v.get("template", "chat") != "chat", "only --template chat has a system turn"),
+    ("num_train_problems", lambda v: v.get("_held_out_only", False), "only held-out rows are loaded"),
+    ("dataset_train_split", lambda v: v.get("_held_out_only", False), "only held-out rows are loaded"),
+)
+"""(option, when, why): the option is not used when ``when(values)`` holds, whatever the task."""
+
+
+# ------------------------------------------------------------------------------------------------------ the check
+def task_kind(values: Mapping[str, Any]) -> str | None:
+    """The kind of task (:data:`TASK_KINDS`) that ``values`` (``--task``, ``--dataset_name``, ``--dataset_kind``)
+    name, or None for a name that is none of them. Without ``--task``: generated arithmetic, or with
+    ``--dataset_name`` a math dataset (``math`` when ``--dataset_kind math``, else ``gsm8k``; both use the same
+    options)."""
+    name = values.get("task")
+    if name is None:
+        if not values.get("dataset_name"):
+            return "arithmetic"
+        return "math" if values.get("dataset_kind") == "math" else "gsm8k"
+    if name in ("arithmetic", "gsm8k", "math", "sort"):
+        return name
+    if name.startswith("reasoning_gym:"):
+        return "reasoning_gym"
+    return "factory" if ":" in name else None
+
+
+def _label(values: Mapping[str, Any]) -> str:
+    if values.get("task") is not None:
+        return f"--task {values['task']}"
+    return "a --dataset_name dataset (no --task)" if values.get("dataset_name") else "generated arithmetic (no --task)"
+
+
+def option_defaults(cls: type = TaskArguments) -> dict[str, Any]:
+    """The default value of each field of a task-arguments dataclass (a recipe's subclass may change some)."""
+    out = {}
+    for f in fields(cls):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def option_problems(
+    values: Mapping[str, Any] | Any,
+    given: Mapping[str, str] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    held_out_only: bool = False,
+) -> list[str]:
+    """Every task option that is set but that the task does not use (:data:`TASK_OPTIONS`, :data:`UNUSED_WHEN`,
+    :data:`TASK_CONFIG_KEYS`), one line each, naming the flag, its value, the task and what the task takes.
+
+    Args:
+        values: the parsed options (``{name: value}``, or a :class:`TaskArguments`).
+        given: option name -> where the user set it (``""`` for the command line, else the ``--config`` file); None
+            (callers from Python): every option counts as given.
+        defaults: each option's default (default: ``values``' own dataclass defaults, else :class:`TaskArguments`');
+            an option at its default is not set.
+        held_out_only: only held-out rows will be loaded (``recipes/eval_math.py``).
+
+    Returns:
+        The problems (empty when every option set is used, or when ``--task`` names no known kind: that is
+        ``trl_ext.tasks.task_problem``'s to report).
+    """
+    if not isinstance(values, Mapping):
+        defaults = defaults if defaults is not None else option_defaults(type(values))
+        values = vars(values) if is_dataclass(values) else dict(values)
+    defaults = defaults if defaults is not None else option_defaults()
+    kind = task_kind(values)
+    if kind is None:
+        return []
+    used, problems = TASK_OPTIONS[kind], []
+    context = {**values, "_held_out_only": held_out_only}
+
+    def is_set(name: str) -> bool:
+        return name in values and (given is None or name in given) and values[name] != defaults.get(name, MISSING)
+
+    def where(name: str) -> str:
+        return f" (set in {given[name]})" if given and given.get(name) else ""
+
+    for name in [n for n in values if n in TASK_OPTION_NAMES or n in OPTION_ALIASES]:
+        option = OPTION_ALIASES.get(name, name)
+        if not is_set(name):
+            continue
+        shown = f"--{name} {values[name]!r}{where(name)}"
+        if option not in used:
+            takes = ", ".join(f"--{o}" for o in used)
+            problems.append(f"{shown}: not used by {_label(values)} ({KIND_ROWS[kind]}; it takes {takes}); remove it")
+            continue
+        why = next((why for o, when, why in UNUSED_WHEN if o == option and when(context)), None)
+        if why:
+            problems.append(f"{shown}: not used ({why}); remove it")
+    config = values.get("task_config")
+    keys = TASK_CONFIG_KEYS[kind]
+    if keys is not None and isinstance(config, (str, Mapping)) and config:
+        try:
+            settings = json.loads(config) if isinstance(config, str) else dict(config)
+        except json.JSONDecodeError:
+            settings = None  # trl_ext.tasks.parse_task_config reports it
+        for key in settings if isinstance(settings, dict) else ():
+            if key not in keys:
+                problems.append(
+                    f"--task_config key {key!r}{where('task_config')}: {_label(values)} takes no such setting (its "
+                    f"keys: {', '.join(repr(k) for k in keys if k != 'task_config')})"
+                )
+    return problems
