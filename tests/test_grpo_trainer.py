@@ -537,6 +537,34 @@ def test_resolved_settings_survive_replace_pickle_and_json(tmp_path):
     assert settings(rebuilt) == settings(dr)
 
 
+def test_a_config_pickled_while_it_lived_in_trainers_grpo_still_loads(tmp_path):
+    """GRPOConfig moved from trl_ext/trainers/grpo.py to grpo_config.py (no module over 1,000 lines): a checkpoint's
+    ``training_args.bin`` written before names ``trl_ext.trainers.grpo.GRPOConfig``, which must still load as the
+    same class with the same resolved settings; both import paths give the one class."""
+    import pickle
+
+    import trl_ext.trainers.grpo as grpo
+    import trl_ext.trainers.grpo_config as grpo_config
+
+    assert grpo.GRPOConfig is grpo_config.GRPOConfig is trl_ext.GRPOConfig
+    assert grpo.generation_grouping_problem is grpo_config.generation_grouping_problem
+    config = trl_ext.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, loss_type="dr_grpo")
+    cls = trl_ext.GRPOConfig
+    cls.__module__ = "trl_ext.trainers.grpo"  # pickle records the class as it was then
+    try:
+        old = pickle.dumps(config, protocol=2)  # torch.save's protocol
+    finally:
+        cls.__module__ = "trl_ext.trainers.grpo_config"
+    assert b"trl_ext.trainers.grpo" in old and b"trl_ext.trainers.grpo_config" not in old
+    loaded = pickle.loads(old)
+    assert type(loaded) is trl_ext.GRPOConfig
+    assert (loaded.loss_type, loaded.length_normalization, loaded.pg_loss_type) == (
+        "dr_grpo",
+        "masked_normalize",
+        "grpo_clip",
+    )
+
+
 def upstream_fields_equal(converted, upstream, skip=()):
     import dataclasses
 

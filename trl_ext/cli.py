@@ -19,7 +19,7 @@ problem at once, each naming the flag that fixes it. :func:`check_fills_one_step
 the trainer would take no batch. The run itself (output folder, resume, signals) is :mod:`trl_ext.run`; the results
 (metrics.json, experiment.md, plots, console table, model card) are :mod:`trl_ext.report`.
 
-Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
+Choices (documented in docs/reference.md "Stopping and resuming" and in each recipe's ``--help``):
 
 * ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
   not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the

@@ -346,6 +346,8 @@ GRPO: dict[str, ResumeRule] = {
     "min_p": warned(),
     "repetition_penalty": warned(),
     "max_completion_length": warned(),
+    "stop_strings": warned(),  # where a completion ends: other completions and rewards after the checkpoint
+    "min_completion_length": warned(),
     "generation_kwargs": warned(),
     "chat_template_kwargs": warned(),
     "max_tool_calling_iterations": warned(),
