@@ -12,9 +12,10 @@ CPU); the registered choices of GRPO's objective ``losses`` (policy losses), ``a
 and ``advantages`` (advantage estimators); ``course`` (the rest of the course's API, re-exported by ``cs336``);
 ``rewards``, ``data`` and ``models`` (loading, the embedded model); the GRPO speed paths ``shared_prompts``/
 ``grpo_speed`` and the vLLM engine TRL builds for GRPO, ``vllm_engine``; ``trainers`` (the four TRL subclasses and
-their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation); ``compare`` (arms against upstream
-or each other); and the run lifecycle of a recipe: ``run`` (output folder, resume, signals), ``report`` (results),
-``cli`` (flags, checks, the command line).
+their configs); ``eval``; ``tasks`` (a task owns its data, reward and evaluation; ``reasoning_gym_support``:
+reasoning-gym's generators and answer formats); ``compare`` (arms against upstream or each other); and the run
+lifecycle of a recipe: ``run`` (output folder, resume, signals), ``report`` (results), ``cli`` (flags, checks, the
+command line).
 """
 
 import importlib
@@ -57,6 +58,7 @@ _SUBMODULES = (
     "packed_linear",
     "packing",
     "profiling",
+    "reasoning_gym_support",
     "registry",
     "report",
     "rewards",
