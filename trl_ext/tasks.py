@@ -757,13 +757,13 @@ def arithmetic_task(
     return math_task(options, max_new_tokens, "arithmetic", template=template, train=train)
 
 
-@register_task("gsm8k", "gsm8k", "a --dataset_name file or Hub dataset (default openai/gsm8k), last-number grader")
+@register_task("gsm8k", "gsm8k", "a --dataset_name file or Hub dataset, default openai/gsm8k; last-number grader")
 def gsm8k_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
     """GSM8K-style rows (:func:`math_task`)."""
     return math_task(options, max_new_tokens, "gsm8k", template=template, train=train)
 
 
-@register_task("math", "math", "a --dataset_name file or Hub dataset (default MATH-500), math-verify grader")
+@register_task("math", "math", "a --dataset_name file or Hub dataset, default MATH-500; math-verify grader")
 def competition_math_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
     """MATH-style rows (:func:`math_task`)."""
     return math_task(options, max_new_tokens, "math", template=template, train=train)
