@@ -31,9 +31,6 @@ LIBRARY = ROOT / "trl_ext"
 
 LAYERS = trl_ext.LAYERS  # the one list of the layers, bottom first (trl_ext/__init__.py)
 MODULE_MAX_LINES = 1000
-# over the limit while its split is under way on another branch (issue 39); the test fails once it is split, so the
-# entry cannot outlive the split
-BEING_SPLIT = ("trl_ext/tasks.py",)
 
 
 def _tree(path: Path) -> ast.Module:
@@ -326,5 +323,4 @@ def test_no_module_is_over_a_thousand_lines():
     files = [*sorted(LIBRARY.rglob("*.py")), *sorted((ROOT / "recipes").rglob("*.py"))]
     assert len(files) > 50
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
-    assert set(long) == set(BEING_SPLIT) & set(long), long
-    assert set(BEING_SPLIT) <= set(long), "split now: remove it from BEING_SPLIT"
+    assert long == {}, long

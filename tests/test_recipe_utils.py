@@ -656,8 +656,12 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
 
 def test_grpo_math_checks_the_reward_and_the_model_path_before_loading(tmp_path, monkeypatch):
     _explode_loaders(monkeypatch, grpo_math, ("load_model_and_tokenizer", "load_math_dataset"))
-    with pytest.raises(RecipeError, match=r"--reward 'nope' is not supported"):
-        grpo_math.main(*grpo_math.main.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
+    with pytest.raises(RecipeError) as err:  # the graders' registry: did-you-mean and every name
+        grpo_math.main(*grpo_math.main.parse_args(["--reward", "r1zero", "--output_dir", str(tmp_path / "a")]))
+    assert str(err.value) == (
+        "--reward r1zero: no such grader (did you mean 'r1_zero'?); expected one of 'arithmetic', 'gsm8k', 'math', "
+        "'r1_zero', or a package.module:reward_fn of your own"
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RecipeError, match="--model_name_or_path outputs/nothing_here: no such local folder"):
         grpo_math.main(

@@ -64,7 +64,9 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("packing", "shared_prompts", "grpo_speed", "vllm_engine"),
     ("trainers",),  # the four TRL subclasses and their configs
     ("eval",),  # greedy generation and grading of whole rows (transformers or vLLM)
-    ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API
+    # a task owns data, reward and evaluation (reasoning_gym_support: reasoning-gym's generators and answer formats);
+    # cs336 re-exports the course's API
+    ("reasoning_gym_support", "tasks", "cs336"),
     ("compare",),  # arms against upstream or each other
     ("run",),  # a recipe's run: output folder, resume, signals, provenance
     ("report",),  # the closing call
