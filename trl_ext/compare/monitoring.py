@@ -275,6 +275,8 @@ class RolloutLog(TrainerCallback):
             )
             if "answer" in extra:
                 row["answer"] = extra["answer"][i]
+            if "truncated" in extra:  # cut by the length limit: a task that does not credit it scored it 0
+                row["truncated"] = bool(extra["truncated"][i])
             row["rewards"] = {name: _json_number(values[i]) for name, values in rewards.items()}
             row["advantage"] = _json_number(advantages[i]) if len(advantages) == n else None
             rows.append(row)

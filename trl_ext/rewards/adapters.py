@@ -290,6 +290,9 @@ def as_trl_row_reward(
                 log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
             if answer is not None:
                 log_extra("answer", [answer(row) for row in rows])
+            flags = columns.get(TRUNCATION_KEYWORD)
+            if flags is not None and len(flags) == len(results):  # which were cut, so a reader sees why 0 was given
+                log_extra("truncated", [bool(flag) for flag in flags])
         log_metric = columns.get("log_metric")
         if log_metric is not None and results:
             for k in ("format_reward", "answer_reward"):
