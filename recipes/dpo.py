@@ -103,9 +103,11 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     report.finish(
         run,
         metrics,
-        title="DPO",
-        table=report.before_after_table(caption, before, after, KEYS),
-        lines=[f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step)}."],
+        [
+            report.Record("DPO"),
+            report.before_after_table(caption, before, after, KEYS),
+            report.ConsoleLines(f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step)}."),
+        ],
     )
     return metrics
 

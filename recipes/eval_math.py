@@ -79,15 +79,17 @@ def main(run, eval_args: EvalArguments, model_args: trl.ModelConfig) -> dict:
     report.finish(
         run,
         metrics,
-        title="Evaluation",
-        record=False,
-        table=(
-            f"{metrics['model']} on {task.dataset} ({report.held_out_caption(result)}, greedy, {backend})",
-            (*columns, "ex/s", "tok/s"),
-            [row],
-        ),
-        lines=notes + [f"unparsed: {r['response']!r} (answer {r['answer']})" for r in result["unparsed_examples"]],
-        wrote=("responses.jsonl",),
+        [  # no experiment.md: an evaluation has no training to record
+            report.ConsoleTable(
+                f"{metrics['model']} on {task.dataset} ({report.held_out_caption(result)}, greedy, {backend})",
+                (*columns, "ex/s", "tok/s"),
+                [row],
+            ),
+            report.ConsoleLines(
+                *notes, *(f"unparsed: {r['response']!r} (answer {r['answer']})" for r in result["unparsed_examples"])
+            ),
+            report.Written("responses.jsonl"),
+        ],
     )
     return metrics
 

@@ -146,8 +146,8 @@ def sft(run, model, tokenizer, prompts, responses, training_args, step):
 
 
 def summary(before, steps, seconds, cpu_seconds):
-    """What the report says of the EI steps, as report.finish arguments: experiment.md's results (first step / before
-    vs last step / after) and observations, and the closing console line."""
+    """What the report says of the EI steps, as report.finish outputs: experiment.md (its results, first step / before
+    vs last step / after, and observations) and the closing console line."""
     se = lambda p: trl_ext.compare.monitoring.binomial_standard_error(p, before["n"])  # noqa: E731
     first, last = steps[0], steps[-1]
     rows = [
@@ -177,7 +177,10 @@ def summary(before, steps, seconds, cpu_seconds):
         "problems) "
         f"in {seconds:.0f} s"
     )
-    return {"results": (("", "first / before", "last / after"), rows), "observations": observations, "lines": [line]}
+    return [
+        report.Record("Expert iteration", (("", "first / before", "last / after"), rows), observations),
+        report.ConsoleLines(line),
+    ]
 
 
 def check_options(script_args, training_args, model_args, train_rows: int) -> None:
@@ -310,12 +313,13 @@ def main(run, script_args, training_args, model_args, speed=None):
             "runtime": speed or {},
             "log_history": log_history,
         },
-        title="Expert iteration",
+        [
+            *summary(before, steps, seconds, cpu_seconds),
+            report.ModelCard(model_args.model_name_or_path, task.dataset),
+            report.Written("ei_curves.png"),
+        ],
         trainer=trl_ext.SFTTrainer,
-        model_card=(model_args.model_name_or_path, task.dataset),
         log_history=log_history,
-        wrote=["ei_curves.png"],
-        **summary(before, steps, seconds, cpu_seconds),
     )
 
 

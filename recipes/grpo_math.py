@@ -111,17 +111,19 @@ def main(run, script_args, training_args, model_args, speed=None):
     report.finish(
         run,
         {**report.held_out_metrics(before, after), "model": model_name, "dataset": task.dataset, "reward": task.name},
-        title="GRPO on math problems",
-        table=report.accuracy_table(f"GRPO on {task.dataset}", before, after),
-        lines=[
-            f"{run.steps_summary(steps)}; gain {gain:+.1%}. "
-            f"Example after: {example['response']!r} (answer {example['answer']})"
+        [
+            report.Record("GRPO on math problems"),
+            report.accuracy_table(f"GRPO on {task.dataset}", before, after),
+            report.ConsoleLines(
+                f"{run.steps_summary(steps)}; gain {gain:+.1%}. "
+                f"Example after: {example['response']!r} (answer {example['answer']})"
+            ),
+            report.ModelCard(model_args.model_name_or_path, task.dataset),
+            report.Records({"eval_after": after["records"]}),  # eval_before.jsonl was written before training
+            report.Curves("training_curves.png", PANELS),  # the held-out points of log_history marked
         ],
         trainer=trainer,
         speed=speed,
-        model_card=(model_args.model_name_or_path, task.dataset),
-        records={"eval_after": after["records"]},  # eval_before.jsonl was written before training
-        curves=("training_curves.png", PANELS, None),  # the held-out points of log_history marked
     )
 
 

@@ -81,7 +81,7 @@ def main(run, script_args, training_args, model_args, command=None):
     compare, models = trl_ext.compare, trl_ext.models
     with cli.user_input("--arms: "):
         arms = compare.parse_arms(script_args.arms, presets=SORT_ARMS)
-    task = tasks.sorting_task(script_args, max_new_tokens=training_args.max_completion_length)
+    task = tasks.load_task(script_args, max_new_tokens=training_args.max_completion_length, task="sort")
     for arm in arms:  # each arm's own batch sizes
         with cli.user_input(f"--arms {arm.name}: "):
             task.check_fills_one_step(compare.arm_config(training_args, arm), f", arm {arm.name}")

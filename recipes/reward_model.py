@@ -104,11 +104,13 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     report.finish(
         run,
         metrics,
-        title="Bradley-Terry reward model",
-        lines=[f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step)}."],
-        table=report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
+        [
+            report.Record("Bradley-Terry reward model"),
+            report.before_after_table(f"Bradley-Terry reward model, {len(test)} held-out pairs", before, after, KEYS),
+            report.ConsoleLines(f"Trained on {len(train)} pairs: {run.steps_summary(train_output.global_step)}."),
+            report.ModelCard(model_args.model_name_or_path, script_args.train_file),
+        ],
         trainer=trainer,
-        model_card=(model_args.model_name_or_path, script_args.train_file),
     )
     return metrics
 

@@ -182,15 +182,17 @@ def main(run, script_args: RLHFArguments, training_args, model_args: trl.ModelCo
     report.finish(
         run,
         metrics,
-        title="RLHF: reward model, then GRPO with an adaptive KL coefficient",
-        trainer=trainer,
-        model_card=(model_args.model_name_or_path, script_args.train_file),
-        curves=("rlhf.png", PANELS, None),
-        lines=[
-            f"reward-model score on {len(test_prompts)} held-out prompts: {before['score']:.3f} -> "
-            f"{after['score']:.3f}; KL {metrics['kl_final']}; beta {training_args.beta} -> {trainer.beta:.4f} after "
-            f"{run.steps_summary(trainer.state.global_step)}."
+        [
+            report.Record("RLHF: reward model, then GRPO with an adaptive KL coefficient"),
+            report.ModelCard(model_args.model_name_or_path, script_args.train_file),
+            report.Curves("rlhf.png", PANELS),
+            report.ConsoleLines(
+                f"reward-model score on {len(test_prompts)} held-out prompts: {before['score']:.3f} -> "
+                f"{after['score']:.3f}; KL {metrics['kl_final']}; beta {training_args.beta} -> "
+                f"{trainer.beta:.4f} after {run.steps_summary(trainer.state.global_step)}."
+            ),
         ],
+        trainer=trainer,
     )
 
 

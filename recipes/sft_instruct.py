@@ -129,16 +129,18 @@ def main(run, script_args: ScriptArguments, training_args, model_args: trl.Model
     report.finish(
         run,
         metrics,
-        title="SFT with a safety penalty",
-        table=report.before_after_table(
-            f"SFT with safety penalty (weight {metrics['safety_penalty_weight']}), {len(test)} held-out rows",
-            before,
-            after,
-            KEYS,
-        ),
-        lines=[
-            f"Trained on {len(train)} rows: {run.steps_summary(train_output.global_step)}. Safety prompts after:",
-            *(f"  {s['instruction']!r} -> {s['answer'][:80]!r}" for s in after["samples_safety"][:2]),
+        [
+            report.Record("SFT with a safety penalty"),
+            report.before_after_table(
+                f"SFT with safety penalty (weight {metrics['safety_penalty_weight']}), {len(test)} held-out rows",
+                before,
+                after,
+                KEYS,
+            ),
+            report.ConsoleLines(
+                f"Trained on {len(train)} rows: {run.steps_summary(train_output.global_step)}. Safety prompts after:",
+                *(f"  {s['instruction']!r} -> {s['answer'][:80]!r}" for s in after["samples_safety"][:2]),
+            ),
         ],
     )
     return metrics

@@ -35,6 +35,12 @@ LONG_TAIL_ENV = "TRL_EXT_ARCHITECTURE_LONG_TAIL"
 GPU_TESTS_ON_CPU_ENV = "TRL_EXT_GPU_TESTS_ON_CPU"
 """Set to 1 to run the `gpu` tests on the CPU instead of skipping them (checks their logic where no GPU is lent)."""
 
+UPSTREAM_TESTS_ENV = "TRL_EXT_UPSTREAM_TESTS"
+"""Set to 1 to collect tests/upstream_trl: TRL's own tests/test_grpo_trainer.py, run as upstream and with trl_ext
+swapped in by scripts/upstream_grpo_tests.py (which sets it; about an hour on 2 cores). tests/test_upstream_trl_file.py
+runs a handful of them in the default run."""
+collect_ignore = [] if os.environ.get(UPSTREAM_TESTS_ENV) == "1" else ["upstream_trl"]
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `gpu` when torch sees no CUDA device (scripts/gpu_check.sh runs them on a GPU machine),

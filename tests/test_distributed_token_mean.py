@@ -60,7 +60,7 @@ def _train(trainer_cls, model_dir: str, tokenizer, loss_type: str, output_dir: P
         model=model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     if trainer_cls is trl_ext.GRPOTrainer:
-        trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4 (trl_ext's default is the course's 1e-6)
+        assert trainer.args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
     torch.manual_seed(0)
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)

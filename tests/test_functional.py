@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_ext import functional
+from trl_ext import aggregations, functional, losses
 
 
 class CharTokenizer:
@@ -57,15 +57,15 @@ def test_length_normalization_example_by_hand():
     loss = torch.tensor([[2.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     # masked_mean per example: [2, 1] -> batch mean 1.5 ; masked_normalize by 4: [4/4, 4/4] -> 1.0
-    assert functional.compute_grpo_loss(loss, mask, "masked_mean").item() == pytest.approx(1.5)
-    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", normalize_constant=4).item() == pytest.approx(
+    assert aggregations.compute_grpo_loss(loss, mask, "masked_mean").item() == pytest.approx(1.5)
+    assert aggregations.compute_grpo_loss(loss, mask, "masked_normalize", normalize_constant=4).item() == pytest.approx(
         1.0
     )
     # padding holding garbage never enters numerator or denominator
     garbage = loss.clone()
     garbage[0, 2:] = torch.tensor([math.nan, math.inf])
-    assert functional.compute_grpo_loss(garbage, mask, "masked_mean").item() == pytest.approx(1.5)
-    assert functional.compute_grpo_loss(
+    assert aggregations.compute_grpo_loss(garbage, mask, "masked_mean").item() == pytest.approx(1.5)
+    assert aggregations.compute_grpo_loss(
         garbage, mask, "masked_normalize", normalize_constant=4
     ).item() == pytest.approx(1.0)
 
@@ -120,6 +120,11 @@ def test_equal_rewards_give_exactly_zero_advantage():
     for value in (0.1, 1 / 3, 7.0, 0.0):
         adv = functional.compute_group_advantages(torch.full((6,), value), group_size=3)
         assert adv.tolist() == [0.0] * 6
+    # advantage_eps=0 (>= 0 is allowed): an all-equal group, or one with a single valid reward, is 0, not 0/0 = NaN
+    rewards = torch.tensor([1.0, 1.0, 0.0, 2.0, float("nan"), 5.0])
+    adv = functional.compute_group_advantages(rewards, group_size=2, advantage_eps=0.0)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, -(0.5**0.5), 0.5**0.5, 0.0, 0.0], abs=1e-7)
+    assert adv[[0, 1, 4, 5]].tolist() == [0.0] * 4
 
 
 def test_nearly_equal_rewards_give_finite_advantages():
@@ -285,18 +290,18 @@ def test_grpo_clip_loss_bounds(log_ratio, advantage, eps):
 def test_policy_gradient_loss_dispatch_and_errors():
     logp = torch.tensor([[-1.0, -2.0]])
     a = torch.tensor([[3.0]])
-    assert functional.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=a)[0].tolist() == [[3.0, 6.0]]
-    assert functional.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=a)[0].tolist() == [
+    assert losses.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=a)[0].tolist() == [[3.0, 6.0]]
+    assert losses.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=a)[0].tolist() == [
         [3.0, 6.0]
     ]
     with pytest.raises(ValueError, match="loss_type='ppo' is not supported"):
-        functional.compute_policy_gradient_loss(logp, "ppo", advantages=a)
+        losses.compute_policy_gradient_loss(logp, "ppo", advantages=a)
     with pytest.raises(ValueError, match="needs raw_rewards"):
-        functional.compute_policy_gradient_loss(logp, "no_baseline", advantages=a)
+        losses.compute_policy_gradient_loss(logp, "no_baseline", advantages=a)
     with pytest.raises(ValueError, match="needs old_log_probs, cliprange"):
-        functional.compute_policy_gradient_loss(logp, "grpo_clip", advantages=a)
+        losses.compute_policy_gradient_loss(logp, "grpo_clip", advantages=a)
     with pytest.raises(ValueError, match=r"advantages has shape \(2, 1\)"):
-        functional.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=torch.ones(2, 1))
+        losses.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=torch.ones(2, 1))
     with pytest.raises(ValueError, match="old_log_probs has shape"):
         functional.compute_grpo_clip_loss(a, logp, torch.zeros(1, 3), 0.2)
 
@@ -307,22 +312,22 @@ def test_token_mean_by_hand():
     mask = torch.tensor([[1, 0, 1], [0, 0, 1]])
     # tokens 1, 3, 6 -> sum 10 over 3 tokens (masked_mean would give ((1 + 3) / 2 + 6) / 2 = 4)
     for name in ("token_mean", "local_token_mean"):
-        assert functional.compute_grpo_loss(loss, mask, name).item() == pytest.approx(10 / 3)
+        assert aggregations.compute_grpo_loss(loss, mask, name).item() == pytest.approx(10 / 3)
     # the count of a larger batch the mean is over (the trainer passes the whole batch's tokens)
-    assert functional.compute_grpo_loss(loss, mask, "token_mean", normalize_constant=8).item() == pytest.approx(1.25)
-    assert functional.compute_grpo_loss(
+    assert aggregations.compute_grpo_loss(loss, mask, "token_mean", normalize_constant=8).item() == pytest.approx(1.25)
+    assert aggregations.compute_grpo_loss(
         loss, mask, "token_mean", normalize_constant=torch.tensor(8.0)
     ).item() == pytest.approx(1.25)
     # an empty row changes nothing, whatever empty_rows says: it adds no token to the sum or the count
     with_empty = torch.cat([loss, torch.tensor([[math.nan, 7.0, 7.0]])])
     empty_mask = torch.cat([mask, torch.tensor([[0, 0, 0]])])
-    for empty_rows in functional.EMPTY_ROWS:
-        assert functional.compute_grpo_loss(with_empty, empty_mask, "token_mean", empty_rows=empty_rows).item() == (
+    for empty_rows in aggregations.EMPTY_ROWS:
+        assert aggregations.compute_grpo_loss(with_empty, empty_mask, "token_mean", empty_rows=empty_rows).item() == (
             pytest.approx(10 / 3)
         )
     # no token at all: 0 / max(0, 1) = 0 with a finite zero gradient, as TRL's clamp(min=1)
     logp = torch.ones(2, 3, requires_grad=True)
-    out = functional.compute_grpo_loss(logp * 2, torch.zeros(2, 3), "token_mean")
+    out = aggregations.compute_grpo_loss(logp * 2, torch.zeros(2, 3), "token_mean")
     out.backward()
     assert out.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
 
@@ -331,58 +336,8 @@ def test_token_mean_gradient_weighs_every_token_the_same():
     # d loss / d l_t = 1 / N for each of the N response tokens of the batch, whatever the row lengths
     per_token = torch.zeros(3, 4, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])
-    functional.compute_grpo_loss(per_token, mask, "token_mean").backward()
+    aggregations.compute_grpo_loss(per_token, mask, "token_mean").backward()
     assert torch.equal(per_token.grad, mask / 7)
-
-
-def test_the_builtin_registry_entries():
-    assert list(functional.POLICY_GRADIENT_LOSSES) == [
-        "no_baseline",
-        "reinforce_with_baseline",
-        "grpo_clip",
-        "grpo_no_clip",
-    ]
-    assert [e.name for e in functional.POLICY_GRADIENT_LOSSES.values() if e.uses_old_log_probs] == [
-        "grpo_clip",
-        "grpo_no_clip",
-    ]
-    assert functional.get_policy_gradient_loss("no_baseline").weights == "raw_rewards"
-    assert functional.get_policy_gradient_loss("grpo_clip").required == ("advantages", "old_log_probs", "cliprange")
-    upstream = {e.upstream_loss_type: name for name, e in functional.LENGTH_NORMALIZATIONS.items()}
-    assert upstream == {
-        "grpo": "masked_mean",
-        "dr_grpo": "masked_normalize",
-        "dapo": "token_mean",
-        "bnpo": "local_token_mean",
-    }
-    with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported; expected one of 'no_baseline'"):
-        functional.get_policy_gradient_loss("ppo")
-    with pytest.raises(ValueError, match="already registered"):
-        functional.register_policy_gradient_loss(functional.POLICY_GRADIENT_LOSSES["grpo_clip"])
-    with pytest.raises(ValueError, match="loss_type 'dapo' already means 'token_mean'"):
-        functional.register_length_normalization(
-            functional.LengthNormalization("token_sum", lambda *a: a[0].sum(), upstream_loss_type="dapo")
-        )
-
-
-@pytest.mark.parametrize("name", list(functional.POLICY_GRADIENT_LOSSES))
-def test_each_loss_keeps_what_its_entry_declares(name):
-    """What the trainer and the speed paths rely on, checked on each entry: a rollout of weight 0 has loss 0 and
-    gradient 0 at every token (zero_weight_zero_gradient); the loss reads the old log-probs iff it says so."""
-    entry = functional.get_policy_gradient_loss(name)
-    g = torch.Generator().manual_seed(0)
-    logp = (-torch.rand(4, 5, generator=g) * 3).requires_grad_()
-    old = logp.detach() + (torch.rand(4, 5, generator=g) - 0.5)  # ratios away from 1, some clipped
-    weights = torch.tensor([[0.0], [1.5], [0.0], [-0.7]])
-    args = {"raw_rewards": weights, "advantages": weights, "old_log_probs": old, "cliprange": 0.2}
-    loss, _ = functional.compute_policy_gradient_loss(logp, name, **args)
-    loss.sum().backward()
-    if entry.zero_weight_zero_gradient:
-        assert torch.equal(loss[[0, 2]].detach(), torch.zeros(2, 5))
-        assert torch.equal(logp.grad[[0, 2]], torch.zeros(2, 5))
-    assert (logp.grad[[1, 3]] != 0).any(dim=1).all()  # a weighted rollout does learn (clipped tokens may not)
-    moved, _ = functional.compute_policy_gradient_loss(logp, name, **{**args, "old_log_probs": old - 0.3})
-    assert (not torch.equal(moved, loss)) == entry.uses_old_log_probs
 
 
 # ---------------------------------------------------------------- train steps
@@ -425,23 +380,23 @@ def test_compute_grpo_loss_empty_rows_count_as_zero_when_allowed():
     # TRL's convention for rows masked out entirely (mask_truncated_completions): they add 0 but count in the mean
     loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    assert functional.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(1.0)  # (2 + 0) / 2
+    assert aggregations.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(1.0)  # (2 + 0) / 2
 
 
 def test_compute_grpo_loss_empty_rows_is_one_named_option():
     loss = torch.tensor([[3.0, 1.0], [5.0, 5.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
     with pytest.raises(ValueError, match=r"rows \[1\] have no response token"):  # the default, "raise"
-        functional.compute_grpo_loss(loss, mask)
-    assert functional.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(
+        aggregations.compute_grpo_loss(loss, mask)
+    assert aggregations.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(
         2.0
     )  # row 0 alone: (3 + 1) / 2
     # masked_normalize is defined on an empty row under the default: sum 0 / 2, counted in the mean -> (4/2 + 0) / 2
-    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
+    assert aggregations.compute_grpo_loss(loss, mask, "masked_normalize", 2).item() == pytest.approx(1.0)
     with pytest.raises(
         ValueError, match=r"empty_rows='keep' is not supported; expected one of 'raise', 'zero', 'drop'"
     ):
-        functional.compute_grpo_loss(loss, mask, empty_rows="keep")
+        aggregations.compute_grpo_loss(loss, mask, empty_rows="keep")
 
 
 def test_adaptive_kl_coefficient_by_hand():

@@ -9,7 +9,7 @@ from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, m
 
 import trl_ext
 from trl_ext import course as C
-from trl_ext import functional
+from trl_ext import functional, losses
 
 RATIO = math.exp(0.5)  # log-prob -0.5 under the policy, -1.0 under the old policy: ratio = e^(-0.5 - -1.0)
 
@@ -43,7 +43,7 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     logp = torch.tensor([[-0.5, -0.5, -7.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0]])
-    per_token, _ = functional.compute_policy_gradient_loss(
+    per_token, _ = losses.compute_policy_gradient_loss(
         logp, "grpo_no_clip", advantages=torch.tensor([2.0]), old_log_probs=old
     )
     assert per_token[0, :2].tolist() == pytest.approx([-2 * RATIO] * 2, rel=1e-6)
@@ -54,7 +54,7 @@ def test_grpo_no_clip_through_dispatch_and_microbatch_step_by_hand():
     assert logp.grad[0].tolist() == pytest.approx([-RATIO / 2, -RATIO / 2, 0.0], rel=1e-6)
     assert "ratio" in meta
     with pytest.raises(ValueError, match="loss_type='grpo_no_clip' needs old_log_probs"):
-        functional.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]))
+        losses.compute_policy_gradient_loss(logp, "grpo_no_clip", advantages=torch.tensor([2.0]))
     with pytest.raises(ValueError, match="old_log_probs has shape"):
         functional.compute_grpo_no_clip_loss(torch.tensor([2.0]), logp, torch.zeros(1, 2))
 
@@ -72,7 +72,7 @@ def test_config_accepts_grpo_no_clip_with_reused_rollouts(tmp_path):
         num_generations=4,
     )
     assert config.pg_loss_type == "grpo_no_clip" and config.num_iterations == 2
-    assert functional.POLICY_GRADIENT_LOSSES["grpo_no_clip"].uses_old_log_probs
+    assert losses.POLICY_LOSSES.get("grpo_no_clip").uses_old_log_probs
 
 
 def test_trainer_uses_old_log_probs_with_num_iterations_2(tokenizer, tiny_model_dir, tmp_path):

@@ -12,7 +12,7 @@ from datasets import Dataset
 from tiny import tiny_model_for_tests
 
 import trl_ext
-from trl_ext import functional
+from trl_ext import aggregations, functional
 
 
 def constant_reward(completions, **kwargs):
@@ -111,25 +111,25 @@ def test_generation_and_log_prob_pass_use_the_same_positions(model_kind, tokeniz
 def test_rows_without_trained_tokens_leave_the_batch_mean():
     loss = torch.ones(2, 5, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])  # A: 3 tokens; B: truncated and masked
-    assert functional.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(1.0)
-    assert functional.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(
+    assert aggregations.compute_grpo_loss(loss, mask, empty_rows="drop").item() == pytest.approx(1.0)
+    assert aggregations.compute_grpo_loss(loss, mask, empty_rows="zero").item() == pytest.approx(
         0.5
     )  # upstream's dilution
     # masked_normalize: mean over the remaining rows of sum / max_completion_length = 3 / 5
-    assert functional.compute_grpo_loss(loss, mask, "masked_normalize", 5, empty_rows="drop").item() == pytest.approx(
+    assert aggregations.compute_grpo_loss(loss, mask, "masked_normalize", 5, empty_rows="drop").item() == pytest.approx(
         0.6
     )
     three = torch.tensor([[2.0, 2.0, 0.0], [1.0, 3.0, 5.0], [7.0, 7.0, 7.0]])
     three_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     # rows: mean 2 and mean 3 -> 2.5; sums 4 and 9 over 3 -> (4/3 + 3) / 2
-    assert functional.compute_grpo_loss(three, three_mask, empty_rows="drop").item() == pytest.approx(2.5)
-    assert functional.compute_grpo_loss(
+    assert aggregations.compute_grpo_loss(three, three_mask, empty_rows="drop").item() == pytest.approx(2.5)
+    assert aggregations.compute_grpo_loss(
         three, three_mask, "masked_normalize", 3, empty_rows="drop"
     ).item() == pytest.approx((4 / 3 + 3) / 2)
     # every row masked: 0 with finite (zero) gradients, for both normalizations
     for normalization, constant in (("masked_mean", None), ("masked_normalize", 5)):
         x = torch.full((2, 5), 3.0, requires_grad=True)
-        total = functional.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, empty_rows="drop")
+        total = aggregations.compute_grpo_loss(x, torch.zeros(2, 5), normalization, constant, empty_rows="drop")
         total.backward()
         assert total.item() == 0.0
         assert torch.equal(x.grad, torch.zeros(2, 5))

@@ -5,18 +5,22 @@ Each recipe in recipes/ is a script read top to bottom (config -> task/data -> m
 report): ``main`` fits on a screen, it imports few trl_ext names, it writes its results through ``trl_ext.report``
 only, and it calls no private method of TRL. Tests load recipes to run them in-process; nothing else imports one.
 
-The library's modules form layers (:data:`LAYERS`): every ``import`` of a trl_ext module -- at the top of a file or
-inside a function, ``TYPE_CHECKING`` blocks aside -- goes to the same layer or one below, and the import graph has no
-cycle. A lazy import is there for speed (not loading TRL's trainers at ``import trl_ext``), never to hide a circle.
+The library's modules form layers (``trl_ext.LAYERS``, read here, written nowhere else): every ``import`` of a
+trl_ext module -- at the top of a file or inside a function, ``TYPE_CHECKING`` blocks aside -- goes to the same layer
+or one below, and the import graph has no cycle. A lazy import is there for speed (not loading TRL's trainers at
+``import trl_ext``), never to hide a circle. No module of the library or the recipes is over 1,000 lines.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import trl_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.py"))
@@ -25,47 +29,8 @@ MAIN_MAX_LINES = 70
 TRL_EXT_MAX_NAMES = 4
 LIBRARY = ROOT / "trl_ext"
 
-LAYERS = (  # bottom first; a module imports modules of its own layer or of a layer below, never above
-    # the math, and leaves that import nothing above them: bad user input (errors), options every recipe has
-    # (options), what this machine can run and reach (machine), what a training log says (observations), timers
-    # (profiling), which options each kind of task uses (task_options), threads and CPU precision (runtime), each
-    # phase's work against the machine's floor (roofline), oneDNN-packed linear weights for CPU inference
-    # (packed_linear), torch.multinomial's draws vectorised (sampling), the user's random generators left as they
-    # were (rng), bitsandbytes' 4-bit layers kept trainable on the CPU (quantized), where a completion ends at a stop
-    # string (stop_strings)
-    (
-        "functional",
-        "errors",
-        "options",
-        "task_options",
-        "machine",
-        "observations",
-        "profiling",
-        "runtime",
-        "roofline",
-        "packed_linear",
-        "sampling",
-        "rng",
-        "quantized",
-        "stop_strings",
-    ),
-    ("course",),  # the course's helpers beyond what the trainers run
-    ("rewards",),
-    ("data", "models"),
-    # the GRPO speed paths (evaluation shares the prompt-cache generation; log-prob forwards in one sequence) and the
-    # vLLM engine TRL builds for it
-    ("packing", "shared_prompts", "grpo_speed", "vllm_engine"),
-    ("trainers",),
-    ("eval",),
-    ("tasks", "cs336"),  # a task owns data, reward and evaluation; cs336 re-exports the course's API
-    ("compare",),
-    ("run",),  # a recipe's run: output folder, resume, signals, provenance
-    ("report",),  # the closing call
-    ("cli",),  # the command line
-    ("trl_ext",),  # the package itself: the public names, its trainers imported on first use
-)
-"""The layers of trl_ext, named by room: a top-level module (``cli``) or a subpackage (``compare`` for
-``trl_ext.compare.*``); ``trl_ext`` is the package's ``__init__``."""
+LAYERS = trl_ext.LAYERS  # the one list of the layers, bottom first (trl_ext/__init__.py)
+MODULE_MAX_LINES = 1000
 
 
 def _tree(path: Path) -> ast.Module:
@@ -310,7 +275,7 @@ def test_the_import_check_finds_what_it_must(tmp_path):
     graph = _import_graph()
     bad = {**graph, "trl_ext.errors": {**graph["trl_ext.errors"], "trl_ext.cli": 7}}
     assert _layer_problems(bad) == [
-        "trl_ext/errors.py:7: trl_ext.errors (layer 0: errors) imports trl_ext.cli (layer 11: cli), above it"
+        "trl_ext/errors.py:7: trl_ext.errors (layer 0: errors) imports trl_ext.cli (layer 12: cli), above it"
     ]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "d": {"c": 1}}) is None
@@ -326,14 +291,36 @@ def test_the_import_check_finds_what_it_must(tmp_path):
 
 
 def test_every_room_is_a_lazy_attribute_of_the_package():
-    """``trl_ext.<room>`` works for every module and subpackage of LAYERS: ``functional`` and ``quantized`` (a leaf
-    that must act before TRL imports bitsandbytes) are imported with the package, the others by
-    ``trl_ext.__getattr__`` on first use."""
-    import trl_ext
+    """``trl_ext.LAYERS`` names every module and subpackage of the library, once, and nothing else; ``trl_ext.<room>``
+    works for each: ``functional`` and ``quantized`` (a leaf that must act before TRL imports bitsandbytes) are
+    imported with the package, the others by ``trl_ext.__getattr__`` on first use (its ``_SUBMODULES``, read from
+    LAYERS)."""
+    import importlib.util
 
-    rooms = {room for layer in LAYERS for room in layer} - {"trl_ext"}
-    assert (
-        {"functional", "quantized", *trl_ext._SUBMODULES}
-        == rooms
-        == {_room(m) for m in _library_modules()} - {"trl_ext"}
-    )
+    named = [room for layer in LAYERS for room in layer]
+    assert len(named) == len(set(named)), "a room in two layers"
+    rooms = set(named) - {"trl_ext"}
+    assert rooms == {_room(m) for m in _library_modules()} - {"trl_ext"}
+    assert {"functional", "quantized", *trl_ext._SUBMODULES} == rooms
+    assert all(importlib.util.find_spec(f"trl_ext.{room}") for room in rooms)
+    assert set(dir(trl_ext)) >= rooms
+
+
+def test_the_layers_are_written_in_one_place():
+    """The package docstring and the README point to ``trl_ext.LAYERS`` instead of listing the rooms again (a second
+    copy drifts): neither names the layers' rooms in order, and the test file holds no list of its own."""
+    readme = (ROOT / "README.md").read_text()
+    assert "trl_ext.LAYERS" in readme and "LAYERS" in trl_ext.__doc__
+    for text in (readme, trl_ext.__doc__):
+        listed = [room for room in ("registry", "errors", "options", "machine", "observations") if f"`{room}`" in text]
+        assert len(listed) < 3, listed
+    assert not re.search(r"^LAYERS\s*=\s*\(", Path(__file__).read_text(), re.MULTILINE)
+
+
+# ------------------------------------------------------------------------------------------- no module too long
+def test_no_module_is_over_a_thousand_lines():
+    """Every Python file of the library and the recipes fits in 1,000 lines (split a cohesive part out instead)."""
+    files = [*sorted(LIBRARY.rglob("*.py")), *sorted((ROOT / "recipes").rglob("*.py"))]
+    assert len(files) > 50
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
+    assert long == {}, long

@@ -2,6 +2,7 @@
 fp32."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from conftest import CPU_TEST_ARGS
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import functional, profiling
+from trl_ext import functional, losses, profiling
 from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
 
 
@@ -115,25 +116,37 @@ def test_step_profiler_times_any_trainer_and_counts_steps_without_clipping(tiny_
     assert (calls["backward"], calls["optimizer"], profiler.optimizer_steps) == (2, 2, 2)
 
 
-def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path, monkeypatch):
-    """Master weights fp32; log-probs (LM head in fp32), ratio inputs, advantages and KL fp32 under bf16 autocast."""
+@pytest.fixture
+def spied_grpo_clip():
+    """``grpo_clip`` registered again as ``spy_grpo_clip``, recording the dtypes of what the trainer hands it."""
     seen = {}
-    pg_loss, kl = functional.compute_policy_gradient_loss, functional.compute_kl
+    grpo_clip = losses.POLICY_LOSSES.get("grpo_clip")
 
-    def spy_pg(policy_log_probs, loss_type, raw_rewards=None, advantages=None, old_log_probs=None, cliprange=None):
-        seen.update(policy=policy_log_probs.dtype, old=old_log_probs.dtype, advantages=advantages.dtype)
-        return pg_loss(policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange)
+    def spy(log_probs, old_log_probs, advantages, response_mask, config):
+        seen.update(policy=log_probs.dtype, old=old_log_probs.dtype, advantages=advantages.dtype)
+        return grpo_clip.fn(log_probs, old_log_probs, advantages, response_mask, config)
+
+    losses.POLICY_LOSSES.register("spy_grpo_clip", dataclasses.replace(grpo_clip, name="spy_grpo_clip", fn=spy))
+    yield seen
+    losses.POLICY_LOSSES.unregister("spy_grpo_clip")
+
+
+def test_bf16_autocast_keeps_the_rl_math_in_fp32(tiny_model, tokenizer, tmp_path, monkeypatch, spied_grpo_clip):
+    """Master weights fp32; log-probs (LM head in fp32), ratio inputs, advantages and KL fp32 under bf16 autocast."""
+    seen = spied_grpo_clip
+    kl = functional.compute_kl
 
     def spy_kl(log_probs, ref_log_probs, estimator="k3"):
         out = kl(log_probs, ref_log_probs, estimator)
         seen.update(kl=(log_probs.dtype, ref_log_probs.dtype, out.dtype))
         return out
 
-    monkeypatch.setattr(functional, "compute_policy_gradient_loss", spy_pg)
     monkeypatch.setattr(functional, "compute_kl", spy_kl)
     mlp_out = []
     tiny_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: mlp_out.append(o.dtype))
-    trainer = _toy_trainer(tiny_model, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True, max_steps=1)
+    trainer = _toy_trainer(
+        tiny_model, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True, max_steps=1, pg_loss_type="spy_grpo_clip"
+    )
     trainer.train()
     # the KL term on one more batch, with reference log-probs given (beta > 0 would load a reference checkpoint)
     trainer.current_gradient_accumulation_steps = 1

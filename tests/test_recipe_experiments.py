@@ -208,8 +208,9 @@ def even_length_reward_fn(response, ground_truth):
 
 @pytest.mark.slow
 def test_expert_iteration_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
-    grader = dataclasses.replace(tasks.GRADERS["arithmetic"], reward_fn=even_length_reward_fn)  # filter and evaluation
-    monkeypatch.setitem(tasks.GRADERS, "arithmetic", grader)
+    # filter and evaluation
+    grader = dataclasses.replace(tasks.GRADERS.get("arithmetic"), reward_fn=even_length_reward_fn)
+    monkeypatch.setitem(tasks.GRADERS._entries, "arithmetic", grader)  # the registry's entry
     out = tmp_path / "out"
     args = expert_iteration.main.parse_args(
         [

@@ -202,7 +202,8 @@ def test_eval_every_logs_the_held_out_curve_and_rollouts_go_to_a_file(tiny_model
         r = float(len(response) % 2 == 0)
         return {"reward": r, "format_reward": float(len(response) % 3 == 0), "answer_reward": r}
 
-    monkeypatch.setitem(tasks.GRADERS, "gsm8k", dataclasses.replace(tasks.GRADERS["gsm8k"], reward_fn=even_length))
+    grader = dataclasses.replace(tasks.GRADERS.get("gsm8k"), reward_fn=even_length)
+    monkeypatch.setitem(tasks.GRADERS._entries, "gsm8k", grader)  # the registry's entry, for this test
     model_dir, data = _tiny_setup(tiny_model, tokenizer, tmp_path)
     out = tmp_path / "out"
     flags = ["--max_steps", "2", "--eval_every", "1", "--rollout_samples", "3", "--save_steps", "1"]

@@ -74,6 +74,53 @@ def test_trl_names_of_a_course_setting_replace_it_in_lower_layers(tmp_path):
         settings(["--config", str(user)])
 
 
+def test_a_trl_name_replaces_what_its_value_decides_in_lower_layers(tmp_path):
+    """loss_type decides pg_loss_type only for the loss types with a per-token objective of their own (cispo, sapo,
+    vespo); scale_rewards='batch' and multi_objective_aggregation decide advantage_estimator."""
+
+    def settings(argv):
+        args = grpo_math.main.parse_args(argv)[1]
+        return args.pg_loss_type, args.length_normalization, args.loss_type, args.advantage_estimator
+
+    # the recipe's defaults say pg_loss_type: grpo_clip; --loss_type cispo replaces it, --loss_type dapo keeps it
+    assert CPU_DEFAULTS["pg_loss_type"] == "grpo_clip"
+    assert settings(["--loss_type", "cispo"]) == ("cispo", "token_mean", "cispo", "group_normalized")
+    assert settings(["--loss_type", "dapo"]) == ("grpo_clip", "token_mean", "dapo", "group_normalized")
+    user = tmp_path / "mine.yaml"
+    user.write_text("pg_loss_type: grpo_no_clip\n")
+    assert settings(["--config", str(user), "--loss_type", "luspo"]) == (
+        "grpo_no_clip",
+        "masked_sum",
+        "luspo",
+        "group_normalized",
+    )
+    # a file's TRL name overridden in part keeps deciding the rest: cispo stays, its normalization is replaced
+    user.write_text("loss_type: cispo\n")
+    assert settings(["--config", str(user), "--length_normalization", "masked_mean"]) == (
+        "cispo",
+        "masked_mean",
+        None,
+        "group_normalized",
+    )
+    assert settings(["--config", str(user), "--loss_type", "sapo"]) == (
+        "sapo",
+        "masked_mean",
+        "sapo",
+        "group_normalized",
+    )
+    # the advantage's names (the recipe samples dynamically, which the batch-level estimators refuse)
+    user.write_text("scale_rewards: batch\ndynamic_sampling: false\n")
+    assert settings(["--config", str(user)])[3] == "batch_std"
+    assert settings(["--config", str(user), "--multi_objective_aggregation", "normalize_then_sum"])[3] == (
+        "normalize_then_sum"
+    )
+    assert settings(["--config", str(user), "--advantage_estimator", "group_normalized"])[3] == "group_normalized"
+    # a file's cispo and a flag's dapo: the flag leaves the loss as the file said, and the two disagree
+    user.write_text("pg_loss_type: cispo\n")
+    with pytest.raises(RecipeError, match="loss_type='dapo' conflicts with pg_loss_type='cispo'"):
+        settings(["--config", str(user), "--loss_type", "dapo"])
+
+
 @pytest.mark.parametrize(
     "flag, module, what, install",
     [
@@ -609,8 +656,12 @@ def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypat
 
 def test_grpo_math_checks_the_reward_and_the_model_path_before_loading(tmp_path, monkeypatch):
     _explode_loaders(monkeypatch, grpo_math, ("load_model_and_tokenizer", "load_math_dataset"))
-    with pytest.raises(RecipeError, match=r"--reward 'nope' is not supported"):
-        grpo_math.main(*grpo_math.main.parse_args(["--reward", "nope", "--output_dir", str(tmp_path / "a")]))
+    with pytest.raises(RecipeError) as err:  # the graders' registry: did-you-mean and every name
+        grpo_math.main(*grpo_math.main.parse_args(["--reward", "r1zero", "--output_dir", str(tmp_path / "a")]))
+    assert str(err.value) == (
+        "--reward r1zero: no such grader (did you mean 'r1_zero'?); expected one of 'arithmetic', 'gsm8k', 'math', "
+        "'r1_zero', or a package.module:reward_fn of your own"
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RecipeError, match="--model_name_or_path outputs/nothing_here: no such local folder"):
         grpo_math.main(
@@ -1001,6 +1052,41 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
         ):
             flags = {"resume_from_checkpoint": ["--resume_from_checkpoint", "true"], "max_steps": ["--max_steps", "2"]}
             module.main(*module.main.parse_args([*flags[name], "--output_dir", str(tmp_path / name)]))
+
+
+def test_help_lists_the_losses_registered_when_it_is_printed(capsys):
+    """A loss registered after the recipe (and trl_ext.GRPOConfig) was imported is in the --help printed after."""
+    from trl_ext import losses
+
+    module = load_recipe("grpo_math")
+    losses.register_policy_loss("late_reinforce", formula="-A log p, registered late")(lambda *a: None)
+    try:
+        with pytest.raises(SystemExit):
+            module.main.parse_args(["--help"])
+    finally:
+        losses.POLICY_LOSSES.unregister("late_reinforce")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "'grpo_clip' (-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon_high)*A), ratio = pi/pi_old per token" in text
+    assert "'cispo' (-sg(min(ratio, epsilon_high)) * A * log p" in text  # TRL's losses among the choices
+    assert "'late_reinforce' (-A log p, registered late)" in text
+    assert "'raw_rewards' (r, the reward itself" in text  # --advantage_estimator's choices
+    assert "'token_mean' (the sum over every response token" in text  # --length_normalization's
+
+
+def test_an_unknown_loss_name_is_refused_before_any_model_with_the_closest_names():
+    grpo_math = load_recipe("grpo_math")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.main.parse_args(["--pg_loss_type", "grpo_clp", "--model_name_or_path", "no/such-model-anywhere"])
+    text = str(err.value)  # every problem at once, each naming its flag; the registry's did-you-mean among them
+    assert "--pg_loss_type grpo_clp: no such policy loss (did you mean 'grpo_clip' or 'grpo_no_clip'?)" in text
+    assert "no/such-model-anywhere" in text and "invalid options for GRPOConfig" not in text
+    for flag, value, expected in (
+        ("--length_normalization", "token_man", "no such length normalization (did you mean 'token_mean'"),
+        ("--advantage_estimator", "raw_reward", "no such advantage estimator (did you mean 'raw_rewards'?)"),
+        ("--pg_loss_type", "no_such_pkg_xyz.losses:mine", "cannot import no_such_pkg_xyz.losses"),
+    ):
+        with pytest.raises(RecipeError, match=rf"^{flag} {value}: {re.escape(expected)}"):
+            grpo_math.main.parse_args([flag, value])
 
 
 # ------------------------------------------------------------------------------------------- no silent empty run

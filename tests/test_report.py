@@ -185,7 +185,8 @@ def test_finish_writes_the_record_from_memory_and_metrics_json_last(tmp_path, mo
         "flag": True,
         "log_history": [log(1, reward=0.1), log(2, reward=0.6)],
     }
-    report.finish(run, metrics, title="GRPO", log_history=metrics["log_history"], records={"eval_after": [{"a": 1}]})
+    outputs = [report.Record("GRPO"), report.Records({"eval_after": [{"a": 1}]})]
+    report.finish(run, metrics, outputs, log_history=metrics["log_history"])
     assert order == ["experiment.md", "metrics.json"]  # metrics.json last: it marks a finished run
     text = (run.output_dir / "experiment.md").read_text()
     assert "| accuracy_before | 0.09 |" in text and "| n_eval | 200 |" in text and "| model | m |" in text
@@ -195,6 +196,33 @@ def test_finish_writes_the_record_from_memory_and_metrics_json_last(tmp_path, mo
     saved = json.loads((run.output_dir / "metrics.json").read_text())
     assert saved["accuracy_after"] == 0.675 and saved["recipe"] == "grpo" and "versions" in saved
     assert (run.output_dir / "eval_after.jsonl").read_text() == '{"a": 1}\n'
+
+
+def test_finish_takes_the_outputs_as_one_list(tmp_path, capsys):
+    """Each item of ``outputs`` is one thing written or printed, whatever the order: without a ``Record`` no
+    experiment.md; two tables both printed, lines after tables; a ``Written`` file named in the closing line; an item
+    that is no output, or a second ``Record``, is refused by name before anything is written."""
+    from trl_ext import report
+    from trl_ext.run import RecipeRun
+
+    run = RecipeRun("eval", tmp_path / "run", {})
+    outputs = [
+        report.ConsoleLines("closing line"),
+        report.ConsoleTable("first", ("a", "b"), [(1, 2)]),
+        report.Written("responses.jsonl"),
+        report.ConsoleTable("second", ("c",), [(3,)]),
+    ]
+    report.finish(run, {"accuracy": 0.5}, outputs)
+    printed = capsys.readouterr().out
+    assert printed.index("first") < printed.index("second") < printed.index("closing line")
+    assert f"Wrote metrics.json, responses.jsonl to {run.output_dir}" in printed
+    assert sorted(p.name for p in run.output_dir.iterdir()) == ["metrics.json"]
+
+    with pytest.raises(TypeError, match=r"outputs\[1\] is a tuple; expected one of report.Records, "):
+        report.finish(RecipeRun("x", tmp_path / "x", {}), {}, [report.Record("t"), ("caption", (), [])])
+    with pytest.raises(ValueError, match="2 report.Record outputs; give at most one"):
+        report.finish(RecipeRun("y", tmp_path / "y", {}), {}, [report.Record("t"), report.Record("u")])
+    assert not (tmp_path / "x" / "metrics.json").exists() and not (tmp_path / "y" / "metrics.json").exists()
 
 
 def test_comparison_results_one_row_per_arm_and_its_observations():

@@ -111,6 +111,12 @@ def constant_for_two_prompts(prompts, completions, **kwargs):
         # extra rounds draw from trl_ext's own permutation: its position is in the checkpoint (step 4 generates after
         # it)
         pytest.param(dict(beta=0.0, dynamic_sampling=True, max_sampling_rounds=3), id="dynamic-sampling"),
+        # TRL's adaptive entropy bonus: the coefficient and the last step's entropy go on from the checkpoint (the
+        # entropy, about 10.8 nats, stays below the target: the coefficient grows by 0.1 after every step)
+        pytest.param(
+            dict(beta=0.0, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.1, entropy_target=50.0),
+            id="adaptive-entropy",
+        ),
     ],
 )
 def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
@@ -150,6 +156,12 @@ def test_grpo_resume(options, tokenizer, tiny_model_dir, tmp_path):
         assert state["step"] == 3 and state["kl_window"][1] > 0  # step 3 was the rollout's first pass
     else:
         assert state["beta"] == options["beta"]
+    if options.get("use_adaptive_entropy"):
+        # after 3 steps: 0.05 + 3 x 0.1, in trl_ext's state and in upstream's entropy_ctrl_state.json
+        assert [entry["entropy_coef"] for entry in logs] == pytest.approx([0.15, 0.25, 0.35, 0.45])
+        upstream_state = json.loads((tmp_path / "stopped" / "checkpoint-3" / "entropy_ctrl_state.json").read_text())
+        assert state["entropy_control"] == upstream_state
+        assert upstream_state["entropy_coef"] == pytest.approx(0.35) and 0 < upstream_state["last_world_entropy"] < 50
     if options.get("dynamic_sampling"):
         # step 4, after the resume, drew an extra round: from the sampler position the checkpoint restored
         assert logs[3]["dynamic_sampling/rounds"] > 1, [entry["dynamic_sampling/rounds"] for entry in logs]

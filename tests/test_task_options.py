@@ -186,13 +186,20 @@ def test_every_task_option_is_used_or_refused_naming_the_flag(kind, option, data
             {"task": "reasoning_gym:chain_sum", "template": "r1_zero", "system_prompt": "Hi."},
             "--system_prompt 'Hi.': not used (only --template chat has a system turn); remove it",
         ),
-        (
-            {"task": "gsm8k", "dataset_name": HUB, "task_config": '{"arithmetic_digits": 3}'},
-            "--task_config key 'arithmetic_digits': --task gsm8k takes no such setting (its keys: 'num_eval', ",
+        (  # a math dataset's factory takes no settings: its options are flags
+            {"task": "gsm8k", "dataset_name": HUB, "task_config": '{"num_eval": 2}'},
+            "--task_config '{\"num_eval\": 2}': not used by --task gsm8k (its rows are a dataset's; it takes "
+            "--num_eval, ",
+        ),
+        (  # an option given as a setting: refused, naming its flag
+            {"task": "arithmetic", "task_config": '{"arithmetic_digits": 3}'},
+            "--task_config key 'arithmetic_digits': --task arithmetic takes no such setting (its keys: 'digits'); "
+            "--arithmetic_digits is an option: pass it as a flag",
         ),
         (
             {"task": "sort", "task_config": '{"num_number": 4}'},
-            "--task_config key 'num_number': --task sort takes no such setting (its keys: 'num_numbers', ",
+            "--task_config key 'num_number': --task sort takes no such setting (its keys: 'num_numbers', 'max_number', "
+            "'instruction', 'system_prompt')",
         ),
         (
             {"dataset_kind": "gsm8k"},

@@ -91,16 +91,22 @@ def test_a_scorer_that_fails_is_reported_before_any_model_loads():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(task="nope"), r"--task 'nope': expected one of \['arithmetic', 'gsm8k', 'math', 'sort'\]"),
+        (
+            dict(task="nope"),
+            r"^--task nope: no such task; expected one of 'arithmetic', 'gsm8k', 'math', 'sort', "
+            r"'reasoning_gym:DATASET' or 'package.module:factory'$",
+        ),
+        (dict(task="sortt"), r"^--task sortt: no such task \(did you mean 'sort'\?\); expected one of 'arithmetic'"),
         (dict(task="reasoning_gym:chainsum"), r"no such reasoning-gym dataset \(did you mean chain_sum"),
         (dict(task="arithmetic", task_config="{digits: 3}"), r"--task_config '\{digits: 3\}': not valid JSON"),
         (dict(task="arithmetic", task_config="[3]"), "--task_config '\\[3\\]': expected a JSON object"),
         (
             dict(task="arithmetic", task_config='{"digit": 3}'),
-            r"--task_config key 'digit': --task arithmetic takes no such setting \(its keys: 'digits', ",
+            r"^--task_config key 'digit': --task arithmetic takes no such setting \(its keys: 'digits'\)$",
         ),
-        (dict(task="no_such_module_x:make"), "--task 'no_such_module_x:make': cannot import 'no_such_module_x'"),
-        (dict(task="json:nothing_here"), "--task 'json:nothing_here': module 'json' has no 'nothing_here'"),
+        (dict(task="no_such_module_x:make"), "^--task no_such_module_x:make: cannot import no_such_module_x "),
+        (dict(task="json:nothing_here"), "^--task json:nothing_here: json has no attribute 'nothing_here'$"),
+        (dict(task="json:__name__"), "^--task json:__name__: json:__name__ is a str; expected a function that "),
         (
             dict(task="reasoning_gym:chain_sum", task_config='{"min_terms": 5, "max_terms": 2}'),
             r"--task_config \{\"min_terms\": 5, \"max_terms\": 2\}: reasoning-gym's chain_sum refused it "
@@ -226,8 +232,11 @@ def test_a_users_task_by_dotted_path(tmp_path, monkeypatch):
         RecipeError, match=r"--task my_tasks:not_a_task: returned a dict; expected a trl_ext.tasks.Task"
     ):
         tasks.load_task(tasks.TaskArguments(task="my_tasks:not_a_task"), 12)
-    with pytest.raises(RecipeError, match=r"--task_config \{\"m\": 1\}: my_tasks:make does not take it"):
+    with pytest.raises(RecipeError) as err:  # checked against the factory's signature, before it runs
         tasks.load_task(tasks.TaskArguments(task="my_tasks:make", task_config='{"m": 1}'), 12)
+    assert (
+        str(err.value) == "--task_config key 'm': --task my_tasks:make takes no such setting (its keys: 'n', 'offset')"
+    )
 
 
 def test_the_course_students_path(tmp_path, monkeypatch):
@@ -574,3 +583,137 @@ def test_multi_line_and_sentence_answers_take_tags_or_the_whole_response():
     assert task.extract(f"I solved it.\n<answer>\n{row['answer']}\n</answer>", row) == row["answer"]
     assert task.score(row["answer"].replace("\n", " "), row)["answer_reward"] == 0.0  # one line is not the grid
     assert task.score("", row)["format_reward"] == 0.0
+
+
+# ------------------------------------------------------------------------------------- one task registry (issue 39)
+def test_one_resolver_for_every_kind_of_task_name(tmp_path, monkeypatch):
+    """--task resolves through tasks.resolve_task alone: a built-in name, reasoning_gym:NAME, package.module:factory,
+    and no --task (arithmetic, or the kind of a --dataset_name); each gives the kind the option table reads."""
+    (tmp_path / "my_tasks.py").write_text(MY_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sort = tasks.resolve_task({"task": "sort"})
+    assert (sort.kind, sort.make) == ("sort", tasks.sorting_task)
+    assert sort.settings() == ("num_numbers", "max_number", "instruction", "system_prompt")
+    assert tasks.resolve_task({}).kind == "arithmetic" and tasks.resolve_task({}).settings() == ("digits",)
+    assert tasks.resolve_task({"dataset_name": "x.jsonl", "dataset_kind": "math"}).kind == "math"
+    gym = tasks.resolve_task({"task": "reasoning_gym:chain_sum"})
+    assert gym.kind == "reasoning_gym" and gym.settings() is None  # **create_dataset settings: the generator checks
+    mine = tasks.resolve_task({"task": "my_tasks:make"})
+    assert (mine.kind, mine.settings(), mine.takes("options")) == ("factory", ("n", "offset"), False)
+    assert tasks.resolve_task({"task": "my_tasks:make"}).make is mine.make  # imported once
+    assert tasks.task_problem({"task": "gsm8"}) == (
+        "--task gsm8: no such task (did you mean 'gsm8k'?); expected one of 'arithmetic', 'gsm8k', 'math', 'sort', "
+        "'reasoning_gym:DATASET' or 'package.module:factory'"
+    )
+    assert tasks.task_problem({"task": "reasoning_gym:chainsum"}).startswith(
+        "--task reasoning_gym:chainsum: no such reasoning-gym dataset (did you mean chain_sum"
+    )
+
+
+NEEDS_TASK = """
+from datasets import Dataset
+from trl_ext.tasks import Task
+
+
+def needs(n, *, scale=1.0, label="x"):
+    rows = Dataset.from_dict({"prompt": [str(i) for i in range(n)], "answer": [str(i * scale) for i in range(n)]})
+    return Task(name=label, train=rows, test=rows, scorer=lambda r, row: {"reward": 0.0, "format_reward": 0.0,
+                                                                           "answer_reward": 0.0})
+"""
+
+
+def test_task_config_is_the_factorys_keyword_arguments_checked_against_its_signature(tmp_path, monkeypatch):
+    (tmp_path / "needs_tasks.py").write_text(NEEDS_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def problem(task, config):
+        return tasks.task_problem({"task": task, "task_config": config})
+
+    assert problem("needs_tasks:needs", '{"n": 3, "scale": 2}') is None
+    assert problem("needs_tasks:needs", '{"n": 3, "scal": 2, "size": 1}') == (
+        "--task_config keys 'scal', 'size': --task needs_tasks:needs takes no such settings (its keys: 'n', 'scale', "
+        "'label')"
+    )
+    assert problem("needs_tasks:needs", '{"scale": 2}') == (
+        "--task_config: --task needs_tasks:needs needs the setting(s) 'n' (its keys: 'n', 'scale', 'label')"
+    )
+    task = tasks.load_task(tasks.TaskArguments(task="needs_tasks:needs", task_config='{"n": 3, "scale": 1.5}'), 9)
+    assert task.test["answer"] == ["0.0", "1.5", "3.0"] and task.max_new_tokens == 9
+    # the built-ins take their settings the same way: the sort task's keywords, the arithmetic task's digits
+    sort = tasks.load_task(tasks.TaskArguments(task="sort", task_config='{"num_numbers": 5}', num_eval=2), 20)
+    assert [len(row["answer"].split()) for row in sort.test] == [5, 5]
+    arith = tasks.load_task(tasks.TaskArguments(task_config='{"digits": 3}', num_train_problems=4, num_eval=2), 20)
+    assert all(100 <= int(n) <= 999 for row in arith.test for n in row["question"].split("?")[0].split() if n.isdigit())
+    assert problem("sort", '{"num_eval": 2}') == (
+        "--task_config key 'num_eval': --task sort takes no such setting (its keys: 'num_numbers', 'max_number', "
+        "'instruction', 'system_prompt'); --num_eval is an option: pass it as a flag"
+    )
+
+
+def test_a_users_task_registered_by_decorator_is_listed_and_loaded():
+    from trl_ext.cli import build_parser
+
+    @tasks.register_task("halve_it", description="halve an even number")
+    def halve(n: int = 4):
+        rows = Dataset.from_dict(
+            {
+                "prompt": [f"halve {2 * i}" for i in range(n)],
+                "target": [float(i) for i in range(n)],
+                "tolerance": [0.1] * n,
+            }
+        )
+        return tasks.Task(name="halve_it", train=rows, test=rows, scorer=_within_tolerance, answer_column="target")
+
+    try:
+        help_text = " ".join(build_parser((tasks.TaskArguments,), None, None).format_help().split())
+        assert (
+            "'sort' (the lecture's toy task: sort N numbers, shaped + exact rewards), 'halve_it' (halve an even "
+            in (help_text)
+        )
+        task = tasks.load_task(tasks.TaskArguments(task="halve_it", task_config='{"n": 6}', num_eval=2), 7)
+        assert (len(task.train), task.test["target"], task.max_new_tokens) == (6, [0.0, 1.0], 7)  # --num_eval cuts
+        assert tasks.task_problem({"task": "halve_ti"}).startswith(
+            "--task halve_ti: no such task (did you mean 'halve_it'"
+        )
+        assert tasks.task_problem({"task": "halve_it", "task_config": '{"m": 1}'}) == (
+            "--task_config key 'm': --task halve_it takes no such setting (its keys: 'n')"
+        )
+        refused = tasks.option_problems({"task": "halve_it", "template": "r1_zero"})  # a factory's kind: no template
+        assert refused[0].startswith("--template 'r1_zero': not used by --task halve_it (the factory makes its rows")
+    finally:
+        tasks.TASKS.unregister("halve_it")
+    assert "halve_it" not in str(tasks.TaskArguments.__dataclass_fields__["task"].metadata["help"])
+
+
+def test_grpo_sort_loads_its_task_through_the_resolver(tmp_path, monkeypatch):
+    from conftest import load_recipe
+
+    module = load_recipe("grpo_sort")
+    resolved, built = [], []
+    real_resolve, real_load = tasks.resolve_task, tasks.load_task
+    monkeypatch.setattr(
+        tasks, "resolve_task", lambda values: resolved.append(values.get("task")) or real_resolve(values)
+    )
+    monkeypatch.setattr(tasks, "load_task", lambda *a, **k: built.append(real_load(*a, **k)) or built[-1])
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(module.trl_ext.models, "load_tokenizer", stop)  # the task is built; no model is loaded
+    args = ["--output_dir", str(tmp_path), "--num_numbers", "4", "--max_number", "30", "--num_eval", "3"]
+    args += ["--num_train_problems", "20"]
+    with pytest.raises(Stop):
+        module.main(*module.main.parse_args(args))
+    assert resolved == ["sort"]
+    (task,) = built
+    assert task.name == "sort" and [f.__name__ for f in task.reward_funcs] == [
+        "sort_shaped_reward",
+        "sort_exact_reward",
+    ]
+    for row in task.test:  # 4 distinct numbers from 0..30 per prompt, the answer sorted
+        numbers = [int(n) for n in row["answer"].split()]
+        assert len(numbers) == 4 and numbers == sorted(numbers) and max(numbers) <= 30
+    assert len(task.test) == 3

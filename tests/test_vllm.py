@@ -38,7 +38,6 @@ from datasets import Dataset  # noqa: E402
 from tiny import tiny_model_for_tests  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext import functional  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -207,7 +206,9 @@ def test_old_log_probs_are_the_trainers_forward_of_the_policy_that_sampled(bf16_
     assert engine_gap > 1e-3, engine_gap
 
 
-@pytest.mark.parametrize("pg_loss_type", list(functional.POLICY_GRADIENT_LOSSES))
+# the course's losses, each with an independent formula below (TRL's own loss types and their correction: each
+# computed as upstream's trl.GRPOTrainer does, tests/test_grpo_upstream_options.py)
+@pytest.mark.parametrize("pg_loss_type", ["no_baseline", "reinforce_with_baseline", "grpo_clip", "grpo_no_clip"])
 @pytest.mark.parametrize("correction", [True, False])
 def test_each_registered_loss_with_vllms_importance_sampling_correction(bf16_engine_trainer, pg_loss_type, correction):
     """The loss on vLLM's rollouts after the policy moved (so pi/pi_old != 1): the registered loss, from the

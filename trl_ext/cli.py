@@ -19,12 +19,13 @@ problem at once, each naming the flag that fixes it. :func:`check_fills_one_step
 the trainer would take no batch. The run itself (output folder, resume, signals) is :mod:`trl_ext.run`; the results
 (metrics.json, experiment.md, plots, console table, model card) are :mod:`trl_ext.report`.
 
-Choices (documented in README "Stopping and resuming" and in each recipe's ``--help``):
+Choices (documented in docs/reference.md "Stopping and resuming" and in each recipe's ``--help``):
 
 * ``--config FILE`` is layered over the recipe's default config: keys of FILE replace the defaults, keys it does
   not set keep the recipe's value, and command-line flags override both (TRL's own rule, file < flags, with the
-  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of a course setting counts as
-  that setting (``GRPOConfig.UPSTREAM_OPTIONS``): ``--loss_type dr_grpo`` replaces a file's ``length_normalization``,
+  recipe's defaults underneath instead of the dataclasses' bare defaults). TRL's name of course settings counts as
+  the settings its value decides (``GRPOConfig.UPSTREAM_OPTIONS`` / ``upstream_meaning``): ``--loss_type dr_grpo``
+  replaces a file's ``length_normalization`` (and keeps its ``pg_loss_type``), ``--loss_type cispo`` replaces both,
   a file's ``scale_rewards`` replaces the defaults' ``normalize_by_std``; one layer that sets both must agree.
 * transformers 5's deprecated option names (``gradient_checkpointing``) are read as their new names.
 """
@@ -46,7 +47,7 @@ from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import machine, runtime, tasks
+from trl_ext import advantages, aggregations, losses, machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import decode_text, read_text
@@ -92,17 +93,29 @@ FLAG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+REGISTRIES = (losses.POLICY_LOSSES, aggregations.AGGREGATIONS, advantages.ADVANTAGE_ESTIMATORS)
+"""The registries whose option (``Registry.option``: ``--pg_loss_type``, ``--length_normalization``,
+``--advantage_estimator``) names an entry: a name that is none of theirs is refused before any model loads, with the
+closest registered names (:meth:`trl_ext.registry.Registry.problem`); a ``package.module:attr`` is imported then."""
+
+
 def flag_problems(values: Mapping[str, Any]) -> list[str]:
-    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS` and GRPO's
-    grouping rule, one message each, naming the flag, its value and what is expected (for GRPO's grouping, the flags
-    that set the number of completions per generation step and which ones to change)."""
+    """Every problem of the parsed flag values (``{field name: value}``) against :data:`FLAG_CHECKS`,
+    :data:`REGISTRIES` and GRPO's grouping rule, one message each, naming the flag, its value and what is expected
+    (for GRPO's grouping, the flags that set the number of completions per generation step and which ones to
+    change)."""
     problems = [
         f"--{name} {values[name]}: expected {expected}"
         for name, (ok, expected) in FLAG_CHECKS.items()
         if name in values and values[name] is not None and not ok(values[name])
     ]
+    named = [  # a registry's unknown name does not stop the grouping rule below
+        problem
+        for registry in REGISTRIES
+        if values.get(registry.option) is not None and (problem := registry.problem(values[registry.option], flag=True))
+    ]
     if problems:  # the grouping rule below divides by values this list already refused
-        return problems
+        return problems + named
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # the rule lives beside the seam check; imported here because trl_ext.trainers loads TRL's trainers (~13 s)
         from trl_ext.trainers.grpo import generation_grouping_problem
@@ -124,7 +137,7 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
                     f"--dynamic_sampling true keeps whole prompt groups on each process: {problem}; change "
                     "--per_device_train_batch_size or --num_generations, or pass --dynamic_sampling false"
                 )
-    return problems
+    return problems + named
 
 
 def raise_problems(problems: Sequence[str]) -> None:
@@ -274,6 +287,17 @@ def _pop_configs(args: list[str]) -> tuple[list[str], list[str]]:
     return rest, paths
 
 
+def _flag_values(args: Sequence[str]) -> dict[str, str | None]:
+    """``--name value`` and ``--name=value`` of a command line: name -> its text (None where no value follows)."""
+    values: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            name, equals, value = arg[2:].partition("=")
+            following = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            values[name] = value if equals else following
+    return values
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -404,22 +428,40 @@ def parse(
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(dataclass_types, default_config, doc, help_overrides)
     options = parser._option_string_actions
-    # Two names of one setting (trl_ext.GRPOConfig: TRL's loss_type = length_normalization, scale_rewards =
-    # normalize_by_std): a layer that sets one name replaces what lower layers set under the other.
-    same_setting: dict[str, set[str]] = {}
+    # TRL's names of course settings (trl_ext.GRPOConfig: loss_type -> pg_loss_type and length_normalization, ...):
+    # a layer's TRL name stands for the course fields its value decides (loss_type cispo: both; dapo:
+    # length_normalization alone), so it replaces what lower layers set of those fields under either name; a lower
+    # layer's TRL name overridden in part keeps deciding the rest, as course fields.
+    meaning_of: dict[str, Callable[[Any], dict[str, Any] | None]] = {}
+    may_decide: dict[str, tuple[str, ...]] = {}
     for dtype in dataclass_types:
-        for upstream_name, (course_name, *_) in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
-            same_setting.setdefault(upstream_name, set()).add(course_name)
-            same_setting.setdefault(course_name, set()).add(upstream_name)
+        for upstream_name, course_names in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
+            meaning_of[upstream_name] = functools.partial(dtype.upstream_meaning, upstream_name)
+            may_decide[upstream_name] = tuple(course_names)
 
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
 
-    def drop_other_names(layer_keys: set[str]) -> None:
-        for key in layer_keys:
-            for other in same_setting.get(key, ()):
-                if other not in layer_keys:
-                    merged.pop(other, None)
+    def decided(key: str, value: Any) -> dict[str, Any]:
+        """The course fields ``key=value`` decides: itself for a course field; for a TRL name what its value means
+        (every field it may decide, for a value it does not have: the config then names it)."""
+        if key not in meaning_of:
+            return {key: value}
+        meaning = meaning_of[key](value)
+        return dict.fromkeys(may_decide[key]) if meaning is None else meaning
+
+    def drop_other_names(layer: dict[str, Any]) -> None:
+        fields = {field for key, value in layer.items() for field in decided(key, value)}
+        for key in [k for k in merged if k not in layer]:
+            if key in fields:  # a course field the layer decides
+                merged.pop(key)
+            elif key in meaning_of:
+                below = decided(key, merged[key])
+                if below.keys() & fields:  # a TRL name the layer overrides, in part: the rest as course fields
+                    merged.pop(key)
+                    for field, value in below.items():
+                        if field not in fields and value is not None:
+                            merged.setdefault(field, value)
 
     for path in ([default_config] if default_config else []) + paths:
         layer = _read_yaml(path)
@@ -432,10 +474,10 @@ def parse(
             DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
             for k, v in layer.items()
         }
-        drop_other_names(set(layer))
+        drop_other_names(layer)
         merged.update(layer)
         source.update(dict.fromkeys(layer, str(path)))
-    drop_other_names({arg[2:].split("=", 1)[0] for arg in args if arg.startswith("--")})
+    drop_other_names(_flag_values(args))
     problems = []
     unknown = parser.set_defaults_with_config(**merged)
     if unknown:

@@ -6,7 +6,8 @@ with
     from trl_ext.cs336 import *  # noqa: F401,F403
 
 and ``uv run pytest`` in the course repository runs its test suite against trl_ext. Every function here has the
-course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run), ``trl_ext.course``
+course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run; the loss dispatch
+through ``trl_ext.losses``), ``trl_ext.course``
 (the course-only helpers, which this module also re-exports under their own names, e.g.
 ``trl_ext.cs336.grpo_microbatch_train_step``), ``trl_ext.eval`` (the parsers) or ``trl_ext.data`` (batching); only
 the packed SFT dataset and the Alpaca template of the supplement live here, because their exact layout is the course's
@@ -29,7 +30,7 @@ from typing import Any, Literal
 import torch
 
 from trl_ext import course as C
-from trl_ext import functional
+from trl_ext import functional, losses
 from trl_ext.course import (
     compute_gae,
     compute_group_normalized_rewards,
@@ -159,8 +160,9 @@ def run_compute_policy_gradient_loss(
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch on ``loss_type``: :func:`trl_ext.functional.compute_policy_gradient_loss` (also ``"grpo_no_clip"``)."""
-    return functional.compute_policy_gradient_loss(
+    """Dispatch on ``loss_type``: :func:`trl_ext.losses.compute_policy_gradient_loss` (also ``"grpo_no_clip"`` and
+    any other registered loss)."""
+    return losses.compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )
 

@@ -2,16 +2,19 @@
 
 Every formula a trl_ext trainer executes lives here, written so it can be checked line by line against Stanford
 CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement "Safety Alignment,
-Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what:
-``GRPOTrainer`` -- ``compute_group_advantages`` (and ``equal_reward_groups`` for its metrics),
-``compute_policy_gradient_loss`` (the loss its ``pg_loss_type`` names in :data:`POLICY_GRADIENT_LOSSES`),
-``compute_kl``, ``compute_grpo_loss`` (the reduction its ``length_normalization`` names in
-:data:`LENGTH_NORMALIZATIONS`), ``masked_mean``/``masked_normalize``, ``compute_entropy``,
-``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``;
-``SFTTrainer`` -- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The handout's helpers that take a model
-or a tokenizer or call ``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
-``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``,
-``compute_gae``) are in ``trl_ext.course``, re-exported by ``trl_ext.cs336``.
+Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what: ``GRPOTrainer`` --
+through the registries that name the choices of its config, each entry a thin call of the functions here:
+``trl_ext.advantages`` (``advantage_estimator``: ``compute_group_advantages``), ``trl_ext.losses`` (``pg_loss_type``:
+``compute_naive_policy_gradient_loss``, ``compute_grpo_clip_loss``, ``compute_grpo_no_clip_loss``,
+``compute_importance_ratio``), ``trl_ext.aggregations`` (``length_normalization``: ``masked_mean``,
+``masked_normalize``); and directly ``equal_reward_groups`` (its metrics), ``compute_kl``, ``compute_entropy``,
+``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``; ``SFTTrainer``
+-- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The course's dispatch functions
+``compute_policy_gradient_loss`` and ``compute_grpo_loss`` go through those registries, so they live beside them
+(``trl_ext.losses``, ``trl_ext.aggregations``). The handout's helpers that take a model or a tokenizer or call
+``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
+``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``, ``compute_gae``)
+are in ``trl_ext.course``; ``trl_ext.cs336`` re-exports the course's API.
 
 Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
 Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a
@@ -21,8 +24,7 @@ numerator or a denominator, even when it holds NaN or inf.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -35,24 +37,13 @@ __all__ = [
     "equal_reward_groups",
     "compute_group_advantages",
     "compute_naive_policy_gradient_loss",
+    "compute_importance_ratio",
     "compute_grpo_clip_loss",
     "compute_grpo_no_clip_loss",
-    "PolicyGradientLoss",
-    "POLICY_GRADIENT_LOSSES",
-    "register_policy_gradient_loss",
-    "get_policy_gradient_loss",
-    "compute_policy_gradient_loss",
-    "LengthNormalization",
-    "LENGTH_NORMALIZATIONS",
-    "register_length_normalization",
-    "get_length_normalization",
-    "compute_grpo_loss",
     "compute_kl",
     "adaptive_kl_coefficient",
 ]
 
-EMPTY_ROWS = ("raise", "zero", "drop")
-"""What ``compute_grpo_loss`` does with a row that has no response token."""
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -294,7 +285,8 @@ def compute_group_advantages(
     advantages = centred
     if normalize_by_std:
         variance = (centred**2).sum(dim=1, keepdim=True) / (n_valid - 1).clamp(min=1)
-        advantages = centred / (variance.sqrt() + advantage_eps)
+        # variance 0: every centred value is 0 (an all-equal group, or one valid reward), also with advantage_eps=0
+        advantages = torch.where(variance > 0, centred / (variance.sqrt() + advantage_eps), torch.zeros_like(centred))
     return advantages.reshape(-1).to(torch.float32)
 
 
@@ -336,40 +328,115 @@ def compute_naive_policy_gradient_loss(
     return -advantages.detach() * policy_log_probs
 
 
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def compute_importance_ratio(
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    """The importance ratio pi_theta / pi_theta_old of the sampled tokens, per token or per sequence.
+
+    - ``"token"``: ``exp(log pi_theta - log pi_theta_old)`` at each token, (B, T) (PPO, GRPO);
+    - ``"sequence"``: ``exp(mean over the response tokens of (log pi_theta - log pi_theta_old))``, one ratio per
+      sequence, (B, 1): the length-normalized sequence likelihood ratio of GSPO (a row with no response token gets
+      ratio 1).
+
+    The old log-probs are detached: no gradient flows through them.
+
+    Args:
+        policy_log_probs: (B, T) log-probs under the policy being trained.
+        old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+        response_mask: (B, T), 1 on the response tokens; needed for ``"sequence"``.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+
+    Returns:
+        (B, T) or (B, 1) ratio, with gradient through ``policy_log_probs``.
+
+    Raises:
+        ValueError: on shape mismatches, an unknown level, or ``"sequence"`` without a ``response_mask``.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", equation 7 (sequence level); trl.GRPOTrainer
+    (TRL 1.16) ``_compute_loss``'s ``log_importance_weights``.
+    """
+    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    log_ratio = policy_log_probs - old_log_probs.detach()
+    if importance_sampling_level == "token":
+        return torch.exp(log_ratio)
+    if response_mask is None:
+        raise ValueError("importance_sampling_level='sequence' needs response_mask; got None")
+    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    mask = response_mask.to(log_ratio.dtype)
+    return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+
+
 def compute_grpo_clip_loss(
     advantages: torch.Tensor,
     policy_log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
     cliprange: float,
+    *,
+    cliprange_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-Clip loss  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
 
     ratio = exp(log pi_theta - log pi_theta_old). The old log-probs are detached: no gradient ever flows through
     them, even when ``old_log_probs`` is the very tensor passed as ``policy_log_probs`` (the on-policy case, where
-    ratio = 1 and d loss / d log pi = -A).
+    ratio = 1 and d loss / d log pi = -A). The keyword-only options are TRL's variants (all off by default, the
+    handout's loss): ``cliprange_high`` clips the ratio to [1 - eps, 1 + eps_high] (DAPO's clip-higher); ``delta``
+    bounds the unclipped ratio too, ``-min(min(ratio, delta) * A, clip(ratio) * A)`` (INTELLECT-2's two-sided
+    clipping, meant for delta > 1 + eps_high); ``importance_sampling_level="sequence"`` uses one ratio per sequence
+    (GSPO, :func:`compute_importance_ratio`).
 
     Args:
         advantages: (B, 1) (or (B,)) advantage per rollout.
         policy_log_probs: (B, T) log-probs under the policy being trained.
         old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
         cliprange: epsilon, the clip half-width (e.g. 0.2); must be >= 0.
+        cliprange_high: the upper half-width (default None: ``cliprange``); >= 0.
+        delta: the upper bound of the unclipped ratio (default None: none); > 0.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+        response_mask: (B, T), 1 on response tokens; needed for ``"sequence"``.
 
     Returns:
-        ``(loss (B, T), metadata)`` with ``metadata["clipped"]`` a (B, T) bool tensor, True where the clipped term
-        was strictly the smaller one (so the token got no gradient), and ``metadata["ratio"]`` (B, T) detached.
+        ``(loss, metadata)``: the loss (B, T), or (B, 1) at the sequence level; ``metadata["clipped"]`` bool of the
+        ratio's shape, True where the clip bound took the gradient (ratio below 1 - eps with A < 0, or above
+        1 + eps_high with A > 0, the ratio bounded by ``delta`` first: TRL's ``clip_ratio`` rule), and
+        ``metadata["ratio"]`` the detached ratio.
 
     Raises:
-        ValueError: on shape mismatches or a negative ``cliprange``.
+        ValueError: on shape mismatches, a negative ``cliprange`` or ``cliprange_high``, ``delta`` <= 0, or an
+            unknown level.
 
-    Source: CS336 A5 handout, section 7.2 (``compute_grpo_clip_loss``), equation 29; PPO (Schulman et al. 2017).
+    Source: CS336 A5 handout, section 7.2 (``compute_grpo_clip_loss``), equation 29; PPO (Schulman et al. 2017);
+    DAPO (Yu et al. 2025, section 3.1, clip-higher); INTELLECT-2 (Prime Intellect 2025, two-sided clipping); GSPO
+    (Zheng et al. 2025).
     """
     _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     if cliprange is None or cliprange < 0:
         raise ValueError(f"cliprange={cliprange!r}; expected a float >= 0")
+    high = cliprange if cliprange_high is None else cliprange_high
+    if high < 0:
+        raise ValueError(f"cliprange_high={cliprange_high!r}; expected a float >= 0 (or None: cliprange)")
+    if delta is not None and not delta > 0:
+        raise ValueError(f"delta={delta!r}; expected a float > 0 (or None: no upper bound)")
     advantages = _per_example("advantages", advantages, policy_log_probs).detach()
-    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
+    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
+    if delta is not None:
+        ratio_bounded = torch.clamp(ratio, max=delta)
+        loss = -torch.minimum(ratio_bounded * advantages, clipped)
+        was_clipped = ((ratio_bounded < 1.0 - cliprange) & (advantages < 0)) | (
+            (ratio_bounded > 1.0 + high) & (advantages > 0)
+        )
+        return loss, {"clipped": was_clipped, "ratio": ratio.detach()}
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange) * advantages
     loss = -torch.minimum(unclipped, clipped)
     return loss, {"clipped": clipped < unclipped, "ratio": ratio.detach()}
 
@@ -378,394 +445,40 @@ def compute_grpo_no_clip_loss(
     advantages: torch.Tensor,
     policy_log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
+    *,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-No-Clip loss  -ratio * A, ratio = exp(log pi_theta - log pi_theta_old) (no clipping).
 
     The importance ratio keeps the gradient unbiased when the rollouts came from an older policy (``num_iterations
     > 1`` or ``steps_per_generation > 1``): d loss / d log pi = -ratio * A. Without the clip nothing bounds how far
     one batch can move the policy; that is what the handout's clip ablation measures. The old log-probs are
-    detached, as in ``compute_grpo_clip_loss``.
+    detached, as in ``compute_grpo_clip_loss``. ``importance_sampling_level="sequence"`` uses one ratio per sequence
+    (:func:`compute_importance_ratio`).
 
     Args:
         advantages: (B, 1) (or (B,)) advantage per rollout.
         policy_log_probs: (B, T) log-probs under the policy being trained.
         old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
+        importance_sampling_level: ``"token"`` (default) or ``"sequence"``.
+        response_mask: (B, T), 1 on response tokens; needed for ``"sequence"``.
 
     Returns:
-        ``(loss (B, T), metadata)`` with ``metadata["ratio"]`` the (B, T) detached ratio (for ratio statistics) and
-        ``metadata["clipped"]`` all False (nothing is clipped; kept so clip-ratio metrics read 0 for this loss).
+        ``(loss, metadata)``: the loss (B, T), or (B, 1) at the sequence level, with ``metadata["ratio"]`` the
+        detached ratio (for ratio statistics) and ``metadata["clipped"]`` all False (nothing is clipped; kept so
+        clip-ratio metrics read 0 for this loss).
 
     Raises:
-        ValueError: on shape mismatches.
+        ValueError: on shape mismatches or an unknown level.
 
     Source: CS336 A5 handout, section 8 (clip ablation, "GRPO-No-Clip"): -pi_theta / pi_theta_old * A per token.
     """
     _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     advantages = _per_example("advantages", advantages, policy_log_probs).detach()
-    ratio = torch.exp(policy_log_probs - old_log_probs.detach())
+    ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     loss = -ratio * advantages
     return loss, {"clipped": torch.zeros_like(ratio, dtype=torch.bool), "ratio": ratio.detach()}
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The policy-gradient losses, one registry entry each  (the registry idea of verl's core_algos.register_policy_loss)
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PolicyGradientLoss:
-    """A per-token policy-gradient loss and what a trainer may assume of it: one entry of
-    :data:`POLICY_GRADIENT_LOSSES`, the choices of ``GRPOConfig.pg_loss_type``.
-
-    Everything else follows from the entry: the config's choices and help text, its refusal of stale samples for a loss
-    that ignores the old log-probs, and the permission of the speed paths that rely on "zero weight, zero gradient"
-    (``skip_zero_advantage_rows``, dynamic sampling's choice of informative groups). Adding a loss is one
-    :func:`register_policy_gradient_loss` call; advantages and length normalization stay separate choices, as in the
-    course.
-
-    Attributes:
-        name: the ``pg_loss_type`` value.
-        compute: ``compute(weights, policy_log_probs, old_log_probs, cliprange) -> (loss, metadata)``: ``weights``
-            (B, 1) the per-rollout weight, ``policy_log_probs`` (B, T), ``old_log_probs`` (B, T) or None,
-            ``cliprange`` a float or None; returns the (B, T) per-token loss and a metadata dict (``ratio``,
-            ``clipped`` (B, T) where the loss has them, for the trainer's ratio and clip metrics).
-        weights: what multiplies the log-probs: ``"advantages"`` (group-normalized, the default) or ``"raw_rewards"``
-            (the trainer then passes the rewards themselves, NaN as 0).
-        uses_old_log_probs: the loss reads ``old_log_probs`` (through the importance ratio pi / pi_old), so it stays
-            correct on samples drawn by an older policy (``num_iterations > 1``, ``steps_per_generation >
-            gradient_accumulation_steps``). False: an on-policy loss; the config refuses stale samples for it.
-        uses_cliprange: the loss reads ``cliprange`` (``GRPOConfig.epsilon``).
-        zero_weight_zero_gradient: a rollout whose weight is exactly 0 adds exactly 0 to the loss and to every
-            gradient, at every token, whatever its log-probs (``tests/test_functional.py`` checks each entry that
-            declares it). ``skip_zero_advantage_rows`` and dynamic sampling need it: without it the trainer runs
-            every row's backward and refuses ``dynamic_sampling``.
-        formula: the per-token loss in one line, for help texts.
-        source: where the formula comes from.
-    """
-
-    name: str
-    compute: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    weights: Literal["advantages", "raw_rewards"] = "advantages"
-    uses_old_log_probs: bool = False
-    uses_cliprange: bool = False
-    zero_weight_zero_gradient: bool = False
-    formula: str = ""
-    source: str = ""
-
-    @property
-    def required(self) -> tuple[str, ...]:
-        """The arguments of :func:`compute_policy_gradient_loss` this loss needs, in order."""
-        return (
-            self.weights,
-            *(("old_log_probs",) if self.uses_old_log_probs else ()),
-            *(("cliprange",) if self.uses_cliprange else ()),
-        )
-
-
-POLICY_GRADIENT_LOSSES: dict[str, PolicyGradientLoss] = {}
-"""``pg_loss_type`` -> its :class:`PolicyGradientLoss`, in registration order."""
-
-
-def register_policy_gradient_loss(entry: PolicyGradientLoss) -> PolicyGradientLoss:
-    """Add ``entry`` to :data:`POLICY_GRADIENT_LOSSES` (before the config that names it is built) and return it.
-
-    Raises:
-        ValueError: the name is taken, or ``weights`` is neither ``"advantages"`` nor ``"raw_rewards"``.
-    """
-    if entry.name in POLICY_GRADIENT_LOSSES:
-        raise ValueError(f"a policy-gradient loss named {entry.name!r} is already registered")
-    _check_choice(f"{entry.name}: weights", entry.weights, ("advantages", "raw_rewards"))
-    POLICY_GRADIENT_LOSSES[entry.name] = entry
-    return entry
-
-
-def get_policy_gradient_loss(name: str) -> PolicyGradientLoss:
-    """The registered :class:`PolicyGradientLoss` called ``name``.
-
-    Raises:
-        ValueError: naming the registered losses, when none is called ``name``.
-    """
-    _check_choice("pg_loss_type", name, tuple(POLICY_GRADIENT_LOSSES))
-    return POLICY_GRADIENT_LOSSES[name]
-
-
-register_policy_gradient_loss(
-    PolicyGradientLoss(
-        "no_baseline",
-        lambda weights, log_probs, old, cliprange: (compute_naive_policy_gradient_loss(weights, log_probs), {}),
-        weights="raw_rewards",
-        zero_weight_zero_gradient=True,
-        formula="-r * log p with the raw reward r",
-        source="CS336 A5 section 7.2, equation 27",
-    )
-)
-register_policy_gradient_loss(
-    PolicyGradientLoss(
-        "reinforce_with_baseline",
-        lambda weights, log_probs, old, cliprange: (compute_naive_policy_gradient_loss(weights, log_probs), {}),
-        zero_weight_zero_gradient=True,
-        formula="-A * log p with the group-normalized advantage A",
-        source="CS336 A5 section 7.2, equation 27 with a baseline",
-    )
-)
-register_policy_gradient_loss(
-    PolicyGradientLoss(
-        "grpo_clip",
-        lambda weights, log_probs, old, cliprange: compute_grpo_clip_loss(weights, log_probs, old, cliprange),
-        uses_old_log_probs=True,
-        uses_cliprange=True,
-        zero_weight_zero_gradient=True,
-        formula="-min(ratio*A, clip(ratio, 1-epsilon, 1+epsilon)*A), ratio = pi/pi_old",
-        source="CS336 A5 section 7.2, equation 29; PPO (Schulman et al. 2017)",
-    )
-)
-register_policy_gradient_loss(
-    PolicyGradientLoss(
-        "grpo_no_clip",
-        lambda weights, log_probs, old, cliprange: compute_grpo_no_clip_loss(weights, log_probs, old),
-        uses_old_log_probs=True,
-        zero_weight_zero_gradient=True,
-        formula="-ratio*A, the handout's clip ablation",
-        source="CS336 A5 section 8 (clip ablation)",
-    )
-)
-
-
-def compute_policy_gradient_loss(
-    policy_log_probs: torch.Tensor,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token policy-gradient loss named by ``loss_type`` (an entry of :data:`POLICY_GRADIENT_LOSSES`).
-
-    - ``"no_baseline"``: ``-raw_rewards * log pi`` (needs ``raw_rewards``);
-    - ``"reinforce_with_baseline"``: ``-advantages * log pi`` (needs ``advantages``);
-    - ``"grpo_clip"``: ``compute_grpo_clip_loss`` (needs ``advantages``, ``old_log_probs``, ``cliprange``);
-    - ``"grpo_no_clip"``: ``compute_grpo_no_clip_loss`` (needs ``advantages``, ``old_log_probs``; ``cliprange`` is
-      ignored);
-    - any loss added with :func:`register_policy_gradient_loss`: what its entry says it needs.
-
-    Args:
-        policy_log_probs: (B, T) log-probs of the sampled tokens under the policy.
-        loss_type: a registered name.
-        raw_rewards, advantages: (B, 1) or (B,) per-rollout weights; the entry says which one it reads.
-        old_log_probs: (B, T) log-probs under the policy that sampled the rollouts.
-        cliprange: the clip half-width epsilon.
-
-    Returns:
-        ``(loss (B, T), metadata)``; metadata is empty except for ``grpo_clip`` and ``grpo_no_clip`` (``ratio``,
-        ``clipped``).
-
-    Raises:
-        ValueError: for an unknown ``loss_type`` or a missing argument that the loss type needs (named).
-
-    Source: CS336 A5 handout, section 7.2 (``compute_policy_gradient_loss``).
-    """
-    entry = get_policy_gradient_loss(loss_type)
-    given = {
-        "raw_rewards": raw_rewards,
-        "advantages": advantages,
-        "old_log_probs": old_log_probs,
-        "cliprange": cliprange,
-    }
-    missing = [name for name in entry.required if given[name] is None]
-    if missing:
-        raise ValueError(f"loss_type={loss_type!r} needs {', '.join(missing)}; got None")
-    return entry.compute(given[entry.weights], policy_log_probs, old_log_probs, cliprange)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Length normalization: a (B, T) per-token loss -> one scalar, one registry entry each  (handout sections 7.2-7.3)
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LengthNormalization:
-    """How the per-token loss of a micro-batch becomes its scalar loss, and what it divides by: one entry of
-    :data:`LENGTH_NORMALIZATIONS`, the choices of ``GRPOConfig.length_normalization``.
-
-    Attributes:
-        name: the ``length_normalization`` value.
-        reduce: ``reduce(per_token_loss (B, T), response_mask (B, T), normalize_constant, empty_rows) -> 0-d loss``
-            (:func:`compute_grpo_loss` checks shapes and choices first).
-        divisor: what a trainer passes as ``normalize_constant``: ``"none"`` (the entry divides by counts it takes
-            from the mask itself), ``"max_completion_length"`` (that config value), or ``"batch_tokens"`` (the number
-            of response tokens of the whole batch, over every process and micro-batch of the optimizer step, as the
-            average share of one micro-batch on one process; see ``trl_ext.GRPOTrainer``).
-        upstream_loss_type: TRL's ``loss_type`` that reduces the same way, or None; ``GRPOConfig.loss_type`` maps it
-            onto this entry.
-        formula: the reduction in one line, for help texts.
-        source: where it comes from.
-    """
-
-    name: str
-    reduce: Callable[..., torch.Tensor]
-    divisor: Literal["none", "max_completion_length", "batch_tokens"] = "none"
-    upstream_loss_type: str | None = None
-    formula: str = ""
-    source: str = ""
-
-
-LENGTH_NORMALIZATIONS: dict[str, LengthNormalization] = {}
-"""``length_normalization`` -> its :class:`LengthNormalization`, in registration order."""
-
-
-def register_length_normalization(entry: LengthNormalization) -> LengthNormalization:
-    """Add ``entry`` to :data:`LENGTH_NORMALIZATIONS` and return it.
-
-    Raises:
-        ValueError: the name, or the TRL ``loss_type`` it claims, is taken, or ``divisor`` is unknown.
-    """
-    if entry.name in LENGTH_NORMALIZATIONS:
-        raise ValueError(f"a length normalization named {entry.name!r} is already registered")
-    _check_choice(f"{entry.name}: divisor", entry.divisor, ("none", "max_completion_length", "batch_tokens"))
-    claimed = {e.upstream_loss_type: e.name for e in LENGTH_NORMALIZATIONS.values() if e.upstream_loss_type}
-    if entry.upstream_loss_type in claimed:
-        raise ValueError(
-            f"TRL's loss_type {entry.upstream_loss_type!r} already means {claimed[entry.upstream_loss_type]!r}"
-        )
-    LENGTH_NORMALIZATIONS[entry.name] = entry
-    return entry
-
-
-def get_length_normalization(name: str) -> LengthNormalization:
-    """The registered :class:`LengthNormalization` called ``name``.
-
-    Raises:
-        ValueError: naming the registered normalizations, when none is called ``name``.
-    """
-    _check_choice("length_normalization", name, tuple(LENGTH_NORMALIZATIONS))
-    return LENGTH_NORMALIZATIONS[name]
-
-
-def _response_tokens(response_mask: torch.Tensor) -> torch.Tensor:
-    return response_mask.sum(dim=-1)
-
-
-def _per_response_mean(per_token_loss, response_mask, normalize_constant, empty_rows):
-    tokens = _response_tokens(response_mask)
-    if empty_rows == "drop":
-        per_example = masked_normalize(per_token_loss, response_mask, dim=-1) / tokens.clamp(min=1)
-        return per_example.sum() / (tokens > 0).sum().clamp(min=1)
-    empty = tokens == 0
-    if empty.any() and empty_rows == "raise":
-        raise ValueError(
-            f"response_mask rows {empty.nonzero().flatten().tolist()} have no response token; masked_mean over "
-            "them is undefined (expected at least one 1 per row)"
-        )
-    return masked_mean(per_token_loss, response_mask, dim=-1).masked_fill(empty, 0.0).mean()
-
-
-def _per_response_sum_over_constant(per_token_loss, response_mask, normalize_constant, empty_rows):
-    if normalize_constant is None:
-        raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
-    per_example = masked_normalize(per_token_loss, response_mask, dim=-1, normalize_constant=normalize_constant)
-    if empty_rows == "drop":
-        return per_example.sum() / (_response_tokens(response_mask) > 0).sum().clamp(min=1)
-    return per_example.mean()
-
-
-def _token_mean(per_token_loss, response_mask, normalize_constant, empty_rows):
-    # A row without response tokens adds nothing to the sum nor to the count: every empty_rows choice agrees.
-    tokens = response_mask.sum() if normalize_constant is None else normalize_constant
-    tokens = torch.as_tensor(tokens, dtype=per_token_loss.dtype, device=per_token_loss.device)
-    return masked_normalize(per_token_loss, response_mask) / tokens.clamp(min=1.0)
-
-
-register_length_normalization(
-    LengthNormalization(
-        "masked_mean",
-        _per_response_mean,
-        upstream_loss_type="grpo",
-        formula="each response's mean over its tokens, then the mean over responses (every response weighs the same)",
-        source="CS336 A5 sections 7.2-7.3 (masked_mean); GRPO (Shao et al. 2024)",
-    )
-)
-register_length_normalization(
-    LengthNormalization(
-        "masked_normalize",
-        _per_response_sum_over_constant,
-        divisor="max_completion_length",
-        upstream_loss_type="dr_grpo",
-        formula="each response's sum over its tokens / max_completion_length, then the mean over responses",
-        source="CS336 A5 section 4.2 (masked_normalize); Dr. GRPO (Liu et al. 2025)",
-    )
-)
-register_length_normalization(
-    LengthNormalization(
-        "token_mean",
-        _token_mean,
-        divisor="batch_tokens",
-        upstream_loss_type="dapo",
-        formula="the sum over every response token of the whole batch (all processes and micro-batches of an "
-        "optimizer step) / their count (every token weighs the same)",
-        source="DAPO (Yu et al. 2025), section 3.3, token-level policy gradient loss",
-    )
-)
-register_length_normalization(
-    LengthNormalization(
-        "local_token_mean",
-        _token_mean,
-        upstream_loss_type="bnpo",
-        formula="the sum over the response tokens of each micro-batch of one process / their count",
-        source="DAPO's token-level mean over the local micro-batch (TRL's bnpo)",
-    )
-)
-
-
-def compute_grpo_loss(
-    per_token_loss: torch.Tensor,
-    response_mask: torch.Tensor,
-    length_normalization: str = "masked_mean",
-    normalize_constant: float | torch.Tensor | None = None,
-    empty_rows: Literal["raise", "zero", "drop"] = "raise",
-) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch (an entry of
-    :data:`LENGTH_NORMALIZATIONS`).
-
-    - ``masked_mean``: per example, the mean over its response tokens (each response weighs the same, its tokens
-      share that weight; the handout's default), then the mean over the batch;
-    - ``masked_normalize``: per example, the sum over its response tokens divided by ``normalize_constant`` (Dr.
-      GRPO: a constant such as the maximum completion length, so every token weighs the same), then the mean over
-      the batch;
-    - ``token_mean`` / ``local_token_mean``: the sum over every response token of the batch divided by
-      ``normalize_constant``, the number of response tokens the mean is over (DAPO's token-level loss); None (the
-      default) divides by this batch's own count, which is ``local_token_mean`` (TRL's ``bnpo``) for a micro-batch.
-      A count of 0 divides by 1 (the loss is then 0), as TRL does.
-
-    Args:
-        per_token_loss: (B, T).
-        response_mask: (B, T), 1 on response tokens.
-        length_normalization: a registered name (default ``"masked_mean"``).
-        normalize_constant: the divisor of ``"masked_normalize"`` (required there) and of the token means (a token
-            count; optional); ignored by ``"masked_mean"``.
-        empty_rows: what a row with no response token (e.g. one masked by ``mask_truncated_completions``) does:
-            ``"raise"`` (default) -- with ``masked_mean`` its mean is undefined, so a ValueError names the rows
-            (``masked_normalize`` is defined there: the row contributes 0 and counts in the batch mean);
-            ``"zero"`` -- it contributes 0 and still counts in the batch mean (TRL's ``grpo`` loss);
-            ``"drop"`` -- it leaves the batch mean: the loss is the mean, over the rows with at least one response
-            token, of their ``masked_mean`` (or sum / ``normalize_constant``), and 0 with zero (finite) gradients
-            when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches with ``"drop"``, so masked rows do not
-            dilute the loss. The token means count tokens, not rows: an empty row changes nothing whatever this says.
-
-    Returns:
-        0-d tensor.
-
-    Raises:
-        ValueError: on a shape mismatch, an unknown ``length_normalization`` or ``empty_rows``, a missing
-        ``normalize_constant``, or (``masked_mean`` with ``empty_rows="raise"``) a row with no response token,
-        whose mean would be NaN; the row is named.
-
-    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
-    discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``; Yu et al. 2025 (DAPO) for the token means.
-    """
-    _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
-    entry = get_length_normalization(length_normalization)
-    _check_choice("empty_rows", empty_rows, EMPTY_ROWS)
-    return entry.reduce(per_token_loss, response_mask, normalize_constant, empty_rows)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@
   keeps no cache in a training forward, both in one cache-free forward instead (``forward_in_one_sequence``);
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
-(``skip_zero_advantage_rows``: with beta 0, rows whose advantage is exactly 0 run without gradient) and
+(``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
+gradient) and
 ``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
 line otherwise; ``trl_ext.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
 time). Measured effect on the main job: docs/performance.md.
@@ -28,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from . import functional
+from .losses import POLICY_LOSSES
 from .packed_linear import PackedLinearWeights
 from .packing import forward_in_one_sequence
 from .sampling import same_draws_multinomial
@@ -60,6 +61,16 @@ FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+
+
+def _entropy_bonus_option(args) -> str | None:
+    """The option that turns TRL's entropy bonus on (``entropy_coef`` != 0 or ``use_adaptive_entropy``), as
+    ``name=value``; None when the bonus is off (TRL 1.16 ``GRPOTrainer._entropy_bonus_enabled``)."""
+    if getattr(args, "use_adaptive_entropy", False):
+        return "use_adaptive_entropy=True"
+    if getattr(args, "entropy_coef", 0.0) != 0.0:
+        return f"entropy_coef={args.entropy_coef!r}"
+    return None
 
 
 class GRPOSpeedMixin:
@@ -132,13 +143,18 @@ class GRPOSpeedMixin:
             return False, False, False
         decision = savings_decision(self.model)
         noise = training_noise(self.model) if (self.model.training if training is None else training) else None
-        # Skipping a row is exact only where a zero weight gives a zero gradient: the loss's registry entry says.
-        loss = functional.get_policy_gradient_loss(self.args.pg_loss_type)
+        # Skipping a row is exact only where a zero advantage gives a zero gradient: the loss's registry entry says,
+        # and no term outside the policy loss gives such a row a gradient (TRL's entropy bonus does; its entropy
+        # and off-policy masks only zero policy-loss tokens, and beta != 0 is checked at each use)
+        loss = POLICY_LOSSES.get(self.args.pg_loss_type)
         loss_reason = (
             None
-            if loss.zero_weight_zero_gradient
+            if loss.zero_advantage_zero_gradient
             else (f"pg_loss_type={loss.name!r} does not declare that a zero weight gives a zero gradient")
         )
+        bonus = _entropy_bonus_option(self.args)
+        if loss_reason is None and bonus is not None:
+            loss_reason = f"{bonus} adds an entropy bonus, which gives a rollout of advantage 0 a gradient"
         # TRL adds an MoE model's load-balancing loss (router logits of every token of every row, as the batch
         # holds them) to the training loss: a shared prompt, a packed row or a skipped row would change it
         aux = getattr(self, "aux_loss_enabled", False)
@@ -274,10 +290,11 @@ class GRPOSpeedMixin:
                 unwrapped.generate = own
 
     def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
-        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``: reward 0)
-        makes every policy-gradient loss of ``functional`` 0 at every token, and with beta = 0 nothing else is
-        added. None when nothing is skipped: an option off, evaluation, beta != 0, multimodal or MoE inputs, or
-        no such row."""
+        """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``, whose estimator
+        is ``raw_rewards``: reward 0) makes a loss that declares ``zero_advantage_zero_gradient`` (``_savings_now``
+        checks) 0 at every token, TRL's entropy and off-policy masks keep it 0, and with beta = 0 and no entropy bonus
+        (``_savings_now`` checks) nothing else is added. None when nothing is skipped: an option off, evaluation,
+        beta != 0, multimodal or MoE inputs, or no such row."""
         if not (self._skip_zero_advantage and self.model.training and self.beta == 0.0) or self.aux_loss_enabled:
             return None
         if any(value is not None for value in extra_inputs.values()):

@@ -2,8 +2,8 @@
 
 :func:`finish` is what a training or evaluation recipe calls last::
 
-    report.finish(run, metrics, title="GRPO on math problems", trainer=trainer,
-                  table=("before", "after"), ...)
+    report.finish(run, metrics, [report.Record("GRPO on math problems"), report.accuracy_table(...),
+                                 report.Curves("training_curves.png", PANELS)], trainer=trainer)
 
 It writes, in this order: per-example records (``eval_before.jsonl``...), the model card (``README.md``, naming
 the real base model), the plot of the training log (``training_curves.png``), ``experiment.md`` (from what it was
@@ -30,7 +30,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -53,6 +53,7 @@ IMPORTANT_FIELDS = (
     "max_completion_length",
     "temperature",
     "pg_loss_type",
+    "advantage_estimator",
     "normalize_by_std",
     "length_normalization",
     "advantage_eps",
@@ -339,8 +340,8 @@ def eval_curve(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
     return [points[step] for step in sorted(points)]
 
 
-def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[str, tuple, list[tuple]]:
-    """``(caption, columns, rows)`` of held-out accuracy and format rate before and after (``finish``'s table); with an
+def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> ConsoleTable:
+    """The console table (``caption, columns, rows``) of held-out accuracy and format rate before and after; with an
     ``exact`` column (answers scored 1) when some answer earned partial credit, and a ``cut`` column (responses the
     length limit cut) when some was cut."""
     results = (("before", before), ("after", after))
@@ -357,7 +358,7 @@ def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any
         )
         for name, r in results
     ]
-    return f"{what} ({held_out_caption(after)}, greedy)", columns, rows
+    return ConsoleTable(f"{what} ({held_out_caption(after)}, greedy)", columns, rows)
 
 
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
@@ -399,26 +400,114 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
 
 
 # ------------------------------------------------------------------------------------------------- the one call
+# ---------------------------------------------------------------------------------------------- what a run leaves
+class Records(NamedTuple):
+    """Per-example records: file stem -> rows, each file written as JSON lines (``Records({"eval_after": rows})``
+    -> ``eval_after.jsonl``)."""
+
+    files: Mapping[str, Sequence[Mapping[str, Any]]]
+
+
+class ModelCard(NamedTuple):
+    """The model card, ``README.md`` (:func:`write_model_card`), naming the base model (None: the embedded model's
+    source) and the dataset; the trainer given to :func:`finish` names the training method."""
+
+    base_model: str | None
+    dataset: str | None = None
+
+
+class Curves(NamedTuple):
+    """A plot of the training log (:func:`plot_curves`): ``file`` (``"training_curves.png"``), its ``(log key,
+    title)`` panels and the points to mark; ``points`` None marks the held-out evaluations of the log
+    (``metrics["eval_curve"]``)."""
+
+    file: str
+    panels: Sequence[tuple[str, str]]
+    points: Mapping[str, Sequence[tuple[int, float]]] | None = None
+
+
+class Record(NamedTuple):
+    """``experiment.md`` (:func:`write_experiment_record`) under the heading ``title``: ``results`` is ``(header,
+    rows)`` of its results table (None: the scalar entries of ``metrics``), ``observations`` sentences placed before
+    ``observe_training``'s. A run without a ``Record`` writes no ``experiment.md``."""
+
+    title: str
+    results: tuple[Sequence[str], Sequence[Sequence[Any]]] | None = None
+    observations: Sequence[str] = ()
+
+
+class ConsoleTable(NamedTuple):
+    """A table printed to the console (rich): ``(caption, columns, rows)``."""
+
+    caption: str
+    columns: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ConsoleLines:
+    """Lines printed after the tables (a summary, examples), as given: ``ConsoleLines("line 1", "line 2")``."""
+
+    lines: tuple[str, ...]
+
+    def __init__(self, *lines: str):
+        object.__setattr__(self, "lines", lines)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Written:
+    """Files the recipe's library calls wrote themselves (``Written("responses.jsonl")``), named in the closing
+    "Wrote" line."""
+
+    files: tuple[str, ...]
+
+    def __init__(self, *files: str):
+        object.__setattr__(self, "files", files)
+
+
+Output = Records | ModelCard | Curves | Record | ConsoleTable | ConsoleLines | Written
+"""One thing :func:`finish` writes or prints; a run's outputs are one list of them."""
+
+_AT_MOST_ONCE = (ModelCard, Record)  # one file each: a second would overwrite the first
+
+
+def _by_kind(outputs: Sequence[Output]) -> dict[type, list]:
+    """``{kind: [outputs of that kind, in the order given]}``; an unknown kind, or a second ``ModelCard`` or ``Record``,
+    raises."""
+    kinds: dict[type, list] = {kind: [] for kind in Output.__args__}
+    for output in outputs:
+        if type(output) not in kinds:
+            raise TypeError(
+                f"report.finish: outputs[{list(outputs).index(output)}] is a {type(output).__name__}; expected one of "
+                + ", ".join(f"report.{kind.__name__}" for kind in kinds)
+            )
+        kinds[type(output)].append(output)
+    for kind in _AT_MOST_ONCE:
+        if len(kinds[kind]) > 1:
+            raise ValueError(f"report.finish: {len(kinds[kind])} report.{kind.__name__} outputs; give at most one")
+    return kinds
+
+
 def finish(
     run: Any,
     metrics: Mapping[str, Any],
+    outputs: Sequence[Output],
     *,
-    title: str,
-    table: tuple[str, Sequence[str], Sequence[Sequence[Any]]] | None = None,
-    lines: Sequence[str] = (),
     trainer: Any = None,
-    model_card: tuple[str | None, str | None] | None = None,
-    curves: tuple[str, Sequence[tuple[str, str]], Mapping[str, Sequence[tuple[int, float]]] | None] | None = None,
     log_history: Sequence[Mapping[str, Any]] | None = None,
-    records: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
-    results: tuple[Sequence[str], Sequence[Sequence[Any]]] | None = None,
-    observations: Sequence[str] = (),
-    record: bool = True,
-    git: Mapping[str, Any] | None = None,
-    wrote: Sequence[str] = (),
     speed: Mapping[str, Any] | None = None,
+    git: Mapping[str, Any] | None = None,
 ) -> Console | None:
     """Write everything a finished run leaves and print its summary; on the main process only (others: None).
+
+    ``outputs`` lists what the run leaves besides ``metrics.json``, in any order; they are written in this one:
+    :class:`Records`, the :class:`ModelCard`, each :class:`Curves` plot, the :class:`Record` (``experiment.md``),
+    ``metrics.json`` (last, its presence marks a finished run); then printed: each :class:`ConsoleTable`, each
+    :class:`ConsoleLines`, which results were reused on resume, where the time went (when ``metrics`` has a
+    ``time_breakdown``), the roofline, and the closing "Wrote ..." line (naming :class:`Written`'s files too)::
+
+        report.finish(run, metrics, [report.Record("GRPO"), report.ConsoleTable(*table), report.Curves(...)],
+                      trainer=trainer)
 
     Args:
         run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
@@ -429,37 +518,33 @@ def finish(
             ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far) and, when it watched a
             model, ``roofline`` (``run.roofline_report()``: a phase that was not timed or ran under its floor is left
             out with the reason, never reported with a ratio below 1).
-        title: the record's first heading (``experiment.md``).
-        table: ``(caption, columns, rows)`` printed to the console.
-        lines: printed after the table (summary, examples); then which results were reused on resume and, when
-            ``metrics`` has a ``time_breakdown``, where the time went.
+        outputs: the list of :data:`Output` (:class:`Records`, :class:`ModelCard`, :class:`Curves`, :class:`Record`,
+            :class:`ConsoleTable`, :class:`ConsoleLines`, :class:`Written`).
         trainer: the trainer whose model card template names the training method; its ``state.log_history`` is
             the default ``log_history``.
-        model_card: ``(base model, dataset)``: write ``README.md`` (:func:`write_model_card`) naming them.
-        curves: ``(file name, panels, points)``: plot the training log (:func:`plot_curves`); ``points`` None marks
-            the held-out evaluations of the log (``eval_curve``).
-        log_history: the training log for ``curves`` and for the record's observations.
-        records: file stem -> rows, each written as JSON lines (``{"eval_after": [...]}`` -> ``eval_after.jsonl``).
-        results: ``(header, rows)`` of the record's results table (default: the scalar entries of ``metrics``).
-        observations: sentences for the record, before ``observe_training``'s.
-        record: write ``experiment.md``.
-        git: trl_ext's ``trl_ext.run.git_state`` (default: ``run.git``, taken when the run started).
-        wrote: files the recipe wrote itself, named in the closing "Wrote ..." line.
+        log_history: the training log for :class:`Curves` and for the record's observations.
         speed: what ``trl_ext.runtime.apply_speed_defaults`` chose (threads, precision); with a trainer, recorded
             as ``runtime`` with the number of processes and accelerate's distributed type (FSDP shows there, not
             in ``PartialState``), unless ``metrics`` has a ``runtime``.
+        git: trl_ext's ``trl_ext.run.git_state`` (default: ``run.git``, taken when the run started).
 
     Returns:
         The console (for a recipe's own closing lines), or None on other processes.
+
+    Raises:
+        TypeError: an item of ``outputs`` that is no :data:`Output`.
+        ValueError: more than one :class:`ModelCard` or :class:`Record`.
     """
+    kinds = _by_kind(outputs)
     if not is_main_process():
         return None
     out = Path(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = ["metrics.json", *wrote]
-    for stem, rows in (records or {}).items():
-        with open(out / f"{stem}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    written = ["metrics.json", *(name for w in kinds[Written] for name in w.files)]
+    for records in kinds[Records]:
+        for stem, rows in records.files.items():
+            with open(out / f"{stem}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     metrics = dict(metrics)
     if trainer is not None and hasattr(trainer, "state"):  # what every training run records, unless given
         log_history = trainer.state.log_history if log_history is None else log_history
@@ -483,10 +568,9 @@ def finish(
         roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)
-    if model_card is not None:
-        write_model_card(trainer, out, *model_card)
-    if curves is not None:
-        name, panels, points = curves
+    for card in kinds[ModelCard]:
+        write_model_card(trainer, out, card.base_model, card.dataset)
+    for name, panels, points in kinds[Curves]:
         if points is None and metrics.get("eval_curve"):  # every held-out evaluation marked with its value
             points = {
                 key: [(p["step"], p[field]) for p in metrics["eval_curve"] if p[field] is not None]
@@ -494,18 +578,18 @@ def finish(
             }
         plot = plot_curves(log_history or [], panels, out / name, points)
         written.append(plot.name if plot else "no plot")
-    if record:
+    for record in kinds[Record]:
         configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
-        header, rows = results if results is not None else (("metric", "value"), scalar_results(metrics))
+        header, rows = record.results or (("metric", "value"), scalar_results(metrics))
         budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
         write_experiment_record(
             out,
-            title,
+            record.title,
             configs=configs,
             results=rows,
             results_header=header,
             plots=sorted(p.name for p in out.glob("*.png")),
-            observations=observations,
+            observations=record.observations,
             log_history=log_history,
             max_completion_length=budget,
             git=run.git if git is None else git,
@@ -513,8 +597,10 @@ def finish(
         )
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
-    console = print_table(*table) if table is not None else Console(soft_wrap=True)
-    for line in lines:
+    console = Console(soft_wrap=True)
+    for table in kinds[ConsoleTable]:
+        print_table(*table, console=console)
+    for line in (line for lines in kinds[ConsoleLines] for line in lines.lines):
         console.print(line, markup=False)
     for name in run.reused:
         console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
@@ -524,7 +610,7 @@ def finish(
         console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
     if "roofline" in metrics:
         console.print(format_roofline(metrics["roofline"]), markup=False)
-    saved = " and the trained model" if model_card is not None else ""
+    saved = " and the trained model" if kinds[ModelCard] else ""
     console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
     return console
 
@@ -594,15 +680,15 @@ def finish_comparison(
 # ------------------------------------------------------------------------------- recipes evaluated before and after
 def before_after_table(
     caption: str, before: Mapping[str, float], after: Mapping[str, float], keys: Sequence[str]
-) -> tuple[str, tuple[str, ...], list[tuple]]:
-    """``(caption, columns, rows)`` of :func:`finish`'s table for a recipe that evaluates held-out data before and
+) -> ConsoleTable:
+    """The console table (``caption, columns, rows``) of a recipe that evaluates held-out data before and
     after training (sft_instruct, reward_model, dpo): one row per name in ``keys``, its value in ``before`` and in
     ``after`` to 4 decimals (:func:`before_after_rows`).
 
     Raises:
         KeyError: a name missing from ``before`` or ``after``.
     """
-    return caption, ("held-out", "before", "after"), before_after_rows(before, after, keys)
+    return ConsoleTable(caption, ("held-out", "before", "after"), before_after_rows(before, after, keys))
 
 
 def before_after_metrics(

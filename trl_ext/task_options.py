@@ -10,7 +10,9 @@ problem, ``trl_ext.tasks.load_task`` checks again for callers from Python) -- ne
 * :data:`TASK_OPTIONS`: task kind (:func:`task_kind`) -> the options it uses;
 * :data:`UNUSED_WHEN`: options that a setting of another option makes unused (a local file has no splits; a
   separate ``--test_file`` replaces the held-out split; only the chat template has a system turn);
-* :data:`TASK_CONFIG_KEYS`: the ``--task_config`` keys a kind takes (the math tasks' keys are their options).
+* :data:`TASKS`: the task registry (``--task NAME``), each entry a :class:`TaskFactory` whose keyword parameters are
+  its ``--task_config`` keys (:meth:`TaskFactory.config_problem`); ``trl_ext.tasks`` registers the built-ins and
+  resolves ``--task`` (``trl_ext.tasks.resolve_task``).
 
 An option counts as set when its value differs from the dataclass default and -- on the command line, where
 ``trl_ext.cli`` knows it -- the user set it (a flag or their ``--config`` file; a recipe's own default config does
@@ -19,7 +21,7 @@ not count).
 
 from __future__ import annotations
 
-import json
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -28,6 +30,119 @@ from typing import Any
 import trl
 
 from trl_ext.options import RecipeArguments
+from trl_ext.registry import Registry
+
+LOADER_PARAMETERS = ("options", "max_new_tokens", "train", "template")
+"""Parameters of a task factory that the loader fills, when the factory has them (every other keyword parameter is a
+``--task_config`` key): ``options`` (the recipe's task options, a :class:`TaskArguments`), ``max_new_tokens`` (the
+evaluation budget), ``train`` (False: held-out rows only), ``template`` (a template replacing ``--template``)."""
+
+
+@dataclass(frozen=True)
+class TaskFactory:
+    """A registered task: ``make(**task_config) -> trl_ext.tasks.Task`` and the kind of task it is.
+
+    ``make``'s keyword parameters are the task's ``--task_config`` keys (a ``**kwargs`` parameter takes any key);
+    those named in :data:`LOADER_PARAMETERS` are filled by the loader instead. ``kind`` (:data:`TASK_KINDS`) decides
+    which recipe options the task uses (:data:`TASK_OPTIONS`); ``"factory"`` (default): none but those every task
+    has, the loader cutting the held-out rows to ``--num_eval`` and setting the evaluation batch and budget.
+    """
+
+    make: Callable[..., Any]
+    kind: str = "factory"
+    description: str = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.make(*args, **kwargs)
+
+    def _parameters(self) -> list[inspect.Parameter]:
+        return list(inspect.signature(self.make).parameters.values())
+
+    def takes(self, name: str) -> bool:
+        """Whether the loader passes the :data:`LOADER_PARAMETERS` entry ``name``."""
+        return any(p.name == name and p.kind != p.VAR_KEYWORD for p in self._parameters())
+
+    def settings(self) -> tuple[str, ...] | None:
+        """The ``--task_config`` keys ``make`` takes, in signature order; None: any (it has ``**kwargs``)."""
+        params = self._parameters()
+        if any(p.kind == p.VAR_KEYWORD for p in params):
+            return None
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return tuple(p.name for p in params if p.kind in keyword and p.name not in LOADER_PARAMETERS)
+
+    def config_problem(self, config: Mapping[str, Any], label: str) -> str | None:
+        """Why ``config`` (``--task_config``) does not fit ``make``'s signature, in one line, or None: keys it does
+        not take (naming the keys it takes, and the flag of a key that is a recipe option) or settings it needs.
+
+        Args:
+            config: the parsed ``--task_config``.
+            label: the task, as the user named it (``"--task arithmetic"``).
+        """
+        keys = self.settings()
+        takes = f"its keys: {', '.join(map(repr, keys))}" if keys else "it takes no settings"
+        unknown = [k for k in config if keys is not None and k not in keys]
+        if unknown:
+            said = ", ".join(map(repr, unknown))
+            flags = [k for k in unknown if k in TASK_OPTION_NAMES]
+            hint = f"; {', '.join(f'--{k}' for k in flags)} {'is an option' if len(flags) == 1 else 'are options'}"
+            hint = hint + ": pass it as a flag" if flags else ""
+            if len(unknown) == 1:
+                return f"--task_config key {said}: {label} takes no such setting ({takes}){hint}"
+            return f"--task_config keys {said}: {label} takes no such settings ({takes}){hint}"
+        needed = [
+            p.name
+            for p in self._parameters()
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in LOADER_PARAMETERS
+            and p.name not in config
+        ]
+        if needed:
+            return f"--task_config: {label} needs the setting(s) {', '.join(map(repr, needed))} ({takes})"
+        return None
+
+
+def as_task_factory(obj: Any, path: str = "") -> TaskFactory:
+    """A registry entry or a user's function (by decorator or ``package.module:factory``) as a :class:`TaskFactory`.
+
+    Raises:
+        TypeError: ``obj`` is not callable.
+    """
+    if isinstance(obj, TaskFactory):
+        return obj
+    if not callable(obj):
+        said = path or repr(obj)
+        raise TypeError(f"{said} is a {type(obj).__name__}; expected a function that returns a trl_ext.tasks.Task")
+    return TaskFactory(obj)
+
+
+def _describe_task(entry: Any) -> str:
+    text = getattr(entry, "description", "") or (getattr(entry, "__doc__", None) or "").strip()
+    return text.splitlines()[0] if text else ""
+
+
+TASKS: Registry[Any] = Registry("task", "task", describe=_describe_task, load=as_task_factory)
+"""The tasks by ``--task`` name (the built-ins are registered by ``trl_ext.tasks``; ``package.module:factory`` is
+imported by the registry). Register your own: ``@register_task("mine")`` (or ``@TASKS.register("mine")``) above a
+function returning a ``trl_ext.tasks.Task``."""
+
+
+def register_task(name: str, kind: str = "factory", description: str = "") -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated task factory under ``name`` (``--task name``) as a :class:`TaskFactory` of
+    ``kind``, with ``description`` (default: its docstring's first line) listed by ``--help``; returns the function
+    unchanged.
+
+    Raises:
+        ValueError: ``name`` is taken, empty, or contains ``:``; ``kind`` is not one of :data:`TASK_KINDS`.
+    """
+    if kind not in TASK_KINDS:
+        raise ValueError(f"register_task kind={kind!r}; expected one of {list(TASK_KINDS)}")
+
+    def decorate(fn: Callable) -> Callable:
+        TASKS.register(name, TaskFactory(fn, kind, description or _describe_task(fn)))
+        return fn
+
+    return decorate
 
 
 @dataclass
@@ -37,19 +152,21 @@ class TaskArguments(trl.ScriptArguments, RecipeArguments):
     task: str | None = field(
         default=None,
         metadata={
-            "help": "The task: 'arithmetic' (generated additions; the default without --dataset_name), 'gsm8k', "
-            "'math' (a --dataset_name file or Hub dataset; with --dataset_name and no --task the kind is read from "
-            "its columns or --dataset_kind), 'sort', 'reasoning_gym:DATASET' (any reasoning-gym generator; "
-            "`uv sync --extra tasks`) or 'package.module:factory' (your own: factory(**task_config) returns a "
-            "trl_ext.tasks.Task). Options a task does not use are refused (trl_ext.task_options.TASK_OPTIONS)."
+            "help": TASKS.live_help(
+                "The task: one of ",
+                ", 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) or "
+                "'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task). Without it: "
+                "generated arithmetic, or with --dataset_name the kind its columns or --dataset_kind say. Options a "
+                "task does not use are refused (trl_ext.task_options.TASK_OPTIONS).",
+            )
         },
     )
     task_config: str | None = field(
         default=None,
         metadata={
-            "help": 'The task\'s settings as a JSON object, e.g. \'{"min_terms": 2, "max_terms": 2}\' for '
-            "reasoning_gym:chain_sum (passed to reasoning_gym.create_dataset), '{\"digits\": 3}' for arithmetic; "
-            "a factory's keyword arguments."
+            "help": "The task factory's keyword arguments as a JSON object, checked against its signature, e.g. "
+            '\'{"digits": 3}\' for arithmetic, \'{"num_numbers": 4}\' for sort, \'{"min_terms": 2, "max_terms": 2}\' '
+            "for reasoning_gym:chain_sum (reasoning_gym.create_dataset's, plus seed, answer_format, instruction)."
         },
     )
     dataset_name: str | None = field(
@@ -147,7 +264,8 @@ TASK_KINDS = ("arithmetic", "gsm8k", "math", "sort", "reasoning_gym", "factory")
 """The kinds of task (:func:`task_kind`): the built-ins by name, any ``reasoning_gym:NAME``, any
 ``package.module:factory``."""
 
-_EVERY_TASK = ("task_config", "num_eval", "eval_batch_size", "stop", "credit_truncated")
+_NO_CONFIG = ("num_eval", "eval_batch_size", "stop", "credit_truncated")
+_EVERY_TASK = ("task_config", *_NO_CONFIG)
 _PROMPT = ("template", "instruction", "system_prompt")
 _DATASET = (
     "dataset_name",
@@ -161,8 +279,8 @@ _DATASET = (
 
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "arithmetic": (*_EVERY_TASK, *_PROMPT, "reward", "num_train_problems", "arithmetic_digits"),
-    "gsm8k": (*_EVERY_TASK, *_PROMPT, "reward", *_DATASET),
-    "math": (*_EVERY_TASK, *_PROMPT, "reward", *_DATASET),
+    "gsm8k": (*_NO_CONFIG, *_PROMPT, "reward", *_DATASET),
+    "math": (*_NO_CONFIG, *_PROMPT, "reward", *_DATASET),
     "sort": (*_EVERY_TASK, "instruction", "system_prompt", "num_train_problems"),
     "reasoning_gym": (*_EVERY_TASK, *_PROMPT, "num_train_problems"),
     "factory": _EVERY_TASK,
@@ -180,17 +298,6 @@ KIND_ROWS = {
     "factory": "the factory makes its rows and its scorer; pass its settings in --task_config",
 }
 """Why a kind does not use other options, for the messages."""
-
-TASK_CONFIG_KEYS: dict[str, tuple[str, ...] | None] = {
-    "arithmetic": ("digits", *TASK_OPTIONS["arithmetic"]),
-    "gsm8k": TASK_OPTIONS["gsm8k"],
-    "math": TASK_OPTIONS["math"],
-    "sort": ("num_numbers", "max_number", "instruction", "system_prompt"),
-    "reasoning_gym": None,
-    "factory": None,
-}
-"""The ``--task_config`` keys a kind takes (``task_config`` itself aside); None: the generator (``reasoning_gym.
-create_dataset``) or the factory's signature decides."""
 
 
 def _local_file(values: Mapping[str, Any]) -> bool:
@@ -221,14 +328,17 @@ def task_kind(values: Mapping[str, Any]) -> str | None:
         if not values.get("dataset_name"):
             return "arithmetic"
         return "math" if values.get("dataset_kind") == "math" else "gsm8k"
-    if name in ("arithmetic", "gsm8k", "math", "sort"):
-        return name
+    if not isinstance(name, str):
+        return None
     if name.startswith("reasoning_gym:"):
         return "reasoning_gym"
+    if name in TASKS:
+        return getattr(TASKS.get(name), "kind", "factory")
     return "factory" if ":" in name else None
 
 
-def _label(values: Mapping[str, Any]) -> str:
+def task_label(values: Mapping[str, Any]) -> str:
+    """The task ``values`` name, for messages (``"--task sort"``, ``"generated arithmetic (no --task)"``)."""
     if values.get("task") is not None:
         return f"--task {values['task']}"
     return "a --dataset_name dataset (no --task)" if values.get("dataset_name") else "generated arithmetic (no --task)"
@@ -252,8 +362,9 @@ def option_problems(
     defaults: Mapping[str, Any] | None = None,
     held_out_only: bool = False,
 ) -> list[str]:
-    """Every task option that is set but that the task does not use (:data:`TASK_OPTIONS`, :data:`UNUSED_WHEN`,
-    :data:`TASK_CONFIG_KEYS`), one line each, naming the flag, its value, the task and what the task takes.
+    """Every task option that is set but that the task does not use (:data:`TASK_OPTIONS`, :data:`UNUSED_WHEN`), one
+    line each, naming the flag, its value, the task and what the task takes. (The ``--task_config`` keys are checked
+    against the task factory's signature by ``trl_ext.tasks.task_problem``.)
 
     Args:
         values: the parsed options (``{name: value}``, or a :class:`TaskArguments`).
@@ -290,22 +401,10 @@ def option_problems(
         shown = f"--{name} {values[name]!r}{where(name)}"
         if option not in used:
             takes = ", ".join(f"--{o}" for o in used)
-            problems.append(f"{shown}: not used by {_label(values)} ({KIND_ROWS[kind]}; it takes {takes}); remove it")
+            label = task_label(values)
+            problems.append(f"{shown}: not used by {label} ({KIND_ROWS[kind]}; it takes {takes}); remove it")
             continue
         why = next((why for o, when, why in UNUSED_WHEN if o == option and when(context)), None)
         if why:
             problems.append(f"{shown}: not used ({why}); remove it")
-    config = values.get("task_config")
-    keys = TASK_CONFIG_KEYS[kind]
-    if keys is not None and isinstance(config, (str, Mapping)) and config:
-        try:
-            settings = json.loads(config) if isinstance(config, str) else dict(config)
-        except json.JSONDecodeError:
-            settings = None  # trl_ext.tasks.parse_task_config reports it
-        for key in settings if isinstance(settings, dict) else ():
-            if key not in keys:
-                problems.append(
-                    f"--task_config key {key!r}{where('task_config')}: {_label(values)} takes no such setting (its "
-                    f"keys: {', '.join(repr(k) for k in keys if k != 'task_config')})"
-                )
     return problems

@@ -16,15 +16,18 @@ never judge differently:
     before = task.evaluate(model, tokenizer, "eval before")        # {"accuracy", "format_rate", "records", ...}
     trainer = trl_ext.GRPOTrainer(model=model, reward_funcs=task.reward_funcs, train_dataset=task.train, ...)
 
-Tasks are named (``--task NAME``, settings in ``--task_config JSON``; :func:`load_task`):
+Tasks are named (``--task NAME``), and one function reads the name (:func:`resolve_task`):
 
-* the built-ins of :data:`TASKS`: ``arithmetic`` (generated additions; the default without ``--dataset_name``),
-  ``gsm8k`` and ``math`` (a local file or a Hub dataset; with ``--dataset_name`` and no ``--task`` the kind is
-  read from its columns), ``sort`` (the lecture's sorting toy task);
+* the entries of the registry :data:`TASKS`: the built-ins ``arithmetic`` (generated additions; the default without
+  ``--dataset_name``), ``gsm8k`` and ``math`` (a local file or a Hub dataset; with ``--dataset_name`` and no
+  ``--task`` the kind is read from its columns), ``sort`` (the lecture's sorting toy task), and yours
+  (:func:`register_task`);
 * ``reasoning_gym:DATASET``: any generator of the ``reasoning-gym`` library (``uv sync --extra tasks``), scored by
   the generator's own ``score_answer(answer=..., entry=...)`` on the full entry (:func:`reasoning_gym_task`);
-* ``package.module:factory``: a task of your own; ``factory(**task_config)`` returns a :class:`Task` (in the spirit
-  of TRL's dotted paths for reward functions).
+* ``package.module:factory``: a task of your own (in the spirit of TRL's dotted paths for reward functions).
+
+``--task_config JSON`` is the factory's keyword arguments, checked against its signature
+(:meth:`~trl_ext.task_options.TaskFactory.config_problem`); ``factory(**task_config)`` returns a :class:`Task`.
 
 Every problem -- an unknown name, a bad ``--task_config``, a scorer that raises on a probe row -- is one line naming
 the flag, before any model loads.
@@ -32,16 +35,12 @@ the flag, before any model loads.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
+import functools
 import hashlib
-import importlib
 import itertools
 import json
 import math
 import os
-import random
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -55,14 +54,32 @@ from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
+from trl_ext.reasoning_gym_support import (  # noqa: F401 -- the answer formats are this module's API too
+    ANSWER_FORMATS,
+    REASONING_GYM_PREFIX,
+    RG_INSTRUCTIONS,
+    answer_extractor,
+    choose_answer_format,
+    distinct_entries,
+    extract_last_line,
+    generator_problem,
+    import_reasoning_gym,
+    seeded_global_generators,
+)
+from trl_ext.registry import Registry
 from trl_ext.stop_strings import check_stop_strings
-from trl_ext.task_options import (  # noqa: F401 -- TaskArguments and MathTaskArguments are this module's API
+from trl_ext.task_options import (  # noqa: F401 -- TaskArguments, TASKS, register_task, ... are this module's API
     TASK_OPTIONS,
+    TASKS,
     MathTaskArguments,
     TaskArguments,
+    TaskFactory,
+    as_task_factory,
     option_defaults,
     option_problems,
+    register_task,
     task_kind,
+    task_label,
 )
 
 Scorer = Callable[[str, Mapping[str, Any]], Mapping[str, float]]
@@ -339,32 +356,24 @@ class Grader:
     credit_truncated: bool = True
 
 
-GRADERS = {
-    "arithmetic": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
-    "gsm8k": Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False),
-    "math": Grader(rewards.math_reward_fn, rewards.extract_math_answer),
-    "r1_zero": Grader(rewards.r1_zero_reward_fn, _r1_zero_answer),
-}
-"""Grader by ``--reward`` name: ``arithmetic`` and ``gsm8k`` grade the last number of a response (so a response the
-length limit cut earns nothing), ``math`` a ``\\boxed{}``/``<answer>`` with math-verify, ``r1_zero`` also needs the
-"</think> <answer> ... </answer>" format."""
-
-MATH_TASKS = ("arithmetic", "gsm8k", "math")
+def _dotted_grader(obj: Any, path: str) -> Grader:
+    """``--reward package.module:function``: a course ``reward_fn(response, ground_truth)`` as a :class:`Grader`."""
+    if isinstance(obj, Grader):
+        return obj
+    if not callable(obj):
+        raise TypeError(f"{path} is a {type(obj).__name__}; expected a function reward_fn(response, ground_truth)")
+    return Grader(obj, None)
 
 
-def _import_object(spec: str, flag: str) -> Any:
-    """``package.module:name`` -> the object, or a RecipeError naming ``flag``."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise RecipeError(f"{flag} {spec!r}: expected 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RecipeError(f"{flag} {spec!r}: cannot import {module_name!r} ({err})") from None
-    try:
-        return getattr(module, attribute)
-    except AttributeError:
-        raise RecipeError(f"{flag} {spec!r}: module {module_name!r} has no {attribute!r}") from None
+GRADERS: Registry[Grader] = Registry("grader", "reward", load=_dotted_grader)
+"""The math tasks' graders by ``--reward`` name (a :class:`~trl_ext.registry.Registry`: did-you-mean, and
+``package.module:function`` for a course ``reward_fn``): ``arithmetic`` and ``gsm8k`` grade the last number of a
+response (so a response the length limit cut earns nothing), ``math`` a ``\\boxed{}``/``<answer>`` with math-verify,
+``r1_zero`` also needs the "</think> <answer> ... </answer>" format. The chosen grader is the task's scorer."""
+GRADERS.register("arithmetic", Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False))
+GRADERS.register("gsm8k", Grader(rewards.gsm8k_reward_fn, rewards.extract_last_number, credit_truncated=False))
+GRADERS.register("math", Grader(rewards.math_reward_fn, rewards.extract_math_answer))
+GRADERS.register("r1_zero", Grader(rewards.r1_zero_reward_fn, _r1_zero_answer))
 
 
 def _grader(reward: str | None, template: str, kind: str) -> tuple[str, Grader]:
@@ -372,19 +381,15 @@ def _grader(reward: str | None, template: str, kind: str) -> tuple[str, Grader]:
     template and template files, else ``kind``'s grader.
 
     Raises:
-        RecipeError: an unknown ``--reward`` or one that cannot be imported.
+        RecipeError: an unknown ``--reward`` (with the closest names) or one that cannot be imported.
     """
-    if reward is not None and ":" in reward:
-        fn = _import_object(reward, "--reward")
-        if not callable(fn):
-            raise RecipeError(f"--reward {reward!r}: expected a function reward_fn(response, ground_truth)")
-        return reward.rpartition(":")[2].removesuffix("_fn"), Grader(fn, None)
-    if reward is not None and reward not in GRADERS:
-        raise RecipeError(
-            f"--reward {reward!r} is not supported; expected one of {sorted(GRADERS)} or 'package.module:function'"
-        )
-    name = reward or ("r1_zero" if template not in ("chat", "question_only") else kind)
-    return name, GRADERS[name]
+    problem = GRADERS.problem(reward, flag=True) if reward is not None else None
+    if problem:
+        raise RecipeError(problem.replace("package.module:attr", "package.module:reward_fn"))
+    if reward is not None:
+        return reward.rpartition(":")[2].removesuffix("_fn"), GRADERS.get(reward)
+    name = "r1_zero" if template not in ("chat", "question_only") else kind
+    return name, GRADERS.get(name)
 
 
 def resolve_template(template: str) -> str:
@@ -545,25 +550,29 @@ class SortingTaskArguments(RecipeArguments):
     instruction: str = field(default=SORT_INSTRUCTION, metadata={"help": "Appended to each question ('' for none)."})
 
 
-def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
+def sorting_task(
+    options: Any,
+    max_new_tokens: int,
+    num_numbers: int | None = None,
+    max_number: int | None = None,
+    instruction: str | None = None,
+    system_prompt: str | None = None,
+) -> Task:
     """Sort N distinct numbers (the lecture's toy task), judged by ``sort_shaped_reward_fn``: trained on its
     ``reward`` (inclusion plus ordering, at most 2N-1) as ``sort_shaped_reward`` and on its ``answer_reward``
     (exact match, all or nothing) as ``sort_exact_reward``; held-out accuracy is the exact-match rate.
 
-    ``args`` has ``num_train_problems``, ``num_eval``, ``eval_batch_size`` and, unless given in ``config``,
-    ``num_numbers``, ``max_number``, ``instruction`` (unset: :data:`SORT_INSTRUCTION`; ``""``: none) and
-    ``system_prompt`` (:class:`SortingTaskArguments`). The prompt is a chat conversation.
-
-    Raises:
-        RecipeError: a ``config`` key other than those four (naming ``--task_config``).
+    ``options`` has ``num_train_problems``, ``num_eval``, ``eval_batch_size`` and may have ``num_numbers``,
+    ``max_number``, ``instruction`` (unset: :data:`SORT_INSTRUCTION`; ``""``: none) and ``system_prompt``
+    (:class:`SortingTaskArguments`); the keyword arguments (``--task_config``), where given, replace them. The prompt
+    is a chat conversation.
     """
-    keys = ("num_numbers", "max_number", "instruction", "system_prompt")
-    unknown = sorted(set(config) - set(keys))
-    if unknown:
-        raise RecipeError(f"--task_config: unknown key(s) {unknown} for the sort task; expected some of {list(keys)}")
-    settings = {k: getattr(args, k, None) for k in keys}
+    config = dict(num_numbers=num_numbers, max_number=max_number, instruction=instruction, system_prompt=system_prompt)
+    config = {k: v for k, v in config.items() if v is not None}
+    settings = {k: getattr(options, k, None) for k in ("num_numbers", "max_number", "instruction", "system_prompt")}
     settings = {**{"num_numbers": 3, "max_number": 99}, **{k: v for k, v in settings.items() if v is not None}}
     settings.update(config)
+    args = options
     instruction = settings.get("instruction")
     data = dict(
         num_numbers=settings["num_numbers"],
@@ -589,81 +598,28 @@ def sorting_task(args: Any, max_new_tokens: int, **config: Any) -> Task:
 
 
 # --------------------------------------------------------------------------------------------------- reasoning-gym
-REASONING_GYM_PREFIX = "reasoning_gym:"
-REASONING_GYM_EXTRA = "reasoning-gym is not installed: `uv sync --extra tasks` (or `pip install reasoning-gym`)"
-ANSWER_FORMATS = ("auto", "answer_tag", "answer_tag_or_whole", "last_number", "last_line")
-"""How a reasoning-gym task reads the answer from a response (``answer_format`` in ``--task_config``; see
-:func:`reasoning_gym_task`)."""
-
-
-def _unknown_generator(rg: Any, dataset_name: str) -> str | None:
-    """The problem of a reasoning-gym generator name that does not exist (with the closest names), or None."""
-    if dataset_name in rg.factory.DATASETS:
-        return None
-    close = difflib.get_close_matches(dataset_name, sorted(rg.factory.DATASETS), n=3, cutoff=0.6)
-    hint = f" (did you mean {', '.join(close)}?)" if close else f"; {len(rg.factory.DATASETS)} exist, e.g. chain_sum"
-    return f"--task {REASONING_GYM_PREFIX}{dataset_name}: no such reasoning-gym dataset{hint}"
-
-
-def _import_reasoning_gym(flag: str = "--task") -> Any:
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise RecipeError(f"{flag}: {REASONING_GYM_EXTRA}") from None
-    return reasoning_gym
-
-
-def _is_number(text: Any) -> bool:
-    return isinstance(text, (int, float)) or (isinstance(text, str) and re.fullmatch(r"-?\d+(\.\d+)?", text.strip()))
-
-
-_ANSWER_PREFIX = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.IGNORECASE)
-
-
-def extract_last_line(response: str) -> str | None:
-    """The last non-empty line of ``response``, without an "Answer:"/"The answer is" prefix, surrounding quotes,
-    backticks, markdown emphasis or a final period; None when the response is blank."""
-    lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
-    if not lines:
-        return None
-    line = _ANSWER_PREFIX.sub("", lines[-1]).strip().strip("*`").strip()
-    line = line[:-1] if line.endswith(".") and not re.search(r"\d\.$", line[-3:]) else line
-    return line.strip().strip("\"'").strip() or None
-
-
-@contextlib.contextmanager
-def _seeded_global_generators(seed: int):
-    """Python's and NumPy's global generators seeded with ``seed`` inside the block and restored after it: a
-    reasoning-gym generator that draws from them (``list_functions`` calls ``random.randint``) then makes the same
-    entries whatever ran before, and the user's generators are left as they were."""
-    import numpy as np
-
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
 def reasoning_gym_task(
-    dataset_name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int, train: bool = True
+    dataset_name: str,
+    options: Any,
+    max_new_tokens: int,
+    train: bool = True,
+    template: str | None = None,
+    **config: Any,
 ) -> Task:
     """A ``reasoning-gym`` generator as a task, scored by the generator's own ``score_answer(answer=...,
     entry=...)`` on the full entry (question, answer and metadata).
 
     Rows: ``--num_train_problems`` training entries drawn with ``seed`` (default 0) and ``--num_eval`` held-out
     entries with distinct questions drawn with ``seed + 1`` (more are drawn while questions repeat,
-    :func:`_distinct_entries`; a generator with fewer distinct questions gives fewer held-out rows, and the task's
+    :func:`distinct_entries`; a generator with fewer distinct questions gives fewer held-out rows, and the task's
     ``held_out_note`` says so); training entries whose question is also a held-out question are dropped, so the
     two are disjoint (the source says how many). Each row holds ``prompt`` (the question, plus the answer-format
     instruction, in the ``--template``: a chat conversation by default), ``answer``, ``question``, ``entry_id`` and
     ``entry`` (the whole entry as JSON, for records and for your inspection); the scorer finds the generator's own
     entry by ``entry_id`` (so metadata keeps its types), else decodes ``entry``.
 
-    ``config`` (``--task_config``) goes to ``reasoning_gym.create_dataset`` except trl_ext's keys:
+    ``options`` are the recipe's task options (``template`` replaces ``--template``). ``config``
+    (``--task_config``) goes to ``reasoning_gym.create_dataset`` except trl_ext's keys:
 
     * ``seed`` (default 0): the training rows' seed; held-out rows use ``seed + 1``;
     * ``answer_format``: how the answer is read from a response -- ``"last_number"``, ``"last_line"``
@@ -691,8 +647,9 @@ def reasoning_gym_task(
         RecipeError: reasoning-gym missing (naming the ``tasks`` extra), an unknown generator (naming ``--task``), a
             configuration the generator refuses (naming ``--task_config``).
     """
-    rg = _import_reasoning_gym()
-    problem = _unknown_generator(rg, dataset_name)
+    args = replace(options, template=template) if template is not None else options
+    rg = import_reasoning_gym()
+    problem = generator_problem(rg, dataset_name)
     if problem:
         raise RecipeError(problem)
     config = dict(config)
@@ -702,8 +659,8 @@ def reasoning_gym_task(
     if answer_format not in ANSWER_FORMATS:
         raise RecipeError(f"--task_config: answer_format={answer_format!r}; expected one of {list(ANSWER_FORMATS)}")
     try:  # entries are drawn when indexed; some generators draw from Python's global generator (list_functions)
-        test_data, test_entries, drawn = _distinct_entries(rg, dataset_name, args.num_eval, seed + 1, config)
-        with _seeded_global_generators(seed):
+        test_data, test_entries, drawn = distinct_entries(rg, dataset_name, args.num_eval, seed + 1, config)
+        with seeded_global_generators(seed):
             train_data = (
                 rg.create_dataset(dataset_name, size=args.num_train_problems, seed=seed, **config) if train else None
             )
@@ -790,134 +747,66 @@ def reasoning_gym_task(
     )
 
 
-MAX_DRAWS_PER_HELD_OUT_ROW = 16
-"""A reasoning-gym task draws at most this many entries per held-out row asked for while it looks for distinct
-questions (:func:`_distinct_entries`)."""
-
-
-def _distinct_entries(
-    rg: Any, dataset_name: str, num_eval: int, seed: int, config: Mapping[str, Any]
-) -> tuple[Any, list[Mapping[str, Any]], int]:
-    """``num_eval`` entries of a reasoning-gym generator with distinct questions, when it has that many:
-    ``(dataset, entries, entries drawn)``.
-
-    ``num_eval`` entries are drawn with ``seed``; while fewer than ``num_eval`` of their questions differ, twice as
-    many are drawn (same seed), until enough differ, a doubling brings no new question (the generator's questions
-    are exhausted, e.g. lcm with max_value 12) or :data:`MAX_DRAWS_PER_HELD_OUT_ROW` x ``num_eval`` were drawn. The
-    first entry of each question is kept, in the order drawn; a generator whose first ``num_eval`` entries all
-    differ gives exactly those.
-    """
-    size, known = num_eval, -1
-    while True:
-        with _seeded_global_generators(seed):
-            data = rg.create_dataset(dataset_name, size=size, seed=seed, **config)
-            entries = [data[i] for i in range(len(data))]
-        distinct: dict[str, Mapping[str, Any]] = {}
-        for entry in entries:
-            distinct.setdefault(json.dumps(entry["question"], default=str), entry)
-        found = len(distinct)
-        if found >= num_eval or found == known or size >= MAX_DRAWS_PER_HELD_OUT_ROW * num_eval:
-            return data, list(distinct.values())[:num_eval], size
-        size, known = size * 2, found
-
-
-RG_INSTRUCTIONS = {
-    "last_number": ANSWER_WITH_NUMBER,
-    "last_line": "Answer with just the answer, on one line.",
-    "answer_tag_or_whole": "If you write anything besides the answer, put the answer inside <answer> </answer> tags.",
-    "answer_tag": "Put the final answer inside <answer> </answer> tags.",
-}
-"""The answer-format instruction appended to a reasoning-gym question, by ``answer_format``. Each says how the answer
-is read and none contradicts a question that asks for "only your answer" or for a multi-line layout."""
-
-
-def answer_extractor(answer_format: str) -> Callable[[str], str | None]:
-    """The function that reads an answer from a response under ``answer_format`` (:data:`ANSWER_FORMATS` but
-    ``auto``); None from it means no answer was found."""
-    if answer_format in ("answer_tag", "answer_tag_or_whole"):
-        from reasoning_gym.utils import extract_answer
-
-        if answer_format == "answer_tag":
-            return lambda response: extract_answer(response)
-        return lambda response: (
-            (extract_answer(response) if re.search(r"<answer>.*</answer>", response, re.DOTALL) else response.strip())
-            or None
-        )
-    if answer_format == "last_number":
-        return rewards.extract_last_number
-    return extract_last_line
-
-
-def as_instructed(answer_format: str, answer: str) -> str:
-    """The response that gives ``answer`` the way the instruction of ``answer_format`` asks (:data:`RG_INSTRUCTIONS`):
-    the answer itself, or inside ``<answer> </answer>`` tags."""
-    return f"<answer>{answer}</answer>" if answer_format.startswith("answer_tag") else answer
-
-
-def choose_answer_format(
-    entries: list[Mapping[str, Any]], score_answer: Callable[..., float], template: str = "chat"
-) -> str:
-    """``answer_format="auto"`` for a reasoning-gym generator: ``answer_tag`` under the ``r1_zero`` template and
-    template files; else the first of ``last_number`` (when every gold answer is a number), ``last_line`` and
-    ``answer_tag_or_whole`` under which every entry's gold answer, given alone and given as the instruction asks
-    (:func:`as_instructed`), is read back to what ``score_answer(answer=gold, entry=entry)`` gives it (entries
-    without a gold answer -- ``answer`` None: the generator verifies solutions -- are not checked).
-    ``answer_tag_or_whole`` when none does (it reads a response that is exactly the gold answer as that answer).
-
-    Args:
-        entries: the generator's entries this run uses (held-out and training).
-        score_answer: the generator's ``score_answer(answer=..., entry=...)``.
-        template: the prompt template (a name, or a template file's text).
-    """
-    if template not in ("chat", "question_only"):
-        return "answer_tag"
-    golds = [e for e in entries if e.get("answer") is not None]
-
-    def full_credit(answer_format: str, entry: Mapping[str, Any]) -> bool:
-        extract, gold = answer_extractor(answer_format), str(entry["answer"])
-        try:
-            target = float(score_answer(answer=gold, entry=entry))
-            for response in (gold, as_instructed(answer_format, gold)):
-                read = extract(response)
-                if read is None or float(score_answer(answer=read, entry=entry)) < target - 1e-9:
-                    return False
-        except Exception:  # noqa: BLE001 -- a generator whose scorer fails on a reading has not read it back
-            return False
-        return True
-
-    numeric = bool(golds) and all(_is_number(e["answer"]) for e in golds)
-    for answer_format in ("last_number", "last_line") if numeric else ("last_line",):
-        if all(full_credit(answer_format, e) for e in golds):
-            return answer_format
-    return "answer_tag_or_whole"
-
-
 # ------------------------------------------------------------------------------------------------------ registry
-TASKS: dict[str, Callable[..., Task]] = {
-    "arithmetic": lambda args, max_new_tokens, train=True, **config: math_task(
-        _with_config(args, config), max_new_tokens, "arithmetic", train=train
-    ),
-    "gsm8k": lambda args, max_new_tokens, train=True, **config: math_task(
-        _with_config(args, config), max_new_tokens, "gsm8k", train=train
-    ),
-    "math": lambda args, max_new_tokens, train=True, **config: math_task(
-        _with_config(args, config), max_new_tokens, "math", train=train
-    ),
-    "sort": lambda args, max_new_tokens, train=True, **config: sorting_task(args, max_new_tokens, **config),
-}
-"""The built-in tasks by ``--task`` name: ``builder(args, max_new_tokens, train=True, **task_config) -> Task``."""
+@register_task("arithmetic", "arithmetic", "generated additions; the default without --dataset_name")
+def arithmetic_task(
+    options: Any, max_new_tokens: int, train: bool = True, template: str | None = None, digits: int | None = None
+) -> Task:
+    """Generated arithmetic (:func:`math_task`); ``digits`` replaces ``--arithmetic_digits``."""
+    options = replace(options, arithmetic_digits=digits) if digits is not None else options
+    return math_task(options, max_new_tokens, "arithmetic", template=template, train=train)
 
 
-def _with_config(args: Any, config: Mapping[str, Any]) -> Any:
-    """Math task options with ``--task_config`` keys applied (``{"digits": 3}`` = ``--arithmetic_digits 3``; any
-    other key must be one of the options)."""
-    config = dict(config)
-    if "digits" in config:
-        config["arithmetic_digits"] = config.pop("digits")
-    unknown = sorted(k for k in config if not hasattr(args, k))
-    if unknown:
-        raise RecipeError(f"--task_config: unknown key(s) {unknown} for this task")
-    return replace(args, **config) if config else args
+@register_task("gsm8k", "gsm8k", "a --dataset_name file or Hub dataset, default openai/gsm8k; last-number grader")
+def gsm8k_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
+    """GSM8K-style rows (:func:`math_task`)."""
+    return math_task(options, max_new_tokens, "gsm8k", template=template, train=train)
+
+
+@register_task("math", "math", "a --dataset_name file or Hub dataset, default MATH-500; math-verify grader")
+def competition_math_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
+    """MATH-style rows (:func:`math_task`)."""
+    return math_task(options, max_new_tokens, "math", template=template, train=train)
+
+
+register_task("sort", "sort", "the lecture's toy task: sort N numbers, shaped + exact rewards")(sorting_task)
+
+
+def _dataset_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
+    """A --dataset_name without --task: the kind its columns (or --dataset_kind) say."""
+    return math_task(options, max_new_tokens, None, template=template, train=train)
+
+
+def resolve_task(values: Mapping[str, Any]) -> TaskFactory:
+    """The one resolver of ``--task``: the :class:`~trl_ext.task_options.TaskFactory` that ``values`` name.
+
+    ``--task`` is a name of :data:`TASKS` (the built-ins, and tasks registered with :func:`register_task`),
+    ``reasoning_gym:DATASET`` (:func:`reasoning_gym_task` for that generator) or ``package.module:factory`` (imported
+    once by the registry); unset, generated arithmetic, or with ``--dataset_name`` the math kind its columns say.
+
+    Raises:
+        RecipeError: one line naming ``--task``: an unknown name (with the closest registered names), reasoning-gym
+            missing or without that generator, a dotted path that does not import or names no function.
+    """
+    name = values.get("task")
+    if name is None:
+        if not values.get("dataset_name"):
+            return as_task_factory(TASKS.get("arithmetic"))
+        return TaskFactory(_dataset_task, task_kind(values), _dataset_task.__doc__)
+    if not isinstance(name, str):
+        raise RecipeError(f"--task {name!r}: expected a task name, 'reasoning_gym:DATASET' or 'package.module:factory'")
+    if name.startswith(REASONING_GYM_PREFIX):
+        dataset_name = name[len(REASONING_GYM_PREFIX) :]
+        problem = generator_problem(import_reasoning_gym(), dataset_name)
+        if problem:
+            raise RecipeError(problem)
+        make = functools.partial(reasoning_gym_task, dataset_name)
+        return TaskFactory(make, "reasoning_gym", f"reasoning-gym's {dataset_name}")
+    problem = TASKS.problem(name, flag=True)
+    if problem:
+        own = ", 'reasoning_gym:DATASET' or 'package.module:factory'"
+        raise RecipeError(problem.replace(", or a package.module:attr of your own", own))
+    return as_task_factory(TASKS.get(name))
 
 
 def parse_task_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -939,27 +828,32 @@ def parse_task_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:
     return value
 
 
+def _resolved(values: Mapping[str, Any]) -> tuple[TaskFactory, dict[str, Any]]:
+    """``(factory, task_config)`` of ``values``, the config checked against the factory's signature (RecipeError)."""
+    factory = resolve_task(values)
+    config = parse_task_config(values.get("task_config"))
+    takes_config = "task_config" in TASK_OPTIONS[factory.kind]  # else option_problems refuses --task_config
+    problem = factory.config_problem(config, task_label(values)) if config and takes_config else None
+    if problem:
+        raise RecipeError(problem)
+    return factory, config
+
+
 def task_problem(values: Mapping[str, Any]) -> str | None:
     """What is wrong with ``--task``/``--task_config`` before any data is read (for ``trl_ext.cli.parse``, which
-    reports every problem at once), or None: an unknown name, a dotted path that does not import, reasoning-gym
-    missing or without that generator, a config that is not a JSON object."""
-    name = values.get("task")
+    reports every problem at once), or None: whatever :func:`resolve_task` refuses, a config that is not a JSON
+    object, or a key the task's factory does not take (naming the keys it takes). A ``--task_config`` given to a task
+    that takes none is :func:`option_problems`' to report."""
     try:
-        parse_task_config(values.get("task_config"))
-        if name is None or name in TASKS:
-            return None
-        if name.startswith(REASONING_GYM_PREFIX):
-            return _unknown_generator(_import_reasoning_gym(), name[len(REASONING_GYM_PREFIX) :])
-        if ":" in name:
-            if not callable(_import_object(name, "--task")):
-                return f"--task {name!r}: expected a function that returns a trl_ext.tasks.Task"
-            return None
+        _resolved(values)
     except RecipeError as err:
         return str(err)
-    return f"--task {name!r}: expected one of {sorted(TASKS)}, 'reasoning_gym:DATASET' or 'package.module:factory'"
+    return None
 
 
-def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, train: bool = True) -> Task:
+def load_task(
+    args: Any, max_new_tokens: int, *, template: str | None = None, train: bool = True, task: str | None = None
+) -> Task:
     """The task a recipe's options name (``--task``, ``--task_config``), its rows loaded and its scorer probed.
 
     Args:
@@ -967,39 +861,38 @@ def load_task(args: Any, max_new_tokens: int, *, template: str | None = None, tr
         max_new_tokens: generation budget of an evaluation.
         template: replaces ``--template`` (math tasks; the experiment that compares prompts).
         train: False loads the held-out rows only (``recipes/eval_math.py``).
+        task: the task, for a recipe whose options have no ``--task`` (``recipes/grpo_sort.py``: ``"sort"``).
 
-    Every option set that the task does not use is refused (:func:`trl_ext.task_options.option_problems`; an option
-    counts as set here when it differs from its dataclass default), so is a ``template`` for a task that takes none.
+    ``--task`` is resolved by :func:`resolve_task` and ``--task_config`` passed as the factory's keyword arguments
+    (checked against its signature); every option set that the task does not use is refused
+    (:func:`trl_ext.task_options.option_problems`; an option counts as set here when it differs from its dataclass
+    default), so is a ``template`` for a task that takes none.
 
     Raises:
         RecipeError: whatever :func:`task_problem` finds, an option the task does not use, a task that cannot load
             its data, a factory that does not return a :class:`Task`, or a scorer that fails on a probe row -- one
             line naming the flag.
     """
-    values = vars(args) if not isinstance(args, Mapping) else args
-    problem = task_problem(values)
-    if problem:
-        raise RecipeError(problem)
-    problems = option_problems(args, held_out_only=not train)
-    name, config = getattr(args, "task", None), parse_task_config(getattr(args, "task_config", None))
-    if template is not None and "template" not in TASK_OPTIONS[task_kind(values)]:
+    values = dict(args) if isinstance(args, Mapping) else vars(args)
+    defaults = option_defaults() if isinstance(args, Mapping) else option_defaults(type(args))
+    if task is not None:
+        values = {**values, "task": task}
+    factory, config = _resolved(values)
+    problems = option_problems(values, defaults=defaults, held_out_only=not train)
+    name = values.get("task")
+    if template is not None and "template" not in TASK_OPTIONS[factory.kind]:
         problems.append(f"--task {name}: takes no --template, so its prompts cannot be compared across templates")
     if problems:
         raise RecipeError(problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems))
-    if name is None:
-        task = math_task(_with_config(args, config), max_new_tokens, template=template, train=train)
-    elif name in MATH_TASKS:
-        task = math_task(_with_config(args, config), max_new_tokens, name, template=template, train=train)
-    elif name in TASKS:
-        task = TASKS[name](args, max_new_tokens, train=train, **config)
-    elif name.startswith(REASONING_GYM_PREFIX):
-        args = replace(args, template=template) if template is not None else args
-        task = reasoning_gym_task(name[len(REASONING_GYM_PREFIX) :], config, args, max_new_tokens, train=train)
-    else:
-        task = _factory_task(name, config, args, max_new_tokens)
-    task = _with_generation_options(task, args)
-    task.probe()
-    return task
+    given = {"options": args, "max_new_tokens": max_new_tokens, "train": train, "template": template}
+    result = factory(**{k: v for k, v in given.items() if factory.takes(k)}, **config)
+    if not isinstance(result, Task):
+        raise RecipeError(f"--task {name}: returned a {type(result).__name__}; expected a trl_ext.tasks.Task")
+    if not factory.takes("options"):  # a factory's own rows: --num_eval, --eval_batch_size and the budget applied
+        result = _with_evaluation_options(result, values, defaults, max_new_tokens)
+    result = _with_generation_options(result, args)
+    result.probe()
+    return result
 
 
 def _with_generation_options(task: Task, args: Any) -> Task:
@@ -1024,19 +917,13 @@ def _with_generation_options(task: Task, args: Any) -> Task:
     return replace(task, **changes) if changes else task
 
 
-def _factory_task(name: str, config: Mapping[str, Any], args: Any, max_new_tokens: int) -> Task:
-    """``package.module:factory`` called with ``--task_config``'s keywords; its held-out rows cut to ``--num_eval``
-    and its evaluation batch set to ``--eval_batch_size`` when those are set (differ from their defaults)."""
-    factory = _import_object(name, "--task")
-    try:
-        task = factory(**config)
-    except TypeError as err:
-        raise RecipeError(f"--task_config {json.dumps(config)}: {name} does not take it ({err})") from None
-    if not isinstance(task, Task):
-        raise RecipeError(f"--task {name}: returned a {type(task).__name__}; expected a trl_ext.tasks.Task")
-    defaults = option_defaults(type(args)) if not isinstance(args, Mapping) else option_defaults()
+def _with_evaluation_options(
+    task: Task, values: Mapping[str, Any], defaults: Mapping[str, Any], max_new_tokens: int
+) -> Task:
+    """A factory's task with the evaluation budget set, its held-out rows cut to ``--num_eval`` and its evaluation
+    batch set to ``--eval_batch_size`` when those are set (differ from their defaults)."""
     changes: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-    num_eval, batch_size = getattr(args, "num_eval", None), getattr(args, "eval_batch_size", None)
+    num_eval, batch_size = values.get("num_eval"), values.get("eval_batch_size")
     if num_eval is not None and num_eval != defaults.get("num_eval") and task.test is not None:
         keep = min(num_eval, len(task.test))
         changes["test"] = task.test.select(range(keep)) if hasattr(task.test, "select") else task.test[:keep]

@@ -7,13 +7,18 @@
 - ``_calculate_rewards``: tells every reward function which completions were cut by the length limit
   (``completion_truncated``), and keeps the rewards of every process's completions (gathered) for the advantages;
 - ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
-  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with
-  ``functional.compute_group_advantages`` (or the raw rewards for ``pg_loss_type="no_baseline"``), sliced for this
-  process; with ``dynamic_sampling``, several rounds until the batch holds groups with a gradient;
+  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with those
+  of the config's ``advantage_estimator`` (``trl_ext.advantages``: the course's group-normalized advantages, or the
+  raw rewards ``pg_loss_type="no_baseline"`` is defined with), sliced for this process; with ``dynamic_sampling``,
+  several rounds until the batch holds groups with a gradient;
 - ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
   (one BOS, as ``trl_ext.eval`` sees it);
-- ``_compute_loss``: the course loss from ``functional.compute_policy_gradient_loss``, ``compute_kl`` and
-  ``compute_grpo_loss`` (a row with no trained token leaves the batch mean; upstream's ``grpo`` counts it as 0);
+- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``, which also
+  applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
+  reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no trained token leaves the
+  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
+  mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's order
+  (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
 - ``_generate_single_turn`` and ``_generate``: stop strings (``stop_strings``, else the reward functions' task's:
   ``</answer>`` for the R1-Zero format) -- transformers' ``generate`` gets a ``StoppingCriteria``, vLLM's
   ``SamplingParams`` ``stop``/``include_stop_str_in_output``/``min_tokens`` -- and each completion is cut after the
@@ -24,7 +29,9 @@
 - ``log``: one console warning when most completions of a logging window were cut by the length limit;
 - ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
 - the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
-  micro-batch counter, the buffered rollout and the dynamic-sampling position, so a resumed run is bit-exact.
+  micro-batch counter, the buffered rollout and the dynamic-sampling position (and, through ``GRPOLossTermsMixin``,
+  the adaptive entropy controller, which upstream's own ``_save_checkpoint`` also saves), so a resumed run is
+  bit-exact.
 
 It adds one public method, ``sample(prompts)``, which only calls ``_generate`` (upstream's, with the stop-string cut
 above): rollouts from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert
@@ -36,6 +43,9 @@ generation's position ids) and supplies the zero-advantage row skipping ``_compu
 it is exact for the model. ``_generate_and_score_completions`` (above) also keeps generation's packed weights for
 every round of the batch and drops them once the batch is drawn.
 
+``GRPOConfig`` (the course's fields beside TRL's) and the grouping rule the recipes check live in
+trl_ext/trainers/grpo_config.py; both stay importable from here.
+
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
 """
@@ -46,18 +56,19 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import trl
-from transformers import StoppingCriteriaList, TrainingArguments
+from transformers import StoppingCriteriaList
 from trl.trainer.utils import nanmax, nanmin
 
 from .. import functional, machine, vllm_engine
+from ..advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
+from ..aggregations import AGGREGATIONS, compute_grpo_loss
 from ..data.prompts import strip_leading_bos
 from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
+from ..losses import policy_loss
 from ..rewards.adapters import TRUNCATION_KEYWORD
 from ..stop_strings import (
     DEFAULT_MIN_TOKENS_WITH_STOP,
@@ -67,20 +78,14 @@ from ..stop_strings import (
     ends_truncated,
 )
 from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+
+# importable here too: configs pickled in checkpoints (training_args.bin) while they lived in this module
+from .grpo_config import GRPOConfig, generation_grouping_problem  # noqa: F401
+from .grpo_options import _Derived  # noqa: F401
+from .grpo_terms import GRPOLossTermsMixin
+from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 logger = logging.getLogger("trl_ext")
-
-# Upstream options whose math this trainer does not implement: name -> (value meaning "off", why).
-_UNSUPPORTED = {
-    "importance_sampling_level": ("token", "sequence-level ratios (GSPO) are not part of the course loss"),
-    "top_entropy_quantile": (1.0, "entropy masking is not part of the course loss"),
-    "entropy_coef": (0.0, "an entropy bonus is not part of the course loss"),
-    "use_adaptive_entropy": (False, "an entropy bonus is not part of the course loss"),
-    "off_policy_mask_threshold": (None, "off-policy sequence masking is not part of the course loss"),
-    "delta": (None, "two-sided clipping is not part of GRPO-Clip"),
-    "multi_objective_aggregation": ("sum_then_normalize", "rewards are summed, then normalized per group"),
-}
 
 # Upstream methods trl_ext.GRPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
@@ -103,6 +108,15 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
+    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo_terms.py)
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),
+    "get_off_policy_mask": (
+        "advantages",
+        "per_token_logps",
+        "sampling_per_token_logps",
+        "mask",
+        "off_policy_threshold",
+    ),
     "_tokenize_prompts": ("prompts",),
     "_get_per_token_logps_and_entropies": (
         "model",
@@ -123,407 +137,7 @@ _SEAMS = {
 }
 
 
-def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -> str | None:
-    """Why ``num_generations`` does not divide the completions generated per step, in the flags that set them; or None.
-
-    The rule of ``trl.GRPOConfig.__post_init__`` (TRL 1.16; ``tests/test_upstream_seams.py`` checks that upstream
-    raises exactly where this returns a message): ``generation_batch_size`` -- given, or ``per_device_train_batch_size``
-    x processes x ``steps_per_generation`` (default ``gradient_accumulation_steps``) -- must be a multiple of
-    ``num_generations``. Upstream names the derived ``generation_batch_size``; this names the flags a user typed.
-
-    Args:
-        values: option name -> value (parsed flags, or a config's fields); needs ``num_generations`` and
-            ``per_device_train_batch_size``.
-        processes: the number of training processes (``WORLD_SIZE``).
-    """
-    per_step = values["per_device_train_batch_size"] * processes
-    steps = values.get("steps_per_generation") or values.get("gradient_accumulation_steps") or 1
-    if values.get("generation_batch_size"):
-        total, how = values["generation_batch_size"], f"--generation_batch_size {values['generation_batch_size']}"
-    else:
-        total = per_step * steps
-        which = "--steps_per_generation" if values.get("steps_per_generation") else "--gradient_accumulation_steps"
-        batch = values["per_device_train_batch_size"]
-        how = f"--per_device_train_batch_size {batch} x {processes} process(es) x {which} {steps}"
-    if total % values["num_generations"] == 0:
-        return None
-    return (
-        f"--num_generations {values['num_generations']} must divide the completions generated per step, {total} = "
-        f"{how}; change --num_generations or --per_device_train_batch_size"
-    )
-
-
-def _choices_help(registry: Mapping[str, Any]) -> str:
-    """ "'name' (formula), ..." for a field's help, from a registry of trl_ext.functional."""
-    return ", ".join(f"{name!r} ({entry.formula})" for name, entry in registry.items())
-
-
-_UPSTREAM_LOSS_TYPES = {
-    entry.upstream_loss_type: name
-    for name, entry in functional.LENGTH_NORMALIZATIONS.items()
-    if entry.upstream_loss_type is not None
-}
-"""TRL's ``loss_type`` -> the course's ``length_normalization`` that reduces the same way (from the registry)."""
-
-
-@dataclass
-class GRPOConfig(trl.GRPOConfig):
-    """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
-
-    TRL's ``loss_type`` and ``scale_rewards`` are other names for ``length_normalization`` and
-    ``normalize_by_std`` and keep TRL's meaning (``UPSTREAM_OPTIONS``): give either name of a setting; the other is
-    derived in ``__post_init__`` (neither: the course default, masked_mean and True), and both given must agree. A
-    TRL value the course math does not implement raises, naming it. ``epsilon`` is the GRPO-Clip ``cliprange``;
-    ``beta`` the KL weight.
-    """
-
-    pg_loss_type: str = field(
-        default="grpo_clip",
-        metadata={
-            "help": "Per-token policy-gradient loss (trl_ext.functional.POLICY_GRADIENT_LOSSES; default 'grpo_clip'): "
-            + _choices_help(functional.POLICY_GRADIENT_LOSSES)
-            + ". A loss that ignores the old log-probs is on-policy only: with it num_iterations must be 1 and "
-            "steps_per_generation must not exceed gradient_accumulation_steps."
-        },
-    )
-    advantage_eps: float = field(
-        default=1e-6,
-        metadata={"help": "Added to the group std before dividing (default 1e-6; TRL hard-codes 1e-4). >= 0."},
-    )
-    normalize_by_std: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Divide the group-centred reward by the group's unbiased std + advantage_eps (True, GRPO) or keep "
-            "only the mean baseline (False, Dr. GRPO). Unset (None, the default): what TRL's scale_rewards says when "
-            "it is given ('group'/True -> True, 'none'/False -> False), else True. After construction it holds the "
-            "value in use."
-        },
-    )
-    length_normalization: str | None = field(
-        default=None,
-        metadata={
-            "help": "How the per-token losses of a batch become one loss (trl_ext.functional.LENGTH_NORMALIZATIONS): "
-            + _choices_help(functional.LENGTH_NORMALIZATIONS)
-            + ". Unset (None, the default): what TRL's loss_type says when it is given ("
-            + ", ".join(f"{upstream!r} -> {course!r}" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
-            + "), else 'masked_mean'. After construction it holds the value in use."
-        },
-    )
-    kl_estimator: str = field(
-        default="k3",
-        metadata={
-            "help": "Per-token KL(pi || pi_ref) estimator used when beta > 0: 'k1', 'k2' or 'k3' (default; Schulman "
-            "2020, the one TRL uses). With a PEFT model and no ref_model, TRL's reference is the adapter as it was "
-            "when training started: the base model with the adapter disabled for a new adapter, a frozen copy (named "
-            "'ref') of the starting adapter when training continues a trained one."
-        },
-    )
-    kl_target: float | None = field(
-        default=None,
-        metadata={
-            "help": "Target KL for the adaptive KL coefficient (Ziegler et al. 2019). None (default) keeps beta fixed. "
-            "When set, beta (> 0 required, the starting value) is updated once per batch of new samples (once per "
-            "generation, however many optimizer steps num_iterations and steps_per_generation make of it; applied from "
-            "the optimizer step after the one that finishes the batch) and logged as 'beta' at every optimizer step. "
-            "The measured KL is the per-token mean of the kl_estimator over the "
-            "completion tokens of that batch, taken the first time each sample is trained on: a target from a paper "
-            "that sums the KL over the response must be divided by the response length."
-        },
-    )
-    kl_horizon: float = field(
-        default=10000.0,
-        metadata={
-            "help": "Horizon of the adaptive KL controller in samples (default 10000, as in Ziegler et al.): each "
-            "update changes beta by at most a factor 1 +- 0.2 * generation_batch_size / kl_horizon (samples "
-            "generated per update, all processes)."
-        },
-    )
-    use_bias_correction_kl: bool = field(
-        default=False,
-        metadata={
-            "help": "Multiply the per-token KL by the importance ratio pi/pi_old (DeepSeek-V3.2). Default False: the "
-            "course's plain KL estimate (TRL's default is True)."
-        },
-    )
-    share_prompt_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "Run each distinct prompt of a batch through the model once and reuse its key/value cache for all "
-            "of its completions: in transformers generation (prefill) and in the log-prob forward and backward. "
-            "Same log-probs and gradients up to float rounding (causal attention: a prompt's keys and values do not "
-            "depend on its completion); saves (G-1)/G of the prompt's compute for groups of G. With gradient "
-            "checkpointing (TRL's default gradient_checkpointing=True, or the model's gradient_checkpointing_enable), "
-            "which keeps no cache in a training forward, the log-prob forwards share each prompt without a cache "
-            "instead: the distinct prompts and every completion in one padding-free sequence "
-            "(trl_ext.packing.forward_in_one_sequence; needs pack_completions and what packing needs), which "
-            "checkpointing recomputes exactly, reentrant or not. Old, reference and training forwards always take "
-            "the same path, so equal weights give bit-equal log-probs. Default True; off for vLLM generation (its own "
-            "prefix caching), multimodal inputs, FSDP and DeepSpeed (every forward gathers parameters collectively, "
-            "so all ranks must run the same forwards); in the log-prob forwards off with TRL's MoE load-balancing "
-            "loss (it counts every row's tokens); and wherever it cannot be exact for the model, said in one log "
-            "line: decided once per model for the architecture (trl_ext.shared_prompts.savings_decision: "
-            "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
-            "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
-            "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
-        },
-    )
-    skip_zero_advantage_rows: bool = field(
-        default=True,
-        metadata={
-            "help": "With beta = 0, a completion whose advantage is exactly 0 (its group's rewards are all equal) "
-            "adds exactly 0 to the loss and to every gradient: run its forward without gradient (its log-probs and "
-            "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
-            "to float rounding. Works with gradient checkpointing (the rows without gradient run as a batch of their "
-            "own, not checkpointed; the others are checkpointed as usual). Default True; not with FSDP or DeepSpeed "
-            "(their forwards are collective), nor with TRL's MoE load-balancing loss (over every row), nor where a "
-            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so)."
-        },
-    )
-    pack_completions: bool = field(
-        default=True,
-        metadata={
-            "help": "With share_prompt_cache, run the completion forward and backward padding-free: the real tokens of "
-            "every row packed into one sequence, a 4D attention mask letting each token see exactly its own prompt "
-            "and its own row (trl_ext.packing.packed_forward, over the prompts' cache), so the padding after a "
-            "completion's end costs nothing. With gradient checkpointing the distinct prompts go into that sequence "
-            "too, one forward without a cache (trl_ext.packing.forward_in_one_sequence): packing is then how the "
-            "log-prob forwards share prompts, and pack_completions=False runs them unshared. Rows are packed in one "
-            "canonical order, so the same rows in any order give bit-equal log-probs. Same log-probs and gradients "
-            "up to float rounding. Default True; on only where it is exact for the model (sdpa attention over "
-            "key/value caches without sliding windows, checked by a probe against the padded forward; one log line "
-            "otherwise) and not with TRL's MoE load-balancing loss."
-        },
-    )
-    prepack_linear_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "In transformers generation on the CPU in fp32, run every nn.Linear on its weight packed once per "
-            "generation batch, for the rows each generate call decodes, and dropped at the batch's end "
-            "(trl_ext.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
-            "multiplies a few rows by every weight, a small GEMM that MKL runs far below the CPU's peak on a plain "
-            "weight (a decode step's matmuls take 0.5-0.6x the time on the CPUs measured). Same math, outputs may "
-            "differ at float rounding. Default True; off for vLLM, GPUs, FSDP and DeepSpeed, for modules that are "
-            "not plain fp32 nn.Linear (quantized, LoRA wrappers keep their own forward), under autocast, and where "
-            "the packed copies would take more than a quarter of the available memory, or where a probe finds "
-            "PyTorch's packing ops computing something else (one log line). "
-            "The log-prob forwards and backward are not affected."
-        },
-    )
-    vllm_dtype: str = field(
-        default="policy",
-        metadata={
-            "help": "dtype of the vLLM engine that use_vllm builds in colocate mode: 'policy' (default: the trained "
-            "model's own dtype, so that rollouts come from the policy), 'auto' (vLLM's choice, TRL 1.16's behaviour: "
-            "a float32 checkpoint runs in bfloat16), 'float32', 'bfloat16' or 'float16'. Server mode: the server's "
-            "own --dtype (trl vllm-serve --dtype)."
-        },
-    )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "Dynamic sampling (DAPO, Yu et al. 2025): keep drawing extra generation rounds of new prompt "
-            "groups until every process's generation batch holds only groups with a gradient (some rollout's weight "
-            "not 0: rewards not all equal; for pg_loss_type='no_baseline', whose weights are the raw rewards, rewards "
-            "not all 0), or max_sampling_rounds rounds were drawn; then missing groups are filled with "
-            "the earliest groups without gradient, so shapes stay fixed. Extra prompts come from the trainer's own "
-            "seeded permutation of the training set, or for a streaming datasets.IterableDataset its own seeded "
-            "shuffle of the stream (position saved with each checkpoint). Logs "
-            "dynamic_sampling/rounds, groups_drawn, groups_kept, groups_wanted and the trained batch's "
-            "dynamic_sampling/reward, reward_std, frac_reward_zero_std (reward, reward_std, frac_reward_zero_std, "
-            "completions/* and num_tokens keep upstream's meaning: over every round generated). Needs "
-            "per_device_train_batch_size x steps_per_generation to be a multiple of num_generations, and a "
-            "pg_loss_type whose zero weights give zero gradients (all built-in ones). Default False (TRL's behaviour)."
-        },
-    )
-    max_sampling_rounds: int = field(
-        default=4,
-        metadata={
-            "help": "With dynamic_sampling: most generation rounds per generation batch, the first included "
-            "(default 4; like verl's max_num_gen_batches). Each extra round costs one full generation."
-        },
-    )
-    stop_strings: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Stop strings: generation (transformers and vLLM alike) ends a completion with the first of these "
-            "it writes, kept in the completion, and nothing after it is rewarded or trained on (the course's vLLM "
-            "stop=[...], include_stop_str_in_output=True; trl_ext.stop_strings). Unset (None, the default): the "
-            "stop strings the reward functions declare (a trl_ext task's: '</answer>' for the R1-Zero format, none "
-            "for chat prompts); [] for none. A stop string's last token may run past it (e.g. '>.'): that sampled "
-            "token is trained, the completion's text ends at the stop string."
-        },
-    )
-    min_completion_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Fewest tokens a sampled completion has: EOS and stop strings are held back until then (vLLM's "
-            "min_tokens; transformers' min_new_tokens plus the stop check). Unset (None, the default): 4 when "
-            "stop strings are set (the handout's sampling_min_tokens = 4), else 0 (TRL's default)."
-        },
-    )
-    loss_type: str | None = field(
-        default=None,
-        metadata={
-            "help": "TRL's name for length_normalization, with TRL's meaning: "
-            + ", ".join(f"{upstream!r} (= {course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items())
-            + "; TRL's other loss types (cispo, sapo, luspo, vespo) change the per-token objective and raise. Give "
-            "this or length_normalization (both: they must agree). Unset (None, the default): derived from "
-            "length_normalization."
-        },
-    )
-    scale_rewards: str | None = field(
-        default=None,
-        metadata={
-            "help": "TRL's name for normalize_by_std, with TRL's meaning: 'group' or True (= True), 'none' or False "
-            "(= False); 'batch' (std over the whole batch) is not the course advantage and raises. Give this or "
-            "normalize_by_std (both: they must agree). Unset (None, the default): derived from normalize_by_std."
-        },
-    )
-
-    # Options that name the same setting: TRL's name -> (the course field, TRL value -> course value, course default).
-    # A recipe's command line that sets one of a pair overrides the other in its config files (trl_ext.cli.parse).
-    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, dict[Any, Any], Any]]] = {
-        "loss_type": ("length_normalization", _UPSTREAM_LOSS_TYPES, "masked_mean"),
-        "scale_rewards": ("normalize_by_std", {"group": True, "none": False}, True),
-    }
-
-    def __post_init__(self):
-        choices = {
-            "vllm_dtype": vllm_engine.VLLM_DTYPES,
-            "pg_loss_type": tuple(functional.POLICY_GRADIENT_LOSSES),
-            "length_normalization": tuple(functional.LENGTH_NORMALIZATIONS),
-            "kl_estimator": functional.KL_ESTIMATORS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) is not None:  # None: unset, resolved below
-                functional._check_choice(name, getattr(self, name), allowed)
-        if self.advantage_eps < 0:
-            raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
-        self._resolve_upstream_options()
-        for name, (off, why) in _UNSUPPORTED.items():
-            if getattr(self, name) != off:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported by trl_ext.GRPOTrainer ({why}); use {off!r}"
-                )
-        if self.epsilon_high not in (None, self.epsilon):
-            raise ValueError(
-                f"epsilon_high={self.epsilon_high} differs from epsilon={self.epsilon}; GRPO-Clip clips symmetrically"
-            )
-        if self.stop_strings is not None:
-            self.stop_strings = list(check_stop_strings(self.stop_strings))
-        if self.min_completion_length is not None and self.min_completion_length < 0:
-            raise ValueError(f"min_completion_length={self.min_completion_length}; expected an integer >= 0")
-        if self.kl_target is not None and not (self.beta > 0 and self.kl_target > 0 and self.kl_horizon > 0):
-            raise ValueError(
-                f"kl_target={self.kl_target} needs beta > 0 (the starting coefficient), kl_target > 0 and "
-                f"kl_horizon > 0; got beta={self.beta}, kl_horizon={self.kl_horizon}"
-            )
-        super().__post_init__()
-        reused = self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
-        loss = functional.get_policy_gradient_loss(self.pg_loss_type)
-        if not loss.uses_old_log_probs and reused:
-            raise ValueError(
-                f"pg_loss_type={self.pg_loss_type!r} is an on-policy loss (it ignores the old log-probs), but "
-                f"num_iterations={self.num_iterations} and steps_per_generation={self.steps_per_generation} (> "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}?) train on samples from an older "
-                "policy. Set num_iterations=1 and steps_per_generation=gradient_accumulation_steps, or use an "
-                "off-policy-corrected loss such as pg_loss_type='grpo_clip'."
-            )
-        if self.dynamic_sampling and not loss.zero_weight_zero_gradient:
-            raise ValueError(
-                f"dynamic_sampling=True needs a loss whose rollouts of weight 0 have no gradient, and "
-                f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_weight_zero_gradient in "
-                "trl_ext.functional.POLICY_GRADIENT_LOSSES): every group may carry a gradient, so none can be dropped"
-            )
-
-    def _resolve_upstream_options(self) -> None:
-        """Resolve each course field together with TRL's name for it (``UPSTREAM_OPTIONS``): the one given decides
-        the other (with TRL's meaning), neither given gives the course default, both given must agree. A value an
-        earlier ``__post_init__`` derived (a ``_Derived``, carried over by ``dataclasses.replace``) counts as not
-        given, so ``replace(config, loss_type="dr_grpo")`` re-derives ``length_normalization``.
-
-        Raises:
-            ValueError: a TRL value the course math does not implement (named), or both names given with
-                different meanings (both named).
-        """
-        options = [*self.UPSTREAM_OPTIONS, *(course_name for course_name, *_ in self.UPSTREAM_OPTIONS.values())]
-        replayed = any(isinstance(getattr(self, name), _Derived) for name in options)
-        for upstream_name, (course_name, meaning, default) in self.UPSTREAM_OPTIONS.items():
-            upstream, course = (
-                None if isinstance(value, _Derived) else value
-                for value in (getattr(self, upstream_name), getattr(self, course_name))
-            )
-            if upstream_name == "scale_rewards" and str(upstream).lower() in (
-                "true",
-                "false",
-            ):  # TRL's bools (CLI: text)
-                upstream = "group" if str(upstream).lower() == "true" else "none"
-            if upstream is not None and upstream not in meaning:
-                raise ValueError(_UPSTREAM_REFUSALS[upstream_name].format(value=upstream))
-            if upstream is not None and course is not None and meaning[upstream] != course:
-                hint = (
-                    " (dataclasses.replace passes every field again: to change this setting give its new value under "
-                    "one name and None under the other)"
-                    if replayed
-                    else ""
-                )
-                raise ValueError(
-                    f"{upstream_name}={upstream!r} conflicts with {course_name}={course!r}: {upstream_name} is TRL's "
-                    f"name for {course_name}, and {upstream_name}={upstream!r} means {course_name}="
-                    f"{meaning[upstream]!r}; give one of the two{hint}"
-                )
-            value = course if course is not None else meaning[upstream] if upstream is not None else default
-            if course is None and isinstance(value, str):
-                value = _Derived(value)
-            setattr(self, course_name, value)
-            if upstream is None:
-                upstream = _Derived(next(key for key, course_value in meaning.items() if course_value == value))
-            setattr(self, upstream_name, upstream)
-
-    def to_dict(self) -> dict[str, Any]:
-        # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
-        return {k: str(v) if isinstance(v, _Derived) else v for k, v in super().to_dict().items()}
-
-    @classmethod
-    def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:
-        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig`` (or a plain
-        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type`` and ``scale_rewards``
-        keep their meaning: they decide ``length_normalization`` and ``normalize_by_std`` (``UPSTREAM_OPTIONS``);
-        ``beta``, ``epsilon`` and ``use_bias_correction_kl`` are shared fields and keep upstream's values.
-
-        Raises:
-            ValueError: where upstream asks for math the course loss does not implement (``loss_type`` other than
-                'grpo', 'dr_grpo', 'dapo' (upstream's default) and 'bnpo', which differ only in how token losses are
-                averaged --, ``scale_rewards='batch'``, and whatever
-                else ``__post_init__`` rejects).
-        """
-        # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
-        return config_from_upstream(cls, args, generation_batch_size=None)
-
-
-class _Derived(str):
-    """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
-    course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
-    ``dataclasses.replace`` passes every field back to ``__init__``; this type is how the new config knows that the
-    value was derived, not given."""
-
-    __slots__ = ()
-
-
-_UPSTREAM_REFUSALS = {
-    "loss_type": "loss_type={value!r} is not implemented by the course loss: it changes the per-token objective. "
-    "trl_ext.GRPOTrainer supports TRL's loss types that differ only in how token losses are averaged: "
-    + ", ".join(
-        f"{upstream!r} (= length_normalization={course!r})" for upstream, course in _UPSTREAM_LOSS_TYPES.items()
-    )
-    + ".",
-    "scale_rewards": "scale_rewards={value!r} is not implemented by the course advantages; trl_ext.GRPOTrainer "
-    "supports TRL's scale_rewards='group' or True (= normalize_by_std=True) and 'none' or False "
-    "(= normalize_by_std=False).",
-}
-
-
-class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTrainer):
+class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
@@ -855,7 +469,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             return super()._generate_and_score_completions(inputs)
 
     def _generate_and_score_round(self, inputs):
-        # One generation round: upstream generates and scores, then the course advantages replace upstream's.
+        # One generation round: upstream generates and scores, then the config's advantage estimator replaces
+        # upstream's advantages.
         # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
         # With stop strings, upstream's mask_truncated_completions would mask every completion that ended at one (its
         # rule: the last token is neither EOS nor pad); the rows _generate found cut are masked here instead.
@@ -875,23 +490,14 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             loss_mask = output["completion_mask"] * (output["tool_mask"] if output.get("tool_mask") is not None else 1)
             output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         rewards_per_func = self._gathered_rewards
-        # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
-        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
-        terms = rewards_per_func * self.reward_weights.to(rewards_per_func.device)
-        rewards = terms.nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         train = self.model.training
         group_size = self.num_generations if train else self.num_generations_eval
-        if functional.get_policy_gradient_loss(self.args.pg_loss_type).weights == "raw_rewards":
-            advantages = torch.nan_to_num(rewards, nan=0.0)  # the loss weighs each rollout by its reward itself
-        else:
-            advantages = functional.compute_group_advantages(
-                rewards,
-                group_size,
-                advantage_eps=self.args.advantage_eps,
-                normalize_by_std=self.args.normalize_by_std and group_size > 1,
-                reward_terms=terms,
-            ).to(rewards.device)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.args.advantage_estimator)
+        advantages = estimator.fn(rewards_per_func, self.reward_weights, group_size, self.args)
+        advantages = advantages.to(device=rewards_per_func.device, dtype=torch.float32)
+        # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
+        # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
+        rewards, terms = weighted_rewards(rewards_per_func, self.reward_weights)
         # Upstream logged frac_reward_zero_std by torch.isclose(std, 0) (atol 1e-8): a group of float-equal rewards
         # (std ~3e-8) would count as informative there. Log it by the rule the advantages use.
         equal = functional.equal_reward_groups(rewards, group_size, terms)
@@ -943,25 +549,29 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
-
-        per_token_loss, pg_metadata = functional.compute_policy_gradient_loss(
-            per_token_logps,
-            self.args.pg_loss_type,
-            raw_rewards=advantages,  # a loss weighted by raw rewards finds them under "advantages" (see above)
-            advantages=advantages,
-            old_log_probs=old_log_probs,
-            cliprange=self.args.epsilon,
+        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo_terms.py), None when both off
+        loss_mask, entropy_mask = self._policy_loss_masks(
+            inputs, per_token_logps, old_log_probs, entropies, mask, advantages
         )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]  # TRL's sampler-mismatch correction
+
+        # the registered loss: (B, T) per-token loss and its metrics, from log-probs, advantages, mask and config,
+        # with TRL's sampler-mismatch correction (vLLM) applied by policy_loss or taken by the loss (VESPO)
+        sampling_ratio = inputs.get("importance_sampling_ratio") if self.use_vllm else None
+        per_token_loss, loss_metrics = policy_loss(
+            self.args.pg_loss_type, per_token_logps, old_log_probs, advantages, mask, self.args, sampling_ratio
+        )
+        if loss_mask is not None:  # before the vLLM correction and the KL term, as upstream
+            per_token_loss = per_token_loss * loss_mask
         if self.beta != 0.0:
             per_token_kl = functional.compute_kl(per_token_logps, inputs["ref_per_token_logps"], self.args.kl_estimator)
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_log_probs)
+            if self.args.use_bias_correction_kl:  # by the ratio at importance_sampling_level, as TRL 1.16
+                per_token_kl = per_token_kl * functional.compute_importance_ratio(
+                    per_token_logps, old_log_probs, mask, self.args.importance_sampling_level
+                )
             per_token_loss = per_token_loss + self.beta * per_token_kl
 
         mode = "train" if self.model.training else "eval"
-        loss = functional.compute_grpo_loss(
+        loss = compute_grpo_loss(
             per_token_loss,
             mask,
             self.args.length_normalization,
@@ -969,25 +579,28 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             empty_rows="drop",  # rows masked by mask_truncated_completions leave the mean (upstream: "zero")
         )
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        aggregated = loss  # the policy loss (and KL) of this micro-batch, logged as policy_loss with a bonus
         loss = loss / accumulation
+        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo_terms.py)
+            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, aggregated, accumulation, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
         self._log_loss_metrics(
-            mode, mask, entropies, advantages, pg_metadata, per_token_kl if self.beta != 0.0 else None
+            mode, mask, entropies, advantages, loss_metrics, per_token_kl if self.beta != 0.0 else None
         )
         return loss
 
     def _normalize_constant(self, inputs, mode: str) -> float | torch.Tensor | None:
-        """The divisor ``functional.compute_grpo_loss`` needs for this config's length normalization (its registry
+        """The divisor ``aggregations.compute_grpo_loss`` needs for this config's length normalization (its registry
         entry's ``divisor``): ``max_completion_length``; or, for ``batch_tokens`` (DAPO's token mean), the response
         tokens of the whole batch as the average share of one micro-batch on one process -- ``num_items_in_batch``
         (the generation batch's tokens, every process) / processes / ``steps_per_generation`` in training, so that
         after the division by the accumulation steps the summed micro-batch losses, averaged over processes by DDP,
         are the sum over every token / their count (trl.GRPOTrainer._compute_loss's ``dapo`` normalizer, TRL 1.16,
         which spreads a generation batch over its optimizer steps by the same average); None otherwise."""
-        divisor = functional.get_length_normalization(self.args.length_normalization).divisor
+        divisor = AGGREGATIONS.get(self.args.length_normalization).divisor
         if divisor == "max_completion_length":
             return self.max_completion_length
         if divisor == "batch_tokens":
@@ -995,13 +608,21 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             return tokens / self.args.steps_per_generation if mode == "train" else tokens
         return None
 
-    def _log_loss_metrics(self, mode, mask, entropies, advantages, pg_metadata, per_token_kl):
+    def _log_loss_metrics(self, mode, mask, entropies, advantages, loss_metrics, per_token_kl):
+        """Log entropy, KL and the loss entry's metrics (``trl_ext.losses.PolicyLoss.fn``), over every process:
+        ``clipped`` as TRL's ``clip_ratio/*``, ``ratio`` as ``ratio/mean|min|max``, any other metric under its own
+        name as its mean over the response tokens ((B, T)) or over the sequences ((B, 1), every row counted, as
+        TRL 1.16 does for a sequence-level ratio)."""
+
         # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
         # mask_truncated_completions) is NaN, as upstream's nanmin/nanmax give for clip_ratio/low_min and
         # high_max; upstream's log() leaves NaN out of the logging window's average and logs None when nothing is
         # left. (Upstream TRL 1.16 logs 0.0 for its masked means there, which would pull the window's average down.)
         def global_masked_sum_count(x):
-            local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
+            if x.shape != mask.shape:  # (B, 1): one value per sequence
+                local = torch.stack([x.float().sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                local = torch.stack([torch.where(mask.bool(), x.float(), 0.0).sum(), mask.sum().float()])
             return self.accelerator.reduce(local, reduction="sum")
 
         def global_masked_mean(x):
@@ -1015,8 +636,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._metrics[mode]["kl"].append(total / count if count > 0 else math.nan)
             if mode == "train" and self.args.kl_target is not None:
                 self._update_adaptive_beta(kl_sum_count.cpu())
-        if "clipped" in pg_metadata:
-            clipped = pg_metadata["clipped"]
+        if "clipped" in loss_metrics:
+            clipped = loss_metrics["clipped"]
             positive = (advantages > 0).expand_as(clipped)
             self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(clipped & ~positive))
             self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(clipped & positive))
@@ -1025,6 +646,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             float_mask = mask.float()
 
             def gathered_sequence_means(x):
+                if x.shape != mask.shape:  # (B, 1): already one value per sequence
+                    return self.accelerator.gather(x.float().squeeze(1))
                 return self.accelerator.gather((x.float() * float_mask).sum(-1) / float_mask.sum(-1))
 
             self._metrics[mode]["clip_ratio/low_min"].append(
@@ -1033,10 +656,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             self._metrics[mode]["clip_ratio/high_max"].append(
                 nanmax(gathered_sequence_means(clipped & positive)).item()
             )
-        if "ratio" in pg_metadata:  # importance ratio pi/pi_old over response tokens (1 on-policy)
-            ratio = pg_metadata["ratio"]
+        if "ratio" in loss_metrics:  # importance ratio pi/pi_old over response tokens (1 on-policy)
+            ratio = loss_metrics["ratio"]
             mean = global_masked_mean(ratio)
             self._metrics[mode]["ratio/mean"].append(mean)
+            ratio = ratio.expand_as(mask)
             # a process without response tokens contributes -inf to both maxima (it has no ratio to report)
             local = torch.stack(
                 [torch.where(mask.bool(), -ratio, -math.inf).max(), torch.where(mask.bool(), ratio, -math.inf).max()]
@@ -1049,6 +673,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, TrainerMixin, trl.GRPOTr
             empty = math.isnan(mean)  # no response token on any process
             self._metrics[mode]["ratio/min"].append(math.nan if empty else -low)
             self._metrics[mode]["ratio/max"].append(math.nan if empty else high)
+        for name, value in loss_metrics.items():  # a loss's own metrics (TRL's cispo_clip_ratio, ...)
+            if name not in ("clipped", "ratio"):
+                self._metrics[mode][name].append(global_masked_mean(value.detach()))
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
         """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time

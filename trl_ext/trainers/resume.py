@@ -55,6 +55,10 @@ USED_FROM_NOW = "the steps after the checkpoint use {new!r}"
 ADAPTIVE_BETA = (
     "with kl_target the adaptive beta goes on from the checkpoint's value ({new!r} is only a starting value)"
 )
+ADAPTIVE_ENTROPY = (
+    "with use_adaptive_entropy the entropy coefficient goes on from the checkpoint's value ({new!r} is only a "
+    "starting value)"
+)
 DATA_SKIP = (
     "the steps after the checkpoint read the epoch again from its first batch, not the rows the uninterrupted run "
     "reads (transformers skips no batch already trained on)"
@@ -312,6 +316,12 @@ def _beta_effect(old: Any, new: Any, saved: dict[str, Any], args: Any) -> str:
     return USED_FROM_NOW.format(new=new)
 
 
+def _entropy_coef_effect(old: Any, new: Any, saved: dict[str, Any], args: Any) -> str:
+    if args.use_adaptive_entropy and saved.get("use_adaptive_entropy"):
+        return ADAPTIVE_ENTROPY.format(new=new)
+    return USED_FROM_NOW.format(new=new)
+
+
 GRPO: dict[str, ResumeRule] = {
     # the rollout's shape and where the run stopped in its cycle (``_step``), which the checkpoint restores
     "steps_per_generation": refused("the rollout each step trains on"),
@@ -336,6 +346,8 @@ GRPO: dict[str, ResumeRule] = {
     "min_p": warned(),
     "repetition_penalty": warned(),
     "max_completion_length": warned(),
+    "stop_strings": warned(),  # where a completion ends: other completions and rewards after the checkpoint
+    "min_completion_length": warned(),
     "generation_kwargs": warned(),
     "chat_template_kwargs": warned(),
     "max_tool_calling_iterations": warned(),
@@ -351,10 +363,12 @@ GRPO: dict[str, ResumeRule] = {
     "reward_weights": warned(),
     "advantage_eps": warned(),
     "normalize_by_std": warned(),
-    "scale_rewards": free("TRL's name for normalize_by_std: compared under that name"),
+    "advantage_estimator": warned(),
+    "scale_rewards": free("TRL's name for normalize_by_std and advantage_estimator: compared under those names"),
     "pg_loss_type": warned(),
     "length_normalization": warned(),
-    "loss_type": free("TRL's name for length_normalization: compared under that name"),
+    "loss_type": free("TRL's name for pg_loss_type and length_normalization: compared under those names"),
+    "multi_objective_aggregation": free("TRL's name for advantage_estimator: compared under that name"),
     "epsilon": warned(),
     "epsilon_high": warned(),
     "mask_truncated_completions": warned(),
@@ -373,10 +387,10 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_importance_sampling_cap": warned(),
     "vllm_importance_sampling_clip_min": warned(),
     "vllm_importance_sampling_clip_max": warned(),
-    # upstream objectives GRPOConfig refuses (trl_ext.trainers.grpo._UNSUPPORTED): classified as upstream means them
+    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo_terms, trl_ext.losses)
     "importance_sampling_level": warned(),
     "top_entropy_quantile": warned(),
-    "entropy_coef": warned(),
+    "entropy_coef": warned(_entropy_coef_effect),
     "entropy_coef_delta": warned(),
     "entropy_coef_min": warned(),
     "entropy_coef_max": warned(),
@@ -384,7 +398,6 @@ GRPO: dict[str, ResumeRule] = {
     "use_adaptive_entropy": warned(),
     "off_policy_mask_threshold": warned(),
     "delta": warned(),
-    "multi_objective_aggregation": warned(),
     "sapo_temperature_neg": warned(),
     "sapo_temperature_pos": warned(),
     "vespo_k_neg": warned(),
@@ -414,10 +427,12 @@ GRPO: dict[str, ResumeRule] = {
     "log_unique_prompts": free(LOGGING),
     "num_completions_to_print": free(LOGGING),
 }
-"""``trl_ext.GRPOConfig``'s fields beyond ``TrainingArguments``'. ``loss_type``/``scale_rewards`` are other names of
-``length_normalization``/``normalize_by_std`` (compared under the course names: one warning per change). ``beta``
+"""``trl_ext.GRPOConfig``'s fields beyond ``TrainingArguments``'. ``loss_type``/``scale_rewards``/
+``multi_objective_aggregation`` are other names of ``pg_loss_type``, ``length_normalization``, ``normalize_by_std`` and
+``advantage_estimator`` (compared under the course names: one warning per change). ``beta``
 with ``kl_target`` in both runs is the adaptive controller's starting value only: the checkpoint's adapted beta goes
-on (:data:`ADAPTIVE_BETA`)."""
+on (:data:`ADAPTIVE_BETA`); so is ``entropy_coef`` with ``use_adaptive_entropy`` in both runs
+(:data:`ADAPTIVE_ENTROPY`)."""
 
 TRAINER_RULES: tuple[tuple[type, dict[str, ResumeRule]], ...] = (
     (trl.SFTConfig, {**_TRL_SHARED, **SFT}),

@@ -1,0 +1,282 @@
+"""Length normalization: how a (B, T) per-token loss becomes one micro-batch loss, one registry entry each -- the
+choices of ``GRPOConfig.length_normalization`` (verl's ``loss_agg_mode``, TRL's part of ``loss_type``).
+
+An aggregation is ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows) -> 0-d loss`` with a
+declaration of the divisor the trainer must hand it (:class:`Aggregation`), registered with
+:func:`register_aggregation`::
+
+    @register_aggregation("token_mean", divisor="batch_tokens", upstream_loss_type="dapo", formula="...")
+    def token_mean(per_token_loss, response_mask, normalize_constant, empty_rows): ...
+
+``--length_normalization package.module:fn`` names a user's function of that signature (divisor ``"none"``) or an
+:class:`Aggregation`. The course's dispatch ``compute_grpo_loss`` (handout sections 7.2-7.3) goes through this
+registry, and so does the trainer.
+
+Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .functional import _check_choice, _check_same_shape, masked_mean, masked_normalize
+from .registry import Registry
+
+__all__ = [
+    "EMPTY_ROWS",
+    "Aggregation",
+    "AGGREGATIONS",
+    "register_aggregation",
+    "upstream_loss_types",
+    "compute_grpo_loss",
+]
+
+EMPTY_ROWS = ("raise", "zero", "drop")
+"""What ``compute_grpo_loss`` does with a row that has no response token."""
+
+DIVISORS = ("none", "max_completion_length", "batch_tokens")
+
+ReduceFn = Callable[..., torch.Tensor]
+"""``reduce(per_token_loss (B, T), response_mask (B, T), normalize_constant, empty_rows) -> 0-d loss``."""
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How the per-token loss of a micro-batch becomes its scalar loss, and what it divides by: one entry of
+    :data:`AGGREGATIONS`.
+
+    Attributes:
+        name: the ``length_normalization`` value.
+        reduce: ``reduce(per_token_loss (B, T), response_mask (B, T), normalize_constant, empty_rows) -> 0-d loss``
+            (:func:`compute_grpo_loss` checks shapes and choices first).
+        divisor: what a trainer passes as ``normalize_constant``: ``"none"`` (the entry divides by counts it takes
+            from the mask itself), ``"max_completion_length"`` (that config value), or ``"batch_tokens"`` (the number
+            of response tokens of the whole batch, over every process and micro-batch of the optimizer step, as the
+            average share of one micro-batch on one process; see ``trl_ext.GRPOTrainer``).
+        upstream_loss_type: TRL's ``loss_type`` that reduces the same way, or None; ``GRPOConfig.loss_type`` maps it
+            onto this entry.
+        formula: the reduction in one line, for help texts.
+        source: where it comes from.
+    """
+
+    name: str
+    reduce: ReduceFn
+    divisor: Literal["none", "max_completion_length", "batch_tokens"] = "none"
+    upstream_loss_type: str | None = None
+    formula: str = ""
+    source: str = ""
+
+
+def _check_entry(name: str, entry: Aggregation) -> None:
+    if not isinstance(entry, Aggregation):
+        raise ValueError(
+            f"length normalization {name!r}: expected a trl_ext.aggregations.Aggregation, got {type(entry).__name__}"
+        )
+    _check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
+    claimed = upstream_loss_types()
+    if entry.upstream_loss_type in claimed:
+        raise ValueError(
+            f"TRL's loss_type {entry.upstream_loss_type!r} already means {claimed[entry.upstream_loss_type]!r}"
+        )
+
+
+def _load(obj: Any, path: str) -> Aggregation:
+    """What ``--length_normalization package.module:attr`` names: an :class:`Aggregation` as it is, or a function
+    ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows)`` that takes no divisor."""
+    if isinstance(obj, Aggregation):
+        return obj
+    # a function registered with its declarations when its module was imported: that entry
+    registered = [entry for _, entry in AGGREGATIONS.items() if entry.reduce is obj]
+    if registered:
+        return registered[0]
+    if callable(obj):
+        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
+        return Aggregation(path, obj, formula=doc[0] if doc else "", source=path)
+    raise TypeError(
+        f"{path} is a {type(obj).__name__}; expected a function (per_token_loss, response_mask, normalize_constant, "
+        "empty_rows) -> loss or a trl_ext.aggregations.Aggregation"
+    )
+
+
+AGGREGATIONS: Registry[Aggregation] = Registry(
+    "length normalization", "length_normalization", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+)
+"""``length_normalization`` -> its :class:`Aggregation`, in registration order."""
+
+
+def register_aggregation(
+    name: str,
+    *,
+    divisor: Literal["none", "max_completion_length", "batch_tokens"] = "none",
+    upstream_loss_type: str | None = None,
+    formula: str = "",
+    source: str = "",
+) -> Callable[[ReduceFn], ReduceFn]:
+    """Decorator: register the decorated ``reduce`` function under ``name`` (:class:`Aggregation`) and return it
+    unchanged.
+
+    Raises:
+        ValueError: the name, or the TRL ``loss_type`` it claims, is taken, or ``divisor`` is unknown.
+    """
+
+    def decorate(reduce: ReduceFn) -> ReduceFn:
+        AGGREGATIONS.register(
+            name,
+            Aggregation(
+                name, reduce, divisor=divisor, upstream_loss_type=upstream_loss_type, formula=formula, source=source
+            ),
+        )
+        return reduce
+
+    return decorate
+
+
+def upstream_loss_types() -> dict[str, str]:
+    """TRL's ``loss_type`` -> the ``length_normalization`` that reduces the same way, from the registry now."""
+    return {e.upstream_loss_type: name for name, e in AGGREGATIONS.items() if e.upstream_loss_type is not None}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The built-in aggregations  (CS336 A5 sections 7.2-7.3; Dr. GRPO; DAPO)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _response_tokens(response_mask: torch.Tensor) -> torch.Tensor:
+    return response_mask.sum(dim=-1)
+
+
+@register_aggregation(
+    "masked_mean",
+    upstream_loss_type="grpo",
+    formula="each response's mean over its tokens, then the mean over responses (every response weighs the same)",
+    source="CS336 A5 sections 7.2-7.3 (masked_mean); GRPO (Shao et al. 2024)",
+)
+def per_response_mean(per_token_loss, response_mask, normalize_constant, empty_rows):
+    """Per response the mean over its tokens, then the mean over the responses (``empty_rows`` decides an empty
+    one: raise, count as 0, or leave the mean)."""
+    tokens = _response_tokens(response_mask)
+    if empty_rows == "drop":
+        per_example = masked_normalize(per_token_loss, response_mask, dim=-1) / tokens.clamp(min=1)
+        return per_example.sum() / (tokens > 0).sum().clamp(min=1)
+    empty = tokens == 0
+    if empty.any() and empty_rows == "raise":
+        raise ValueError(
+            f"response_mask rows {empty.nonzero().flatten().tolist()} have no response token; masked_mean over "
+            "them is undefined (expected at least one 1 per row)"
+        )
+    return masked_mean(per_token_loss, response_mask, dim=-1).masked_fill(empty, 0.0).mean()
+
+
+@register_aggregation(
+    "masked_normalize",
+    divisor="max_completion_length",
+    upstream_loss_type="dr_grpo",
+    formula="each response's sum over its tokens / max_completion_length, then the mean over responses",
+    source="CS336 A5 section 4.2 (masked_normalize); Dr. GRPO (Liu et al. 2025)",
+)
+def per_response_sum_over_constant(per_token_loss, response_mask, normalize_constant, empty_rows):
+    """Per response the sum over its tokens / ``normalize_constant``, then the mean over the responses."""
+    if normalize_constant is None:
+        raise ValueError("length_normalization='masked_normalize' needs normalize_constant; got None")
+    per_example = masked_normalize(per_token_loss, response_mask, dim=-1, normalize_constant=normalize_constant)
+    if empty_rows == "drop":
+        return per_example.sum() / (_response_tokens(response_mask) > 0).sum().clamp(min=1)
+    return per_example.mean()
+
+
+@register_aggregation(
+    "masked_sum",
+    upstream_loss_type="luspo",
+    formula="each response's sum over its tokens, then the mean over responses (a sequence-level loss weighs its "
+    "sequence by its length)",
+    source="LUSPO (Length-Unbiased Sequence Policy Optimization, 2026): TRL 1.16's luspo reduction",
+)
+def per_response_sum(per_token_loss, response_mask, normalize_constant, empty_rows):
+    """Per response the sum over its tokens (``masked_normalize`` with constant 1), then the mean over the responses
+    (``empty_rows="drop"``: over those with a response token)."""
+    per_example = masked_normalize(per_token_loss, response_mask, dim=-1)
+    if empty_rows == "drop":
+        return per_example.sum() / (_response_tokens(response_mask) > 0).sum().clamp(min=1)
+    return per_example.mean()
+
+
+def token_mean(per_token_loss, response_mask, normalize_constant, empty_rows):
+    """The sum over every response token / ``normalize_constant`` (this batch's own token count when None; a count
+    of 0 divides by 1)."""
+    # A row without response tokens adds nothing to the sum nor to the count: every empty_rows choice agrees.
+    tokens = response_mask.sum() if normalize_constant is None else normalize_constant
+    tokens = torch.as_tensor(tokens, dtype=per_token_loss.dtype, device=per_token_loss.device)
+    return masked_normalize(per_token_loss, response_mask) / tokens.clamp(min=1.0)
+
+
+register_aggregation(
+    "token_mean",
+    divisor="batch_tokens",
+    upstream_loss_type="dapo",
+    formula="the sum over every response token of the whole batch (all processes and micro-batches of an "
+    "optimizer step) / their count (every token weighs the same)",
+    source="DAPO (Yu et al. 2025), section 3.3, token-level policy gradient loss",
+)(token_mean)
+register_aggregation(
+    "local_token_mean",
+    upstream_loss_type="bnpo",
+    formula="the sum over the response tokens of each micro-batch of one process / their count",
+    source="DAPO's token-level mean over the local micro-batch (TRL's bnpo)",
+)(token_mean)
+
+
+def compute_grpo_loss(
+    per_token_loss: torch.Tensor,
+    response_mask: torch.Tensor,
+    length_normalization: str = "masked_mean",
+    normalize_constant: float | torch.Tensor | None = None,
+    empty_rows: Literal["raise", "zero", "drop"] = "raise",
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch (an entry of :data:`AGGREGATIONS`).
+
+    - ``masked_mean``: per example, the mean over its response tokens (each response weighs the same, its tokens
+      share that weight; the handout's default), then the mean over the batch;
+    - ``masked_normalize``: per example, the sum over its response tokens divided by ``normalize_constant`` (Dr.
+      GRPO: a constant such as the maximum completion length, so every token weighs the same), then the mean over
+      the batch;
+    - ``masked_sum``: per example, the sum over its response tokens, then the mean over the batch (TRL's ``luspo``:
+      a sequence-level loss weighs its sequence by its length);
+    - ``token_mean`` / ``local_token_mean``: the sum over every response token of the batch divided by
+      ``normalize_constant``, the number of response tokens the mean is over (DAPO's token-level loss); None (the
+      default) divides by this batch's own count, which is ``local_token_mean`` (TRL's ``bnpo``) for a micro-batch.
+      A count of 0 divides by 1 (the loss is then 0), as TRL does.
+
+    Args:
+        per_token_loss: (B, T).
+        response_mask: (B, T), 1 on response tokens.
+        length_normalization: a registered name or ``package.module:attr`` (default ``"masked_mean"``).
+        normalize_constant: the divisor of ``"masked_normalize"`` (required there) and of the token means (a token
+            count; optional); ignored by ``"masked_mean"``.
+        empty_rows: what a row with no response token (e.g. one masked by ``mask_truncated_completions``) does:
+            ``"raise"`` (default) -- with ``masked_mean`` its mean is undefined, so a ValueError names the rows
+            (``masked_normalize`` is defined there: the row contributes 0 and counts in the batch mean);
+            ``"zero"`` -- it contributes 0 and still counts in the batch mean (TRL's ``grpo`` loss);
+            ``"drop"`` -- it leaves the batch mean: the loss is the mean, over the rows with at least one response
+            token, of their ``masked_mean`` (or sum / ``normalize_constant``), and 0 with zero (finite) gradients
+            when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches with ``"drop"``, so masked rows do not
+            dilute the loss. The token means count tokens, not rows: an empty row changes nothing whatever this says.
+
+    Returns:
+        0-d tensor.
+
+    Raises:
+        ValueError: on a shape mismatch, an unknown ``length_normalization`` or ``empty_rows``, a missing
+        ``normalize_constant``, or (``masked_mean`` with ``empty_rows="raise"``) a row with no response token,
+        whose mean would be NaN; the row is named.
+
+    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
+    discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``; Yu et al. 2025 (DAPO) for the token means.
+    """
+    _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
+    entry = AGGREGATIONS.get(length_normalization)
+    _check_choice("empty_rows", empty_rows, EMPTY_ROWS)
+    return entry.reduce(per_token_loss, response_mask, normalize_constant, empty_rows)

@@ -1,0 +1,246 @@
+"""One small registry of named choices: policy losses, length normalizations, advantage estimators (and tasks).
+
+A :class:`Registry` maps the value of one option (``pg_loss_type``, ``length_normalization``, ...) to an entry: it
+registers entries (a call or a decorator), finds one by name -- or imports ``package.module:attr`` for a user's own,
+as TRL names a reward function by its dotted path -- and says what is registered when it is asked (``names``,
+``help``), so a ``--help`` printed after a user registered an entry lists it. An unknown name gets one error that
+names the option, the closest registered names (difflib) and every registered one::
+
+    LOSSES = Registry("policy loss", "pg_loss_type", describe=lambda entry: entry.formula, load=as_entry)
+    LOSSES.register("grpo_clip", entry)          # or: @LOSSES.register("grpo_clip") above the entry's definition
+    LOSSES.get("grpo_clp")   # ValueError: pg_loss_type='grpo_clp' is not supported: no such policy loss (did you
+                             # mean 'grpo_clip'?); expected one of 'grpo_clip', ..., or a package.module:attr ...
+    LOSSES.problem("grpo_clp", flag=True)        # "--pg_loss_type grpo_clp: no such policy loss (did you mean ..."
+    LOSSES.get("my_pkg.losses:my_loss")          # imports my_pkg.losses, passes my_loss through ``load``
+
+After verl's ``register_policy_loss`` / ``get_policy_loss_fn`` (verl/trainer/ppo/core_algos.py) and nanochat's
+name -> task dicts; the did-you-mean is argparse's (Python 3.12+, ``suggest_on_error``). This leaf imports nothing of
+trl_ext.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Registry", "LiveText"]
+
+T = TypeVar("T")
+
+
+class LiveText(str):
+    """A help text rebuilt each time it is read, for a dataclass field's ``metadata={"help": ...}``.
+
+    ``argparse`` formats a help as ``help % params`` when it prints it; this ``%`` (and ``str()``, ``format``, ``+``)
+    calls ``build()`` then, so ``--help`` lists what a :class:`Registry` holds at that moment, including entries
+    registered after the config class was defined. As a plain ``str`` it holds the text of when it was made.
+    ``build`` must return text whose ``%`` signs are escaped as ``%%`` (argparse's rule; :meth:`Registry.help`
+    escapes the entries' descriptions).
+    """
+
+    _build: Callable[[], str]
+
+    def __new__(cls, build: Callable[[], str]) -> LiveText:
+        text = super().__new__(cls, build())
+        text._build = build
+        return text
+
+    def __str__(self) -> str:
+        return self._build()
+
+    def __mod__(self, params: Any) -> str:
+        return self._build() % params
+
+    def __add__(self, other: str) -> str:
+        return self._build() + other
+
+    def __radd__(self, other: str) -> str:
+        return other + self._build()
+
+    def __format__(self, spec: str) -> str:
+        return format(self._build(), spec)
+
+    def strip(self, chars: str | None = None) -> str:
+        return self._build().strip(chars)
+
+    def __reduce__(self):  # pickles (and deep-copies) as the plain text of the moment
+        return (str, (self._build(),))
+
+
+class _NotFound(Exception):
+    """Why a name names no entry (the message after ``<option>=<name> is not supported: ``)."""
+
+
+class Registry(Generic[T]):
+    """Named entries of one kind, in registration order, chosen by one option.
+
+    Args:
+        kind: what an entry is, in words (``"policy loss"``), for messages.
+        option: the config field that names an entry (``"pg_loss_type"``); errors name it, and with ``flag=True``
+            the command-line flag ``--pg_loss_type``.
+        describe: ``entry -> one line`` for :meth:`help` (default: none, names only).
+        load: ``(object, "package.module:attr") -> entry``: turns what a dotted path names into an entry (e.g. a
+            plain function into an entry with conservative declarations); raises TypeError for an object it cannot
+            use. None (default): dotted paths are not accepted.
+        check: ``(name, entry) -> None``, called before an entry is added; raises ValueError to refuse it (e.g. a
+            claim another entry already holds).
+
+    An entry loaded from a dotted path is kept (one import per path), but is not registered: it is not listed by
+    :meth:`names` or :meth:`help`.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        option: str,
+        describe: Callable[[T], str] | None = None,
+        load: Callable[[Any, str], T] | None = None,
+        check: Callable[[str, T], None] | None = None,
+    ):
+        self.kind = kind
+        self.option = option
+        self._describe = describe
+        self._load = load
+        self._check = check
+        self._entries: dict[str, T] = {}
+        self._loaded: dict[str, T] = {}
+
+    # -- adding and removing ----------------------------------------------------------------------------------
+
+    def register(self, name: str, entry: T | None = None) -> Any:
+        """Add ``entry`` under ``name`` and return it; without ``entry``, a decorator that registers the object it
+        decorates and returns it unchanged (``@REGISTRY.register("name")``).
+
+        Raises:
+            ValueError: ``name`` is taken, is empty, or contains ``:`` (the mark of a dotted path); or ``check``
+                refuses the entry.
+        """
+        if entry is None:
+
+            def decorate(obj: T) -> T:
+                self.register(name, obj)
+                return obj
+
+            return decorate
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(
+                f"{self.kind} name {name!r}: expected a non-empty string without ':' (a name with ':' is a "
+                "package.module:attr to import)"
+            )
+        if name in self._entries:
+            raise ValueError(f"a {self.kind} named {name!r} is already registered")
+        if self._check is not None:
+            self._check(name, entry)
+        self._entries[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> T:
+        """Remove the entry called ``name`` and return it (tests, and a user replacing a built-in).
+
+        Raises:
+            KeyError: no entry is called ``name``.
+        """
+        return self._entries.pop(name)
+
+    # -- finding --------------------------------------------------------------------------------------------------
+
+    def problem(self, name: Any, flag: bool = False) -> str | None:
+        """Why ``name`` names no entry, in one line, or None when :meth:`get` finds (or imports) one.
+
+        Args:
+            name: a registered name or a ``package.module:attr`` path.
+            flag: word it for the command line (``--pg_loss_type grpo_clp: no such ...``) instead of Python
+                (``pg_loss_type='grpo_clp' is not supported: no such ...``).
+        """
+        try:
+            self._find(name)
+        except _NotFound as err:
+            said = f"--{self.option} {name}: " if flag else f"{self.option}={name!r} is not supported: "
+            return said + str(err)
+        return None
+
+    def get(self, name: str, argument: str | None = None) -> T:
+        """The entry called ``name``; or, for ``package.module:attr``, what ``load`` makes of that object (imported
+        once per path).
+
+        Args:
+            name: a registered name or a dotted path.
+            argument: the name errors give the option (default: ``option``), for a function whose parameter has
+                another name (``loss_type``).
+
+        Raises:
+            ValueError: ``<option>=<name> is not supported: ...``: no entry is called ``name`` (naming the closest
+                names and every registered one), or the dotted path cannot be imported, names no attribute, or
+                names something ``load`` cannot use (saying which).
+        """
+        try:
+            return self._find(name)
+        except _NotFound as err:
+            raise ValueError(f"{argument or self.option}={name!r} is not supported: {err}") from None
+
+    def _find(self, name: Any) -> T:
+        if isinstance(name, str) and name in self._entries:
+            return self._entries[name]
+        if isinstance(name, str) and ":" in name and self._load is not None:
+            if name not in self._loaded:
+                self._loaded[name] = self._import(name)
+            return self._loaded[name]
+        close = difflib.get_close_matches(str(name), list(self._entries), n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        dotted = ", or a package.module:attr of your own" if self._load is not None else ""
+        raise _NotFound(f"no such {self.kind}{hint}; expected one of {', '.join(map(repr, self._entries))}{dotted}")
+
+    def _import(self, path: str) -> T:
+        module_name, _, attr = path.partition(":")
+        if not module_name or not attr:
+            raise _NotFound("expected package.module:attr")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise _NotFound(f"cannot import {module_name} ({type(err).__name__}: {err})") from None
+        obj: Any = module
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise _NotFound(f"{module_name} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        try:
+            return self._load(obj, path)
+        except TypeError as err:
+            raise _NotFound(str(err)) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names, in registration order."""
+        return tuple(self._entries)
+
+    def items(self) -> list[tuple[str, T]]:
+        """``(name, entry)`` pairs, in registration order."""
+        return list(self._entries.items())
+
+    def help(self) -> str:
+        """``"'name' (description), ..."`` of every registered entry, built now."""
+
+        def one(name: str, entry: T) -> str:
+            text = self._describe(entry) if self._describe else ""
+            return f"{name!r} ({text})" if text else repr(name)
+
+        return ", ".join(one(name, entry) for name, entry in self._entries.items())
+
+    def live_help(self, before: str, after: str = "") -> LiveText:
+        """A :class:`LiveText` ``before + help() + after`` for a config field's help, rebuilt whenever it is read
+        (the entries' ``%`` escaped as ``%%`` for argparse; ``before`` and ``after`` follow argparse's rule
+        themselves)."""
+        return LiveText(lambda: before + self.help().replace("%", "%%") + after)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.option!r}: {', '.join(self._entries)})"
