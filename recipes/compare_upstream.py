@@ -1,12 +1,13 @@
 """Upstream trl.GRPOTrainer next to trl_ext.GRPOTrainer settings: same model, data, seed, prompts and step budget.
 
-    uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, 3 arms
+    uv run python recipes/compare_upstream.py   # CPU default: embedded SmolLM2, 2-digit addition, trl trl_ext course
     uv run --extra gpu accelerate launch --config_file accelerate_configs/single_process.yaml \
         recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml      # GPU
     uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
 Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
-preset names (trl_ext.compare.ARM_PRESETS: trl, course, no_std, masked_normalize, dr_grpo, kl_k3) or mappings
+preset names (trl_ext.compare.ARM_PRESETS: trl and trl_ext -- upstream and trl_ext at TRL's defaults, the same
+math --, trl_grpo, course, no_std, masked_normalize, dr_grpo, kl_k3) or mappings
 (YAML) / JSON objects (command line) such as '{"name": "lr_high", "preset": "course", "learning_rate": 5e-5}'.
 Writes comparison.json, comparison.md and comparison.png into --output_dir, and each arm's tensorboard logs into
 --output_dir/<arm> (`tensorboard --logdir <output_dir>` shows the arms side by side).
@@ -35,7 +36,7 @@ class CompareArguments(tasks.TaskArguments):
     """The task's options (--task, --task_config, data), plus the arms and how often to evaluate them."""
 
     arms: list[str] = field(
-        default_factory=lambda: ["trl", "course", "dr_grpo"],
+        default_factory=lambda: ["trl", "trl_ext", "course"],
         metadata={"help": "Arms, run in this order: preset names or JSON objects (see trl_ext.compare.parse_arms)."},
     )
     eval_every: int = field(

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import trl
 from conftest import length_mod5_reward
 from datasets import Dataset
@@ -15,6 +16,9 @@ from datasets import Dataset
 import trl_ext
 from trl_ext.compare import (
     ARM_PRESETS,
+    TRAINERS,
+    TRL_ADVANTAGE_EPS,
+    TRL_UPDATE_FIELDS,
     Arm,
     PeakMemory,
     arm_config,
@@ -23,6 +27,8 @@ from trl_ext.compare import (
     parse_arms,
     run_comparison,
     summarize_arm,
+    trl_defaults,
+    trl_ext_at_trl_defaults,
     write_comparison,
 )
 from trl_ext.rewards import gsm8k_reward_fn
@@ -83,9 +89,9 @@ def test_parse_arms_rejects(specs, message):
 
 def test_arm_config_carries_shared_settings(tmp_path):
     base = trl.GRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, steps_per_generation=2, **BASE)
-    upstream, course, dr = (arm_config(base, a) for a in parse_arms(["trl", "course", "dr_grpo"]))
+    upstream, course, dr = (arm_config(base, a) for a in parse_arms(["trl_grpo", "course", "dr_grpo"]))
     assert type(upstream) is trl.GRPOConfig and type(course) is trl_ext.GRPOConfig
-    for config, name in ((upstream, "trl"), (course, "course"), (dr, "dr_grpo")):
+    for config, name in ((upstream, "trl_grpo"), (course, "course"), (dr, "dr_grpo")):
         assert config.output_dir == str(tmp_path / name) and config.run_name == name
         assert config.learning_rate == 1e-2 and config.max_steps == 2 and config.seed == 0
         assert config.steps_per_generation == 2 and config.generation_batch_size == 8
@@ -93,6 +99,118 @@ def test_arm_config_carries_shared_settings(tmp_path):
     assert (upstream.loss_type, upstream.scale_rewards, upstream.beta, upstream.epsilon) == ("grpo", "group", 0.0, 0.2)
     assert (course.loss_type, course.scale_rewards) == ("grpo", "group")
     assert (dr.loss_type, dr.scale_rewards, dr.normalize_by_std) == ("dr_grpo", "none", False)
+
+
+# Issue 41: what a TRL user expects, the fields that decide the update at their TRL 1.16 defaults (an unchanged
+# trl.GRPOConfig: the DAPO token mean, std scaling, no KL, clip 0.2, one pass over each batch, gradient checkpointing)
+TRL_1_16_DEFAULTS = dict(
+    loss_type="dapo",
+    scale_rewards="group",
+    beta=0.0,
+    epsilon=0.2,
+    epsilon_high=None,
+    num_iterations=1,
+    mask_truncated_completions=False,
+    top_entropy_quantile=1.0,
+    importance_sampling_level="token",
+    use_bias_correction_kl=True,
+    activation_checkpointing=True,
+)
+
+
+def test_trl_preset_is_an_unchanged_trl_config(tmp_path):
+    """The ``trl`` preset holds, for each field of TRL_UPDATE_FIELDS, what ``trl.GRPOConfig()`` itself resolves to
+    (an instance, through transformers' alias gradient_checkpointing -> activation_checkpointing; the preset reads
+    the dataclass defaults); and an arm built from it keeps them over a shared config that sets some otherwise."""
+    plain = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    preset = ARM_PRESETS["trl"]
+    assert preset["trainer"] == "trl" and set(preset) - {"trainer"} == set(TRL_UPDATE_FIELDS)
+    for name in TRL_UPDATE_FIELDS:
+        assert preset[name] == getattr(plain, name), name
+    assert trl_defaults() == {k: v for k, v in preset.items() if k != "trainer"}
+    if trl.__version__ == "1.16.0":
+        assert trl_defaults() == TRL_1_16_DEFAULTS
+    # the shared config turns checkpointing off and changes the comparison's own settings: the arm keeps TRL's
+    base = trl.GRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, **BASE)
+    config = arm_config(base, parse_arms(["trl"])[0])
+    for name in TRL_UPDATE_FIELDS:
+        assert getattr(config, name) == getattr(plain, name), name
+    assert config.gradient_checkpointing is True  # the deprecated alias mirrors it
+    assert config.learning_rate == 1e-2 and config.max_steps == 2  # the comparison's, not TRL's 1e-6
+
+
+def test_trl_ext_preset_is_the_same_settings_in_the_course_names(tmp_path):
+    """``trl_ext`` is trl_ext.GRPOTrainer at TRL's defaults: TRL's loss_type/scale_rewards in their course names, and
+    TRL's advantage eps (1e-4, hard-coded in trl.GRPOTrainer), every other field of the upstream preset as is."""
+    base = trl.GRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, **BASE)
+    upstream, ours = (arm_config(base, a) for a in parse_arms(["trl", "trl_ext"]))
+    assert type(ours) is trl_ext.GRPOConfig
+    for name in TRL_UPDATE_FIELDS:  # loss_type and scale_rewards derived back from the course names
+        assert getattr(ours, name) == getattr(upstream, name), name
+    assert (ours.pg_loss_type, ours.length_normalization, ours.normalize_by_std) == ("grpo_clip", "token_mean", True)
+    assert ours.advantage_eps == TRL_ADVANTAGE_EPS == 1e-4
+    # a default TRL changes is carried over, in the names the loss registry gives it
+    assert trl_ext_at_trl_defaults({"loss_type": "bnpo", "scale_rewards": False, "beta": 0.04}) == {
+        "pg_loss_type": "grpo_clip",
+        "advantage_eps": 1e-4,
+        "length_normalization": "local_token_mean",
+        "normalize_by_std": False,
+        "beta": 0.04,
+    }
+    settings = trl_ext_at_trl_defaults({**TRL_1_16_DEFAULTS, "loss_type": "cispo"})  # TRL's CISPO: its own loss
+    config = arm_config(base, Arm("x", "trl_ext", settings))
+    assert (config.pg_loss_type, config.length_normalization, config.loss_type) == ("cispo", "token_mean", "cispo")
+    with pytest.raises(ValueError, match="loss_type"):  # a value TRL does not have either
+        arm_config(base, Arm("x", "trl_ext", trl_ext_at_trl_defaults({**TRL_1_16_DEFAULTS, "loss_type": "nope"})))
+
+
+def test_the_two_arms_at_trls_defaults_compute_the_same_loss(tokenizer, tiny_model_dir, tmp_path):
+    """Issue 41: upstream and trl_ext at TRL's defaults (gradient checkpointing on, as Trainer.train() turns it on)
+    sample the same completions and give the same advantages (TRL's eps: 1e-6 would move them by ~1e-4 here), loss
+    and gradients -- with old log-probs perturbed so that the clip acts."""
+    from test_grpo_trainer import generation_batch, independent_log_probs, loss_and_grads, perturb_for_clipping
+
+    from trl_ext.shared_prompts import activation_checkpointing
+
+    base = trl.GRPOConfig(
+        output_dir=str(tmp_path), gradient_checkpointing=False, **{**BASE, "temperature": 1.5, "max_steps": 1}
+    )
+    trainers = []
+    for arm in parse_arms(["trl", "trl_ext"]):
+        config = arm_config(base, arm)
+        assert config.activation_checkpointing and config.loss_type == "dapo"  # TRL's, over the shared config's
+        tok = copy.deepcopy(tokenizer)
+        tok.padding_side = "left"
+        trainer = TRAINERS[arm.trainer][0](
+            model=tiny_model_dir,
+            reward_funcs=length_mod5_reward,
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": ["Count to 5:"] * 4}),
+            processing_class=tok,
+        )
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=config.gradient_checkpointing_kwargs)
+        assert activation_checkpointing(trainer.model)
+        trainers.append(trainer)
+    ref, ext = trainers
+    batch_ref, batch_ext = generation_batch(ref), generation_batch(ext)
+    assert torch.equal(batch_ext["completion_ids"], batch_ref["completion_ids"])  # same seed, same samples
+    assert batch_ref["advantages"].abs().max() > 0.1, "the toy batch should have distinct rewards"
+    torch.testing.assert_close(batch_ext["advantages"], batch_ref["advantages"], atol=1e-6, rtol=1e-6)
+    inputs = dict(batch_ref)
+    with torch.no_grad():  # num_iterations=1 keeps no old log-probs: give both the same, off by up to +-0.6
+        inputs["old_per_token_logps"] = independent_log_probs(ref.model, inputs, 1.5)
+    inputs = perturb_for_clipping(inputs)
+    loss_ext, grads_ext = loss_and_grads(ext, dict(inputs))
+    loss_ref, grads_ref = loss_and_grads(ref, dict(inputs))
+    assert loss_ref.abs() > 1e-3
+    torch.testing.assert_close(loss_ext, loss_ref, atol=1e-6, rtol=1e-5)
+    assert grads_ext.keys() == grads_ref.keys() and grads_ref
+    for name in grads_ref:
+        torch.testing.assert_close(grads_ext[name], grads_ref[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert ext._metrics["train"]["clip_ratio/region_mean"][-1] > 0, "the perturbation should clip some tokens"
+    assert ext._metrics["train"]["clip_ratio/region_mean"][-1] == pytest.approx(
+        ref._metrics["train"]["clip_ratio/region_mean"][-1], abs=1e-6
+    )
 
 
 def test_arm_config_rejects_shared_loss_type(tmp_path):

@@ -2,8 +2,10 @@
 
 An arm is a trainer (upstream ``trl.GRPOTrainer`` or ``trl_ext.GRPOTrainer``) plus the config fields it changes
 relative to one shared ``trl.GRPOConfig`` (learning rate, batch, generation, steps, seed, ...). Upstream arms must
-write out ``loss_type``, ``scale_rewards``, ``beta`` and ``epsilon`` (never TRL's implicit defaults, which change
-between releases); ``trl_ext`` arms set the course fields (``normalize_by_std``, ``length_normalization``, ...).
+write out ``loss_type``, ``scale_rewards``, ``beta`` and ``epsilon`` (never TRL's implicit defaults: the ``trl``
+preset writes in what the installed ``trl.GRPOConfig`` defaults to, :func:`~trl_ext.compare.arms.trl_defaults`);
+``trl_ext`` arms set the course fields (``normalize_by_std``, ``length_normalization``, ...). The presets ``trl`` and
+``trl_ext`` are the two trainers at TRL's defaults: the same math, upstream against trl_ext.
 
 Per arm, :func:`run_comparison` records TRL's logged metrics (``reward``, ``entropy``, ``completions/mean_length``,
 per-function rewards), held-out greedy accuracy at chosen steps (logged as ``heldout/accuracy`` next to TRL's
@@ -25,7 +27,19 @@ Used by ``recipes/compare_upstream.py`` (math), ``recipes/grpo_sort.py`` (the le
 """
 
 from trl_ext.compare import ablations
-from trl_ext.compare.arms import ARM_PRESETS, TRAINERS, UPSTREAM_REQUIRED, Arm, arm_config, arm_key, parse_arms
+from trl_ext.compare.arms import (
+    ARM_PRESETS,
+    TRAINERS,
+    TRL_ADVANTAGE_EPS,
+    TRL_UPDATE_FIELDS,
+    UPSTREAM_REQUIRED,
+    Arm,
+    arm_config,
+    arm_key,
+    parse_arms,
+    trl_defaults,
+    trl_ext_at_trl_defaults,
+)
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, release_memory, summarize_arm
 from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, setup_summary, write_comparison
 from trl_ext.compare.run import eval_steps, run_comparison
@@ -36,6 +50,8 @@ __all__ = [
     "ARM_PRESETS",
     "DEFAULT_PANELS",
     "TRAINERS",
+    "TRL_ADVANTAGE_EPS",
+    "TRL_UPDATE_FIELDS",
     "UPSTREAM_REQUIRED",
     "Arm",
     "ArmMonitor",
@@ -51,5 +67,7 @@ __all__ = [
     "run_comparison",
     "setup_summary",
     "summarize_arm",
+    "trl_defaults",
+    "trl_ext_at_trl_defaults",
     "write_comparison",
 ]

@@ -18,9 +18,84 @@ TRAINERS = {"trl": (trl.GRPOTrainer, trl.GRPOConfig), "trl_ext": (GRPOTrainer, G
 UPSTREAM_REQUIRED = ("loss_type", "scale_rewards", "beta", "epsilon")
 """Fields an upstream (``trainer="trl"``) arm must set explicitly."""
 
+TRL_ADVANTAGE_EPS = 1e-4
+"""What ``trl.GRPOTrainer`` adds to the group std before dividing (hard-coded in ``_generate_and_score_completions``,
+TRL 1.16; not a config field). trl_ext's ``advantage_eps`` defaults to the course's 1e-6."""
+
+TRL_UPDATE_FIELDS = (
+    "loss_type",
+    "scale_rewards",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "num_iterations",
+    "mask_truncated_completions",
+    "top_entropy_quantile",
+    "importance_sampling_level",
+    "use_bias_correction_kl",
+    "activation_checkpointing",
+)
+"""The ``trl.GRPOConfig`` fields that decide how a batch of rollouts becomes an update (loss and its token average,
+advantage scaling, clipping, KL, reuse of samples, masking) or what a step costs (gradient checkpointing): the
+``trl`` preset takes each from TRL's defaults (:func:`trl_defaults`)."""
+
+
+def trl_defaults(config_cls: type = trl.GRPOConfig) -> dict[str, Any]:
+    """TRL's default value of each of :data:`TRL_UPDATE_FIELDS`, read from ``config_cls``'s dataclass fields.
+
+    ``activation_checkpointing`` is what transformers resolves when neither name is given: the deprecated
+    ``gradient_checkpointing`` default (True for ``trl.GRPOConfig``) where the new name's default is None, else
+    False. (How checkpointing recomputes, ``activation_checkpointing_kwargs``, stays the comparison's.) Read from the
+    installed TRL, so a TRL release that changes a default changes the presets built from it.
+
+    Returns:
+        field name -> default value, for every name of :data:`TRL_UPDATE_FIELDS`.
+    """
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+
+    def default(name):
+        f = fields[name]
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    values = {name: default(name) for name in TRL_UPDATE_FIELDS if name != "activation_checkpointing"}
+    checkpointing = default("activation_checkpointing")  # transformers: the old name counts only when this is None
+    values["activation_checkpointing"] = bool(
+        checkpointing if checkpointing is not None else default("gradient_checkpointing")
+    )
+    return values
+
+
+def trl_ext_at_trl_defaults(upstream: Mapping[str, Any]) -> dict[str, Any]:
+    """The trl_ext settings that compute what upstream computes at ``upstream`` (from :func:`trl_defaults`).
+
+    TRL's ``loss_type`` and ``scale_rewards`` become the course fields they decide (``GRPOConfig.upstream_meaning``:
+    'dapo' -> ``length_normalization='token_mean'``, 'cispo' -> ``pg_loss_type='cispo'`` with 'token_mean', 'group'
+    -> ``normalize_by_std=True``), with the GRPO-Clip loss where the loss type names none and TRL's advantage eps
+    (:data:`TRL_ADVANTAGE_EPS`); every other field keeps TRL's value. A value TRL does not have is passed on as is,
+    and ``trl_ext.GRPOConfig`` refuses it, naming it, when the arm's config is built.
+    """
+    settings: dict[str, Any] = {"pg_loss_type": "grpo_clip", "advantage_eps": TRL_ADVANTAGE_EPS}
+    for name, value in upstream.items():
+        meaning = GRPOConfig.upstream_meaning(name, value) if name in GRPOConfig.UPSTREAM_OPTIONS else None
+        if meaning is None:  # not one of TRL's names of a course setting, or a value TRL does not have (refused)
+            settings[name] = value
+        else:
+            settings.update(meaning)
+    return settings
+
+
+_TRL_DEFAULTS = trl_defaults()
+
 ARM_PRESETS: dict[str, dict[str, Any]] = {
-    # Upstream TRL, GRPO as in DeepSeekMath: group-std-normalized advantages, per-response token mean, no KL.
-    "trl": {"trainer": "trl", "loss_type": "grpo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2},
+    # Upstream TRL as a TRL user runs it: trl.GRPOConfig's defaults for every field of TRL_UPDATE_FIELDS (TRL 1.16:
+    # loss_type dapo, scale_rewards group, beta 0, epsilon 0.2, one iteration, gradient checkpointing on).
+    "trl": {"trainer": "trl", **_TRL_DEFAULTS},
+    # trl_ext.GRPOTrainer at the same upstream defaults: the same math (token_mean = dapo, std scaling with TRL's
+    # eps 1e-4, checkpointing on), so the pair trl / trl_ext compares the trainers, not the settings.
+    "trl_ext": {"trainer": "trl_ext", **trl_ext_at_trl_defaults(_TRL_DEFAULTS)},
+    # Upstream TRL, GRPO as in DeepSeekMath: group-std-normalized advantages, per-response token mean, no KL (the
+    # course arm's math up to advantage_eps; written out, not TRL's defaults).
+    "trl_grpo": {"trainer": "trl", "loss_type": "grpo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2},
     # The course's defaults: GRPO-Clip, std normalization, masked_mean.
     "course": {
         "trainer": "trl_ext",
@@ -56,8 +131,17 @@ ARM_PRESETS: dict[str, dict[str, Any]] = {
     # Course defaults plus a k3 KL penalty to the initial policy (TRL reloads the reference from the policy's path).
     "kl_k3": {"trainer": "trl_ext", "pg_loss_type": "grpo_clip", "beta": 0.04, "kl_estimator": "k3", "epsilon": 0.2},
 }
-"""Named arms usable as ``arms: [trl, course, ...]``; a mapping ``{preset: course, name: ..., field: value}`` extends
-one."""
+"""Named arms usable as ``arms: [trl, trl_ext, course, ...]``; a mapping ``{preset: course, name: ..., field: value}``
+extends one.
+
+``trl`` and ``trl_ext`` are TRL's defaults: from TRL's defaults (:func:`trl_defaults`, read from the installed
+``trl.GRPOConfig``) come the fields of :data:`TRL_UPDATE_FIELDS` -- loss type, advantage scaling, beta, the clip
+range, num_iterations, truncated-completion masking, entropy masking, importance-sampling level, the KL's bias
+correction, gradient checkpointing -- and, for ``trl_ext``, TRL's hard-coded advantage eps. From the comparison (the
+shared config, the same for every arm) come the budget and everything else: model, data, steps, batch and group
+sizes, completion length, sampling (temperature, ...), learning rate and schedule, optimizer, precision, seed. The
+other presets are the course's settings (``course`` and its variants) and upstream GRPO written out (``trl_grpo``).
+"""
 
 _DERIVED_FIELDS = (
     "generation_batch_size",
