@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+import trl_ext
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -37,7 +40,7 @@ def test_bench_model_has_qwen2_5_1_5b_shape_and_parameter_count(tokenizer):
 
 
 @pytest.mark.slow
-def test_cpu_dry_run_trains_both_trainers_with_the_same_math(tmp_path):
+def test_cpu_dry_run_trains_both_trainers_with_the_same_math(tmp_path, monkeypatch):
     bench = load("gpu_bench")
     out = tmp_path / "bench.json"
     assert (
@@ -52,9 +55,22 @@ def test_cpu_dry_run_trains_both_trainers_with_the_same_math(tmp_path):
         assert r["generated_tokens_per_s"] > 0 and r["median_step_s"] > 0
         assert 0 < r["estimate_tensors_gib"] < r["estimate_gib"]["total"]
         assert r["trainable_parameters"] == 2 * 16 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))  # LoRA r16, tiny
-    # identical math: the same model, seed and samples give the same loss and gradient norm at every step
+    # identical math: the same model, seed and samples give the same loss and gradient norm at every step -- up to
+    # bf16 rounding (2^-8): under gradient checkpointing trl_ext's log-prob forwards run prompts and completions as
+    # one packed sequence (trl_ext.packing), other matmul shapes than TRL's padded rows under bf16 autocast
+    # (measured: 3.2e-4 relative on the gradient norm)
     assert runs["trl_ext"]["loss"] == pytest.approx(runs["trl"]["loss"], abs=1e-6)
-    assert runs["trl_ext"]["grad_norm"] == pytest.approx(runs["trl"]["grad_norm"], rel=1e-4)
+    assert runs["trl_ext"]["grad_norm"] == pytest.approx(runs["trl"]["grad_norm"], rel=2**-8)
+    # with TRL's padded rows (pack_completions=False) the gradient norms agree to the last bit that matters
+    unpacked = tmp_path / "unpacked.json"
+    monkeypatch.setattr(trl_ext, "GRPOConfig", functools.partial(trl_ext.GRPOConfig, pack_completions=False))
+    assert (
+        bench.main(["--device", "cpu", "--tiny", "--steps", "2", "--completion-lengths", "8", "--out", str(unpacked)])
+        == 0
+    )
+    plain = {r["trainer"]: r for r in json.loads(unpacked.read_text())["runs"]}
+    assert plain["trl_ext"]["grad_norm"] == pytest.approx(plain["trl"]["grad_norm"], rel=1e-6)
+    assert plain["trl_ext"]["loss"] == pytest.approx(plain["trl"]["loss"], abs=1e-6)
     assert "lora T=8" in result["step_time_ratio_trl_ext_over_trl"]
     assert any(s.startswith("qlora:") for s in result["skipped"])
     assert "| trl_ext | lora | 4 | 8 |" in out.with_suffix(".md").read_text()
