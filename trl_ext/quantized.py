@@ -52,14 +52,22 @@ class _DropHubKernelMessage(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelMessage())
 
 
+def bitsandbytes_modules(model: torch.nn.Module, class_name: str | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of ``model`` whose class is bitsandbytes' (``class_name``, e.g. ``"Linear4bit"``: only that class;
+    None: any), by name; PEFT's LoRA wrappers hold them as ``base_layer``. Empty for a model without them. Found by
+    class, without importing bitsandbytes."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if any(
+            c.__module__.startswith("bitsandbytes") and class_name in (None, c.__name__) for c in type(module).__mro__
+        )
+    ]
+
+
 def linear4bit_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The ``bitsandbytes.nn.Linear4bit`` modules of ``model`` (PEFT's LoRA wrappers hold them as ``base_layer``), by
-    name; empty for a model without them. Found by class, without importing bitsandbytes."""
-    found = []
-    for name, module in model.named_modules():
-        if any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes") for c in type(module).__mro__):
-            found.append((name, module))
-    return found
+    """The ``bitsandbytes.nn.Linear4bit`` modules of ``model``, by name (:func:`bitsandbytes_modules`)."""
+    return bitsandbytes_modules(model, "Linear4bit")
 
 
 def is_repacked(module: torch.nn.Module) -> bool:

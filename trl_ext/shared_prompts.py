@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
+from .quantized import bitsandbytes_modules
 from .rng import model_devices, preserved_rng, unpreservable
 
 logger = logging.getLogger("trl_ext")
@@ -529,7 +530,7 @@ def _quantized_sequence_blocker(model: Any) -> str | None:
     compute in bf16 inside and round by the matmul's shape, so one packed sequence gives other gradients than the
     padded rows (measured on a 4-bit tiny Qwen2 with LoRA: up to 4.6e-5 apart, 0.5% of the largest), though the
     eval-mode probe's outputs agree."""
-    if any(type(m).__module__.startswith("bitsandbytes") for m in model.modules()):
+    if bitsandbytes_modules(model):
         return "bitsandbytes' quantized layers round by the matmul's shape (their CPU kernels compute in bf16)"
     return None
 
