@@ -9,8 +9,8 @@ long tail runs every other causal-LM architecture transformers can build from th
 
 The matrix runs again with activation (gradient) checkpointing on -- TRL's default -- with both values of
 ``use_reentrant`` (issue 41): the training forward keeps no cache then, so the log-prob forwards share prompts in one
-cache-free padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), checked against the plain step with
-the same checkpointing.
+cache-free padding-free sequence (``trl_ext.speed.packing.forward_in_one_sequence``), checked against the plain step
+with the same checkpointing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext.shared_prompts import activation_checkpointing, training_noise
+from trl_ext.speed.shared_prompts import activation_checkpointing, training_noise
 
 PLAIN = dict(share_prompt_cache=False, skip_zero_advantage_rows=False, prepack_linear_weights=False)
 """The options of the plain step every default step is checked against: every speed saving off."""
@@ -349,7 +349,7 @@ def test_long_tail(model_type, tokenizer, tmp_path, caplog):
 def test_length_dependent_rope_would_change_the_numbers_so_sharing_is_off(name):
     """Why the static rule exists: past the original context, the prompt alone (the shared prefill) picks another
     rotary table than the full sequence, so the shared forward is far from the plain one."""
-    from trl_ext.shared_prompts import forward_with_shared_prompts, savings_decision
+    from trl_ext.speed.shared_prompts import forward_with_shared_prompts, savings_decision
 
     config = tiny_config(name, 64)
     config.initializer_range = 1.0  # large random weights: logits far from uniform, so position changes show
@@ -374,7 +374,7 @@ def test_length_dependent_rope_would_change_the_numbers_so_sharing_is_off(name):
 def test_a_model_that_cannot_run_the_probe_batch_keeps_the_plain_path(tokenizer, monkeypatch):
     """The decision never raises: a model whose plain forward fails on the probe's random tokens (where the user's
     data might still run) turns both savings off, naming the error, and the trainer takes upstream's path."""
-    from trl_ext.shared_prompts import savings_decision
+    from trl_ext.speed.shared_prompts import savings_decision
 
     model = tiny_model("llama", len(tokenizer))
 

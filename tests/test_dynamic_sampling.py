@@ -1,4 +1,4 @@
-"""Dynamic sampling (trl_ext.trainers.dynamic_sampling) against values worked out by hand."""
+"""Dynamic sampling (trl_ext.trainers.grpo.dynamic_sampling) against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from architectures import tiny_model
 from datasets import Dataset
 
 import trl_ext
-from trl_ext.trainers.dynamic_sampling import (
+from trl_ext.trainers.grpo.dynamic_sampling import (
     DynamicSamplingState,
     informative_groups,
     merge_rounds,

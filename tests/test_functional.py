@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_ext import aggregations, functional, losses
+from trl_ext import functional
+from trl_ext.objective import aggregations, losses
 
 
 class CharTokenizer:

@@ -12,7 +12,8 @@ from datasets import Dataset
 from tiny import tiny_model_for_tests
 
 import trl_ext
-from trl_ext import aggregations, functional
+from trl_ext import functional
+from trl_ext.objective import aggregations
 
 
 def constant_reward(completions, **kwargs):

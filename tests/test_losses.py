@@ -1,6 +1,6 @@
-"""The registered choices of GRPO's objective: policy losses in verl's shape (trl_ext.losses), length normalizations
-(trl_ext.aggregations) and advantage estimators (trl_ext.advantages) -- each entry keeps what it declares, the
-built-ins give the course's numbers, and a user's own loads by package.module:attr."""
+"""The registered choices of GRPO's objective: policy losses in verl's shape (trl_ext.objective.losses), length
+normalizations (trl_ext.objective.aggregations) and advantage estimators (trl_ext.objective.advantages) -- each entry
+keeps what it declares, the built-ins give the course's numbers, and a user's own loads by package.module:attr."""
 
 import dataclasses
 import math
@@ -12,7 +12,8 @@ import torch
 import trl
 
 import trl_ext
-from trl_ext import advantages, aggregations, functional, losses
+from trl_ext import functional
+from trl_ext.objective import advantages, aggregations, losses
 
 # ------------------------------------------------------------------------------------------- the built-in entries
 
@@ -73,9 +74,11 @@ def test_the_builtin_registry_entries():
         aggregations.AGGREGATIONS.register(
             "token_sum", aggregations.Aggregation("token_sum", lambda *a: a[0].sum(), upstream_loss_type="dapo")
         )
-    with pytest.raises(ValueError, match="reads options \\['epsilon_low'\\], which trl_ext.losses.LossConfig does"):
+    with pytest.raises(
+        ValueError, match="reads options \\['epsilon_low'\\], which trl_ext.objective.losses.LossConfig does"
+    ):
         losses.register_policy_loss("clip_low", options=("epsilon_low",))(lambda *a: None)
-    with pytest.raises(ValueError, match="expected a trl_ext.losses.PolicyLoss, got function"):
+    with pytest.raises(ValueError, match="expected a trl_ext.objective.losses.PolicyLoss, got function"):
         losses.POLICY_LOSSES.register("bare", lambda *a: None)
     assert "clip_low" not in losses.POLICY_LOSSES and "token_sum" not in aggregations.AGGREGATIONS
 

@@ -1,4 +1,4 @@
-"""Packed linear weights for CPU generation and evaluation (trl_ext.packed_linear, issue 31).
+"""Packed linear weights for CPU generation and evaluation (trl_ext.speed.packed_linear, issue 31).
 
 Two backends, each tested where this PyTorch has its ops: oneDNN's blocked layout and MKL's packed sgemm. The packed
 forward computes ``x @ W^T + b`` with another GEMM kernel: the tests hold it to values worked out by hand
@@ -19,9 +19,9 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import packed_linear
 from trl_ext.eval import generate_completions
-from trl_ext.packed_linear import PackedLinearWeights, choose_backend, cpu_vendor, packable, packing_blocker
+from trl_ext.speed import packed_linear
+from trl_ext.speed.packed_linear import PackedLinearWeights, choose_backend, cpu_vendor, packable, packing_blocker
 
 BACKENDS = ["onednn"] + (["mkl"] if packed_linear._mkl_ops_available() else [])
 KERNEL = {"onednn": "_pointwise", "mkl": "_mkl_linear"}  # the function each backend's packed forward calls

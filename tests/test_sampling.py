@@ -1,6 +1,6 @@
-"""torch.multinomial's draws, vectorised (trl_ext.sampling, issue 31): the same tokens, the same random numbers and
-the same generator state afterwards as PyTorch's own ``torch.multinomial(probs, 1)``, checked against PyTorch itself;
-every call the replica cannot serve identically goes to PyTorch."""
+"""torch.multinomial's draws, vectorised (trl_ext.speed.sampling, issue 31): the same tokens, the same random numbers
+and the same generator state afterwards as PyTorch's own ``torch.multinomial(probs, 1)``, checked against PyTorch
+itself; every call the replica cannot serve identically goes to PyTorch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from trl_ext import sampling
-from trl_ext.sampling import multinomial, probe, same_draws_multinomial
+from trl_ext.speed import sampling
+from trl_ext.speed.sampling import multinomial, probe, same_draws_multinomial
 
 
 @pytest.mark.parametrize("shape", [(16, 49152), (1, 5), (3, 1000), (64, 3)])

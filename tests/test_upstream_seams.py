@@ -14,7 +14,12 @@ from trl_ext.trainers import upstream
 
 # (trl_ext trainer, upstream trainer, module holding its _SEAMS, how to construct it up to the check)
 TRAINERS = [
-    (trl_ext.GRPOTrainer, trl.GRPOTrainer, "trl_ext.trainers.grpo", lambda cls: cls(model=None, reward_funcs=None)),
+    (
+        trl_ext.GRPOTrainer,
+        trl.GRPOTrainer,
+        "trl_ext.trainers.grpo.trainer",
+        lambda cls: cls(model=None, reward_funcs=None),
+    ),
     (trl_ext.SFTTrainer, trl.SFTTrainer, "trl_ext.trainers.sft", lambda cls: cls(model=None)),
     (trl_ext.DPOTrainer, trl.DPOTrainer, "trl_ext.trainers.dpo", lambda cls: cls(model=None)),
     (trl_ext.RewardTrainer, trl.RewardTrainer, "trl_ext.trainers.reward", lambda cls: cls(model=None)),
@@ -81,9 +86,9 @@ def test_installed_trl_is_the_pinned_one():
 def test_grpo_module_docstrings_list_exactly_the_upstream_methods_each_class_overrides():
     import trl
 
-    import trl_ext.grpo_speed as speed
-    import trl_ext.trainers.dynamic_sampling as dynamic
-    import trl_ext.trainers.grpo as grpo
+    import trl_ext.trainers.grpo.dynamic_sampling as dynamic
+    import trl_ext.trainers.grpo.speed as speed
+    import trl_ext.trainers.grpo.trainer as grpo
     from trl_ext.trainers.upstream import TrainerMixin
 
     def overrides(cls):
@@ -114,7 +119,7 @@ def test_the_grouping_rule_the_recipes_check_is_upstreams():
     """``generation_grouping_problem`` (what a recipe reports before any model loads, in the flags a user typed)
     finds a problem exactly where ``trl.GRPOConfig`` itself refuses, over batch sizes, accumulation, steps per
     generation, an explicit generation batch and group sizes."""
-    from trl_ext.trainers.grpo import generation_grouping_problem
+    from trl_ext.trainers.grpo.trainer import generation_grouping_problem
 
     checked = refused = 0
     for batch in (1, 2, 3, 4, 6):

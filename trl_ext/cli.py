@@ -47,16 +47,17 @@ from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import advantages, aggregations, losses, machine, runtime, tasks
+from trl_ext import machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import decode_text, read_text
 from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
+from trl_ext.objective import advantages, aggregations, losses
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
 from trl_ext.run import RecipeRun, command_line, install_interrupt_handler, is_main_process, refuse_resume
-from trl_ext.task_options import TASK_OPTION_NAMES
+from trl_ext.tasks.options import TASK_OPTION_NAMES
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -118,11 +119,11 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
         return problems + named
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # the rule lives beside the seam check; imported here because trl_ext.trainers loads TRL's trainers (~13 s)
-        from trl_ext.trainers.grpo import generation_grouping_problem
+        from trl_ext.trainers.grpo.trainer import generation_grouping_problem
 
         problems += [p for p in [generation_grouping_problem(values, int(os.environ.get("WORLD_SIZE", "1")))] if p]
         if values.get("dynamic_sampling") and not problems:
-            from trl_ext.trainers.dynamic_sampling import whole_groups_problem
+            from trl_ext.trainers.grpo.dynamic_sampling import whole_groups_problem
 
             which = "steps_per_generation" if values.get("steps_per_generation") else "gradient_accumulation_steps"
             problem = whole_groups_problem(
@@ -405,7 +406,7 @@ def parse(
     values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
     a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
     (:func:`source_problems`), the task's name and every task option the user set that the task does not use
-    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.task_options.option_problems`) and whatever a config class
+    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.tasks.options.option_problems`) and whatever a config class
     itself rejects (its ``__post_init__``; run with the
     options above switched off, so its own objections are found in the same pass).
 

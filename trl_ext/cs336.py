@@ -7,7 +7,7 @@ with
 
 and ``uv run pytest`` in the course repository runs its test suite against trl_ext. Every function here has the
 course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run; the loss dispatch
-through ``trl_ext.losses``), ``trl_ext.course``
+through ``trl_ext.objective.losses``), ``trl_ext.objective.course``
 (the course-only helpers, which this module also re-exports under their own names, e.g.
 ``trl_ext.cs336.grpo_microbatch_train_step``), ``trl_ext.eval`` (the parsers) or ``trl_ext.data`` (batching); only
 the packed SFT dataset and the Alpaca template of the supplement live here, because their exact layout is the course's
@@ -29,9 +29,13 @@ from typing import Any, Literal
 
 import torch
 
-from trl_ext import course as C
-from trl_ext import functional, losses
-from trl_ext.course import (
+from trl_ext import functional
+from trl_ext.data.instructions import iterate_batches
+from trl_ext.errors import decode_text
+from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
+from trl_ext.objective import course as C
+from trl_ext.objective import losses
+from trl_ext.objective.course import (
     compute_gae,
     compute_group_normalized_rewards,
     get_response_log_probs,
@@ -41,13 +45,10 @@ from trl_ext.course import (
     sft_microbatch_train_step,
     tokenize_prompt_and_output,
 )
-from trl_ext.data.instructions import iterate_batches
-from trl_ext.errors import decode_text
-from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 
 __all__ = [
     "ALPACA_TEMPLATE",
-    # the course-only helpers of trl_ext.course, under their own names
+    # the course-only helpers of trl_ext.objective.course, under their own names
     "compute_gae",
     "compute_group_normalized_rewards",
     "get_response_log_probs",
@@ -88,7 +89,7 @@ def run_tokenize_prompt_and_output(
     prompt_strs: list[str], output_strs: list[str], tokenizer: Any
 ) -> dict[str, torch.Tensor]:
     """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1):
-    :func:`trl_ext.course.tokenize_prompt_and_output`."""
+    :func:`trl_ext.objective.course.tokenize_prompt_and_output`."""
     return C.tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
 
 
@@ -100,7 +101,8 @@ def run_compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 def run_get_response_log_probs(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool
 ) -> dict[str, torch.Tensor]:
-    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``: :func:`trl_ext.course.get_response_log_probs`."""
+    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``:
+    :func:`trl_ext.objective.course.get_response_log_probs`."""
     return C.get_response_log_probs(model, input_ids, labels, return_token_entropy)
 
 
@@ -118,7 +120,8 @@ def run_sft_microbatch_train_step(
     gradient_accumulation_steps: int,
     normalize_constant: float | None = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One SFT microbatch backward: :func:`trl_ext.course.sft_microbatch_train_step` (``None`` constant = 1.0)."""
+    """One SFT microbatch backward: :func:`trl_ext.objective.course.sft_microbatch_train_step` (``None`` constant =
+    1.0)."""
     constant = 1.0 if normalize_constant is None else normalize_constant
     return C.sft_microbatch_train_step(policy_log_probs, response_mask, gradient_accumulation_steps, constant)
 
@@ -132,7 +135,8 @@ def run_compute_group_normalized_rewards(
     advantage_eps: float,
     normalize_by_std: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """``(advantages (N,), raw_rewards (N,), metadata)``: :func:`trl_ext.course.compute_group_normalized_rewards`."""
+    """``(advantages (N,), raw_rewards (N,), metadata)``:
+    :func:`trl_ext.objective.course.compute_group_normalized_rewards`."""
     return C.compute_group_normalized_rewards(
         reward_fn, rollout_responses, repeated_ground_truths, group_size, advantage_eps, normalize_by_std
     )
@@ -160,8 +164,8 @@ def run_compute_policy_gradient_loss(
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch on ``loss_type``: :func:`trl_ext.losses.compute_policy_gradient_loss` (also ``"grpo_no_clip"`` and
-    any other registered loss)."""
+    """Dispatch on ``loss_type``: :func:`trl_ext.objective.losses.compute_policy_gradient_loss` (also ``"grpo_no_clip"``
+    and any other registered loss)."""
     return losses.compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )
@@ -183,7 +187,7 @@ def run_grpo_microbatch_train_step(
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One GRPO microbatch backward with masked_mean length normalization (the handout's):
-    :func:`trl_ext.course.grpo_microbatch_train_step`."""
+    :func:`trl_ext.objective.course.grpo_microbatch_train_step`."""
     return C.grpo_microbatch_train_step(
         policy_log_probs,
         response_mask,
@@ -314,6 +318,6 @@ def run_compute_per_instance_dpo_loss(
 ) -> torch.Tensor:
     """DPO loss of one pair with the supplement's Alpaca formatting: the prompt is :data:`ALPACA_TEMPLATE` up to
     ``"### Response:\\n"``, each response follows it and ends with EOS; then
-    :func:`trl_ext.course.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
+    :func:`trl_ext.objective.course.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
     rendered = ALPACA_TEMPLATE.format(instruction=prompt, response="")
     return C.per_instance_dpo_loss(lm, lm_ref, tokenizer, beta, rendered, response_chosen, response_rejected)

@@ -32,10 +32,10 @@ from transformers import StoppingCriteriaList
 
 from trl_ext import machine
 from trl_ext.data.prompts import prompt_token_ids
-from trl_ext.packed_linear import PackedLinearWeights
 from trl_ext.rewards.adapters import without_credit
 from trl_ext.rewards.math_answers import extract_last_number
-from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
+from trl_ext.speed.packed_linear import PackedLinearWeights
+from trl_ext.speed.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
 from trl_ext.stop_strings import StopAtStrings, check_stop_strings, cut_at_stop
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -171,9 +171,9 @@ def generate_completions(
         desc: progress-bar label.
         disable_progress: hide the progress bar.
         prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers on their weights packed
-            once for the call (:mod:`trl_ext.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise; same
-            math, float rounding may differ from the plain forward's; off by itself, in one log line, where it cannot
-            apply). Default True.
+            once for the call (:mod:`trl_ext.speed.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise;
+            same math, float rounding may differ from the plain forward's; off by itself, in one log line, where it
+            cannot apply). Default True.
         stop_strings: a completion ends with the first of these it writes (:mod:`trl_ext.stop_strings`: kept in
             the text, nothing after it; the handout's ``stop=["</answer>"], include_stop_str_in_output=True``).
             Default none.
@@ -181,8 +181,8 @@ def generate_completions(
     Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
     training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
     generation prompt), then the batch is left-padded. The columns every prompt of a batch shares (a system prompt)
-    are prefilled once and their key/value cache copied to each row (:mod:`trl_ext.shared_prompts`; the same tokens
-    up to float rounding).
+    are prefilled once and their key/value cache copied to each row (:mod:`trl_ext.speed.shared_prompts`; the same
+    tokens up to float rounding).
 
     Returns:
         N decoded completions without special tokens.
@@ -232,10 +232,11 @@ def generate_responses(
     device = next(model.parameters()).device
     outputs: list[str] = []
     cut: list[bool] = []
-    # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
+    # the prefix every prompt of a batch shares (system prompt, template) is prefilled once
+    # (trl_ext.speed.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
     # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
-    # (trl_ext.packed_linear), and dropped at its end
+    # (trl_ext.speed.packed_linear), and dropped at its end
     packed = PackedLinearWeights() if prepack_linear_weights else None
     try:
         with packed.fixed_weights() if packed is not None else nullcontext():

@@ -4,17 +4,17 @@ Every formula a trl_ext trainer executes lives here, written so it can be checke
 CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement "Safety Alignment,
 Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what: ``GRPOTrainer`` --
 through the registries that name the choices of its config, each entry a thin call of the functions here:
-``trl_ext.advantages`` (``advantage_estimator``: ``compute_group_advantages``), ``trl_ext.losses`` (``pg_loss_type``:
-``compute_naive_policy_gradient_loss``, ``compute_grpo_clip_loss``, ``compute_grpo_no_clip_loss``,
-``compute_importance_ratio``), ``trl_ext.aggregations`` (``length_normalization``: ``masked_mean``,
+``trl_ext.objective.advantages`` (``advantage_estimator``: ``compute_group_advantages``), ``trl_ext.objective.losses``
+(``pg_loss_type``: ``compute_naive_policy_gradient_loss``, ``compute_grpo_clip_loss``, ``compute_grpo_no_clip_loss``,
+``compute_importance_ratio``), ``trl_ext.objective.aggregations`` (``length_normalization``: ``masked_mean``,
 ``masked_normalize``); and directly ``equal_reward_groups`` (its metrics), ``compute_kl``, ``compute_entropy``,
 ``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``; ``SFTTrainer``
 -- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The course's dispatch functions
 ``compute_policy_gradient_loss`` and ``compute_grpo_loss`` go through those registries, so they live beside them
-(``trl_ext.losses``, ``trl_ext.aggregations``). The handout's helpers that take a model or a tokenizer or call
-``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
+(``trl_ext.objective.losses``, ``trl_ext.objective.aggregations``). The handout's helpers that take a model or a
+tokenizer or call ``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
 ``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``, ``compute_gae``)
-are in ``trl_ext.course``; ``trl_ext.cs336`` re-exports the course's API.
+are in ``trl_ext.objective.course``; ``trl_ext.cs336`` re-exports the course's API.
 
 Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
 Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a

@@ -58,7 +58,7 @@ from transformers import (
 from trl import get_peft_config, get_quantization_config
 
 from trl_ext import machine, quantized
-from trl_ext.rng import preserved_rng
+from trl_ext.speed.rng import preserved_rng
 
 if TYPE_CHECKING:
     from peft import LoraConfig

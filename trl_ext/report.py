@@ -19,8 +19,8 @@ same for a comparison of arms (``comparison.json``/``.md``/``.png`` through :mod
 - the hyperparameters that differ from their defaults, plus the important ones whatever their value (learning
   rate, group size, loss type, normalization, beta, steps, ...), from the run's config dataclasses;
 - a results table (before/after, final reward, time) and the plot(s);
-- automatic observations from the training log (``trl_ext.observations.observe_training``): where the reward rose
-  fastest, whether the entropy collapsed, whether completions hit the length limit, gradient-norm spikes, KL growth.
+- automatic observations from the training log (``trl_ext.measurement.observations.observe_training``): where the reward
+rose fastest, whether the entropy collapsed, whether completions hit the length limit, gradient-norm spikes, KL growth.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.table import Table
 
+from trl_ext.measurement.observations import observe_training
+from trl_ext.measurement.profiling import format_breakdown
+from trl_ext.measurement.roofline import format_roofline
 from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id, is_embedded
-from trl_ext.observations import observe_training
-from trl_ext.profiling import format_breakdown
-from trl_ext.roofline import format_roofline
 from trl_ext.run import command_line, describe_code, git_state, is_main_process
 
 IMPORTANT_FIELDS = (

@@ -21,7 +21,7 @@ and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json``
   checkpoint's before any model work (:func:`check_resume`).
 * With ``handle_signals`` (what ``trl_ext.cli.main`` asks for), Ctrl-C and SIGTERM stop the run at once with one
   line naming the last checkpoint and the command that resumes it; a checkpoint being written is finished first.
-* One :class:`trl_ext.profiling.PhaseTimer` (:attr:`RecipeRun.timer`) holds both the run's phases
+* One :class:`trl_ext.measurement.profiling.PhaseTimer` (:attr:`RecipeRun.timer`) holds both the run's phases
   (``phase_seconds`` in ``metrics.json``: load_data, load_model, eval_before, train, ...) and the exclusive
   breakdown the profiler fills (``time_breakdown``: model_load, evaluation, generation, backward, ...).
 """
@@ -47,8 +47,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainingArguments
 
 from trl_ext.errors import RecipeError
-from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
-from trl_ext.roofline import RooflineRecorder
+from trl_ext.measurement.profiling import PhaseTimer, StepProfiler, time_breakdown
+from trl_ext.measurement.roofline import RooflineRecorder
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -372,9 +372,10 @@ class RecipeRun:
     Attributes:
         resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
         resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
-        timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
-        profilers: the :class:`~trl_ext.profiling.StepProfiler` of each trainer :meth:`profile` was given.
-        roofline: the run's :class:`~trl_ext.roofline.RooflineRecorder`: the work of every forward of the models
+        timer: the run's :class:`~trl_ext.measurement.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to
+        it. profilers: the :class:`~trl_ext.measurement.profiling.StepProfiler` of each trainer :meth:`profile` was
+        given. roofline: the run's :class:`~trl_ext.measurement.roofline.RooflineRecorder`: the work of every forward of
+        the models
             :meth:`watch` was given, counted by phase; ``trl_ext.report.finish`` reports it against the machine's
             peaks, measured then.
         phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
@@ -463,9 +464,9 @@ class RecipeRun:
 
     def profile(self, trainer: Any) -> None:
         """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
-        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`; any Trainer: the phases it does not have are not
-        timed), and count the work of its model's forwards and backwards (:meth:`watch`). Once per trainer: a second
-        call changes nothing."""
+        :attr:`timer` (:class:`~trl_ext.measurement.profiling.StepProfiler`; any Trainer: the phases it does not have
+        are not timed), and count the work of its model's forwards and backwards (:meth:`watch`). Once per trainer: a
+        second call changes nothing."""
         if id(trainer) not in self._profiled:
             self._profiled.add(id(trainer))
             self.profilers.append(StepProfiler(self.timer).attach(trainer))
@@ -479,9 +480,9 @@ class RecipeRun:
 
     def roofline_report(self, optimizer_steps: int | None = None) -> dict[str, Any] | None:
         """Each phase's seconds against the floor this machine allows for its work, the peaks measured now (about
-        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched. ``optimizer_steps``: default
-        the steps the profilers timed (:meth:`profile`), so that the optimizer's floor covers the steps its seconds
-        do."""
+        2 s; :func:`trl_ext.measurement.roofline.roofline_report`); None when no model was watched. ``optimizer_steps``:
+        default the steps the profilers timed (:meth:`profile`), so that the optimizer's floor covers the steps its
+        seconds do."""
         if optimizer_steps is None:
             optimizer_steps = sum(p.optimizer_steps for p in self.profilers)
         return self.roofline.report(self.timer.seconds, optimizer_steps)

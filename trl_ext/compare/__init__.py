@@ -43,7 +43,7 @@ from trl_ext.compare.arms import (
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, release_memory, summarize_arm
 from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, setup_summary, write_comparison
 from trl_ext.compare.run import eval_steps, run_comparison
-from trl_ext.observations import metric_curve
+from trl_ext.measurement.observations import metric_curve
 
 __all__ = [
     "ablations",

@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext.compare.arms import Arm
-from trl_ext.observations import metric_curve
+from trl_ext.measurement.observations import metric_curve
 
 
 def _rss_peak_resettable() -> bool:

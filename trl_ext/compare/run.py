@@ -15,7 +15,7 @@ from transformers import set_seed
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
 from trl_ext.eval import write_jsonl
-from trl_ext.profiling import StepProfiler, time_breakdown
+from trl_ext.measurement.profiling import StepProfiler, time_breakdown
 from trl_ext.tasks import Task, nothing_to_learn
 
 

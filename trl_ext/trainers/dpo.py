@@ -31,8 +31,7 @@ import trl
 from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
 from trl_ext.data.prompts import strip_leading_bos_columns
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 logger = logging.getLogger(__name__)
 

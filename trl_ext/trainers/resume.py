@@ -387,7 +387,8 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_importance_sampling_cap": warned(),
     "vllm_importance_sampling_clip_min": warned(),
     "vllm_importance_sampling_clip_max": warned(),
-    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo_terms, trl_ext.losses)
+    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo.terms,
+    # trl_ext.objective.losses)
     "importance_sampling_level": warned(),
     "top_entropy_quantile": warned(),
     "entropy_coef": warned(_entropy_coef_effect),

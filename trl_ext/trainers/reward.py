@@ -19,8 +19,7 @@ import trl
 
 from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 # Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {

@@ -37,8 +37,7 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional
 from trl_ext.data.prompts import strip_leading_bos_columns
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""

@@ -28,9 +28,9 @@ import trl
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..models import base_model_id, name_base_model
-from ..quantized import keep_trainable
-from .resume import (  # which options a resume refuses, warns about or lets change
+from trl_ext.models import base_model_id, name_base_model
+from trl_ext.quantized import keep_trainable
+from trl_ext.trainers.resume import (  # which options a resume refuses, warns about or lets change
     RANK_STATE_FILE,
     STATE_FILE,
     changeable_options,

@@ -6,7 +6,7 @@ GRPO's log-prob forward scores ``B`` rows of a left-padded prompt (``P`` columns
 and without the padding, both exact up to float rounding (each real token is the same function of the same inputs as
 in the padded forward; autograd sums a shared prompt token's gradient over its rows):
 
-- :func:`packed_forward`: the distinct prompts' key/value cache (``trl_ext.shared_prompts.prefill_distinct``, a
+- :func:`packed_forward`: the distinct prompts' key/value cache (``trl_ext.speed.shared_prompts.prefill_distinct``, a
   separate forward) and one sequence of the completions' real tokens that attends to it;
 - :func:`forward_in_one_sequence`: the distinct prompts' real tokens and every completion's real tokens in ONE
   sequence, one forward, no cache -- for activation (gradient) checkpointing, under which transformers keeps no cache
@@ -15,7 +15,7 @@ in the padded forward; autograd sums a shared prompt token's gradient over its r
 
 Both need attention that reads a custom boolean 4D mask as is (sdpa) and applies no mask of its own kind (sliding
 windows, chunked attention), and layers that see only the keys and values of attention (no recurrent state that
-would run across the rows): ``trl_ext.shared_prompts.static_packing_blocker`` and the probe in
+would run across the rows): ``trl_ext.speed.shared_prompts.static_packing_blocker`` and the probe in
 ``savings_decision`` decide per model.
 """
 
@@ -117,10 +117,11 @@ def packed_forward(
     Completions are right-padded to the longest of the batch (11-20 tokens in the main job's), and every padded
     position otherwise runs through every layer and the LM head, forward and backward. Here the real tokens of all
     rows are packed into one row of Q tokens; the distinct prompts' cache (U rows of S positions, from
-    ``trl_ext.shared_prompts.prefill_distinct``) becomes one row of U x S positions; and a 4D attention mask lets each
-    packed token see exactly what it sees in the padded forward -- the real positions of its own prompt and the tokens
-    of its own row up to itself -- at the positions generation gave it. Each real token is therefore the same function
-    of the same inputs as in the padded forward (float rounding aside: other matrix shapes), and padding costs nothing.
+    ``trl_ext.speed.shared_prompts.prefill_distinct``) becomes one row of U x S positions; and a 4D attention mask lets
+    each packed token see exactly what it sees in the padded forward -- the real positions of its own prompt and the
+    tokens of its own row up to itself -- at the positions generation gave it. Each real token is therefore the same
+    function of the same inputs as in the padded forward (float rounding aside: other matrix shapes), and padding costs
+    nothing.
 
     Args:
         model: the causal LM (sdpa attention, key/value cache layers: ``savings_decision(model).pack`` is None).
@@ -210,7 +211,7 @@ def forward_in_one_sequence(
     **kwargs: Any,
 ):
     """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to the last ``T - prompt_length + 1``
-    columns, as ``trl_ext.shared_prompts.forward_with_shared_prompts`` returns it, computed in ONE padding-free
+    columns, as ``trl_ext.speed.shared_prompts.forward_with_shared_prompts`` returns it, computed in ONE padding-free
     forward without a cache: each distinct prompt's first ``prompt_length - 1`` tokens once, then every row's last
     prompt token and completion, in one sequence under a 4D mask (:func:`one_sequence_inputs`).
 

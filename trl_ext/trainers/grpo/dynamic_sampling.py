@@ -15,10 +15,10 @@ Which groups are informative: a group is kept if and only if some row's advantag
 ``advantage_estimator`` made of the rewards. For the group-normalized advantages (the default) those are the groups
 whose rewards are not all equal -- DAPO's rule; for the ``raw_rewards`` estimator (``pg_loss_type="no_baseline"``) a
 group of equal *nonzero* rewards still has a gradient, so there only groups whose rewards are all 0 are dropped. The
-loss must declare that a zero advantage gives a zero gradient (``zero_advantage_zero_gradient``, ``trl_ext.losses``;
-``GRPOConfig`` refuses ``dynamic_sampling`` otherwise). TRL's entropy bonus (``entropy_coef``, ``use_adaptive_entropy``)
-gives every row a gradient, but dynamic sampling only chooses which groups a batch trains on: it stays valid there,
-the groups without a policy gradient replaced by groups with one.
+loss must declare that a zero advantage gives a zero gradient (``zero_advantage_zero_gradient``,
+``trl_ext.objective.losses``; ``GRPOConfig`` refuses ``dynamic_sampling`` otherwise). TRL's entropy bonus
+(``entropy_coef``, ``use_adaptive_entropy``) gives every row a gradient, but dynamic sampling only chooses which groups
+a batch trains on: it stays valid there, the groups without a policy gradient replaced by groups with one.
 
 The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filtering``; TRL has no equivalent
 (huggingface/trl#3708).
@@ -36,7 +36,7 @@ import torch
 from datasets import IterableDataset
 from trl.trainer.utils import nanstd
 
-from .. import functional
+from trl_ext import functional
 
 logger = logging.getLogger("trl_ext")
 

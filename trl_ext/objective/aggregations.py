@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import torch
 
-from .functional import _check_choice, _check_same_shape, masked_mean, masked_normalize
-from .registry import Registry
+from trl_ext.functional import _check_choice, _check_same_shape, masked_mean, masked_normalize
+from trl_ext.registry import Registry
 
 __all__ = [
     "EMPTY_ROWS",
@@ -74,7 +74,8 @@ class Aggregation:
 def _check_entry(name: str, entry: Aggregation) -> None:
     if not isinstance(entry, Aggregation):
         raise ValueError(
-            f"length normalization {name!r}: expected a trl_ext.aggregations.Aggregation, got {type(entry).__name__}"
+            f"length normalization {name!r}: expected a trl_ext.objective.aggregations.Aggregation, got "
+            f"{type(entry).__name__}"
         )
     _check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
     claimed = upstream_loss_types()
@@ -98,7 +99,7 @@ def _load(obj: Any, path: str) -> Aggregation:
         return Aggregation(path, obj, formula=doc[0] if doc else "", source=path)
     raise TypeError(
         f"{path} is a {type(obj).__name__}; expected a function (per_token_loss, response_mask, normalize_constant, "
-        "empty_rows) -> loss or a trl_ext.aggregations.Aggregation"
+        "empty_rows) -> loss or a trl_ext.objective.aggregations.Aggregation"
     )
 
 

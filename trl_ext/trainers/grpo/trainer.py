@@ -6,19 +6,19 @@
   below still exist upstream (``check_upstream``), reports a missing vLLM/liger after upstream's own checks;
 - ``_calculate_rewards``: tells every reward function which completions were cut by the length limit
   (``completion_truncated``), and keeps the rewards of every process's completions (gathered) for the advantages;
-- ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
+- ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/grpo/dynamic_sampling.py): one
   round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with those
-  of the config's ``advantage_estimator`` (``trl_ext.advantages``: the course's group-normalized advantages, or the
-  raw rewards ``pg_loss_type="no_baseline"`` is defined with), sliced for this process; with ``dynamic_sampling``,
-  several rounds until the batch holds groups with a gradient;
+  of the config's ``advantage_estimator`` (``trl_ext.objective.advantages``: the course's group-normalized advantages,
+  or the raw rewards ``pg_loss_type="no_baseline"`` is defined with), sliced for this process; with
+  ``dynamic_sampling``, several rounds until the batch holds groups with a gradient;
 - ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
   (one BOS, as ``trl_ext.eval`` sees it);
-- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``, which also
-  applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
-  reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no trained token leaves the
-  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
+- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.objective.losses.policy_loss``, which
+also applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
+  reduced by the ``length_normalization`` entry (``trl_ext.objective.aggregations``; a row with no trained token leaves
+  the batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
   mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's order
-  (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
+  (``GRPOLossTermsMixin``, trl_ext/trainers/grpo/terms.py);
 - ``_generate_single_turn`` and ``_generate``: stop strings (``stop_strings``, else the reward functions' task's:
   ``</answer>`` for the R1-Zero format) -- transformers' ``generate`` gets a ``StoppingCriteria``, vLLM's
   ``SamplingParams`` ``stop``/``include_stop_str_in_output``/``min_tokens`` -- and each completion is cut after the
@@ -37,14 +37,14 @@ It adds one public method, ``sample(prompts)``, which only calls ``_generate`` (
 above): rollouts from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert
 iteration.
 
-The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
+The speed paths live in ``trl_ext.trainers.grpo.speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
 ``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
 generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
 it is exact for the model. ``_generate_and_score_completions`` (above) also keeps generation's packed weights for
 every round of the batch and drops them once the batch is drawn.
 
 ``GRPOConfig`` (the course's fields beside TRL's) and the grouping rule the recipes check live in
-trl_ext/trainers/grpo_config.py; both stay importable from here.
+trl_ext/trainers/grpo/config.py; both stay importable from here.
 
 Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
 ``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
@@ -63,27 +63,28 @@ import trl
 from transformers import StoppingCriteriaList
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional, machine, vllm_engine
-from ..advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
-from ..aggregations import AGGREGATIONS, compute_grpo_loss
-from ..data.prompts import strip_leading_bos
-from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
-from ..losses import policy_loss
-from ..rewards.adapters import TRUNCATION_KEYWORD
-from ..stop_strings import (
+from trl_ext import functional, machine
+from trl_ext.data.prompts import strip_leading_bos
+from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
+from trl_ext.objective.aggregations import AGGREGATIONS, compute_grpo_loss
+from trl_ext.objective.losses import policy_loss
+from trl_ext.objective.trl_names import _Derived  # noqa: F401
+from trl_ext.rewards.adapters import TRUNCATION_KEYWORD
+from trl_ext.stop_strings import (
     DEFAULT_MIN_TOKENS_WITH_STOP,
     StopAtStrings,
     check_stop_strings,
     cut_at_stop,
     ends_truncated,
 )
-from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from trl_ext.trainers.grpo import vllm as vllm_engine
 
 # importable here too: configs pickled in checkpoints (training_args.bin) while they lived in this module
-from .grpo_config import GRPOConfig, generation_grouping_problem  # noqa: F401
-from .grpo_options import _Derived  # noqa: F401
-from .grpo_terms import GRPOLossTermsMixin
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
+from trl_ext.trainers.grpo.config import GRPOConfig, generation_grouping_problem  # noqa: F401
+from trl_ext.trainers.grpo.dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from trl_ext.trainers.grpo.speed import FORWARD_KEYS, GRPOSpeedMixin
+from trl_ext.trainers.grpo.terms import GRPOLossTermsMixin
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 logger = logging.getLogger("trl_ext")
 
@@ -108,7 +109,7 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
-    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo_terms.py)
+    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo/terms.py)
     "get_high_entropy_mask": ("entropies", "mask", "threshold"),
     "get_off_policy_mask": (
         "advantages",
@@ -174,7 +175,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             machine.require(vllm_need, f"use_vllm=True, vllm_mode={args.vllm_mode!r}", "pass `use_vllm=False`")
         # Upstream checks its options first (PEFT on lm_head, data, loss settings, ...) and imports vLLM last; a
         # missing engine is reported after those checks, with how to install it here. The colocated engine gets the
-        # policy's dtype and the run's seed (trl_ext.vllm_engine.engine_options).
+        # policy's dtype and the run's seed (trl_ext.trainers.grpo.vllm.engine_options).
         engine = (
             vllm_engine.engine_options(lambda: vllm_engine.engine_dtype(args.vllm_dtype, self.model), args.seed)
             if args.use_vllm and args.vllm_mode == "colocate"
@@ -188,7 +189,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
                 machine.require(vllm_need, "use_vllm=True", "pass `use_vllm=False`")
             raise
         if self.use_vllm and vllm_engine.runs_on_cpu(self.vllm_generation):
-            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.vllm_engine)
+            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.trainers.grpo.vllm)
             generation = self.vllm_generation
             generation.sync_weights = functools.partial(vllm_engine.sync_weights_in_place, generation)
         if args.use_liger_kernel:  # upstream: only at train()
@@ -549,7 +550,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
-        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo_terms.py), None when both off
+        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo/terms.py), None when both off
         loss_mask, entropy_mask = self._policy_loss_masks(
             inputs, per_token_logps, old_log_probs, entropies, mask, advantages
         )
@@ -581,7 +582,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         aggregated = loss  # the policy loss (and KL) of this micro-batch, logged as policy_loss with a bonus
         loss = loss / accumulation
-        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo_terms.py)
+        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo/terms.py)
             loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, aggregated, accumulation, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
@@ -609,9 +610,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         return None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, loss_metrics, per_token_kl):
-        """Log entropy, KL and the loss entry's metrics (``trl_ext.losses.PolicyLoss.fn``), over every process:
-        ``clipped`` as TRL's ``clip_ratio/*``, ``ratio`` as ``ratio/mean|min|max``, any other metric under its own
-        name as its mean over the response tokens ((B, T)) or over the sequences ((B, 1), every row counted, as
+        """Log entropy, KL and the loss entry's metrics (``trl_ext.objective.losses.PolicyLoss.fn``), over every
+        process: ``clipped`` as TRL's ``clip_ratio/*``, ``ratio`` as ``ratio/mean|min|max``, any other metric under its
+        own name as its mean over the response tokens ((B, T)) or over the sequences ((B, 1), every row counted, as
         TRL 1.16 does for a sequence-level ratio)."""
 
         # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with

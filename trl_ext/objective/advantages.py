@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .functional import compute_group_advantages
-from .registry import Registry
+from trl_ext.functional import compute_group_advantages
+from trl_ext.registry import Registry
 
 __all__ = [
     "AdvantageEstimator",
@@ -71,7 +71,7 @@ class AdvantageEstimator:
 def _check_entry(name: str, entry: AdvantageEstimator) -> None:
     if not isinstance(entry, AdvantageEstimator):
         raise ValueError(
-            f"advantage estimator {name!r}: expected a trl_ext.advantages.AdvantageEstimator, got "
+            f"advantage estimator {name!r}: expected a trl_ext.objective.advantages.AdvantageEstimator, got "
             f"{type(entry).__name__}"
         )
 
@@ -90,7 +90,7 @@ def _load(obj: Any, path: str) -> AdvantageEstimator:
         return AdvantageEstimator(path, obj, formula=doc[0] if doc else "", source=path)
     raise TypeError(
         f"{path} is a {type(obj).__name__}; expected a function (rewards_per_func, reward_weights, group_size, "
-        "config) -> advantages or a trl_ext.advantages.AdvantageEstimator"
+        "config) -> advantages or a trl_ext.objective.advantages.AdvantageEstimator"
     )
 
 

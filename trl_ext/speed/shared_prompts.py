@@ -10,7 +10,7 @@ the sum over its rows, which autograd forms through the index), up to float roun
 Both helpers fall back to the plain call when nothing is shared (every prompt distinct, a one-token prompt) or the
 model returns no cache (activation checkpointing turns ``use_cache`` off in a training forward). Under activation
 checkpointing the log-prob forwards share prompts without a cache instead: the distinct prompts and every completion
-in one padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), decided per model like the rest
+in one padding-free sequence (``trl_ext.speed.packing.forward_in_one_sequence``), decided per model like the rest
 (``SavingsDecision.sequence``).
 
 Exact or off, decided per model (``savings_decision``, once per model object) and per generation call
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
-from .quantized import bitsandbytes_modules
-from .rng import model_devices, preserved_rng, unpreservable
+from trl_ext.quantized import bitsandbytes_modules
+from trl_ext.speed.packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
+from trl_ext.speed.rng import model_devices, preserved_rng, unpreservable
 
 logger = logging.getLogger("trl_ext")
 
@@ -330,7 +330,7 @@ class SavingsDecision:
         skip_rows: reason ``skip_zero_advantage_rows`` is off, or None.
         pack: reason ``pack_completions`` (the padding-free completion forward, which rides on the prompt cache) is
             off, or None.
-        sequence: reason the one-sequence forward (``trl_ext.packing.forward_in_one_sequence``: the distinct
+        sequence: reason the one-sequence forward (``trl_ext.speed.packing.forward_in_one_sequence``: the distinct
             prompts and the completions in one padding-free sequence, no cache) is off, or None; it is how the
             log-prob forwards share prompts and pack completions under activation checkpointing.
     """
@@ -407,7 +407,7 @@ def training_noise(model: Any) -> str | None:
 
     Measured, not guessed: the probe batch runs twice in training mode, without gradient, and every generator those
     forwards can draw from -- the CPU's, that of each device the model is on, Python's, NumPy's -- is put back
-    afterwards (``trl_ext.rng.preserved_rng``: the run's random numbers are untouched); outputs that differ mean
+    afterwards (``trl_ext.speed.rng.preserved_rng``: the run's random numbers are untouched); outputs that differ mean
     noise. Functional
     dropout from a config field (e.g. OPT's ``config.dropout``) counts too, which TRL's ``disable_dropout`` (it
     zeroes Dropout modules) does not turn off. Under noise, a shared prompt would share one dropout mask across its
@@ -583,7 +583,7 @@ def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> Rea
     """Run sharing, row-splitting, packing over the prompt cache and the one-sequence forward on a tiny batch against
     the plain computation; the reason each is off (share, skip, pack, sequence), None where it matched. Its inputs
     come from a private generator, and whatever the model's forwards or greedy generation draw from the global
-    generators is put back (``trl_ext.rng.preserved_rng``)."""
+    generators is put back (``trl_ext.speed.rng.preserved_rng``)."""
     devices = model_devices(model)
     unsaved = unpreservable(devices)
     if unsaved is not None:

@@ -157,7 +157,7 @@ class TaskArguments(trl.ScriptArguments, RecipeArguments):
                 ", 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) or "
                 "'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task). Without it: "
                 "generated arithmetic, or with --dataset_name the kind its columns or --dataset_kind say. Options a "
-                "task does not use are refused (trl_ext.task_options.TASK_OPTIONS).",
+                "task does not use are refused (trl_ext.tasks.options.TASK_OPTIONS).",
             )
         },
     )

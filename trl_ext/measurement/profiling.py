@@ -93,7 +93,7 @@ class PhaseTimer:
 
     @property
     def current(self) -> str | None:
-        """The innermost phase running now, or None (read by ``trl_ext.roofline.WorkCounter``)."""
+        """The innermost phase running now, or None (read by ``trl_ext.measurement.roofline.WorkCounter``)."""
         return self._stack[-1][0] if self._stack else None
 
     def add(self, name: str, seconds: float) -> None:

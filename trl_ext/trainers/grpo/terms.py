@@ -1,7 +1,7 @@
 """The terms and masks ``trl.GRPOTrainer`` (TRL 1.16) applies around the policy loss, for ``trl_ext.GRPOTrainer``.
 
-``GRPOLossTermsMixin`` gives ``GRPOTrainer._compute_loss`` (trl_ext/trainers/grpo.py) upstream's three options that
-are not a per-token loss, an aggregation or an advantage, in upstream's order of operations
+``GRPOLossTermsMixin`` gives ``GRPOTrainer._compute_loss`` (trl_ext/trainers/grpo/trainer.py) upstream's three options
+that are not a per-token loss, an aggregation or an advantage, in upstream's order of operations
 (``trl.GRPOTrainer._compute_loss``):
 
 - ``top_entropy_quantile`` < 1 (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv:2506.01939): the policy loss is kept
@@ -25,9 +25,9 @@ are not a per-token loss, an aggregation or an advantage, in upstream's order of
 
 The bonus is upstream's ``L = L_policy - coef x H``: a rollout whose advantage is 0 still has its entropy's gradient,
 so ``skip_zero_advantage_rows`` turns itself off with one log line while a bonus is on
-(``trl_ext.grpo_speed.GRPOSpeedMixin._savings_now``); the two masks only zero policy-loss tokens, so a zero advantage
-still gives a zero gradient under them. ``dynamic_sampling`` only chooses which groups a batch trains on and stays
-valid with a bonus (the groups it fills in then train their entropy term).
+(``trl_ext.trainers.grpo.speed.GRPOSpeedMixin._savings_now``); the two masks only zero policy-loss tokens, so a zero
+advantage still gives a zero gradient under them. ``dynamic_sampling`` only chooses which groups a batch trains on and
+stays valid with a bonus (the groups it fills in then train their entropy term).
 
 All off by default (the course's math), as upstream.
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..aggregations import AGGREGATIONS
+from trl_ext.objective.aggregations import AGGREGATIONS
 
 
 class GRPOLossTermsMixin:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from trl_ext.aggregations import compute_grpo_loss
 from trl_ext.functional import (
     _check_same_shape,
     compute_entropy,
@@ -30,7 +29,8 @@ from trl_ext.functional import (
     dpo_loss,
     masked_normalize,
 )
-from trl_ext.losses import compute_policy_gradient_loss
+from trl_ext.objective.aggregations import compute_grpo_loss
+from trl_ext.objective.losses import compute_policy_gradient_loss
 
 __all__ = [
     "tokenize_prompt_and_output",
@@ -295,9 +295,10 @@ def grpo_microbatch_train_step(
         response_mask: (B, T).
         gradient_accumulation_steps: microbatches per optimizer step (>= 1).
         loss_type, raw_rewards, advantages, old_log_probs, cliprange: see
-            ``trl_ext.losses.compute_policy_gradient_loss`` (any name of ``trl_ext.losses.POLICY_LOSSES``).
-        length_normalization, normalize_constant: see ``trl_ext.aggregations.compute_grpo_loss`` (any name of
-            ``trl_ext.aggregations.AGGREGATIONS``; ``"token_mean"`` with no constant is the token mean of this
+            ``trl_ext.objective.losses.compute_policy_gradient_loss`` (any name of
+            ``trl_ext.objective.losses.POLICY_LOSSES``).
+        length_normalization, normalize_constant: see ``trl_ext.objective.aggregations.compute_grpo_loss`` (any name of
+            ``trl_ext.objective.aggregations.AGGREGATIONS``; ``"token_mean"`` with no constant is the token mean of this
             microbatch).
 
     Returns:

@@ -27,7 +27,7 @@ Tasks are named (``--task NAME``), and one function reads the name (:func:`resol
 * ``package.module:factory``: a task of your own (in the spirit of TRL's dotted paths for reward functions).
 
 ``--task_config JSON`` is the factory's keyword arguments, checked against its signature
-(:meth:`~trl_ext.task_options.TaskFactory.config_problem`); ``factory(**task_config)`` returns a :class:`Task`.
+(:meth:`~trl_ext.tasks.options.TaskFactory.config_problem`); ``factory(**task_config)`` returns a :class:`Task`.
 
 Every problem -- an unknown name, a bad ``--task_config``, a scorer that raises on a probe row -- is one line naming
 the flag, before any model loads.
@@ -54,21 +54,9 @@ from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import RecipeError, read_text, user_input
 from trl_ext.eval import evaluate_rows
 from trl_ext.options import RecipeArguments, check_fills_one_step
-from trl_ext.reasoning_gym_support import (  # noqa: F401 -- the answer formats are this module's API too
-    ANSWER_FORMATS,
-    REASONING_GYM_PREFIX,
-    RG_INSTRUCTIONS,
-    answer_extractor,
-    choose_answer_format,
-    distinct_entries,
-    extract_last_line,
-    generator_problem,
-    import_reasoning_gym,
-    seeded_global_generators,
-)
 from trl_ext.registry import Registry
 from trl_ext.stop_strings import check_stop_strings
-from trl_ext.task_options import (  # noqa: F401 -- TaskArguments, TASKS, register_task, ... are this module's API
+from trl_ext.tasks.options import (  # noqa: F401 -- TaskArguments, TASKS, register_task, ... are this module's API
     TASK_OPTIONS,
     TASKS,
     MathTaskArguments,
@@ -80,6 +68,18 @@ from trl_ext.task_options import (  # noqa: F401 -- TaskArguments, TASKS, regist
     register_task,
     task_kind,
     task_label,
+)
+from trl_ext.tasks.reasoning_gym import (  # noqa: F401 -- the answer formats are this module's API too
+    ANSWER_FORMATS,
+    REASONING_GYM_PREFIX,
+    RG_INSTRUCTIONS,
+    answer_extractor,
+    choose_answer_format,
+    distinct_entries,
+    extract_last_line,
+    generator_problem,
+    import_reasoning_gym,
+    seeded_global_generators,
 )
 
 Scorer = Callable[[str, Mapping[str, Any]], Mapping[str, float]]
@@ -778,7 +778,7 @@ def _dataset_task(options: Any, max_new_tokens: int, train: bool = True, templat
 
 
 def resolve_task(values: Mapping[str, Any]) -> TaskFactory:
-    """The one resolver of ``--task``: the :class:`~trl_ext.task_options.TaskFactory` that ``values`` name.
+    """The one resolver of ``--task``: the :class:`~trl_ext.tasks.options.TaskFactory` that ``values`` name.
 
     ``--task`` is a name of :data:`TASKS` (the built-ins, and tasks registered with :func:`register_task`),
     ``reasoning_gym:DATASET`` (:func:`reasoning_gym_task` for that generator) or ``package.module:factory`` (imported
@@ -865,7 +865,7 @@ def load_task(
 
     ``--task`` is resolved by :func:`resolve_task` and ``--task_config`` passed as the factory's keyword arguments
     (checked against its signature); every option set that the task does not use is refused
-    (:func:`trl_ext.task_options.option_problems`; an option counts as set here when it differs from its dataclass
+    (:func:`trl_ext.tasks.options.option_problems`; an option counts as set here when it differs from its dataclass
     default), so is a ``template`` for a task that takes none.
 
     Raises:

@@ -2,13 +2,13 @@
 
 TRL 1.16 names GRPO's objective with three options, trl_ext with four registered choices:
 
-- ``loss_type`` -> ``pg_loss_type`` (:mod:`trl_ext.losses`) and ``length_normalization`` (:mod:`trl_ext.aggregations`):
-  ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` differ only in their length normalization (the aggregations
-  claim them; the per-token objective is GRPO-Clip's, or any loss without a TRL name of its own);
-  ``cispo``, ``sapo``, ``vespo`` name a per-token objective too (the losses claim them, each with the length
-  normalization TRL pairs it with);
+- ``loss_type`` -> ``pg_loss_type`` (:mod:`trl_ext.objective.losses`) and ``length_normalization``
+(:mod:`trl_ext.objective.aggregations`): ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` differ only in their
+length normalization (the aggregations claim them; the per-token objective is GRPO-Clip's, or any loss without a TRL
+name of its own); ``cispo``, ``sapo``, ``vespo`` name a per-token objective too (the losses claim them, each with the
+length normalization TRL pairs it with);
 - ``scale_rewards`` -> ``normalize_by_std`` (``group``/True, ``none``/False) and, for ``batch``,
-  ``advantage_estimator="batch_std"`` (:mod:`trl_ext.advantages`);
+  ``advantage_estimator="batch_std"`` (:mod:`trl_ext.objective.advantages`);
 - ``multi_objective_aggregation`` -> ``advantage_estimator="normalize_then_sum"`` for ``normalize_then_sum``
   (``sum_then_normalize``, TRL's default, is what every other estimator does: it decides nothing).
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR
-from ..aggregations import AGGREGATIONS, upstream_loss_types
-from ..losses import POLICY_LOSSES, PolicyLoss
+from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR
+from trl_ext.objective.aggregations import AGGREGATIONS, upstream_loss_types
+from trl_ext.objective.losses import POLICY_LOSSES, PolicyLoss
 
 __all__ = ["UPSTREAM_OPTIONS", "upstream_objectives", "loss_type_of", "upstream_meaning"]
 

@@ -111,7 +111,7 @@ def _best_rate(work: float, run: Callable[[], Any], device: torch.device, budget
 
 
 def _matmul_rate(n: int, device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
-    # operands from a private generator on the device: the run's own random numbers stay untouched (trl_ext.rng)
+    # operands from a private generator on the device: the run's own random numbers stay untouched (trl_ext.speed.rng)
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=generator).to(dtype)
     b = torch.randn(n, n, device=device, generator=generator).to(dtype)

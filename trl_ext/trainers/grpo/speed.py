@@ -3,11 +3,11 @@
 ``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO) and overrides:
 
 - ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
-  (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
-  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN; ``trl_ext.packed_linear``,
-  packed once per generation batch, ``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens
-  vectorised
-  (``trl_ext.sampling``);
+  (``trl_ext.speed.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
+  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN;
+  ``trl_ext.speed.packed_linear``, packed once per generation batch, ``_fixed_generation_weights``); its
+  ``torch.multinomial`` draws the same tokens vectorised
+  (``trl_ext.speed.sampling``);
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
   absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
   each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
@@ -18,7 +18,7 @@ and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_log
 (``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
 gradient) and
 ``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
-line otherwise; ``trl_ext.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
+line otherwise; ``trl_ext.speed.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
 time). Measured effect on the main job: docs/performance.md.
 """
 
@@ -29,11 +29,11 @@ from contextlib import nullcontext
 
 import torch
 
-from .losses import POLICY_LOSSES
-from .packed_linear import PackedLinearWeights
-from .packing import forward_in_one_sequence
-from .sampling import same_draws_multinomial
-from .shared_prompts import (
+from trl_ext.objective.losses import POLICY_LOSSES
+from trl_ext.speed.packed_linear import PackedLinearWeights
+from trl_ext.speed.packing import forward_in_one_sequence
+from trl_ext.speed.sampling import same_draws_multinomial
+from trl_ext.speed.shared_prompts import (
     SavingsDecision,
     accepts_position_ids,
     activation_checkpointing,
@@ -93,7 +93,7 @@ class GRPOSpeedMixin:
         self._checkpointing_seen = bool(self.args.gradient_checkpointing) or activation_checkpointing(self.model)
         self._savings_now(training=True)  # announce now what the training forward rules out
         # packed linear weights for transformers generation on the CPU, packed once per generation batch for the rows
-        # each generate call decodes (trl_ext.packed_linear)
+        # each generate call decodes (trl_ext.speed.packed_linear)
         self._packed_linear = (
             PackedLinearWeights()
             if getattr(self.args, "prepack_linear_weights", False) and not sharded and not self.use_vllm
@@ -120,8 +120,8 @@ class GRPOSpeedMixin:
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
 
-        Exact or off (``trl_ext.shared_prompts.savings_decision``): the per-architecture part (static checks and the
-        probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
+        Exact or off (``trl_ext.speed.shared_prompts.savings_decision``): the per-architecture part (static checks and
+        the probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
         changed after the trainer was built, a config change, ``train()``/``eval()`` -- is asked at each use
         (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
         forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
@@ -215,7 +215,7 @@ class GRPOSpeedMixin:
         # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
         # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
         # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
-        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
+        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.speed.shared_prompts).
         unwrapped = self.accelerator.unwrap_model(model)
         if any(kwargs.get(key) is not None for key in FORWARD_KEYS) or not accepts_position_ids(unwrapped):
             return super()._get_per_token_logps_and_entropies(
@@ -253,7 +253,7 @@ class GRPOSpeedMixin:
         if self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
         # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
-        # (trl_ext.sampling); linear weights packed once per generation batch (trl_ext.packed_linear,
+        # (trl_ext.speed.sampling); linear weights packed once per generation batch (trl_ext.speed.packed_linear,
         # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
         # Upstream decodes every prompt it is given in one generate call: len(prompt_ids) rows a decode step
         # (per_device_train_batch_size x steps_per_generation in training), the row count packed for.
@@ -267,7 +267,7 @@ class GRPOSpeedMixin:
         """A block in which the policy's weights do not change (one generation batch: all its rounds drawn and
         scored, no optimizer step), so the linear weights generation packs (``prepack_linear_weights``) are packed
         once for all its generate calls and dropped at its end, before the loss's forward and backward: the next
-        batch packs the weights as they are then (``trl_ext.packed_linear``)."""
+        batch packs the weights as they are then (``trl_ext.speed.packed_linear``)."""
         packed = getattr(self, "_packed_linear", None)
         return packed.fixed_weights() if packed is not None else nullcontext()
 

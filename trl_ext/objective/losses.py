@@ -3,7 +3,7 @@
 A loss is a function of the per-token log-probs, the log-probs of the policy that sampled, the advantages, the
 response mask and its config, returning the per-token loss and its metrics (verl's ``PolicyLossFn``,
 verl/trainer/ppo/core_algos.py, without its ``loss_agg_mode``: length normalization is a separate choice,
-:mod:`trl_ext.aggregations`, and so is the advantage, :mod:`trl_ext.advantages`)::
+:mod:`trl_ext.objective.aggregations`, and so is the advantage, :mod:`trl_ext.objective.advantages`)::
 
     @register_policy_loss("grpo_clip", uses_old_log_probs=True, zero_advantage_zero_gradient=True,
                           options=("epsilon",), formula="-min(ratio*A, clip(ratio, 1-eps, 1+eps)*A)", source="...")
@@ -18,7 +18,7 @@ this signature (wrapped with conservative declarations) or a :class:`PolicyLoss`
 The course's four losses are registered here as thin calls of ``trl_ext.functional``'s pure functions (the numbers
 are computed there, once; ``grpo_clip`` also reads TRL's ``epsilon_high``, ``delta`` and
 ``importance_sampling_level``), followed by TRL 1.16's other per-token objectives (``cispo``, ``sapo``, ``vespo``:
-``loss_type`` names them, :mod:`trl_ext.trainers.grpo_options`); the course's own dispatch
+``loss_type`` names them, :mod:`trl_ext.objective.trl_names`); the course's own dispatch
 ``compute_policy_gradient_loss`` (its handout signature, re-exported by ``trl_ext.cs336``) goes through this registry.
 
 Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from . import functional
-from .functional import _check_same_shape
-from .registry import Registry
+from trl_ext import functional
+from trl_ext.functional import _check_same_shape
+from trl_ext.registry import Registry
 
 __all__ = [
     "LossConfig",
@@ -104,14 +104,14 @@ class PolicyLoss:
             gradient, at every token, whatever its log-probs (``tests/test_losses.py`` checks each entry that
             declares it). ``skip_zero_advantage_rows`` and ``dynamic_sampling`` need it: without it the trainer
             runs every row's backward and refuses ``dynamic_sampling``.
-        advantage_estimator: the advantage estimator (:data:`trl_ext.advantages.ADVANTAGE_ESTIMATORS`) this loss is
-            defined with, or None (any; the config's default ``group_normalized``). ``no_baseline`` is REINFORCE
+        advantage_estimator: the advantage estimator (:data:`trl_ext.objective.advantages.ADVANTAGE_ESTIMATORS`) this
+        loss is defined with, or None (any; the config's default ``group_normalized``). ``no_baseline`` is REINFORCE
             weighted by the raw rewards: ``"raw_rewards"``; the config uses it when ``advantage_estimator`` is
             unset and refuses another one given with this loss.
         upstream_loss_type: TRL's ``loss_type`` whose per-token objective this is (``"cispo"``, ...), or None: the
             loss has no TRL name of its own; TRL's loss types that differ only in their length normalization
-            (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: :mod:`trl_ext.aggregations`) then combine with it
-            (with ``grpo_clip``, the default, they are TRL's loss).
+            (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: :mod:`trl_ext.objective.aggregations`) then combine
+            with it (with ``grpo_clip``, the default, they are TRL's loss).
         length_normalization: the length normalization the loss is defined with (TRL pairs its ``loss_type`` with
             it: ``cispo`` and ``vespo`` with ``"token_mean"``), or None (any); the config uses it when neither
             ``length_normalization`` nor ``loss_type`` is given.
@@ -138,11 +138,14 @@ class PolicyLoss:
 
 def _check_entry(name: str, entry: PolicyLoss) -> None:
     if not isinstance(entry, PolicyLoss):
-        raise ValueError(f"policy loss {name!r}: expected a trl_ext.losses.PolicyLoss, got {type(entry).__name__}")
+        raise ValueError(
+            f"policy loss {name!r}: expected a trl_ext.objective.losses.PolicyLoss, got {type(entry).__name__}"
+        )
     unknown = [option for option in entry.options if option not in LOSS_OPTIONS]
     if unknown:
         raise ValueError(
-            f"policy loss {name!r} reads options {unknown}, which trl_ext.losses.LossConfig does not have (add them "
+            f"policy loss {name!r} reads options {unknown}, which trl_ext.objective.losses.LossConfig does not have "
+            "(add them "
             "there with TRL's defaults)"
         )
     claims = {e.upstream_loss_type: n for n, e in POLICY_LOSSES.items() if e.upstream_loss_type}
@@ -166,7 +169,7 @@ def _load(obj: Any, path: str) -> PolicyLoss:
         return PolicyLoss(path, obj, formula=doc[0] if doc else "", source=path)
     raise TypeError(
         f"{path} is a {type(obj).__name__}; expected a function (log_probs, old_log_probs, advantages, "
-        "response_mask, config) -> (per_token_loss, metrics) or a trl_ext.losses.PolicyLoss"
+        "response_mask, config) -> (per_token_loss, metrics) or a trl_ext.objective.losses.PolicyLoss"
     )
 
 
