@@ -912,7 +912,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
     assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
     # ignored for real: the parsed options hold the default, so load_task's own check (which refuses an unused
     # option set by a caller from Python) passes, as the accelerate launch of this config does
-    from trl_ext.tasks.options import option_problems
+    from trl_ext.tasks.loader import option_problems
 
     assert script_args.dataset_config is None and option_problems(script_args) == []
 

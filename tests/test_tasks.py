@@ -692,7 +692,7 @@ def test_grpo_sort_loads_its_task_through_the_resolver(tmp_path, monkeypatch):
     resolved, built = [], []
     real_resolve, real_load = tasks.resolve_task, tasks.load_task
     monkeypatch.setattr(
-        tasks, "resolve_task", lambda values: resolved.append(values.get("task")) or real_resolve(values)
+        tasks.loader, "resolve_task", lambda values: resolved.append(values.get("task")) or real_resolve(values)
     )
     monkeypatch.setattr(tasks, "load_task", lambda *a, **k: built.append(real_load(*a, **k)) or built[-1])
 

@@ -68,57 +68,25 @@ class AdvantageEstimator:
     source: str = ""
 
 
-def _check_entry(name: str, entry: AdvantageEstimator) -> None:
-    if not isinstance(entry, AdvantageEstimator):
-        raise ValueError(
-            f"advantage estimator {name!r}: expected a trl_ext.objective.advantages.AdvantageEstimator, got "
-            f"{type(entry).__name__}"
-        )
-
-
-def _load(obj: Any, path: str) -> AdvantageEstimator:
-    """What ``--advantage_estimator package.module:attr`` names: an :class:`AdvantageEstimator` as it is, or a
-    function of the estimator signature."""
-    if isinstance(obj, AdvantageEstimator):
-        return obj
-    # a function registered with its declarations when its module was imported: that entry
-    registered = [entry for _, entry in ADVANTAGE_ESTIMATORS.items() if entry.fn is obj]
-    if registered:
-        return registered[0]
-    if callable(obj):
-        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        return AdvantageEstimator(path, obj, formula=doc[0] if doc else "", source=path)
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}; expected a function (rewards_per_func, reward_weights, group_size, "
-        "config) -> advantages or a trl_ext.objective.advantages.AdvantageEstimator"
-    )
-
-
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "advantage estimator", "advantage_estimator", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+    "advantage estimator",
+    "advantage_estimator",
+    AdvantageEstimator,
+    expects="a function (rewards_per_func, reward_weights, group_size, config) -> advantages or a "
+    "trl_ext.objective.advantages.AdvantageEstimator",
 )
 """``advantage_estimator`` -> its :class:`AdvantageEstimator`, in registration order."""
 
 
-def register_advantage_estimator(
-    name: str, *, options: tuple[str, ...] = (), spans_groups: bool = False, formula: str = "", source: str = ""
-) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator: register the decorated estimator function under ``name`` and return it unchanged.
+def register_advantage_estimator(name: str, **declarations: Any) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register the decorated estimator function under ``name`` with ``declarations`` (the fields of
+    :class:`AdvantageEstimator`: ``options``, ``spans_groups``, ``formula``, ``source``) and return it unchanged:
+    ``ADVANTAGE_ESTIMATORS.register(name, **declarations)``.
 
     Raises:
-        ValueError: the name is taken.
+        ValueError: the name is taken or a declaration is not a field.
     """
-
-    def decorate(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS.register(
-            name,
-            AdvantageEstimator(
-                name, fn, options=tuple(options), spans_groups=spans_groups, formula=formula, source=source
-            ),
-        )
-        return fn
-
-    return decorate
+    return ADVANTAGE_ESTIMATORS.register(name, **declarations)
 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,11 +72,6 @@ class Aggregation:
 
 
 def _check_entry(name: str, entry: Aggregation) -> None:
-    if not isinstance(entry, Aggregation):
-        raise ValueError(
-            f"length normalization {name!r}: expected a trl_ext.objective.aggregations.Aggregation, got "
-            f"{type(entry).__name__}"
-        )
     _check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
     claimed = upstream_loss_types()
     if entry.upstream_loss_type in claimed:
@@ -85,55 +80,28 @@ def _check_entry(name: str, entry: Aggregation) -> None:
         )
 
 
-def _load(obj: Any, path: str) -> Aggregation:
-    """What ``--length_normalization package.module:attr`` names: an :class:`Aggregation` as it is, or a function
-    ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows)`` that takes no divisor."""
-    if isinstance(obj, Aggregation):
-        return obj
-    # a function registered with its declarations when its module was imported: that entry
-    registered = [entry for _, entry in AGGREGATIONS.items() if entry.reduce is obj]
-    if registered:
-        return registered[0]
-    if callable(obj):
-        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        return Aggregation(path, obj, formula=doc[0] if doc else "", source=path)
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}; expected a function (per_token_loss, response_mask, normalize_constant, "
-        "empty_rows) -> loss or a trl_ext.objective.aggregations.Aggregation"
-    )
-
-
 AGGREGATIONS: Registry[Aggregation] = Registry(
-    "length normalization", "length_normalization", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+    "length normalization",
+    "length_normalization",
+    Aggregation,
+    wraps="reduce",
+    expects="a function (per_token_loss, response_mask, normalize_constant, empty_rows) -> loss or a "
+    "trl_ext.objective.aggregations.Aggregation",
+    check=_check_entry,
 )
-"""``length_normalization`` -> its :class:`Aggregation`, in registration order."""
+"""``length_normalization`` -> its :class:`Aggregation`, in registration order (a ``package.module:attr`` function
+takes no divisor)."""
 
 
-def register_aggregation(
-    name: str,
-    *,
-    divisor: Literal["none", "max_completion_length", "batch_tokens"] = "none",
-    upstream_loss_type: str | None = None,
-    formula: str = "",
-    source: str = "",
-) -> Callable[[ReduceFn], ReduceFn]:
-    """Decorator: register the decorated ``reduce`` function under ``name`` (:class:`Aggregation`) and return it
-    unchanged.
+def register_aggregation(name: str, **declarations: Any) -> Callable[[ReduceFn], ReduceFn]:
+    """Decorator: register the decorated ``reduce`` function under ``name`` with ``declarations`` (the fields of
+    :class:`Aggregation`: ``divisor``, ``upstream_loss_type``, ``formula``, ``source``) and return it unchanged:
+    ``AGGREGATIONS.register(name, **declarations)``.
 
     Raises:
         ValueError: the name, or the TRL ``loss_type`` it claims, is taken, or ``divisor`` is unknown.
     """
-
-    def decorate(reduce: ReduceFn) -> ReduceFn:
-        AGGREGATIONS.register(
-            name,
-            Aggregation(
-                name, reduce, divisor=divisor, upstream_loss_type=upstream_loss_type, formula=formula, source=source
-            ),
-        )
-        return reduce
-
-    return decorate
+    return AGGREGATIONS.register(name, **declarations)
 
 
 def upstream_loss_types() -> dict[str, str]:

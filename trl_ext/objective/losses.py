@@ -137,16 +137,11 @@ class PolicyLoss:
 
 
 def _check_entry(name: str, entry: PolicyLoss) -> None:
-    if not isinstance(entry, PolicyLoss):
-        raise ValueError(
-            f"policy loss {name!r}: expected a trl_ext.objective.losses.PolicyLoss, got {type(entry).__name__}"
-        )
     unknown = [option for option in entry.options if option not in LOSS_OPTIONS]
     if unknown:
         raise ValueError(
             f"policy loss {name!r} reads options {unknown}, which trl_ext.objective.losses.LossConfig does not have "
-            "(add them "
-            "there with TRL's defaults)"
+            "(add them there with TRL's defaults)"
         )
     claims = {e.upstream_loss_type: n for n, e in POLICY_LOSSES.items() if e.upstream_loss_type}
     if entry.upstream_loss_type in claims:
@@ -155,71 +150,31 @@ def _check_entry(name: str, entry: PolicyLoss) -> None:
         )
 
 
-def _load(obj: Any, path: str) -> PolicyLoss:
-    """What ``--pg_loss_type package.module:attr`` names: a :class:`PolicyLoss` as it is, or a function of the
-    loss signature as an entry that declares nothing (on-policy only, every row's backward runs)."""
-    if isinstance(obj, PolicyLoss):
-        return obj
-    # a function registered with its declarations when its module was imported: that entry
-    registered = [entry for _, entry in POLICY_LOSSES.items() if entry.fn is obj]
-    if registered:
-        return registered[0]
-    if callable(obj):
-        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        return PolicyLoss(path, obj, formula=doc[0] if doc else "", source=path)
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}; expected a function (log_probs, old_log_probs, advantages, "
-        "response_mask, config) -> (per_token_loss, metrics) or a trl_ext.objective.losses.PolicyLoss"
-    )
-
-
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
-    "policy loss", "pg_loss_type", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+    "policy loss",
+    "pg_loss_type",
+    PolicyLoss,
+    expects="a function (log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics) "
+    "or a trl_ext.objective.losses.PolicyLoss",
+    check=_check_entry,
 )
-"""``pg_loss_type`` -> its :class:`PolicyLoss`, in registration order."""
+"""``pg_loss_type`` -> its :class:`PolicyLoss`, in registration order. A ``package.module:attr`` names a
+:class:`PolicyLoss`, a function registered with its declarations, or a plain function of the loss signature (an
+entry that declares nothing: on-policy only, every row's backward runs)."""
 
 
-def register_policy_loss(
-    name: str,
-    *,
-    uses_old_log_probs: bool = False,
-    zero_advantage_zero_gradient: bool = False,
-    advantage_estimator: str | None = None,
-    upstream_loss_type: str | None = None,
-    length_normalization: str | None = None,
-    takes_sampling_ratio: bool = False,
-    options: tuple[str, ...] = (),
-    formula: str = "",
-    source: str = "",
-) -> Callable[[LossFn], LossFn]:
-    """Decorator: register the decorated loss function under ``name`` with these declarations (:class:`PolicyLoss`)
-    and return the function unchanged. Register before building a config that names it.
+def register_policy_loss(name: str, **declarations: Any) -> Callable[[LossFn], LossFn]:
+    """Decorator: register the decorated loss function under ``name`` with ``declarations`` (the fields of
+    :class:`PolicyLoss`: ``uses_old_log_probs``, ``zero_advantage_zero_gradient``, ``advantage_estimator``,
+    ``upstream_loss_type``, ``length_normalization``, ``takes_sampling_ratio``, ``options``, ``formula``,
+    ``source``) and return the function unchanged: ``POLICY_LOSSES.register(name, **declarations)``. Register before
+    building a config that names it.
 
     Raises:
-        ValueError: the name is taken, an option is not a :class:`LossConfig` field, or the TRL ``loss_type`` is
-            claimed by another loss.
+        ValueError: the name is taken, a declaration is not a :class:`PolicyLoss` field, an option is not a
+            :class:`LossConfig` field, or the TRL ``loss_type`` is claimed by another loss.
     """
-
-    def decorate(fn: LossFn) -> LossFn:
-        POLICY_LOSSES.register(
-            name,
-            PolicyLoss(
-                name,
-                fn,
-                uses_old_log_probs=uses_old_log_probs,
-                zero_advantage_zero_gradient=zero_advantage_zero_gradient,
-                advantage_estimator=advantage_estimator,
-                upstream_loss_type=upstream_loss_type,
-                length_normalization=length_normalization,
-                takes_sampling_ratio=takes_sampling_ratio,
-                options=tuple(options),
-                formula=formula,
-                source=source,
-            ),
-        )
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.register(name, **declarations)
 
 
 def policy_loss(
