@@ -19,6 +19,7 @@ from conftest import length_mod5_reward
 from datasets import Dataset
 
 import trl_ext
+import trl_ext.logs
 from trl_ext.eval import generate_completions
 from trl_ext.speed import packed_linear
 from trl_ext.speed.packed_linear import PackedLinearWeights, choose_backend, cpu_vendor, packable, packing_blocker
@@ -48,7 +49,7 @@ def spy(monkeypatch, backend: str) -> list[int]:
 def fresh_backend_probes(monkeypatch):
     """Each test probes the backends afresh (their verdicts are cached per process), and sees its own log lines."""
     monkeypatch.setattr(packed_linear, "_probe_results", {})
-    monkeypatch.setattr(packed_linear, "_announced_backends", set())
+    monkeypatch.setattr(trl_ext.logs, "SAID", set())  # each backend message said anew
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+import trl_ext.logs
 from trl_ext.speed import sampling
 from trl_ext.speed.sampling import multinomial, probe, same_draws_multinomial
 
@@ -77,7 +78,7 @@ def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, c
     state = torch.get_rng_state()
     assert "other random numbers" in probe()
     assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the generator as it found it
-    monkeypatch.setattr(same_draws_multinomial, "_announced", False, raising=False)
+    monkeypatch.setattr(trl_ext.logs, "SAID", set())  # the sampler's message said anew
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         for _ in range(2):
             with same_draws_multinomial():

@@ -36,7 +36,7 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     # their one loader (registry), bad user input (errors), options every recipe has (options), what this machine can
     # run and reach (machine), threads and CPU precision (runtime), bitsandbytes' 4-bit layers kept trainable on the
     # CPU (quantized), where a completion ends at a stop string (stop_strings)
-    ("functional", "registry", "errors", "options", "machine", "runtime", "quantized", "stop_strings"),
+    ("functional", "registry", "errors", "logs", "options", "machine", "runtime", "quantized", "stop_strings"),
     ("speed",),  # exact CPU savings: shared prompts, one-sequence forwards, packed weights, sampling, rng
     ("measurement",),  # timers, the roofline (each phase against the machine's floor), what a training log says
     # GRPO's objective: policy losses, aggregations, advantage estimators, the course's helpers, TRL's option names
@@ -44,7 +44,9 @@ LAYERS = (  # bottom first; a module imports modules of its own layer or of a la
     ("rewards",),  # verifiable rewards, as TRL reward functions and as the course's reward_fn
     ("data", "models"),  # loaders, templates and generators; model loading, the embedded model, LoRA/QLoRA
     ("trainers",),  # the four TRL subclasses and their configs; the GRPO trainer whole (trainers.grpo)
-    ("eval",),  # greedy generation and grading of whole rows (transformers or vLLM)
+    # greedy generation and grading of whole rows (transformers or vLLM); held-out evaluation every N steps and
+    # rollout samples as TRL callbacks
+    ("eval", "callbacks"),
     # a task owns data, reward and evaluation (one loader, the only dispatch on a task's name); cs336 re-exports the
     # course's API
     ("tasks", "cs336"),

@@ -582,9 +582,9 @@ class RecipeRun:
         ``evaluate`` (``evaluate(model) -> {"accuracy", "format_rate", ...}``, e.g. ``Task.evaluate``) with
         ``eval_every``: held-out evaluation after every ``eval_every``-th optimizer step but the last (which the
         recipe evaluates after training), logged as ``eval_accuracy`` and ``eval_format_rate`` at that step
-        (``trl_ext.compare.ArmMonitor``: TensorBoard's ``eval/accuracy``, ``log_history``) and timed as
+        (``trl_ext.callbacks.HeldOutEvaluation``: TensorBoard's ``eval/accuracy``, ``log_history``) and timed as
         ``evaluation``; not under FSDP or DeepSpeed (said once). ``rollouts`` > 0: that many of each step's rollouts
-        written to ``output_dir/rollouts.jsonl`` (``trl_ext.compare.RolloutLog``)."""
+        written to ``output_dir/rollouts.jsonl`` (``trl_ext.callbacks.RolloutLog``)."""
         trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
         if evaluate is not None and eval_every:
             if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
@@ -593,15 +593,15 @@ class RecipeRun:
                     "generate from sharded weights); held-out accuracy before and after training only"
                 )
             else:
-                from trl_ext.compare.monitoring import ArmMonitor  # here: trl_ext.compare loads TRL's trainers
+                from trl_ext.callbacks import HeldOutEvaluation
 
                 def timed(model: Any) -> Mapping[str, Any]:
                     with self.timer.phase("evaluation"):
                         return evaluate(model)
 
-                ArmMonitor(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
+                HeldOutEvaluation(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
         if rollouts:
-            from trl_ext.compare.monitoring import RolloutLog
+            from trl_ext.callbacks import RolloutLog
 
             RolloutLog(self.output_dir / "rollouts.jsonl", rollouts).attach(trainer)
 

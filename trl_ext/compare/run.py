@@ -12,8 +12,9 @@ import torch
 import trl
 from transformers import set_seed
 
+from trl_ext.callbacks import eval_record
 from trl_ext.compare.arms import TRAINERS, Arm, arm_config, arm_key
-from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, _eval_record, release_memory, summarize_arm
+from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, release_memory, summarize_arm
 from trl_ext.eval import write_jsonl
 from trl_ext.measurement.profiling import StepProfiler, time_breakdown
 from trl_ext.tasks import Task, nothing_to_learn
@@ -110,7 +111,7 @@ def run_comparison(
                 if torch.cuda.is_available():
                     model = model.to("cuda")
                 result = evaluate(model)
-                record = _eval_record(0, result)
+                record = eval_record(0, result)
                 log(
                     f"initial model{f' ({task_name})' if task_name else ''}: held-out accuracy {record['accuracy']:.1%}"
                 )

@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trl_ext.logs import say_once
+
 REWARD_KEYS = ("reward", "format_reward", "answer_reward")
 
 CourseRewardFn = Callable[[str, str], dict[str, float]]
@@ -314,9 +316,6 @@ def as_trl_row_reward(
     return trl_reward
 
 
-_warned_unknown_truncation: set[str] = set()
-
-
 def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | None:
     """Per completion, whether the length limit cut it (see ``credit_truncated`` of :func:`as_trl_row_reward`), or
     None when the caller does not say (warned once per reward name)."""
@@ -332,15 +331,12 @@ def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | No
     if eos is not None and tokenizer is not None and ids is not None and len(ids) == n:
         ends = {*eos, tokenizer.pad_token_id}
         return [not c or c[-1] not in ends for c in ids]  # trl.GRPOTrainer._generate's is_truncated
-    if name not in _warned_unknown_truncation:
-        _warned_unknown_truncation.add(name)
-        import logging
-
-        logging.getLogger("trl_ext").warning(
-            f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
-            f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
-            "completion is credited"
-        )
+    say_once(
+        f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
+        f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
+        "completion is credited",
+        key=("unknown truncation", name),
+    )
     return None
 
 

@@ -61,12 +61,12 @@ from typing import Any
 
 import torch
 
+from trl_ext.logs import say_once
+
 logger = logging.getLogger("trl_ext")
 
 MEMORY_FRACTION = 0.25
 """Packed copies of the weights may take at most this fraction of the memory available when packing starts."""
-
-_announced: set[tuple[int, str]] = set()
 
 
 def _ops_available() -> bool:
@@ -319,9 +319,7 @@ class PackedLinearWeights:
         message = f"trl_ext prepack_linear_weights: the {backend} backend is off ({reason}); " + (
             f"the {other} backend is used" if not other_reason else f"{other}: {other_reason}; plain forward used"
         )
-        if message not in _announced_backends:
-            _announced_backends.add(message)
-            logger.warning(message)
+        say_once(message, log=logger)
         return self.backend
 
 
@@ -377,7 +375,6 @@ PROBE_SHAPES = ((5, 7, True), (3, 16, False), (17, 33, True))
 bias."""
 
 _probe_results: dict[str, str | None] = {}  # backend -> None (its ops compute F.linear) or why not
-_announced_backends: set[str] = set()
 
 
 def probe_backend(backend: str, rows: int) -> str | None:
@@ -437,9 +434,10 @@ def probe_backend(backend: str, rows: int) -> str | None:
 
 def announce(model: Any, reason: str) -> None:
     """Log once per model and reason that ``prepack_linear_weights`` is off and why."""
-    key = (id(model), reason)
-    if key not in _announced:
-        _announced.add(key)
-        logger.warning(
-            "trl_ext prepack_linear_weights off for %s: %s (MKL's plain linear used)", type(model).__name__, reason
-        )
+    say_once(
+        "trl_ext prepack_linear_weights off for %s: %s (MKL's plain linear used)",
+        type(model).__name__,
+        reason,
+        key=(id(model), reason),
+        log=logger,
+    )

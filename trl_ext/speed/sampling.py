@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from trl_ext.logs import say_once
+
 logger = logging.getLogger("trl_ext")
 
 _probe_result: str | None | bool = False  # False: not probed yet; None: identical; str: why not
@@ -148,9 +150,7 @@ def same_draws_multinomial() -> Iterator[None]:
     block runs, and answers identically for every caller."""
     reason = probe()
     if reason is not None:
-        if not getattr(same_draws_multinomial, "_announced", False):
-            same_draws_multinomial._announced = True
-            logger.warning("trl_ext vectorised sampling off: %s (torch.multinomial used)", reason)
+        say_once("trl_ext vectorised sampling off: %s (torch.multinomial used)", reason, key="sampling off", log=logger)
         yield
         return
     original = torch.multinomial

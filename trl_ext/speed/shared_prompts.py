@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from trl_ext.logs import say_once
 from trl_ext.quantized import bitsandbytes_modules
 from trl_ext.speed.packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
 from trl_ext.speed.rng import model_devices, preserved_rng, unpreservable
@@ -735,9 +736,6 @@ def savings_decision(model: Any) -> SavingsDecision:
     return decision
 
 
-_announced: set[tuple[int, str]] = set()
-
-
 def announce(
     model: Any,
     decision: SavingsDecision,
@@ -760,10 +758,7 @@ def announce(
         + "; ".join(parts)
         + " (plain computation used, same numbers as upstream)"
     )
-    key = (id(_base_model(model)), line)
-    if key not in _announced:
-        _announced.add(key)
-        logger.warning(line)
+    say_once(line, key=(id(_base_model(model)), line), log=logger)
     return line
 
 

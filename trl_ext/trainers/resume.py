@@ -38,6 +38,8 @@ from typing import Any
 
 import trl
 
+from trl_ext.logs import say_once
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trl_ext_state.json"
@@ -602,9 +604,6 @@ def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_
     warn_changed_options(checkpoint, args, saved_changeable)
 
 
-_warned: set[str] = set()
-
-
 def warn_changed_options(checkpoint: str, args: Any, saved: dict[str, Any]) -> list[str]:
     """Log one warning per warned option (:func:`changeable_options`) whose value differs from the checkpoint's,
     naming both values and what the resumed run does (each line once per process: the recipes check before the
@@ -622,9 +621,7 @@ def warn_changed_options(checkpoint: str, args: Any, saved: dict[str, Any]) -> l
             effect = note(old, value, saved, args) if callable(note) else note.format(old=old, new=value)
             lines.append(f"resuming {checkpoint}: {name} was {old!r}, now {value!r}; {effect}")
     for line in lines:
-        if line not in _warned:
-            _warned.add(line)
-            logger.warning(line)
+        say_once(line, log=logger)
     return lines
 
 

@@ -37,6 +37,7 @@ from datasets import IterableDataset
 from trl.trainer.utils import nanstd
 
 from trl_ext import functional
+from trl_ext.logs import say_once
 
 logger = logging.getLogger("trl_ext")
 
@@ -213,7 +214,6 @@ class DynamicSamplingMixin:
     ``_generate_and_score_round`` (the trainer's one-round method) until the batch is informative."""
 
     _dynamic_state: DynamicSamplingState | None = None
-    _said_nothing_to_learn = False
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
@@ -285,14 +285,16 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/groups_drawn"].append(counts[:, 1].sum().item())
         metrics["dynamic_sampling/groups_kept"].append(counts[:, 2].sum().item())
         metrics["dynamic_sampling/groups_wanted"].append(float(wanted * self.accelerator.num_processes))
-        if counts[:, 2].sum().item() == 0 and not self._said_nothing_to_learn:
-            self._said_nothing_to_learn = True  # once per trainer: every step that follows would say the same
-            logger.warning(
+        if counts[:, 2].sum().item() == 0:  # once per trainer: every step that follows would say the same
+            say_once(
                 "dynamic_sampling: %d generation rounds (max_sampling_rounds) drew %d groups and none had rewards that "
                 "differ, so this step trains on nothing and every extra round was spent in vain; the model may never "
                 "score on this task (all rewards 0?): check its prompts and answer format, or lower "
                 "max_sampling_rounds",
                 int(counts[:, 0].max().item()),
                 int(counts[:, 1].sum().item()),
+                key="nothing to learn",
+                said=self._said,
+                log=logger,
             )
         return output

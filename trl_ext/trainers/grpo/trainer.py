@@ -65,6 +65,7 @@ from trl.trainer.utils import nanmax, nanmin
 
 from trl_ext import functional, machine
 from trl_ext.data.prompts import strip_leading_bos
+from trl_ext.logs import say_once
 from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
 from trl_ext.objective.aggregations import AGGREGATIONS, compute_grpo_loss
 from trl_ext.objective.losses import policy_loss
@@ -228,7 +229,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             minimum if minimum is not None else DEFAULT_MIN_TOKENS_WITH_STOP if self._stop_strings else 0
         )
         self._completion_truncated: list[bool] | None = None  # this process's rows of the last _generate
-        self._warned_cut = False
+        self._said: set = set()  # what this trainer said once (trl_ext.logs.say_once)
         if not (self._stop_strings or self._min_completion_length):
             return
         given = set(self.args.generation_kwargs or {}) & {"stop", "stop_strings", "min_tokens", "min_new_tokens"}
@@ -352,11 +353,10 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
     def log(self, logs, start_time=None):
         # One console warning per run, at the first log whose window's completions were mostly cut by the length
         # limit (upstream's metrics are averaged over the window in super().log and then cleared).
-        if not self._warned_cut and self.model.training:
+        if "cut" not in self._said and self.model.training:
             ratios = [v for v in self._metrics["train"].get("completions/clipped_ratio", []) if not math.isnan(v)]
             if ratios and sum(ratios) / len(ratios) > 0.5:
-                self._warned_cut = True
-                logger.warning(self._cut_warning(sum(ratios) / len(ratios)))
+                say_once(self._cut_warning(sum(ratios) / len(ratios)), key="cut", said=self._said, log=logger)
         super().log(logs, start_time)
 
     def _cut_warning(self, ratio: float) -> str:
