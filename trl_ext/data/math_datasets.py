@@ -35,6 +35,14 @@ class _BadRow(ValueError):
         self.field = field
 
 
+def json_line(line: str, where: str) -> Any:
+    """One line of a JSON-lines file, parsed; invalid JSON raises ValueError ``"<where>: invalid JSON (...)"``."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
+
+
 def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
     of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem.
@@ -62,10 +70,7 @@ def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from None
+        row = json_line(line, f"{path} line {line_number}")
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
