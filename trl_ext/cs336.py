@@ -20,7 +20,6 @@ Alignment, Instruction Tuning and RLHF"); argument names follow their ``tests/ad
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import random
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 
 from trl_ext import functional
 from trl_ext.data.instructions import iterate_batches
+from trl_ext.data.math_datasets import json_line
 from trl_ext.errors import decode_text
 from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 from trl_ext.objective import course as C
@@ -208,11 +208,7 @@ def _read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     for line_number, line in enumerate(decode_text(data, str(path)).split("\n"), start=1):  # UTF-8, BOM dropped
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{line_number}: invalid JSON ({err.msg})") from None
-        rows.append(row)
+        rows.append(json_line(line, f"{path}:{line_number}"))
     return rows
 
 

@@ -16,13 +16,14 @@ The course supplement's parsers are here too: :func:`parse_gsm8k_response` and :
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def render_prompts(tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]]
 
 
 @torch.no_grad()
-def generate_completions(
+def generate_responses(
     model: torch.nn.Module,
     tokenizer: Any,
     prompts: Sequence[str | list[dict[str, str]]],
@@ -159,7 +160,7 @@ def generate_completions(
     prepack_linear_weights: bool = True,
     *,
     stop_strings: Sequence[str] = (),
-) -> list[str]:
+) -> tuple[list[str], list[bool]]:
     """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
 
     Args:
@@ -185,50 +186,18 @@ def generate_completions(
     tokens up to float rounding).
 
     Returns:
-        N decoded completions without special tokens.
+        ``(texts, cut)``: N decoded completions without special tokens, and for each whether the length limit cut
+        it -- it ended neither with an EOS token (the model's ``generation_config.eos_token_id`` and the tokenizer's)
+        nor at a stop string: it ran to ``max_new_tokens``.
 
     Raises:
         ValueError: when ``max_new_tokens`` or ``batch_size`` is < 1.
-    """
-    return generate_responses(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens,
-        batch_size,
-        desc,
-        disable_progress,
-        prepack_linear_weights,
-        stop_strings=stop_strings,
-    )[0]
-
-
-@torch.no_grad()
-def generate_responses(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str | list[dict[str, str]]],
-    max_new_tokens: int,
-    batch_size: int = 32,
-    desc: str = "generating",
-    disable_progress: bool = False,
-    prepack_linear_weights: bool = True,
-    *,
-    stop_strings: Sequence[str] = (),
-) -> tuple[list[str], list[bool]]:
-    """:func:`generate_completions`, and for each completion whether the length limit cut it: ``(texts, cut)``.
-
-    A completion is cut when it ended neither with an EOS token (the model's ``generation_config.eos_token_id``
-    and the tokenizer's) nor at a stop string: it ran to ``max_new_tokens``.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}; expected both >= 1")
     stop_strings = check_stop_strings(stop_strings)
     end_ids = _eos_ids(model, tokenizer)
     token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
-    was_training, padding_side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
     cut: list[bool] = []
@@ -238,7 +207,7 @@ def generate_responses(
     # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
     # (trl_ext.speed.packed_linear), and dropped at its end
     packed = PackedLinearWeights() if prepack_linear_weights else None
-    try:
+    with _generating(model, tokenizer):
         with packed.fixed_weights() if packed is not None else nullcontext():
             for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
                 batch = tokenizer.pad(
@@ -246,11 +215,7 @@ def generate_responses(
                 )
                 batch = {k: v.to(device) for k, v in batch.items()}
                 rows, prompt_length = batch["input_ids"].shape
-                stopping = (
-                    {"stopping_criteria": StoppingCriteriaList([StopAtStrings(tokenizer, stop_strings, prompt_length)])}
-                    if stop_strings
-                    else {}
-                )
+                stopping = _stopping_option(tokenizer, stop_strings, prompt_length)
                 with packed.applied(model, rows=rows) if packed is not None else nullcontext():
                     generated = generate(
                         **batch,
@@ -259,16 +224,51 @@ def generate_responses(
                         pad_token_id=tokenizer.pad_token_id,
                         **stopping,
                     )
-                new_tokens = generated[:, prompt_length:]
-                texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-                for row, text in zip(new_tokens.tolist(), texts):
-                    stop = cut_at_stop(row, tokenizer, stop_strings) if stop_strings else None
-                    outputs.append(stop.text if stop is not None else text)
-                    cut.append(stop is None and not any(t in end_ids for t in row))
+                texts, cuts = _decoded(generated[:, prompt_length:], tokenizer, stop_strings, end_ids)
+                outputs += texts
+                cut += cuts
+    return outputs, cut
+
+
+@contextmanager
+def _generating(model: torch.nn.Module, tokenizer: Any) -> Iterator[None]:
+    """``model`` in eval mode and ``tokenizer`` padding on the left for the block; both as they were after it."""
+    was_training, padding_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        yield
     finally:
         model.train(was_training)
         tokenizer.padding_side = padding_side
-    return outputs, cut
+
+
+def _stopping_option(tokenizer: Any, stop_strings: Sequence[str], prompt_length: int) -> dict[str, Any]:
+    """``generate``'s ``stopping_criteria`` that end a row at a stop string (none without stop strings)."""
+    if not stop_strings:
+        return {}
+    return {"stopping_criteria": StoppingCriteriaList([StopAtStrings(tokenizer, stop_strings, prompt_length)])}
+
+
+def _decoded(
+    new_tokens: torch.Tensor, tokenizer: Any, stop_strings: Sequence[str], end_ids: set[int]
+) -> tuple[list[str], list[bool]]:
+    """Texts of the generated tokens (B, T) -- cut after the first stop string -- and for each whether the length
+    limit cut it (no stop string, no end-of-sequence token)."""
+    texts, cut = [], []
+    for row, text in zip(new_tokens.tolist(), tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
+        stop = cut_at_stop(row, tokenizer, stop_strings) if stop_strings else None
+        texts.append(stop.text if stop is not None else text)
+        cut.append(stop is None and not any(t in end_ids for t in row))
+    return texts, cut
+
+
+def generate_completions(*args: Any, **kwargs: Any) -> list[str]:
+    """The texts of :func:`generate_responses` (same arguments): N greedy completions, in order."""
+    return generate_responses(*args, **kwargs)[0]
+
+
+generate_completions.__signature__ = inspect.signature(generate_responses).replace(return_annotation="list[str]")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -337,24 +337,6 @@ def load_eval_model(
     return model, tokenizer, backend
 
 
-def generate_completions_vllm(
-    llm: Any,
-    tokenizer: Any,
-    prompts: Sequence[str | list[dict[str, str]]],
-    max_new_tokens: int,
-    *,
-    stop_strings: Sequence[str] = (),
-) -> list[str]:
-    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
-    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`); with ``stop_strings``, vLLM's
-    ``stop=stop_strings, include_stop_str_in_output=True`` (the text ends with the stop string).
-
-    Raises:
-        ValueError: when ``max_new_tokens`` < 1.
-    """
-    return generate_responses_vllm(llm, tokenizer, prompts, max_new_tokens, stop_strings=stop_strings)[0]
-
-
 def generate_responses_vllm(
     llm: Any,
     tokenizer: Any,
@@ -363,8 +345,15 @@ def generate_responses_vllm(
     *,
     stop_strings: Sequence[str] = (),
 ) -> tuple[list[str], list[bool]]:
-    """:func:`generate_completions_vllm`, and for each completion whether the length limit cut it (vLLM's
-    ``finish_reason == "length"``): ``(texts, cut)``."""
+    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
+    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`); with ``stop_strings``, vLLM's
+    ``stop=stop_strings, include_stop_str_in_output=True`` (the text ends with the stop string). Returns
+    ``(texts, cut)``: cut tells for each completion whether the length limit cut it (vLLM's
+    ``finish_reason == "length"``).
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     from vllm import SamplingParams
@@ -375,6 +364,16 @@ def generate_responses_vllm(
     # token ids, not text: vLLM would add its own special tokens to text (see trl_ext.data.prompt_token_ids)
     outputs = llm.generate([{"prompt_token_ids": prompt_token_ids(tokenizer, p)} for p in prompts], params)
     return [out.outputs[0].text for out in outputs], [out.outputs[0].finish_reason == "length" for out in outputs]
+
+
+def generate_completions_vllm(*args: Any, **kwargs: Any) -> list[str]:
+    """The texts of :func:`generate_responses_vllm` (same arguments): N greedy completions, in order."""
+    return generate_responses_vllm(*args, **kwargs)[0]
+
+
+generate_completions_vllm.__signature__ = inspect.signature(generate_responses_vllm).replace(
+    return_annotation="list[str]"
+)
 
 
 def _is_vllm_engine(model: Any) -> bool:
@@ -389,6 +388,55 @@ def _mean(values: list[float]) -> float:
 NOT_EXTRACTED = "not reported: this task's grader returns its scores, not the answer it read"
 """``extracted_note`` of a record whose task does not say which answer it read (``extracted`` is then None): a
 course-shaped ``--reward package.module:function``, the sort task, a task of your own without an extractor."""
+
+
+def _checked_scores(
+    score: Callable[[str, Mapping[str, Any]], Mapping[str, float]], response: str, row: Mapping[str, Any], i: int
+) -> dict[str, float]:
+    """``score(response, row)`` as floats; a scorer that raises, or returns something without the three keys or
+    with a value that is not a number, raises ValueError naming row ``i``."""
+    try:
+        scores = score(response, row)
+    except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+        detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"held-out row {i} (0-based): {detail}") from err
+    missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
+    if missing:
+        raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
+    try:
+        return {k: float(v) for k, v in scores.items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the scorer returned {scores!r} for row {i}; expected numbers ({err})") from None
+
+
+def _summary(records: list[dict[str, Any]], num_examples: int, truncation_known: bool) -> dict[str, Any]:
+    """:func:`score_rows`'s dict from its scored records."""
+    format_measured = not any(math.isnan(r["format_reward"]) for r in records)
+    breakdown = {  # the course's categories; a score counts as 1 when >= 0.5
+        f"format{fmt}_answer{ans}": (
+            sum((r["format_reward"] >= 0.5) == fmt and (r["answer_reward"] >= 0.5) == ans for r in records)
+            if format_measured
+            else None
+        )
+        for fmt in (1, 0)
+        for ans in (1, 0)
+    }
+    unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
+    return {
+        "accuracy": _mean([r["answer_reward"] for r in records]),
+        "exact_accuracy": _mean([float(r["answer_reward"] >= 1.0) for r in records]),
+        "partial_credit_rows": sum(0.0 < r["answer_reward"] < 1.0 for r in records),
+        "format_rate": _mean([r["format_reward"] for r in records]),
+        "reward": _mean([r["reward"] for r in records]),
+        "n": len(records),
+        "distinct_prompts": len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in records}),
+        "num_truncated": sum(r["truncated"] for r in records) if truncation_known else None,
+        "breakdown": breakdown,
+        "num_unparsed": len(unparsed) if format_measured else None,
+        "unparsed_examples": unparsed[:num_examples],
+        "examples": records[:num_examples],
+        "records": records,
+    }
 
 
 def score_rows(
@@ -444,18 +492,7 @@ def score_rows(
         raise ValueError(f"got {len(truncated)} truncation flags for {len(responses)} responses; expected one each")
     records = []
     for i, (row, response) in enumerate(zip(rows, responses)):
-        try:
-            scores = score(response, row)
-        except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
-            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            raise ValueError(f"held-out row {i} (0-based): {detail}") from err
-        missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
-        if missing:
-            raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
-        try:
-            values = {k: float(v) for k, v in scores.items()}
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"the scorer returned {scores!r} for row {i}; expected numbers ({err})") from None
+        values = _checked_scores(score, response, row, i)
         record = {"prompt": row.get("prompt"), "response": response}
         record["answer"] = answer(row) if answer is not None else row.get("answer")
         if extract is not None:
@@ -467,32 +504,7 @@ def score_rows(
             if truncated[i] and not credit_truncated:
                 values = without_credit(values)
         records.append({**record, **values})
-    format_measured = not any(math.isnan(r["format_reward"]) for r in records)
-    breakdown: dict[str, int | None] = {}
-    for fmt in (1, 0):
-        for ans in (1, 0):
-            key = f"format{fmt}_answer{ans}"
-            breakdown[key] = (
-                sum((r["format_reward"] >= 0.5) == fmt and (r["answer_reward"] >= 0.5) == ans for r in records)
-                if format_measured
-                else None
-            )
-    unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
-    return {
-        "accuracy": _mean([r["answer_reward"] for r in records]),
-        "exact_accuracy": _mean([float(r["answer_reward"] >= 1.0) for r in records]),
-        "partial_credit_rows": sum(0.0 < r["answer_reward"] < 1.0 for r in records),
-        "format_rate": _mean([r["format_reward"] for r in records]),
-        "reward": _mean([r["reward"] for r in records]),
-        "n": len(records),
-        "distinct_prompts": len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in records}),
-        "num_truncated": sum(r["truncated"] for r in records) if truncated is not None else None,
-        "breakdown": breakdown,
-        "num_unparsed": len(unparsed) if format_measured else None,
-        "unparsed_examples": unparsed[:num_examples],
-        "examples": records[:num_examples],
-        "records": records,
-    }
+    return _summary(records, num_examples, truncation_known=truncated is not None)
 
 
 def score_responses(
@@ -610,13 +622,8 @@ def evaluate_rows(
         credit_truncated=credit_truncated,
     )
     tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
-    result.update(
-        backend=backend,
-        seconds=seconds,
-        examples_per_second=result["n"] / seconds,
-        generated_tokens=tokens,
-        tokens_per_second=tokens / seconds,
-    )
+    result.update(backend=backend, seconds=seconds, examples_per_second=result["n"] / seconds, generated_tokens=tokens)
+    result["tokens_per_second"] = tokens / seconds
     if jsonl_path is not None:
         write_jsonl(result["records"], jsonl_path)
     return result

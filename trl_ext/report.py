@@ -120,6 +120,25 @@ def _fmt(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _hyperparameters(configs: Sequence[Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The record's hyperparameter table: :func:`config_hyperparameters`, then ``extra``; the embedded model (an
+    unset ``model_name_or_path``) named by the Hub id it was quantized from."""
+    params = config_hyperparameters(*configs)
+    params.update(extra or {})
+    if "model_name_or_path" in params and is_embedded(params["model_name_or_path"]):  # unset: the embedded model
+        params["model_name_or_path"] = f"{EMBEDDED_BASE_MODEL} (trl_ext's embedded copy)"
+    return params
+
+
+def _plot_lines(plots: Sequence[str | os.PathLike], out: Path) -> list[str]:
+    """Markdown image lines for ``plots``, an absolute path made relative to ``out``."""
+    lines = []
+    for plot in map(Path, plots):
+        rel = os.path.relpath(plot, out) if plot.is_absolute() else str(plot)
+        lines += [f"![{plot.stem}]({rel})", ""]
+    return lines
+
+
 def write_experiment_record(
     output_dir: str | os.PathLike,
     title: str,
@@ -168,10 +187,7 @@ def write_experiment_record(
     out.mkdir(parents=True, exist_ok=True)
     if git is None:
         git = git_state()
-    params = config_hyperparameters(*configs)
-    params.update(hyperparameters or {})
-    if "model_name_or_path" in params and is_embedded(params["model_name_or_path"]):  # unset: the embedded model
-        params["model_name_or_path"] = f"{EMBEDDED_BASE_MODEL} (trl_ext's embedded copy)"
+    params = _hyperparameters(configs, hyperparameters)
     command = command or command_line()
     lines = [
         f"# {title}",
@@ -192,11 +208,7 @@ def write_experiment_record(
         lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
         lines.append("")
     if plots:
-        lines += ["## Plots", ""]
-        for plot in plots:
-            plot = Path(plot)
-            rel = os.path.relpath(plot, out) if plot.is_absolute() else str(plot)
-            lines += [f"![{plot.stem}]({rel})", ""]
+        lines += ["## Plots", "", *_plot_lines(plots, out)]
     notes = list(observations) + (observe_training(log_history, max_completion_length) if log_history else [])
     if notes:
         lines += ["## Observations", "", *[f"- {n}" for n in notes], ""]
@@ -488,6 +500,79 @@ def _by_kind(outputs: Sequence[Output]) -> dict[type, list]:
     return kinds
 
 
+def _add_run_metrics(
+    metrics: dict[str, Any], run: Any, trainer: Any, log_history: Any, speed: Mapping[str, Any] | None
+) -> None:
+    """What every run records in ``metrics``, unless given (see :func:`finish`): the training's steps, seconds,
+    log, held-out curve and runtime (with a trainer); where the time went and the roofline (when timed)."""
+    if trainer is not None and hasattr(trainer, "state"):
+        metrics.setdefault("train_steps", trainer.state.global_step)
+        metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
+        metrics.setdefault("log_history", log_history)
+        if eval_curve(log_history):  # held-out accuracy at each evaluated step
+            metrics.setdefault("eval_curve", eval_curve(log_history))
+        if hasattr(trainer, "accelerator"):
+            accelerator = trainer.accelerator
+            metrics.setdefault(
+                "runtime",
+                {
+                    **(speed or {}),
+                    "processes": accelerator.num_processes,
+                    "distributed_type": str(accelerator.distributed_type),
+                },
+            )
+    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
+        metrics.setdefault("time_breakdown", run.time_breakdown())
+        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
+        if roofline is not None:  # how far each phase ran from what the machine allows
+            metrics.setdefault("roofline", roofline)
+
+
+def _write_record(
+    out: Path, record: Record, run: Any, metrics: Mapping[str, Any], log_history: Any, git: Mapping[str, Any]
+) -> None:
+    """``experiment.md`` of :class:`Record` ``record``: the run's configs, the results (default: the scalar
+    metrics), every plot in ``out``, the observations and the generation budget the configs set."""
+    configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
+    header, rows = record.results or (("metric", "value"), scalar_results(metrics))
+    budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
+    write_experiment_record(
+        out,
+        record.title,
+        configs=configs,
+        results=rows,
+        results_header=header,
+        plots=sorted(p.name for p in out.glob("*.png")),
+        observations=record.observations,
+        log_history=log_history,
+        max_completion_length=budget,
+        git=git,
+        project_git=getattr(run, "project_git", None),
+    )
+
+
+def _print_summary(
+    kinds: dict[type, list], run: Any, metrics: Mapping[str, Any], written: list[str], out: Path
+) -> Console:
+    """What :func:`finish` prints, in its order; returns the console."""
+    console = Console(soft_wrap=True)
+    for table in kinds[ConsoleTable]:
+        print_table(*table, console=console)
+    for line in (line for lines in kinds[ConsoleLines] for line in lines.lines):
+        console.print(line, markup=False)
+    for name in run.reused:
+        console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
+    if "time_breakdown" in metrics:
+        breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
+        how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
+        console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
+    if "roofline" in metrics:
+        console.print(format_roofline(metrics["roofline"]), markup=False)
+    saved = " and the trained model" if kinds[ModelCard] else ""
+    console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
+    return console
+
+
 def finish(
     run: Any,
     metrics: Mapping[str, Any],
@@ -546,28 +631,9 @@ def finish(
             with open(out / f"{stem}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
     metrics = dict(metrics)
-    if trainer is not None and hasattr(trainer, "state"):  # what every training run records, unless given
+    if trainer is not None and hasattr(trainer, "state"):
         log_history = trainer.state.log_history if log_history is None else log_history
-        metrics.setdefault("train_steps", trainer.state.global_step)
-        metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
-        metrics.setdefault("log_history", log_history)
-        if eval_curve(log_history):  # held-out accuracy at each evaluated step
-            metrics.setdefault("eval_curve", eval_curve(log_history))
-        if hasattr(trainer, "accelerator"):
-            accelerator = trainer.accelerator
-            metrics.setdefault(
-                "runtime",
-                {
-                    **(speed or {}),
-                    "processes": accelerator.num_processes,
-                    "distributed_type": str(accelerator.distributed_type),
-                },
-            )
-    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
-        metrics.setdefault("time_breakdown", run.time_breakdown())
-        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
-        if roofline is not None:  # how far each phase ran from what the machine allows
-            metrics.setdefault("roofline", roofline)
+    _add_run_metrics(metrics, run, trainer, log_history, speed)
     for card in kinds[ModelCard]:
         write_model_card(trainer, out, card.base_model, card.dataset)
     for name, panels, points in kinds[Curves]:
@@ -579,40 +645,10 @@ def finish(
         plot = plot_curves(log_history or [], panels, out / name, points)
         written.append(plot.name if plot else "no plot")
     for record in kinds[Record]:
-        configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
-        header, rows = record.results or (("metric", "value"), scalar_results(metrics))
-        budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
-        write_experiment_record(
-            out,
-            record.title,
-            configs=configs,
-            results=rows,
-            results_header=header,
-            plots=sorted(p.name for p in out.glob("*.png")),
-            observations=record.observations,
-            log_history=log_history,
-            max_completion_length=budget,
-            git=run.git if git is None else git,
-            project_git=getattr(run, "project_git", None),
-        )
+        _write_record(out, record, run, metrics, log_history, run.git if git is None else git)
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
-    console = Console(soft_wrap=True)
-    for table in kinds[ConsoleTable]:
-        print_table(*table, console=console)
-    for line in (line for lines in kinds[ConsoleLines] for line in lines.lines):
-        console.print(line, markup=False)
-    for name in run.reused:
-        console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
-    if "time_breakdown" in metrics:
-        breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
-        how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
-        console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
-    if "roofline" in metrics:
-        console.print(format_roofline(metrics["roofline"]), markup=False)
-    saved = " and the trained model" if kinds[ModelCard] else ""
-    console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
-    return console
+    return _print_summary(kinds, run, metrics, written, out)
 
 
 def finish_comparison(

@@ -221,6 +221,26 @@ def render_prompt_text(row: dict[str, Any], tokenizer: Any, prompt_format: str) 
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _document_stream(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, prompt_format: str
+) -> tuple[list[int], list[int], list[int], list[bool]]:
+    """The rows as one token stream, each the rendered prompt then the output and EOS (no special tokens added):
+    ``(tokens, document index, position within the document, is an output token)``, one entry per token."""
+    tokens: list[int] = []
+    doc_index: list[int] = []
+    positions: list[int] = []
+    is_output: list[bool] = []
+    for doc, row in enumerate(rows):
+        prompt_ids = tokenizer(render_prompt_text(row, tokenizer, prompt_format), add_special_tokens=False)["input_ids"]
+        output_ids = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = prompt_ids + output_ids
+        tokens += ids
+        doc_index += [doc] * len(ids)
+        positions += list(range(len(ids)))
+        is_output += [False] * len(prompt_ids) + [True] * len(output_ids)
+    return tokens, doc_index, positions, is_output
+
+
 def pack_instruction_dataset(
     rows: Sequence[dict[str, Any]],
     tokenizer: Any,
@@ -278,20 +298,7 @@ def pack_instruction_dataset(
     order = list(range(len(rows)))
     if shuffle:
         random.Random(seed).shuffle(order)
-    tokens: list[int] = []
-    doc_index: list[int] = []
-    positions: list[int] = []
-    is_output: list[bool] = []
-    for doc, i in enumerate(order):
-        prompt_ids = tokenizer(render_prompt_text(rows[i], tokenizer, prompt_format), add_special_tokens=False)[
-            "input_ids"
-        ]
-        output_ids = tokenizer(rows[i]["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = prompt_ids + output_ids
-        tokens += ids
-        doc_index += [doc] * len(ids)
-        positions += list(range(len(ids)))
-        is_output += [False] * len(prompt_ids) + [True] * len(output_ids)
+    tokens, doc_index, positions, is_output = _document_stream([rows[i] for i in order], tokenizer, prompt_format)
     num_examples = (len(tokens) - 1) // seq_length
     if num_examples == 0:
         raise ValueError(

@@ -35,6 +35,14 @@ class _BadRow(ValueError):
         self.field = field
 
 
+def json_line(line: str, where: str) -> Any:
+    """One line of a JSON-lines file, parsed; invalid JSON raises ValueError ``"<where>: invalid JSON (...)"``."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
+
+
 def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
     of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem.
@@ -62,10 +70,7 @@ def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from None
+        row = json_line(line, f"{path} line {line_number}")
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
@@ -156,6 +161,79 @@ def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
     return text
 
 
+def _fields(kind: str | None, columns: list[str], source: str) -> tuple[str, str, str]:
+    """``(kind, question field, answer field)`` of data with ``columns``: the kind inferred when None, a math answer
+    from ``answer`` or else ``solution``; a kind not inferable or a field absent raises ValueError naming ``source``."""
+    if kind is None:
+        kind = infer_kind(columns)
+        if kind is None:
+            raise ValueError(
+                f"{source}: cannot infer the dataset kind from columns {columns}: expected 'problem' (+ 'answer' or "
+                "'solution') for math, or 'question' + 'answer' for gsm8k; or set the kind (recipes: --dataset_kind, "
+                "Python: kind=)"
+            )
+    question_field = "problem" if kind == "math" else "question"
+    answer_field = ("answer" if "answer" in columns else "solution") if kind == "math" else "answer"
+    for field in (question_field, answer_field):
+        if field not in columns:
+            wanted = "'answer' or 'solution'" if kind == "math" and field == answer_field else repr(field)
+            raise ValueError(f"{source}: {kind} data needs a column {wanted}; found columns {columns}")
+    return kind, question_field, answer_field
+
+
+def _checked_rows(
+    raw: Any,
+    columns: list[str],
+    kind: str,
+    question_field: str,
+    answer_field: str,
+    source: str,
+    lines: list[int] | None,
+    skip_bad_rows: bool,
+) -> tuple[list[int], list[str]]:
+    """The indices of the usable rows of ``raw`` and their ground truths (:func:`load_math_dataset`'s bad rows:
+    raised, or skipped with one warning; a math answer taken among boxes separated by text warned about once)."""
+    keep: list[int] = []
+    answers: list[str] = []
+    bad: list[tuple[int, str, str]] = []
+    several_boxes: list[int] = []  # rows whose answer box was chosen among boxes separated by text
+    for i, row in enumerate(raw):
+        if isinstance(raw, list):
+            row = {name: row.get(name) for name in columns}
+        try:
+            _text(row, question_field)
+            answers.append(_ground_truth(row, kind, answer_field))
+            keep.append(i)
+            if answer_field == "solution" and kind == "math" and extract_boxed_parts(row[answer_field])[1] > 0:
+                several_boxes.append(i)
+        except _BadRow as err:
+            if not skip_bad_rows:
+                line = f" line {lines[i]}," if lines else ""
+                raise ValueError(f"{source}:{line} row {i} (0-based), field {err.field!r}: {err}") from None
+            bad.append((i, err.field, str(err)))
+    if bad:
+        i, field, problem = bad[0]
+        warnings.warn(
+            f"{source}: skipped {len(bad)} bad row(s) of {len(raw)}; first: row {i} (0-based), field {field!r}: "
+            f"{problem}",
+            UserWarning,
+            stacklevel=3,
+        )
+    if not keep:
+        raise ValueError(f"{source}: no usable rows (read {len(raw)})")
+    if several_boxes:
+        warnings.warn(
+            f"{source}: {len(several_boxes)} row(s) of {len(raw)} have other \\boxed{{}} before the final answer, "
+            "separated from it by text (a retracted guess or a boxed intermediate result?); their last box (group) "
+            f"was taken as the answer. First: row {several_boxes[0]} (0-based): "
+            f"...{raw[several_boxes[0]][answer_field][-120:]!r}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    return keep, answers
+
+
 def load_math_dataset(
     name_or_path: str | Path,
     split: str = "train",
@@ -217,62 +295,8 @@ def load_math_dataset(
         raw = raw[:max_rows] if isinstance(raw, list) else raw.select(range(max_rows))
 
     columns = _column_names(raw)
-    if kind is None:
-        kind = infer_kind(columns)
-        if kind is None:
-            raise ValueError(
-                f"{source}: cannot infer the dataset kind from columns {columns}: expected 'problem' (+ 'answer' or "
-                "'solution') for math, or 'question' + 'answer' for gsm8k; or set the kind (recipes: --dataset_kind, "
-                "Python: kind=)"
-            )
-    question_field = "problem" if kind == "math" else "question"
-    if kind == "math":
-        answer_field = "answer" if "answer" in columns else "solution"
-    else:
-        answer_field = "answer"
-    for field in (question_field, answer_field):
-        if field not in columns:
-            wanted = "'answer' or 'solution'" if kind == "math" and field == answer_field else repr(field)
-            raise ValueError(f"{source}: {kind} data needs a column {wanted}; found columns {columns}")
-
-    keep: list[int] = []
-    answers: list[str] = []
-    bad: list[tuple[int, str, str]] = []
-    several_boxes: list[int] = []  # rows whose answer box was chosen among boxes separated by text
-    for i, row in enumerate(raw):
-        if isinstance(raw, list):
-            row = {name: row.get(name) for name in columns}
-        try:
-            _text(row, question_field)
-            answers.append(_ground_truth(row, kind, answer_field))
-            keep.append(i)
-            if answer_field == "solution" and kind == "math" and extract_boxed_parts(row[answer_field])[1] > 0:
-                several_boxes.append(i)
-        except _BadRow as err:
-            if not skip_bad_rows:
-                line = f" line {lines[i]}," if lines else ""
-                raise ValueError(f"{source}:{line} row {i} (0-based), field {err.field!r}: {err}") from None
-            bad.append((i, err.field, str(err)))
-    if bad:
-        i, field, problem = bad[0]
-        warnings.warn(
-            f"{source}: skipped {len(bad)} bad row(s) of {len(raw)}; first: row {i} (0-based), field {field!r}: "
-            f"{problem}",
-            UserWarning,
-            stacklevel=2,
-        )
-    if not keep:
-        raise ValueError(f"{source}: no usable rows (read {len(raw)})")
-    if several_boxes:
-        warnings.warn(
-            f"{source}: {len(several_boxes)} row(s) of {len(raw)} have other \\boxed{{}} before the final answer, "
-            "separated from it by text (a retracted guess or a boxed intermediate result?); their last box (group) "
-            f"was taken as the answer. First: row {several_boxes[0]} (0-based): "
-            f"...{raw[several_boxes[0]][answer_field][-120:]!r}",
-            UserWarning,
-            stacklevel=2,
-        )
-
+    kind, question_field, answer_field = _fields(kind, columns, source)
+    keep, answers = _checked_rows(raw, columns, kind, question_field, answer_field, source, lines, skip_bad_rows)
     if isinstance(raw, list):
         data = {name: [raw[i].get(name) for i in keep] for name in columns}
     else:

@@ -217,10 +217,7 @@ def as_trl_row_reward(
     ...}`` (TRL's own keywords -- :data:`TRL_REWARD_EXTRAS` -- left out). When TRL passes ``log_metric``, the batch
     means of ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
     ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean`` (a NaN format reward, not measured,
-    is not logged). With ``log_scores`` and TRL's ``log_extra``, each completion's ``reward``, ``format_reward`` and
-    ``answer_reward`` (NaN: None) and, with ``answer``, its row's answer are added to TRL's completions table (the
-    table ``log_completions`` prints and sends to wandb/trackio, and trl_ext's ``rollouts.jsonl`` reads); give it to
-    one function of a trainer only, as every function's columns go to the same table.
+    is not logged).
 
     Args:
         score: the row scorer.
@@ -229,16 +226,17 @@ def as_trl_row_reward(
         required_column: a column that must be among the dataset's (checked once per call, named when absent).
         hint: what the missing-column message suggests.
         expected_columns: the columns of the rows (a task's training columns): when TRL passes none of them, the
-            call fails naming them and the likely cause, ``remove_unused_columns=True``, under which TRL drops every
-            column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
-        log_scores: add the three scores of every completion to TRL's completions table (``log_extra``).
-        answer: ``answer(row)``, the row's reference answer, added to that table with ``log_scores``.
+            call fails naming them and the likely cause, ``remove_unused_columns=True`` (TRL then drops every column
+            but ``prompt``, ``image`` and ``images``); one absent among others is the scorer's to notice.
+        log_scores: when TRL passes ``log_extra``, add each completion's three scores (NaN: None) and, with
+            ``answer``, its row's answer to TRL's completions table (``log_completions``, wandb/trackio, trl_ext's
+            ``rollouts.jsonl``); give it to one function of a trainer only (all write to the same table).
+        answer: ``answer(row)``, the row's reference answer, for that table.
         credit_truncated: False: a completion the length limit cut earns no credit (:func:`without_credit`). Which
-            completions were cut: the :data:`TRUNCATION_KEYWORD` list ``trl_ext.GRPOTrainer`` passes (exact: it
-            knows EOS, stop strings and the limit); from upstream ``trl.GRPOTrainer``, which passes none, TRL's own
-            rule of ``completions/clipped_ratio`` -- the last token is neither an EOS token nor the pad token -- read
-            from the trainer whose ``log_metric`` TRL passes; from any other caller, none is known (one warning,
-            every completion credited). Default True (every completion scored as it is).
+            were cut: the :data:`TRUNCATION_KEYWORD` list ``trl_ext.GRPOTrainer`` passes (exact: it knows EOS, stop
+            strings and the limit); from upstream ``trl.GRPOTrainer``, TRL's rule of ``completions/clipped_ratio``
+            (last token neither EOS nor pad) read from the trainer whose ``log_metric`` TRL passes; from any other
+            caller, none is known (one warning, all credited). Default True (every completion scored as it is).
         stop_strings: the stop strings generation should end the task's completions with (``trl_ext.GRPOTrainer``
             uses them when its ``stop_strings`` is unset). Default none.
 
@@ -258,62 +256,86 @@ def as_trl_row_reward(
     def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
         if completions is None:
             raise ValueError(f"{name}: missing argument 'completions'")
-        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
-        if required_column is not None and required_column not in data:
-            raise ValueError(
-                f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
-            )
-        if expected_columns and not any(c in data for c in expected_columns):
-            raise ValueError(
-                f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
-                "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
-                "false, GRPO's default)"
-            )
-        for column, values in data.items():
-            if len(values) != len(completions):
-                raise ValueError(
-                    f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
-                )
+        data = _row_columns(name, columns, len(completions), required_column, hint, expected_columns)
         cut = None if credit_truncated else _truncated(name, columns, len(completions))
         results, rows = [], []
         for i, completion in enumerate(completions):
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
             rows.append(row)
-            try:
-                scores = score(completion_text(completion, row=i), row)
-            except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
-                prompt = _short(row["prompt"])
-                detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-                raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+            scores = _scored(name, score, completion_text(completion, row=i), row, i)
             results.append(without_credit(scores) if cut is not None and cut[i] else scores)
-        log_extra = columns.get("log_extra")
-        if log_scores and log_extra is not None and results:  # TRL's completions table: each completion's scores
-            for k in REWARD_KEYS:
-                log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
-            if answer is not None:
-                log_extra("answer", [answer(row) for row in rows])
-            flags = columns.get(TRUNCATION_KEYWORD)
-            if flags is not None and len(flags) == len(results):  # which were cut, so a reader sees why 0 was given
-                log_extra("truncated", [bool(flag) for flag in flags])
-        log_metric = columns.get("log_metric")
-        if log_metric is not None and results:
-            for k in ("format_reward", "answer_reward"):
-                mean = sum(float(r[k]) for r in results) / len(results)
-                if not math.isnan(mean):
-                    log_metric(f"rewards/{name}/{k}", mean)
+        _log_scores(name, columns, results, rows if log_scores else None, answer)
         return [float(r[key]) for r in results]
 
-    trl_reward.__name__ = name
-    trl_reward.__qualname__ = name
+    trl_reward.__name__ = trl_reward.__qualname__ = name
+    cut_note = "" if credit_truncated else " (0 at most for a completion the length limit cut)"
     trl_reward.__doc__ = (
         f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; returns the {key!r} "
-        f"score of each completion against its row"
-        + ("" if credit_truncated else " (0 at most for a completion the length limit cut)")
-        + "."
+        f"score of each completion against its row{cut_note}."
     )
     trl_reward.credit_truncated = credit_truncated
     trl_reward.stop_strings = tuple(stop_strings)
     return trl_reward
+
+
+def _row_columns(
+    name: str,
+    columns: Mapping[str, Any],
+    n: int,
+    required_column: str | None,
+    hint: str,
+    expected_columns: Sequence[str],
+) -> dict[str, Any]:
+    """The dataset columns among TRL's keywords (its own and :data:`TRUNCATION_KEYWORD` left out), checked as
+    :func:`as_trl_row_reward` says (``required_column``, ``expected_columns``, one entry per completion)."""
+    data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
+    if required_column is not None and required_column not in data:
+        raise ValueError(
+            f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
+        )
+    if expected_columns and not any(c in data for c in expected_columns):
+        raise ValueError(
+            f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
+            "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
+            "false, GRPO's default)"
+        )
+    for column, values in data.items():
+        if len(values) != n:
+            raise ValueError(f"{name}: column {column!r} has {len(values)} entries but there are {n} completions")
+    return data
+
+
+def _scored(name: str, score: Callable, text: str, row: Mapping[str, Any], i: int) -> Mapping[str, float]:
+    """``score(text, row)``; whatever it raises becomes a ValueError naming batch row ``i`` and its prompt."""
+    try:
+        return score(text, row)
+    except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+        prompt = _short(row["prompt"])
+        detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+
+
+def _log_scores(
+    name: str, columns: Mapping[str, Any], results: list, rows: list | None, answer: Callable | None
+) -> None:
+    """To TRL's ``log_extra`` when ``rows`` are given (``log_scores``): each completion's scores, its row's answer
+    and whether it was cut, for the completions table; to its ``log_metric``: the batch means of the format and
+    answer rewards (NaN, not measured: not logged)."""
+    log_extra = columns.get("log_extra")
+    if rows is not None and log_extra is not None and results:  # TRL's completions table: each completion's scores
+        for k in REWARD_KEYS:
+            log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
+        if answer is not None:
+            log_extra("answer", [answer(row) for row in rows])
+        flags = columns.get(TRUNCATION_KEYWORD)
+        if flags is not None and len(flags) == len(results):  # which were cut, so a reader sees why 0 was given
+            log_extra("truncated", [bool(flag) for flag in flags])
+    log_metric = columns.get("log_metric")
+    if log_metric is not None and results:
+        for k in ("format_reward", "answer_reward"):
+            mean = sum(float(r[k]) for r in results) / len(results)
+            if not math.isnan(mean):
+                log_metric(f"rewards/{name}/{k}", mean)
 
 
 def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | None:

@@ -31,7 +31,8 @@ import trl
 from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
 from trl_ext.data.prompts import strip_leading_bos_columns
-from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.opening import DATA_PARAMS, LOOP_PARAMS, opening_args
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +43,7 @@ _SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 
 # Upstream methods trl_ext.DPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": (
-        "model",
-        "ref_model",
-        "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
-        "quantization_config",
-        "peft_config",
-    ),
+    "__init__": ("model", "ref_model", "args", *DATA_PARAMS, *LOOP_PARAMS, "quantization_config", "peft_config"),
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "_compute_loss": ("model", "inputs", "return_outputs"),
     "compute_ref_log_probs": ("model", "inputs"),
@@ -171,11 +159,7 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
         self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos_args: Any, **kwargs: Any
     ):
         check_upstream(trl.DPOTrainer, _SEAMS)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = DPOConfig(f"{name.split('/')[-1]}-DPO")
-        elif not isinstance(args, DPOConfig):
-            args = config_from_upstream(DPOConfig, args)
+        args = opening_args(DPOConfig, model, args, "DPO")
         if ref_model is None:
             peft_config = (
                 inspect.signature(trl.DPOTrainer.__init__)

@@ -37,7 +37,8 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional
 from trl_ext.data.prompts import strip_leading_bos_columns
-from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.opening import DATA_PARAMS, LOOP_PARAMS, opening_args
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
@@ -50,14 +51,9 @@ _SEAMS = {
     "__init__": (
         "model",
         "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
+        *DATA_PARAMS,
         "compute_loss_func",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
+        *LOOP_PARAMS,
         "optimizer_cls_and_kwargs",
         "preprocess_logits_for_metrics",
         "quantization_config",
@@ -205,11 +201,7 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
 
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, *pos_args: Any, **kwargs: Any):
         check_upstream(trl.SFTTrainer, _SEAMS)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = SFTConfig(f"{name.split('/')[-1]}-SFT")
-        elif not isinstance(args, SFTConfig):
-            args = config_from_upstream(SFTConfig, args)
+        args = opening_args(SFTConfig, model, args, "SFT")
         super().__init__(model, args, *pos_args, **kwargs)
         self.data_collator = DataCollatorWithUnsafeCompletions(self.data_collator, self._tokenizer.pad_token_id)
         self._banned_token_ids = (
