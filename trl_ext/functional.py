@@ -758,3 +758,36 @@ __all__ += [
     "unlikelihood_loss",
     "banned_token_unlikelihood_loss",
 ]
+
+ELSEWHERE = {
+    "compute_policy_gradient_loss": "trl_ext.objective.losses",
+    "compute_grpo_loss": "trl_ext.objective.aggregations",
+    **{
+        name: "trl_ext.objective.course"
+        for name in (
+            "tokenize_prompt_and_output",
+            "get_response_log_probs",
+            "compute_group_normalized_rewards",
+            "grpo_microbatch_train_step",
+            "sft_microbatch_train_step",
+            "per_instance_dpo_loss",
+            "compute_gae",
+        )
+    },
+}
+"""Names of the course's functional API (shared/design.md) whose function lives in the objective room: the dispatch
+functions go through its registries, the course's helpers take a model, a tokenizer or call ``backward``. They are
+served from here by name on first use (``from trl_ext.functional import compute_policy_gradient_loss``), the same
+function object as in their room."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ELSEWHERE])

@@ -275,3 +275,54 @@ def resolve_advantages(config: Any, loss: PolicyLoss) -> None:
     config.scale_rewards = scale if scale is not None else _Derived(derived_scale)
     derived_aggregation = "normalize_then_sum" if in_use == "normalize_then_sum" else "sum_then_normalize"
     config.multi_objective_aggregation = aggregation if aggregation is not None else _Derived(derived_aggregation)
+
+
+class OptionLayers:
+    """A recipe's option layers merged under TRL's naming rule: recipe defaults < ``--config`` files < flags
+    (``trl_ext.cli.parse``), for configs with TRL's names of course settings (:data:`UPSTREAM_OPTIONS`).
+
+    A layer's TRL name stands for the course fields its value decides (:func:`upstream_meaning`: ``loss_type
+    cispo`` decides both ``pg_loss_type`` and ``length_normalization``, ``dapo`` the latter alone), so it replaces
+    what lower layers set of those fields under either name; a lower layer's TRL name overridden in part keeps
+    deciding the rest, as course fields.
+
+    Args:
+        trl_names: whether TRL's names apply (a recipe whose config has them); False: a plain merge.
+
+    Attributes:
+        merged: option -> value, the layers so far.
+        source: option -> where its value came from (the layer's ``where``).
+    """
+
+    def __init__(self, trl_names: bool = True):
+        self.names = UPSTREAM_OPTIONS if trl_names else {}
+        self.merged: dict[str, Any] = {}
+        self.source: dict[str, str] = {}
+
+    def _decided(self, key: str, value: Any) -> dict[str, Any]:
+        """The course fields ``key=value`` decides: itself for a course field; for a TRL name what its value means
+        (every field it may decide, for a value it does not have: the config then names it)."""
+        if key not in self.names:
+            return {key: value}
+        meaning = upstream_meaning(key, value)
+        return dict.fromkeys(self.names[key]) if meaning is None else meaning
+
+    def overridden_by(self, layer: dict[str, Any]) -> None:
+        """Drop what ``layer`` (a higher one: a file, or the flags) decides under the other name."""
+        fields = {field for key, value in layer.items() for field in self._decided(key, value)}
+        for key in [k for k in self.merged if k not in layer]:
+            if key in fields:  # a course field the layer decides
+                self.merged.pop(key)
+            elif key in self.names:
+                below = self._decided(key, self.merged[key])
+                if below.keys() & fields:  # a TRL name the layer overrides, in part: the rest as course fields
+                    self.merged.pop(key)
+                    for field, value in below.items():
+                        if field not in fields and value is not None:
+                            self.merged.setdefault(field, value)
+
+    def add(self, layer: dict[str, Any], where: str) -> None:
+        """Merge ``layer`` (from ``where``) above the layers so far."""
+        self.overridden_by(layer)
+        self.merged.update(layer)
+        self.source.update(dict.fromkeys(layer, where))

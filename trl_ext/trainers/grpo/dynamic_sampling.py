@@ -253,6 +253,14 @@ class DynamicSamplingMixin:
         return [row for row in mine for _ in range(self.num_generations)]
 
     def _generate_and_score_completions(self, inputs):
+        # every round of the generation batch is drawn with the same weights: generation's packed linear weights
+        # (GRPOSpeedMixin._fixed_generation_weights) are packed once for all of them and dropped when it is complete
+        with self._fixed_generation_weights():
+            return self._generate_and_score_rounds(inputs)
+
+    def _generate_and_score_rounds(self, inputs):
+        """The generation batch: one round (``_generate_and_score_round``), or with ``dynamic_sampling`` rounds
+        until every process holds enough informative groups (at most ``max_sampling_rounds``), merged."""
         if not (self.args.dynamic_sampling and self.model.training):
             return self._generate_and_score_round(inputs)
         group_size = self.num_generations

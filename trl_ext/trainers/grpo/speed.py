@@ -1,13 +1,13 @@
 """The speed paths of ``trl_ext.GRPOTrainer``, apart from its course seams: same numbers, less compute.
 
-``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO) and overrides:
+``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO). It opens, for the
+trainer's one ``_generate_single_turn``, the block ``_generation_savings``: with ``share_prompt_cache``, transformers
+generation prefills each distinct prompt once (``trl_ext.speed.shared_prompts.generate_with_shared_prompts`` shadows
+the model's ``generate`` for the block); with ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed
+weights (MKL or oneDNN; ``trl_ext.speed.packed_linear``, packed once per generation batch,
+``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens vectorised (``trl_ext.speed.sampling``).
+It overrides one upstream method:
 
-- ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
-  (``trl_ext.speed.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
-  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN;
-  ``trl_ext.speed.packed_linear``, packed once per generation batch, ``_fixed_generation_weights``); its
-  ``torch.multinomial`` draws the same tokens vectorised
-  (``trl_ext.speed.sampling``);
 - ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
   absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
   each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
@@ -24,6 +24,7 @@ time). Measured effect on the main job: docs/performance.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextlib import nullcontext
 
@@ -249,19 +250,22 @@ class GRPOSpeedMixin:
             forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
 
-    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
+    @contextlib.contextmanager
+    def _generation_savings(self, rows: int):
+        """A block in which transformers generation (``trl.GRPOTrainer._generate_single_turn``, which the trainer
+        calls inside it) samples the same tokens and random numbers as ``torch.multinomial``, 3x faster
+        (``trl_ext.speed.sampling``), with linear weights packed once per generation batch
+        (``trl_ext.speed.packed_linear``, ``prepack_linear_weights``; ``rows``: prompts decoded a step, upstream's
+        one generate call -- per_device_train_batch_size x steps_per_generation in training -- the row count packed
+        for) and each distinct prompt prefilled once (``share_prompt_cache``). Nothing with vLLM."""
         if self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
-        # (trl_ext.speed.sampling); linear weights packed once per generation batch (trl_ext.speed.packed_linear,
-        # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
-        # Upstream decodes every prompt it is given in one generate call: len(prompt_ids) rows a decode step
-        # (per_device_train_batch_size x steps_per_generation in training), the row count packed for.
+            yield
+            return
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         packed = getattr(self, "_packed_linear", None)
-        packing = packed.applied(unwrapped, rows=len(prompt_ids)) if packed is not None else nullcontext()
-        with same_draws_multinomial(), packing:
-            return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
+        packing = packed.applied(unwrapped, rows=rows) if packed is not None else nullcontext()
+        with same_draws_multinomial(), packing, self._sharing_prompts(unwrapped):
+            yield
 
     def _fixed_generation_weights(self):
         """A block in which the policy's weights do not change (one generation batch: all its rounds drawn and
@@ -271,18 +275,20 @@ class GRPOSpeedMixin:
         packed = getattr(self, "_packed_linear", None)
         return packed.fixed_weights() if packed is not None else nullcontext()
 
-    def _generate_sharing_prompts(self, unwrapped, prompt_ids, images, *args, **kwargs):
+    @contextlib.contextmanager
+    def _sharing_prompts(self, unwrapped):
         # Upstream calls `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
-        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
+        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this block only.
         # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
         if not self._share_prompts or not hasattr(unwrapped, "generate"):
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+            yield
+            return
         own = unwrapped.__dict__.get("generate")
         unwrapped.generate = generate_with_shared_prompts(
             unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
         )
         try:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+            yield
         finally:
             if own is None:
                 del unwrapped.generate

@@ -37,11 +37,12 @@ It adds one public method, ``sample(prompts)``, which only calls ``_generate`` (
 above): rollouts from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert
 iteration.
 
-The speed paths live in ``trl_ext.trainers.grpo.speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
-``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
-generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
-it is exact for the model. ``_generate_and_score_completions`` (above) also keeps generation's packed weights for
-every round of the batch and drops them once the batch is drawn.
+The speed paths live in ``trl_ext.trainers.grpo.speed.GRPOSpeedMixin``, which overrides
+``_get_per_token_logps_and_entropies`` (prompt-cache sharing, generation's position ids), supplies the block
+``_generate_single_turn`` generates in (shared prompts, packed linear weights, the vectorised sampler) and the
+zero-advantage row skipping ``_compute_loss`` calls; each is on only where it is exact for the model.
+``_generate_and_score_completions`` (above) also keeps generation's packed weights for every round of the batch and
+drops them once the batch is drawn. Each upstream method is overridden once in the whole chain.
 
 ``GRPOConfig`` (the course's fields beside TRL's) and the grouping rule the recipes check live in
 trl_ext/trainers/grpo/config.py; both stay importable from here.
@@ -56,6 +57,7 @@ import contextlib
 import functools
 import logging
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -266,18 +268,17 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
 
     def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
         # Upstream generates (transformers: its `generate` call gets the stop strings as a StoppingCriteria here;
-        # vLLM: SamplingParams got them at construction); each completion is then cut after the token that
-        # completes its first stop string (transformers pads a stopped row to the batch's longest, with the pad
-        # token that TRL takes for EOS when pad = eos; vLLM returns the ids up to that token), with its sampling
-        # log-probs. The cut texts are kept for _generate, which decodes.
+        # vLLM: SamplingParams got them at construction), inside the speed paths' block (GRPOSpeedMixin:
+        # sampler, packed weights, shared prompts; their wrapper of `generate` above the stop strings' one); each
+        # completion is then cut after the token that completes its first stop string (transformers pads a stopped
+        # row to the batch's longest, with the pad token that TRL takes for EOS when pad = eos; vLLM returns the ids
+        # up to that token), with its sampling log-probs. The cut texts are kept for _generate, which decodes.
         self._stop_cuts = None
-        if not self._stop_strings:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        if self.use_vllm:
+        stopping = self._generate_stopping_at_strings() if self._stop_strings and not self.use_vllm else nullcontext()
+        with stopping, self._generation_savings(rows=len(prompt_ids)):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        else:
-            with self._generate_stopping_at_strings():
-                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        if not self._stop_strings:
+            return completion_ids, logprobs
         cuts = [
             cut_at_stop(ids, self.processing_class, self._stop_strings, self._min_completion_length)
             for ids in completion_ids
@@ -462,12 +463,6 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._gathered_rewards = rewards_per_func
         return rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        # every round of the generation batch (DynamicSamplingMixin) is drawn with the same weights: generation's
-        # packed linear weights are packed once for all of them and dropped when the batch is complete
-        with self._fixed_generation_weights():
-            return super()._generate_and_score_completions(inputs)
 
     def _generate_and_score_round(self, inputs):
         # One generation round: upstream generates and scores, then the config's advantage estimator replaces
