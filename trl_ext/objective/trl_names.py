@@ -16,7 +16,7 @@ The rule (``GRPOConfig.__post_init__`` calls :func:`resolve_objective` and :func
 a setting decides it, with TRL's meaning; neither gives the course default (``grpo_clip``, ``masked_mean``,
 ``group_normalized`` with ``normalize_by_std=True``, or what the loss is defined with); both given must agree, else
 one ValueError names both. The names not given are then derived -- TRL's names of the course values in use (None
-where TRL has no name for them) -- and marked :class:`_Derived`, so that ``dataclasses.replace`` re-derives them.
+where TRL has no name for them) -- and marked :class:`Derived`, so that ``dataclasses.replace`` re-derives them.
 :func:`upstream_meaning` says what one TRL value decides, for the command line's layering (``trl_ext.cli.parse``).
 """
 
@@ -53,7 +53,7 @@ ALWAYS_SCALED = ("batch_std", "normalize_then_sum")
 """Estimators that always divide by a std: ``normalize_by_std=False`` conflicts with them."""
 
 
-class _Derived(str):
+class Derived(str):
     """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
     course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
     ``dataclasses.replace`` passes every field back to ``__init__``; this type is how the new config knows that the
@@ -62,8 +62,11 @@ class _Derived(str):
     __slots__ = ()
 
 
+_Derived = Derived  # the name configs pickled before issue 46 refer to (training_args.bin of older checkpoints)
+
+
 def _given(value: Any) -> Any:
-    return None if isinstance(value, _Derived) else value
+    return None if isinstance(value, Derived) else value
 
 
 def upstream_objectives() -> dict[str, dict[str, str]]:
@@ -133,7 +136,7 @@ def _conflict(upstream: str, value: Any, field: str, given: Any, meant: Any, rep
 
 def _replayed(config: Any) -> bool:
     names = {*UPSTREAM_OPTIONS, *(field for fields in UPSTREAM_OPTIONS.values() for field in fields)}
-    return any(isinstance(getattr(config, name), _Derived) for name in names)
+    return any(isinstance(getattr(config, name), Derived) for name in names)
 
 
 def resolve_objective(config: Any) -> PolicyLoss:
@@ -180,9 +183,9 @@ def resolve_objective(config: Any) -> PolicyLoss:
             + (f"TRL's loss_type={named!r}" if named else "none of TRL's loss types")
             + f"; give one of the two{hint}"
         )
-    config.pg_loss_type = given["pg_loss_type"] or _Derived(pg_loss_type)
-    config.length_normalization = given["length_normalization"] or _Derived(length_normalization)
-    config.loss_type = loss_type if loss_type is not None else (_Derived(named) if named else None)
+    config.pg_loss_type = given["pg_loss_type"] or Derived(pg_loss_type)
+    config.length_normalization = given["length_normalization"] or Derived(length_normalization)
+    config.loss_type = loss_type if loss_type is not None else (Derived(named) if named else None)
     return loss
 
 
@@ -269,12 +272,12 @@ def resolve_advantages(config: Any, loss: PolicyLoss) -> None:
             "(TRL ignores scale_rewards under multi_objective_aggregation='normalize_then_sum'; trl_ext refuses a "
             f"setting it would ignore); leave {upstream} unset"
         )
-    config.advantage_estimator = _given(config.advantage_estimator) or _Derived(in_use)
+    config.advantage_estimator = _given(config.advantage_estimator) or Derived(in_use)
     config.normalize_by_std = True if values["normalize_by_std"] is None else values["normalize_by_std"]
     derived_scale = "batch" if in_use == "batch_std" else "group" if config.normalize_by_std else "none"
-    config.scale_rewards = scale if scale is not None else _Derived(derived_scale)
+    config.scale_rewards = scale if scale is not None else Derived(derived_scale)
     derived_aggregation = "normalize_then_sum" if in_use == "normalize_then_sum" else "sum_then_normalize"
-    config.multi_objective_aggregation = aggregation if aggregation is not None else _Derived(derived_aggregation)
+    config.multi_objective_aggregation = aggregation if aggregation is not None else Derived(derived_aggregation)
 
 
 class OptionLayers:

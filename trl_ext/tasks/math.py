@@ -188,7 +188,7 @@ def math_task(
         train=train_rows,
         test=test,
         # a response that repeats the template's own "<answer> answer here </answer>" has no format
-        scorer=_answer_scorer(
+        scorer=answer_scorer(
             rewards.without_copied_format(grader.reward_fn, R1_ZERO_TEMPLATE if text == "r1_zero" else text)
         ),
         extractor=None if grader.extract is None else (lambda response, row, fn=grader.extract: fn(response)),
@@ -205,7 +205,7 @@ def math_task(
     return task
 
 
-def _answer_scorer(reward_fn: Callable[[str, str], Mapping[str, float]]) -> Scorer:
+def answer_scorer(reward_fn: Callable[[str, str], Mapping[str, float]]) -> Scorer:
     """A row scorer from a course ``reward_fn(response, ground_truth)``: it reads the row's ``answer``."""
 
     def score(response: str, row: Mapping[str, Any]) -> Mapping[str, float]:

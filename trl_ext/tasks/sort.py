@@ -10,7 +10,7 @@ from trl_ext.data.sorting import SORT_INSTRUCTION, make_sorting_dataset
 from trl_ext.errors import user_input
 from trl_ext.options import RecipeArguments
 from trl_ext.tasks.base import Task
-from trl_ext.tasks.math import _answer_scorer
+from trl_ext.tasks.math import answer_scorer
 from trl_ext.tasks.options import (
     EVERY_TASK,
     register_task,
@@ -74,7 +74,7 @@ def sorting_task(
         name="sort",
         train=train,
         test=test,
-        scorer=_answer_scorer(rewards.sort_shaped_reward_fn),
+        scorer=answer_scorer(rewards.sort_shaped_reward_fn),
         rewards=(("sort_shaped_reward", "reward"), ("sort_exact_reward", "answer_reward")),
         dataset=f"sort {data['num_numbers']} distinct numbers from 0..{data['high']}",
         source=f"--num_train_problems {args.num_train_problems}",

@@ -21,7 +21,7 @@ from trl_ext.objective import trl_names
 from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS
 from trl_ext.objective.aggregations import AGGREGATIONS
 from trl_ext.objective.losses import POLICY_LOSSES
-from trl_ext.objective.trl_names import _Derived
+from trl_ext.objective.trl_names import Derived
 from trl_ext.registry import LiveText
 from trl_ext.stop_strings import check_stop_strings
 from trl_ext.trainers.grpo import vllm as vllm_engine
@@ -399,7 +399,7 @@ class GRPOConfig(trl.GRPOConfig):
 
     def to_dict(self) -> dict[str, Any]:
         # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
-        return {k: str(v) if isinstance(v, _Derived) else v for k, v in super().to_dict().items()}
+        return {k: str(v) if isinstance(v, Derived) else v for k, v in super().to_dict().items()}
 
     @classmethod
     def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:

@@ -71,7 +71,7 @@ from trl_ext.logs import say_once
 from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
 from trl_ext.objective.aggregations import AGGREGATIONS, compute_grpo_loss
 from trl_ext.objective.losses import policy_loss
-from trl_ext.objective.trl_names import _Derived  # noqa: F401
+from trl_ext.objective.trl_names import Derived  # noqa: F401
 from trl_ext.rewards.adapters import TRUNCATION_KEYWORD
 from trl_ext.stop_strings import (
     DEFAULT_MIN_TOKENS_WITH_STOP,
