@@ -16,16 +16,7 @@ import sys
 # quantized: before TRL/PEFT import bitsandbytes, it drops bitsandbytes' Hub-kernel message (see there)
 from trl_ext import functional, quantized
 
-_TRAINERS = (
-    "DPOConfig",
-    "DPOTrainer",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "RewardConfig",
-    "RewardTrainer",
-    "SFTConfig",
-    "SFTTrainer",
-)
+_TRAINERS = tuple(f"{kind}{part}" for kind in ("DPO", "GRPO", "Reward", "SFT") for part in ("Config", "Trainer"))
 
 __all__ = ["functional", "quantized", *_TRAINERS]
 __version__ = "0.1.0"

@@ -230,12 +230,12 @@ def arithmetic_task(
     return math_task(options, max_new_tokens, "arithmetic", template=template, train=train)
 
 
+DATASET_KIND = {"options": (*NO_CONFIG, *PROMPT, "reward", *DATASET), "rows": "its rows are a dataset's"}
+"""What the two dataset kinds (``gsm8k``, ``math``) declare: the same options."""
+
+
 @register_task(
-    "gsm8k",
-    "gsm8k",
-    "a --dataset_name file or Hub dataset, default openai/gsm8k; last-number grader",
-    options=(*NO_CONFIG, *PROMPT, "reward", *DATASET),
-    rows="its rows are a dataset's",
+    "gsm8k", "gsm8k", "a --dataset_name file or Hub dataset, default openai/gsm8k; last-number grader", **DATASET_KIND
 )
 def gsm8k_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
     """GSM8K-style rows (:func:`math_task`)."""
@@ -243,11 +243,7 @@ def gsm8k_task(options: Any, max_new_tokens: int, train: bool = True, template: 
 
 
 @register_task(
-    "math",
-    "math",
-    "a --dataset_name file or Hub dataset, default MATH-500; math-verify grader",
-    options=(*NO_CONFIG, *PROMPT, "reward", *DATASET),
-    rows="its rows are a dataset's",
+    "math", "math", "a --dataset_name file or Hub dataset, default MATH-500; math-verify grader", **DATASET_KIND
 )
 def competition_math_task(options: Any, max_new_tokens: int, train: bool = True, template: str | None = None) -> Task:
     """MATH-style rows (:func:`math_task`)."""

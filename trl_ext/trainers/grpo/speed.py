@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -72,6 +74,21 @@ def _entropy_bonus_option(args) -> str | None:
     if getattr(args, "entropy_coef", 0.0) != 0.0:
         return f"entropy_coef={args.entropy_coef!r}"
     return None
+
+
+@contextlib.contextmanager
+def shadowing_generate(model: Any, generate: Callable):
+    """A block in which ``model.generate`` is ``generate`` (an instance attribute shadowing the method, or the
+    instance attribute already there), restored at its end."""
+    own = model.__dict__.get("generate")
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
 
 
 class GRPOSpeedMixin:
@@ -283,17 +300,11 @@ class GRPOSpeedMixin:
         if not self._share_prompts or not hasattr(unwrapped, "generate"):
             yield
             return
-        own = unwrapped.__dict__.get("generate")
-        unwrapped.generate = generate_with_shared_prompts(
+        shared = generate_with_shared_prompts(
             unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
         )
-        try:
+        with shadowing_generate(unwrapped, shared):
             yield
-        finally:
-            if own is None:
-                del unwrapped.generate
-            else:
-                unwrapped.generate = own
 
     def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
         """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``, whose estimator

@@ -85,7 +85,7 @@ from trl_ext.trainers.grpo import vllm as vllm_engine
 # importable here too: configs pickled in checkpoints (training_args.bin) while they lived in this module
 from trl_ext.trainers.grpo.config import GRPOConfig, generation_grouping_problem  # noqa: F401
 from trl_ext.trainers.grpo.dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
-from trl_ext.trainers.grpo.speed import FORWARD_KEYS, GRPOSpeedMixin
+from trl_ext.trainers.grpo.speed import FORWARD_KEYS, GRPOSpeedMixin, shadowing_generate
 from trl_ext.trainers.grpo.terms import GRPOLossTermsMixin
 from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
@@ -295,7 +295,6 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         from ``min_completion_length`` tokens on): an instance attribute shadows the method for the block, beneath
         the speed paths' own wrapper (prompt sharing sees the call as upstream makes it)."""
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        own = unwrapped.__dict__.get("generate")
         plain = unwrapped.generate
         tokenizer, stops, minimum = self.processing_class, self._stop_strings, self._min_completion_length
 
@@ -305,14 +304,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             criteria.append(StopAtStrings(tokenizer, stops, input_ids.size(1), minimum))
             return plain(*args, stopping_criteria=criteria, **kwargs)
 
-        unwrapped.generate = generate
-        try:
+        with shadowing_generate(unwrapped, generate):
             yield
-        finally:
-            if own is None:
-                del unwrapped.generate
-            else:
-                unwrapped.generate = own
 
     def _generate(self, prompts: list):
         # Upstream decodes the completions and logs completions/clipped_ratio and the terminated lengths by its rule
