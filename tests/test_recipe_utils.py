@@ -399,7 +399,7 @@ _BIN = str(Path(sys.executable).parent)  # put first on PATH: its console script
         (None, [], f"uv run python {_KEPT}"),
     ],
 )
-def test_the_resume_command_repeats_the_launch_as_typed(own, parents, resumed, monkeypatch):
+def test_the_resume_command_repeats_the_launch_as_typed(own, parents, resumed, monkeypatch, request):
     """Issue 45 item 3: under `accelerate launch`, `uv run` or torchrun the resume line repeats the command as it
     was typed, launcher and its options included (it used to print `uv run python` for a one-process accelerate
     launch); a plain `python` run prints what it always did. The parent chain is a fake /proc."""
@@ -411,6 +411,8 @@ def test_the_resume_command_repeats_the_launch_as_typed(own, parents, resumed, m
             chain[pid - depth] = (pid - depth - 1 if depth < len(parents) else 1, words)
     monkeypatch.setattr(trl_ext.run, "_read_process", chain.get)
     monkeypatch.setattr(sys, "argv", list(_SCRIPT))
+    trl_ext.run.launched_as.cache_clear()  # read once per process: this fake process's
+    request.addfinalizer(trl_ext.run.launched_as.cache_clear)
     monkeypatch.setenv("PATH", _BIN + os.pathsep + os.environ.get("PATH", ""))
     for key in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -31,6 +31,7 @@ and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -280,6 +281,14 @@ def typed_command(
     return found
 
 
+@functools.cache
+def launched_as() -> list[str] | None:
+    """:func:`typed_command` of this process, read once: :func:`install_interrupt_handler` and a run that handles
+    signals read it at start, while the launchers live (a SIGTERM to the process group stops the launcher before
+    this process prints its resume line, and /proc then shows the process that adopted it)."""
+    return typed_command()
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``).
 
@@ -296,7 +305,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     other settings (FSDP, DeepSpeed) are not in it: repeat your ``--config_file``."""
     script, *flags = list(sys.argv if argv is None else argv)
     if script == sys.argv[0]:  # this process's script: its launchers' command as typed, where /proc shows it
-        typed = typed_command()
+        typed = launched_as()
         if typed is not None:
             return shlex.join([*typed[: len(typed) - len(sys.argv) + 1], *flags])
     try:
@@ -531,6 +540,7 @@ class RecipeRun:
         self._exit_after_save: str | None = None
         self._stop_signal: str | None = None  # the first stop signal received (:meth:`interrupted`)
         if handle_signals:
+            launched_as()  # the command as typed, read while its launchers live (for the resume line)
             signal.signal(signal.SIGINT, self._on_signal)
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -809,6 +819,7 @@ def install_interrupt_handler() -> None:
     the launcher it still finishes a checkpoint being written)."""
     signal.signal(signal.SIGINT, _stopped_before_the_run)
     signal.signal(signal.SIGTERM, _stopped_before_the_run)
+    launched_as()  # the command as typed, read while its launchers live (for the resume line)
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ  # accelerate, torchrun
     if sys.platform.startswith("linux") and launched:
         try:
