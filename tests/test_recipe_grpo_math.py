@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -338,3 +339,84 @@ def test_a_killed_run_resumed_from_the_command_line_ends_with_the_same_weights(t
     assert line.endswith(
         f"--output_dir {stopped} --max_steps 200 --save_steps 2 --report_to none --resume_from_checkpoint true"
     )
+
+
+_SUBREAPER = """
+import ctypes, json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+# PR_SET_CHILD_SUBREAPER: the worker, orphaned when its launcher dies, is reparented here and its status read
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)
+ready, how, command = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+launcher = subprocess.Popen(command, start_new_session=True)  # its own process group, as a scheduler's job step
+start = time.monotonic()
+while not ready.exists():
+    if launcher.poll() is not None or time.monotonic() - start > 600:
+        sys.exit(f"the run ended (status {launcher.returncode}) or took too long before {ready} appeared")
+    time.sleep(0.05)
+group = {}
+for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+        if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == launcher.pid:  # pgrp
+            group[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\\0", b" ").decode()
+    except (OSError, ValueError):
+        pass
+if how == "group":
+    os.killpg(launcher.pid, signal.SIGTERM)  # what SLURM, systemd and Kubernetes send
+else:
+    os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, outright: the kernel tells the worker
+statuses = {}
+while True:
+    try:
+        pid, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    statuses[pid] = os.waitstatus_to_exitcode(status)
+print(json.dumps({"launcher": launcher.pid, "group": group, "statuses": statuses}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and a subreaper: Linux")
+@pytest.mark.parametrize("how", ["group", "launcher_killed"])
+def test_sigterm_to_an_accelerate_launch_group_stops_like_a_plain_run(how, tiny_model, tokenizer, tmp_path):
+    """Issue 45 item 3: `accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo_math.py`
+    and, once training saved a checkpoint, a SIGTERM to its process group (or a SIGKILL of the launcher alone): the
+    worker says `Stopped (SIGTERM)` and exits 143 (it said `Stopped (Ctrl-C)` and exited 130 when the launcher's
+    death signalled it with SIGINT), the resume line repeats the launch as typed (it printed `uv run python ...`),
+    and the last checkpoint loads."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, data = _tiny_setup(tiny_model, tokenizer, tmp_path)
+    out = tmp_path / "out"
+    bin_dir = Path(sys.executable).parent
+    config = ROOT / "accelerate_configs" / "single_process.yaml"
+    recipe = _recipe_flags(model_dir, data, out, "--max_steps", "200", "--save_steps", "1", "--report_to", "none")
+    launch = ["accelerate", "launch", "--config_file", str(config)]
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    ready = out / "checkpoint-1" / "trainer_state.json"  # written last: the first checkpoint is complete
+    done = subprocess.run(
+        [sys.executable, "-c", _SUBREAPER, str(ready), how, str(bin_dir / "accelerate"), *launch[1:], *recipe],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    workers = [pid for pid, cmd in report["group"].items() if int(pid) != report["launcher"] and "grpo_math.py" in cmd]
+    assert len(workers) == 1, report["group"]
+    assert report["statuses"][workers[0]] == 143, (report, done.stderr[-3000:])  # 128 + 15, as under python
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    line = [ln for ln in done.stderr.splitlines() if ln.startswith("Stopped (")]
+    assert len(line) == 1, done.stderr[-3000:]
+    match = re.fullmatch(r"Stopped \(SIGTERM\)\. Last checkpoint: (\S+)\. Resume with: (.*)", line[0])
+    assert match, line[0]
+    typed = [*launch, *recipe]
+    assert shlex.split(match[2]) == [*typed, "--resume_from_checkpoint", "true"]
+    last = Path(match[1])
+    assert last.parent == out and int(last.name.split("-")[1]) >= 1
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == int(last.name.split("-")[1])
+    loaded = AutoModelForCausalLM.from_pretrained(last)
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in tiny_model.parameters())

@@ -4,6 +4,7 @@ metrics.json provenance, and the order "options, folder, data, then the model" i
 the model loader explode)."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from trl_ext.cli import main as recipe_main
 from trl_ext.data import load_math_dataset
 from trl_ext.data.instructions import load_instruction_rows
 from trl_ext.data.preferences import load_preference_rows
-from trl_ext.run import RecipeRun, check_output_dir, resolve_resume, resume_command
+from trl_ext.run import RecipeRun, check_output_dir, command_line, resolve_resume, resume_command, typed_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # compare_upstream imports grpo_math
 grpo_math = load_recipe("grpo_math")
@@ -343,6 +344,110 @@ def test_resume_command_repeats_the_flags_with_resume_true():
     assert command.endswith("recipes/grpo_math.py --max_steps 5 --seed 1 --resume_from_checkpoint true")
 
 
+_SCRIPT = ["recipes/grpo_math.py", "--max_steps", "5", "--resume_from_checkpoint", "out/checkpoint-2"]
+_KEPT = "recipes/grpo_math.py --max_steps 5 --resume_from_checkpoint true"
+_VENV_PYTHON = "/home/me/proj/.venv/bin/python3"
+_BIN = str(Path(sys.executable).parent)  # put first on PATH: its console scripts are written by name
+
+
+@pytest.mark.parametrize(
+    "own, parents, resumed",
+    [
+        # plain python: no launcher above it, the command as before (uv run python, the script, the flags)
+        ([_VENV_PYTHON, *_SCRIPT], [["-bash"]], f"uv run python {_KEPT}"),
+        # uv run python, under timeout (no launcher: the walk stops there)
+        (
+            [_VENV_PYTHON, *_SCRIPT],
+            [["/root/.pyenv/versions/3.11.7/bin/uv", "run", "python", *_SCRIPT], ["timeout", "60", "uv", "run"]],
+            f"uv run python {_KEPT}",
+        ),
+        # accelerate launch: its shebang shows the interpreter and the console script's path
+        (
+            [_VENV_PYTHON, *_SCRIPT],
+            [[_VENV_PYTHON, f"{_BIN}/accelerate", "launch", "--config_file", "my cfg.yaml", *_SCRIPT], ["bash"]],
+            f"accelerate launch --config_file 'my cfg.yaml' {_KEPT}",
+        ),
+        # the README's uv run accelerate launch
+        (
+            [_VENV_PYTHON, *_SCRIPT],
+            [
+                [_VENV_PYTHON, f"{_BIN}/accelerate", "launch", "--config_file", "c.yaml", *_SCRIPT],
+                ["uv", "run", "accelerate", "launch", "--config_file", "c.yaml", *_SCRIPT],
+                ["bash"],
+            ],
+            f"uv run accelerate launch --config_file c.yaml {_KEPT}",
+        ),
+        # torchrun (its worker runs python -u) from a folder not on PATH: the path as the shell resolved it
+        (
+            [_VENV_PYTHON, "-u", *_SCRIPT],
+            [[_VENV_PYTHON, "/opt/env/bin/torchrun", "--nproc_per_node", "2", *_SCRIPT], ["bash"]],
+            f"/opt/env/bin/torchrun --nproc_per_node 2 {_KEPT}",
+        ),
+        (
+            [_VENV_PYTHON, "-u", *_SCRIPT],
+            [["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", *_SCRIPT], ["uv", "run", "pytest"]],
+            f"python -m torch.distributed.run --nproc_per_node 2 {_KEPT}",
+        ),
+        # a launcher that started another script (or other flags) is not this run's launcher
+        (
+            [_VENV_PYTHON, *_SCRIPT],
+            [["uv", "run", "python", "recipes/sft.py", *_SCRIPT[1:]]],
+            f"uv run python {_KEPT}",
+        ),
+        ([_VENV_PYTHON, *_SCRIPT], [["uv", "run", "python", *_SCRIPT[:3]]], f"uv run python {_KEPT}"),
+        # no /proc (not Linux): sys.argv, as before
+        (None, [], f"uv run python {_KEPT}"),
+    ],
+)
+def test_the_resume_command_repeats_the_launch_as_typed(own, parents, resumed, monkeypatch, request):
+    """Issue 45 item 3: under `accelerate launch`, `uv run` or torchrun the resume line repeats the command as it
+    was typed, launcher and its options included (it used to print `uv run python` for a one-process accelerate
+    launch); a plain `python` run prints what it always did. The parent chain is a fake /proc."""
+    import trl_ext.run
+
+    chain, pid = {}, os.getpid()
+    if own is not None:
+        for depth, words in enumerate([own, *parents]):
+            chain[pid - depth] = (pid - depth - 1 if depth < len(parents) else 1, words)
+    monkeypatch.setattr(trl_ext.run, "_read_process", chain.get)
+    monkeypatch.setattr(sys, "argv", list(_SCRIPT))
+    trl_ext.run.launched_as.cache_clear()  # read once per process: this fake process's
+    request.addfinalizer(trl_ext.run.launched_as.cache_clear)
+    monkeypatch.setenv("PATH", _BIN + os.pathsep + os.environ.get("PATH", ""))
+    for key in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert resume_command() == resumed
+    # the command a run records (experiment.md) is the same launch with the flags it was given
+    assert command_line() == resumed.replace(
+        "--resume_from_checkpoint true", "--resume_from_checkpoint out/checkpoint-2"
+    )
+
+
+def test_a_module_run_by_a_launcher_is_found_by_its_module_name():
+    """`uv run python -m pkg.tool --x 1`: sys.argv[0] is the module's file, the launcher names the module."""
+    chain = {
+        10: (9, ["python", "-m", "pkg.tool", "--x", "1"]),
+        9: (8, ["uv", "run", "python", "-m", "pkg.tool", "--x", "1"]),
+    }
+    chain[8] = (1, ["bash"])
+    argv = ["/src/pkg/tool/__main__.py", "--x", "1"]
+    assert typed_command(argv, pid=10, read_process=chain.get) == ["uv", "run", "python", "-m", "pkg.tool", "--x", "1"]
+    assert typed_command(["/src/pkg/other.py", "--x", "1"], pid=10, read_process=chain.get) is None
+
+
+def test_the_first_stop_signal_decides_the_line_and_the_status(tmp_path):
+    """A SIGTERM to a launcher's process group reaches this process, then the launcher's death signals it again:
+    the first signal is the one the run stops with (the second used to replace it while a checkpoint was
+    written: exit 130 and "Ctrl-C" for a SIGTERM)."""
+    import signal
+
+    run = RecipeRun("t", tmp_path, {})
+    run._saving = True  # a checkpoint is being written: the run waits for it, then stops
+    run.interrupted(signal.SIGTERM)
+    run.interrupted(signal.SIGINT)
+    assert run._exit_after_save == "SIGTERM"
+
+
 _SIGNAL_SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
@@ -356,7 +461,8 @@ if when == "before":  # before the run's own handler: the launcher's
 run = RecipeRun("t", out, {}, handle_signals=True)
 callback = _RecipeCallback(run)
 run._saving = True  # a checkpoint is being written: the signal waits for it
-os.kill(os.getpid(), signal.Signals[signame])
+for name in signame.split(","):  # several: the first decides
+    os.kill(os.getpid(), signal.Signals[name])
 ckpt = out / "checkpoint-3"
 ckpt.mkdir()
 (ckpt / "trainer_state.json").write_text("{}")  # transformers writes it last: the checkpoint is complete
@@ -368,7 +474,13 @@ time.sleep(30)
 
 @pytest.mark.parametrize(
     "signame, status, reason, when",
-    [("SIGINT", 130, "Ctrl-C", "during"), ("SIGTERM", 143, "SIGTERM", "during"), ("SIGTERM", 143, "SIGTERM", "before")],
+    [
+        ("SIGINT", 130, "Ctrl-C", "during"),
+        ("SIGTERM", 143, "SIGTERM", "during"),
+        ("SIGTERM", 143, "SIGTERM", "before"),
+        ("SIGTERM,SIGINT", 143, "SIGTERM", "during"),  # the group's SIGTERM, then the dying launcher's signal
+        ("SIGINT,SIGTERM", 130, "Ctrl-C", "during"),
+    ],
 )
 def test_a_signal_stops_the_run_with_128_plus_its_number(tmp_path, signame, status, reason, when):
     """Ctrl-C exits 130 and SIGTERM 143 (128 + 2 and 128 + 15, the shell's codes), before the run and during it; a

@@ -15,12 +15,12 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import trl_ext
 from trl_ext.eval import generate_responses
 from trl_ext.rewards import gsm8k_reward_fn
-from trl_ext.stop_strings import StopCut, check_stop_strings, cut_at_stop, ends_truncated, find_stop
+from trl_ext.stop_strings import StopAtStrings, StopCut, check_stop_strings, cut_at_stop, ends_truncated, find_stop
 from trl_ext.tasks import Task
 
 STOP = ("</answer>",)
@@ -114,6 +114,47 @@ def script_generation(model, scripts, filler):
         return plain(*args, logits_processor=processors, **kwargs)
 
     model.generate = generate
+
+
+def test_min_new_tokens_holds_back_stop_strings_as_vllms_min_tokens_does(tiny_model, tokenizer):
+    """vLLM 0.30 (``BaseIncrementalDetokenizer.update``) checks stop strings only once a completion has *more than*
+    ``min_tokens`` tokens, and only in the text after the first ``min_tokens`` tokens' text: a stop string that the
+    ``min_tokens``-th token completes does not stop (issue 45). Worked out from the tokenization alone: the stop
+    string of ``early`` is completed by its 3rd token; its first 2 tokens hold only part of it."""
+    tok = copy.deepcopy(tokenizer)
+    early = " </answer>"
+    assert len(ids(tok, early)) == 3 and "</answer>" not in tok.decode(ids(tok, early)[:2])
+    both = early + " so </think> <answer>5</answer>"
+    row = ids(tok, both)
+    later = StopCut(len(row), both)
+    # cut_at_stop: min 0, 1, 2 -> the early stop (completed by token 3 > min, ending after the held-back text)
+    for minimum in (0, 1, 2):
+        assert cut_at_stop(row, tok, STOP, min_new_tokens=minimum) == StopCut(3, early), minimum
+    # min 3 and 4: token 3 is within the first min tokens, so the early stop is held back; the later one counts
+    for minimum in (3, 4):
+        assert cut_at_stop(row, tok, STOP, min_new_tokens=minimum) == later, minimum
+        assert cut_at_stop(row[:3], tok, STOP, min_new_tokens=minimum) is None, minimum
+    assert cut_at_stop(row, tok, STOP, min_new_tokens=len(row)) is None  # no token past the minimum
+
+    # StopAtStrings in transformers' generate, with min_new_tokens as the trainer sets it: same rows
+    filler = ids(tok, " the")[0]
+    script_generation(tiny_model, [row], filler=filler)
+    prompt = torch.tensor([ids(tok, "Solve:")])
+    try:
+        for minimum, expected in ((2, 3), (3, len(row))):
+            criteria = StoppingCriteriaList([StopAtStrings(tok, STOP, prompt.size(1), minimum)])
+            out = tiny_model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=len(row) + 3,
+                min_new_tokens=minimum,
+                do_sample=False,
+                stopping_criteria=criteria,
+                pad_token_id=tok.pad_token_id,
+            )
+            assert out[0, prompt.size(1) :].tolist() == row[:expected], minimum
+    finally:
+        del tiny_model.generate
 
 
 @pytest.mark.parametrize("share", [True, False])

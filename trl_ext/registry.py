@@ -23,12 +23,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
+import logging
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Registry", "LiveText"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+_THIS_FILE = os.path.abspath(__file__)
+_PACKAGE_DIR = os.path.dirname(_THIS_FILE)
 
 
 class LiveText(str):
@@ -74,6 +83,86 @@ class _NotFound(Exception):
     """Why a name names no entry (the message after ``<option>=<name> is not supported: ``)."""
 
 
+def _is_definition(obj: Any) -> bool:
+    return inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isclass(obj)
+
+
+def _definitions(entry: Any) -> tuple[Any, ...]:
+    """The functions and classes an entry is made of: the entry itself when it is one, else those its dataclass
+    fields (or instance attributes) hold, in order (a ``PolicyLoss``'s ``fn``, a ``TaskFactory``'s ``make``)."""
+    if _is_definition(entry):
+        return (entry,)
+    if dataclasses.is_dataclass(entry):
+        values = [getattr(entry, field.name, None) for field in dataclasses.fields(entry)]
+    else:
+        values = list(getattr(entry, "__dict__", {}).values())
+    return tuple(value for value in values if _is_definition(value))
+
+
+def _source_file(obj: Any) -> str | None:
+    """The real path of the file that defines ``obj`` (its module's ``__file__``, else its code's file), or None."""
+    path = getattr(sys.modules.get(getattr(obj, "__module__", None) or ""), "__file__", None)
+    if not path:
+        code = getattr(obj, "__code__", None)
+        path = getattr(code, "co_filename", None)
+    return os.path.realpath(path) if path and not path.startswith("<") else None
+
+
+def _same_definition(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are one definition run twice: the same qualified name, in the same module or the same source
+    file (``python my_loss.py`` runs it as ``__main__``, then ``import my_loss`` again as ``my_loss``)."""
+    if getattr(a, "__qualname__", None) != getattr(b, "__qualname__", None):
+        return False
+    if getattr(a, "__module__", None) == getattr(b, "__module__", None):
+        return True
+    file = _source_file(a)
+    return file is not None and file == _source_file(b)
+
+
+def _same_entry(old: Any, new: Any) -> bool:
+    """``new`` is ``old`` registered again: the same object, or the same definitions (:func:`_same_definition`) in an
+    entry of the same class. An entry made of no function or class (a plain value) is only the same as itself."""
+    if old is new:
+        return True
+    if _is_definition(old) or _is_definition(new):
+        return _is_definition(old) and _is_definition(new) and _same_definition(old, new)
+    before, after = _definitions(old), _definitions(new)
+    return (
+        _same_definition(type(old), type(new))
+        and bool(before)
+        and len(before) == len(after)
+        and all(map(_same_definition, before, after))
+    )
+
+
+def _place(entry: Any, site: str | None) -> str:
+    """Where an entry comes from, for messages: ``module:qualname`` of its first definition (else its type), and the
+    ``file:line`` that registered it."""
+    definitions = _definitions(entry)
+    what = f"{definitions[0].__module__}:{definitions[0].__qualname__}" if definitions else type(entry).__name__
+    return f"{what} (registered at {site})" if site else what
+
+
+def _call_site() -> str | None:
+    """``file:line`` of the code that registers: the first caller outside trl_ext (a user's module, whether it calls
+    :meth:`Registry.register` or a ``register_*`` decorator of trl_ext); for trl_ext's own entries, which its modules
+    register as Python imports them, the last caller inside trl_ext."""
+    frame = sys._getframe(1)
+    inside: str | None = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith("<frozen "):  # the import machinery running a module of trl_ext
+            return inside
+        path = path if path.startswith("<") else os.path.abspath(path)  # "<string>", "<stdin>": code of a user's
+        where = f"{path}:{frame.f_lineno}"
+        if not path.startswith(_PACKAGE_DIR + os.sep):
+            return where
+        if path != _THIS_FILE:
+            inside = where
+        frame = frame.f_back
+    return inside
+
+
 class Registry(Generic[T]):
     """Named entries of one kind, in registration order, chosen by one option.
 
@@ -93,8 +182,9 @@ class Registry(Generic[T]):
             ``entry_type`` (raises TypeError for an object it cannot use). Dotted paths are accepted where there is
             an ``entry_type`` or a ``load``.
 
-    An entry loaded from a dotted path is kept (one import per path), but is not registered: it is not listed by
-    :meth:`names` or :meth:`help`.
+    An entry loaded from a dotted path is kept (loaded once per object the path names: a path whose module was
+    reloaded or imported again is loaded again), but is not registered: it is not listed by :meth:`names` or
+    :meth:`help`.
     """
 
     def __init__(
@@ -121,7 +211,8 @@ class Registry(Generic[T]):
         self._shown = shown or (lambda name, entry: name)
         self._dotted = entry_type is not None or load is not None
         self._entries: dict[str, T] = {}
-        self._loaded: dict[str, T] = {}
+        self._sites: dict[str, str | None] = {}  # name -> file:line that registered it, for messages
+        self._loaded: dict[str, tuple[Any, T]] = {}  # dotted path -> (the object it named, its entry)
 
     # -- adding and removing ----------------------------------------------------------------------------------
 
@@ -131,9 +222,17 @@ class Registry(Generic[T]):
         ``description`` defaults to the docstring's first line), and returns the function unchanged. With
         ``entry`` (a finished ``entry_type``), adds it and returns it.
 
+        A module that registers may run twice in one process (``python my_loss.py``, which runs it as ``__main__``
+        and imports it again by name; ``importlib.reload``; notebook autoreload). Registering the same definition
+        again -- the same object, or an entry of the same class whose functions and classes have the same qualified
+        names and come from the same module or the same source file -- replaces the old entry in its place (``check``
+        runs on the new entry without the old one; a dotted path loaded to the old entry is loaded again), with one
+        debug log line.
+
         Raises:
-            ValueError: ``name`` is taken, is empty, or contains ``:`` (the mark of a dotted path); a declaration
-                the entry does not have; ``entry`` not an ``entry_type``; or ``check`` refuses the entry.
+            ValueError: ``name`` is held by another definition (naming the old and the new one, ``module:qualname``
+                and the ``file:line`` that registered each), is empty, or contains ``:`` (the mark of a dotted path); a
+                declaration the entry does not have; ``entry`` not an ``entry_type``; or ``check`` refuses the entry.
             TypeError: the decorated object is not a function.
         """
         if entry is None:
@@ -154,11 +253,38 @@ class Registry(Generic[T]):
                 f"{self.kind} name {name!r}: expected a non-empty string without ':' (a name with ':' is a "
                 "package.module:attr to import)"
             )
+        site = _call_site()
         if name in self._entries:
-            raise ValueError(f"a {self.kind} named {name!r} is already registered")
+            old = self._entries[name]
+            if not _same_entry(old, entry):
+                raise ValueError(
+                    f"a {self.kind} named {name!r} is already registered: {_place(old, self._sites.get(name))}; "
+                    f"{_place(entry, site)} is another definition (unregister {name!r} first to replace it, or choose "
+                    "another name)"
+                )
+            if self._check is not None:  # on the new entry, without the old one (whose claims the new one repeats)
+                order = list(self._entries.items())
+                del self._entries[name]
+                try:
+                    self._check(name, entry)
+                finally:
+                    self._entries.clear()
+                    self._entries.update(order)
+            self._entries[name] = entry  # an existing key: the same place in the order
+            logger.debug(
+                "%s %r: %s replaces %s, the same definition run again (a reload, or a script imported by name)",
+                self.kind,
+                name,
+                _place(entry, site),
+                _place(old, self._sites.get(name)),
+            )
+            self._sites[name] = site
+            self._forget(old)
+            return entry
         if self._check is not None:
             self._check(name, entry)
         self._entries[name] = entry
+        self._sites[name] = site
         return entry
 
     def _entry(self, name: str, obj: Any, declarations: dict[str, Any], path: str = "") -> T:
@@ -205,7 +331,14 @@ class Registry(Generic[T]):
         Raises:
             KeyError: no entry is called ``name``.
         """
-        return self._entries.pop(name)
+        entry = self._entries.pop(name)
+        self._sites.pop(name, None)
+        self._forget(entry)
+        return entry
+
+    def _forget(self, entry: T) -> None:
+        """Drop the dotted paths loaded to ``entry`` (replaced or removed), so the next lookup loads them again."""
+        self._loaded = {path: loaded for path, loaded in self._loaded.items() if loaded[1] is not entry}
 
     # -- finding --------------------------------------------------------------------------------------------------
 
@@ -225,8 +358,8 @@ class Registry(Generic[T]):
         return None
 
     def get(self, name: str, argument: str | None = None) -> T:
-        """The entry called ``name``; or, for ``package.module:attr``, what ``load`` makes of that object (imported
-        once per path).
+        """The entry called ``name``; or, for ``package.module:attr``, what ``load`` makes of that object (loaded
+        once per object: again when the path names another object, after its module was reloaded or imported again).
 
         Args:
             name: a registered name or a dotted path.
@@ -247,16 +380,25 @@ class Registry(Generic[T]):
         if isinstance(name, str) and name in self._entries:
             return self._entries[name]
         if isinstance(name, str) and ":" in name and self._dotted:
-            if name not in self._loaded:
-                self._loaded[name] = self._import(name)
-            return self._loaded[name]
+            obj = self._import(name)
+            loaded = self._loaded.get(name)
+            # first time, or the module was reloaded or imported again: not the old entry (a bound method is made
+            # anew by each getattr: equal, not identical)
+            if loaded is None or not (loaded[0] is obj or (inspect.ismethod(obj) and loaded[0] == obj)):
+                try:
+                    loaded = (obj, self.load(obj, name))
+                except TypeError as err:
+                    raise _NotFound(str(err)) from None
+                self._loaded[name] = loaded
+            return loaded[1]
         close = difflib.get_close_matches(str(name), list(self._entries), n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         dotted = ", or a package.module:attr of your own" if self._dotted else ""
         listed = ", ".join(repr(self._shown(n, e)) for n, e in self._entries.items())
         raise _NotFound(f"no such {self.kind}{hint}; expected one of {listed}{dotted}")
 
-    def _import(self, path: str) -> T:
+    def _import(self, path: str) -> Any:
+        """The object ``package.module:attr`` names (the module imported if it is not yet)."""
         module_name, _, attr = path.partition(":")
         if not module_name or not attr:
             raise _NotFound("expected package.module:attr")
@@ -269,10 +411,7 @@ class Registry(Generic[T]):
             if not hasattr(obj, part):
                 raise _NotFound(f"{module_name} has no attribute {attr!r}")
             obj = getattr(obj, part)
-        try:
-            return self.load(obj, path)
-        except TypeError as err:
-            raise _NotFound(str(err)) from None
+        return obj
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

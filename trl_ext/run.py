@@ -20,7 +20,9 @@ and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json``
   (:func:`latest_checkpoint`); a path picks that checkpoint. The options a resume depends on are compared with the
   checkpoint's before any model work (:func:`check_resume`).
 * With ``handle_signals`` (what ``trl_ext.cli.main`` asks for), Ctrl-C and SIGTERM stop the run at once with one
-  line naming the last checkpoint and the command that resumes it; a checkpoint being written is finished first.
+  line naming the last checkpoint and the command that resumes it (the command as typed, launcher included:
+  :func:`command_line`); a checkpoint being written is finished first; the first stop signal sets the line and the
+  exit status.
 * One :class:`trl_ext.measurement.profiling.PhaseTimer` (:attr:`RecipeRun.timer`) holds both the run's phases
   (``phase_seconds`` in ``metrics.json``: load_data, load_model, eval_before, train, ...) and the exclusive
   breakdown the profiler fills (``time_breakdown``: model_load, evaluation, generation, backward, ...).
@@ -29,9 +31,11 @@ and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -186,17 +190,124 @@ RECIPE_START_OVER = (
 """How a recipe's user starts over instead of resuming (see :func:`check_resume`)."""
 
 
-def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``): the launcher, the
-    script relative to the working directory (as given when it lies outside), the flags.
+_LAUNCHER_SCRIPTS = ("uv", "accelerate", "accelerate-launch", "torchrun")
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
 
-    The launcher reproduces this launch without accelerate's "values were not passed" warning (which a bare ``uv run
+
+def _read_process(pid: int) -> tuple[int, list[str]] | None:
+    """``(parent pid, command line words)`` of process ``pid`` from ``/proc``, or None where it cannot be read."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)", which may hold spaces: state, ppid
+    except (OSError, ValueError, IndexError):
+        return None
+    return parent, [os.fsdecode(w) for w in words]
+
+
+def _is_python(word: str) -> bool:
+    return re.fullmatch(r"python[0-9.]*", Path(word).name) is not None
+
+
+def _as_typed(words: Sequence[str]) -> list[str] | None:
+    """A launcher's command line as a person types it, or None when ``words`` is no launcher: ``uv run``,
+    ``accelerate launch``, ``accelerate-launch``, ``torchrun``, or ``python -m`` of torch's or accelerate's launch
+    module.
+
+    A console script run through its shebang (``accelerate``, ``torchrun``) shows in ``/proc`` as ``[interpreter,
+    /path/to/script, ...]``: it is written as its name where that name finds the same file on ``PATH`` (else its
+    path); ``uv`` (a shim may have run it by its full path) as ``uv``; a ``python -m`` launcher keeps its interpreter
+    as given."""
+    words = list(words)
+    if len(words) >= 2 and _is_python(words[0]) and Path(words[1]).name in _LAUNCHER_SCRIPTS:
+        words = words[1:]  # the shebang's interpreter, then the script's resolved path
+        found = shutil.which(Path(words[0]).name)
+        if found and os.path.exists(words[0]) and os.path.samefile(found, words[0]):
+            words[0] = Path(words[0]).name
+    if words and Path(words[0]).name == "uv":
+        words[0] = "uv"
+    name = Path(words[0]).name if words else ""
+    if [name, *words[1:2]] in (["uv", "run"], ["accelerate", "launch"]) or name in ("accelerate-launch", "torchrun"):
+        return words
+    if len(words) >= 3 and _is_python(words[0]) and words[1] == "-m" and words[2] in _LAUNCHER_MODULES:
+        return words
+    return None
+
+
+def _is_script(word: str, before: str | None, script: str) -> bool:
+    """Whether ``word`` in a launcher's command names the script this process runs (``sys.argv[0]`` = ``script``):
+    the same path or file name, or (after ``-m``) the module whose file it is."""
+    if before in ("-m", "--module"):
+        stem = word.replace(".", "/")
+        return script.endswith((f"{stem}.py", f"{stem}/__main__.py"))
+    return word == script or Path(word).name == Path(script).name
+
+
+def typed_command(
+    argv: Sequence[str] | None = None,
+    *,
+    pid: int | None = None,
+    read_process: Callable[[int], tuple[int, list[str]] | None] | None = None,
+) -> list[str] | None:
+    """The command, as typed, whose launchers started this process: ``["uv", "run", "accelerate", "launch",
+    "--config_file", "X", "recipes/grpo_math.py", "--max_steps", "5"]``; None when no launcher started it (a plain
+    ``python recipes/grpo_math.py``) or ``/proc`` cannot be read (not Linux).
+
+    Walks up the parent processes while each is a launcher (``uv run``, ``accelerate launch``, ``torchrun``,
+    ``python -m torch.distributed.run``, written as typed: :func:`_as_typed`) whose command ends with this
+    process's script and flags (``argv``, default ``sys.argv``: the script as the launcher was given it, then the
+    same flags); the topmost such launcher's command is the one a person (or a job script) typed.
+
+    Args:
+        argv: this process's script and flags (default ``sys.argv``).
+        pid: the process to start from (default this one).
+        read_process: ``pid -> (parent pid, command line words)`` or None (default: ``/proc``); tests pass a fake.
+    """
+    script, *flags = list(sys.argv if argv is None else argv)
+    read_process = read_process or _read_process
+    found, current = None, os.getpid() if pid is None else pid
+    for _ in range(32):  # a launcher chain is a few processes deep; never loop on a broken /proc
+        this = read_process(current)
+        if this is None or this[0] <= 1:
+            break
+        parent = read_process(this[0])
+        words = None if parent is None else _as_typed(parent[1])
+        cut = None if words is None else len(words) - len(flags) - 1
+        if words is None or cut < 1 or words[cut + 1 :] != flags:
+            break
+        if not _is_script(words[cut], words[cut - 1], script):
+            break
+        found, current = words, this[0]
+    return found
+
+
+@functools.cache
+def launched_as() -> list[str] | None:
+    """:func:`typed_command` of this process, read once: :func:`install_interrupt_handler` and a run that handles
+    signals read it at start, while the launchers live (a SIGTERM to the process group stops the launcher before
+    this process prints its resume line, and /proc then shows the process that adopted it)."""
+    return typed_command()
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``).
+
+    Started by a launcher (``uv run``, ``accelerate launch``, ``torchrun``: :func:`typed_command`), the command as it
+    was typed, launcher and its options included, with ``argv``'s flags after the script. Else (a plain ``python``,
+    or no ``/proc`` to read): the launcher, the script relative to the working directory (as given when it lies
+    outside), the flags.
+
+    That launcher reproduces this launch without accelerate's "values were not passed" warning (which a bare ``uv run
     accelerate launch`` prints): ``uv run python`` for one process without accelerate's mixed precision (the same
     job: trl_ext.runtime picks the threads either way), else ``uv run accelerate launch`` with every value that
     warning names (``--num_processes``, ``--num_machines``, ``--mixed_precision``, ``--dynamo_backend``;
     ``--multi_gpu`` for several processes, torchrun's launcher, which also runs CPU processes). A launch config's
     other settings (FSDP, DeepSpeed) are not in it: repeat your ``--config_file``."""
     script, *flags = list(sys.argv if argv is None else argv)
+    if script == sys.argv[0]:  # this process's script: its launchers' command as typed, where /proc shows it
+        typed = launched_as()
+        if typed is not None:
+            return shlex.join([*typed[: len(typed) - len(sys.argv) + 1], *flags])
     try:
         relative = os.path.relpath(script)
         script = script if relative.startswith("..") else relative
@@ -428,7 +539,9 @@ class RecipeRun:
         self.project_git = project_git_state(self.git)  # the course repository, when trl_ext is installed into it
         self._saving = False
         self._exit_after_save: str | None = None
+        self._stop_signal: str | None = None  # the first stop signal received (:meth:`interrupted`)
         if handle_signals:
+            launched_as()  # the command as typed, read while its launchers live (for the resume line)
             signal.signal(signal.SIGINT, self._on_signal)
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -621,11 +734,17 @@ class RecipeRun:
     def interrupted(self, signum: int) -> None:
         """Signal handler body: one line naming the last checkpoint and the resume command, then exit at once (or
         right after the checkpoint being written) with 128 + the signal's number (:func:`exit_status`: 130 for
-        Ctrl-C, 143 for SIGTERM)."""
-        if self._saving:
-            self._exit_after_save = signal.Signals(signum).name
+        Ctrl-C, 143 for SIGTERM).
+
+        The first stop signal decides the line and the status: a later one changes nothing (under a launcher, a
+        SIGTERM sent to the process group also stops the launcher, whose death signals this process again)."""
+        if self._stop_signal is not None:
             return
-        _stop(self.output_dir, signal.Signals(signum).name)
+        self._stop_signal = signal.Signals(signum).name
+        if self._saving:
+            self._exit_after_save = self._stop_signal
+            return
+        _stop(self.output_dir, self._stop_signal)
 
     def _on_signal(self, signum, frame):  # noqa: ARG002
         self.interrupted(signum)
@@ -680,8 +799,14 @@ def exit_status(signame: str) -> int:
     return 128 + int(signal.Signals[signame])
 
 
+_stopping_before_the_run: list[str] = []  # the first stop signal before the run: a later one changes nothing
+
+
 def _stopped_before_the_run(signum, frame):  # noqa: ARG001
+    if _stopping_before_the_run:
+        return
     name = signal.Signals(signum).name
+    _stopping_before_the_run.append(name)
     reason = "Ctrl-C" if name == "SIGINT" else name
     print(f"Stopped ({reason}) before the run started.", file=sys.stderr, flush=True)
     os._exit(exit_status(name))
@@ -690,14 +815,18 @@ def _stopped_before_the_run(signum, frame):  # noqa: ARG001
 def install_interrupt_handler() -> None:
     """Until a run installs its own (``RecipeRun(handle_signals=True)``), Ctrl-C / SIGTERM stop the process at once
     with one line (no traceback); and when only the launcher that started this process dies, the process stops too
-    (Linux: the kernel sends SIGINT to the child, so ``accelerate launch``'s child never runs on alone)."""
+    (Linux: the kernel sends SIGTERM to the child, so ``accelerate launch``'s child never runs on alone, and stops
+    as it does for a SIGTERM sent to the launcher's process group, which also stops the launcher; under a SIGKILL of
+    the launcher it still finishes a checkpoint being written)."""
     signal.signal(signal.SIGINT, _stopped_before_the_run)
     signal.signal(signal.SIGTERM, _stopped_before_the_run)
-    if sys.platform.startswith("linux") and "ACCELERATE_MIXED_PRECISION" in os.environ:
+    launched_as()  # the command as typed, read while its launchers live (for the resume line)
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ  # accelerate, torchrun
+    if sys.platform.startswith("linux") and launched:
         try:
             import ctypes
 
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
 

@@ -7,14 +7,20 @@ every generation path of trl_ext the same rule:
 
 * :class:`StopAtStrings`: the ``StoppingCriteria`` of a transformers ``generate`` call: transformers'
   ``StopStringCriteria`` (which catches a stop string split over several tokens, and one whose last token runs past
-  it: ``"</"``, ``"answer"``, ``">."``), checked only from the ``min_new_tokens``-th generated token on (vLLM's
-  ``min_tokens`` holds back stop strings as well as EOS), and only for a stop string inside the generated text (vLLM
-  looks at the output only; a stop string straddling the prompt's end does not stop).
+  it: ``"</"``, ``"answer"``, ``">."``), checked only once more than ``min_new_tokens`` tokens are generated, on
+  the text after the first ``min_new_tokens`` tokens (vLLM's ``min_tokens`` rule, below), and only for a stop string
+  inside the generated text (vLLM looks at the output only; a stop string straddling the prompt's end does not stop).
 * :func:`cut_at_stop`: where a generated completion ends -- the tokens up to and including the one that completes
   the first stop string, and the text up to exactly the end of that stop string. Applied after every generation
   (transformers pads a stopped row to the batch's longest; vLLM's token ids run to the token that completed the
   stop), so the completion, the reward's text and the loss mask end there, whatever the backend.
 * :func:`find_stop`: the first stop string in a text (the rule both use).
+
+``min_tokens`` (vLLM 0.30, ``vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update``): stop strings are
+checked only when a completion has *more than* ``min_tokens`` tokens, and only on the text after the first
+``min_tokens`` tokens' text (vllm-project/vllm#22014) -- so a stop string that the ``min_tokens``-th token completes
+does not stop, and the earliest stop is at token ``min_tokens + 1``, where EOS is first allowed too (vLLM's and
+transformers' ``min_new_tokens`` mask EOS while fewer than the minimum tokens are generated).
 
 A stop string's last token may carry text past the stop string (``">."`` completes ``"</answer>"``): that token
 is what the model sampled, so it stays in the completion's tokens (and in the loss, with the log-prob it was
@@ -63,8 +69,8 @@ def find_stop(text: str, stop_strings: Sequence[str], after: int = 0) -> int | N
     Args:
         text: a completion's text.
         stop_strings: the stop strings.
-        after: occurrences ending at or before this index do not count (the text of the tokens generated before
-            ``min_new_tokens`` was reached, where no stop is checked).
+        after: occurrences ending at or before this index do not count (the text of the first ``min_new_tokens``
+            generated tokens, where vLLM checks no stop).
     """
     ends = []
     for stop in stop_strings:
@@ -93,16 +99,16 @@ def cut_at_stop(
 ) -> StopCut | None:
     """Where ``completion_ids`` end at the first stop string, or None when no stop string is in them.
 
-    The completion ends at the token that completes the first stop string (:func:`find_stop`) counted from the
-    ``min_new_tokens``-th token on (a stop string that ends within the first ``min_new_tokens - 1`` tokens does not
-    count, as in :class:`StopAtStrings` and vLLM's ``min_tokens``); its text is the decoded tokens cut right after
-    the stop string.
+    The completion ends at the token that completes the first stop string (:func:`find_stop`) ending after the
+    text of the first ``min_new_tokens`` tokens, at token ``min_new_tokens + 1`` at the earliest (vLLM's
+    ``min_tokens`` rule, module docstring; as in :class:`StopAtStrings`); its text is the decoded tokens cut right
+    after the stop string.
 
     Args:
         completion_ids: one completion's token ids (no prompt; padding or tokens after the stop may follow).
         tokenizer: its tokenizer (decodes with ``skip_special_tokens=True``, as TRL decodes completions).
         stop_strings: the stop strings (:func:`check_stop_strings`).
-        min_new_tokens: the generation's minimum number of new tokens (0 or 1: none held back).
+        min_new_tokens: the generation's minimum number of new tokens (vLLM's ``min_tokens``; 0: none held back).
 
     Returns:
         :class:`StopCut` (``num_tokens`` >= 1), or None.
@@ -110,11 +116,13 @@ def cut_at_stop(
     if not stop_strings or not completion_ids:
         return None
     ids = list(completion_ids)
-    after = len(_decode(tokenizer, ids[: min_new_tokens - 1])) if min_new_tokens > 1 else 0
+    if len(ids) <= min_new_tokens:  # vLLM checks stop strings only once more than min_tokens tokens are out
+        return None
+    after = len(_decode(tokenizer, ids[:min_new_tokens])) if min_new_tokens > 0 else 0
     if find_stop(_decode(tokenizer, ids), stop_strings, after) is None:
         return None
     # the fewest tokens whose text holds the stop: "holds a stop" only turns true as tokens are added
-    low, high = max(1, min_new_tokens), len(ids)
+    low, high = min_new_tokens + 1, len(ids)
     while low < high:
         mid = (low + high) // 2
         if find_stop(_decode(tokenizer, ids[:mid]), stop_strings, after) is None:
@@ -126,8 +134,8 @@ def cut_at_stop(
 
 
 class StopAtStrings(StoppingCriteria):
-    """Stop a row of a transformers ``generate`` call once its generated text holds a stop string, from its
-    ``min_new_tokens``-th generated token on.
+    """Stop a row of a transformers ``generate`` call once its generated text holds a stop string, once it has
+    more than ``min_new_tokens`` generated tokens (vLLM's ``min_tokens`` rule, module docstring).
 
     transformers' ``StopStringCriteria`` finds a stop string at the end of the sequence even when it spans several
     tokens or its last token runs past it; a row it stops is confirmed on the decoded generated text
@@ -138,7 +146,8 @@ class StopAtStrings(StoppingCriteria):
         tokenizer: the tokenizer of the model.
         stop_strings: the stop strings (:func:`check_stop_strings`).
         prompt_length: the (left-padded) prompt length of the batch: generated tokens start there.
-        min_new_tokens: no row stops before it has this many generated tokens (vLLM's ``min_tokens``).
+        min_new_tokens: no row stops at a stop string before it has more than this many generated tokens, nor at
+            one ending in their text (vLLM's ``min_tokens``).
     """
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_length: int, min_new_tokens: int = 0):
@@ -151,7 +160,7 @@ class StopAtStrings(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         generated = input_ids.size(1) - self.prompt_length
         done = self._inner(input_ids, scores, **kwargs)
-        if generated < max(1, self.min_new_tokens) or not done.any():
+        if generated < 1 or generated <= self.min_new_tokens or not done.any():
             return torch.zeros_like(done)
         for row in done.nonzero().flatten().tolist():
             generated_ids = input_ids[row, self.prompt_length :].tolist()

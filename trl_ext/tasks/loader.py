@@ -48,7 +48,7 @@ def _named(values: Mapping[str, Any]) -> tuple[TaskFactory | None, str]:
         return None, ""
     family, colon, member = name.partition(":")
     if family in FAMILIES and (colon or name == family):
-        return FAMILIES[family], member
+        return FAMILIES.get(family), member
     return (TASKS.get(name), "") if name in TASKS else (None, "")
 
 

@@ -150,7 +150,9 @@ TASKS: Registry[TaskFactory] = Registry(
 ``package.module:factory`` is imported by the registry). Register your own: ``@register_task("mine")`` above a
 function returning a ``trl_ext.tasks.Task``."""
 
-FAMILIES: dict[str, TaskFactory] = {}
+FAMILIES: Registry[TaskFactory] = Registry(
+    "task", "task", TaskFactory, wraps="make", expects="a function of the member's name", check=_declare_kind
+)
 """The families of tasks, ``--task NAME:MEMBER`` (``reasoning_gym:DATASET``): name -> the entry whose ``make(member)``
 returns the member's factory function; registered with :func:`register_task` (``family=...``)."""
 
@@ -175,18 +177,12 @@ def register_task(
         ValueError: ``name`` is taken, empty, or contains ``:``; ``kind`` is new and declares no options, or its
             options differ from the kind's.
     """
-    if not declarations.get("family"):
-        return TASKS.register(name, kind=kind, description=description, **declarations)
-
-    def decorate(make: Callable) -> Callable:
-        if name in FAMILIES or name in TASKS:
-            raise ValueError(f"a task named {name!r} is already registered")
-        entry = TaskFactory(make, kind, description or (make.__doc__ or "").strip().split("\n")[0], **declarations)
-        _declare_kind(name, entry)
-        FAMILIES[name] = entry
-        return make
-
-    return decorate
+    registry, other = (FAMILIES, TASKS) if declarations.get("family") else (TASKS, FAMILIES)
+    if name in other:
+        raise ValueError(
+            f"a task named {name!r} is already registered (as a {'family' if other is FAMILIES else 'task'})"
+        )
+    return registry.register(name, kind=kind, description=description, **declarations)
 
 
 @dataclass

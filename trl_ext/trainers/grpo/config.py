@@ -295,8 +295,9 @@ class GRPOConfig(trl.GRPOConfig):
     min_completion_length: int | None = field(
         default=None,
         metadata={
-            "help": "Fewest tokens a sampled completion has: EOS and stop strings are held back until then (vLLM's "
-            "min_tokens; transformers' min_new_tokens plus the stop check). Unset (None, the default): 4 when "
+            "help": "Fewest tokens a sampled completion has before it may end: EOS and stop strings are held back "
+            "until more than this many tokens are out, a stop string ending in their text does not count (vLLM's "
+            "min_tokens; transformers' min_new_tokens plus the same stop check). Unset (None, the default): 4 when "
             "stop strings are set (the handout's sampling_min_tokens = 4), else 0 (TRL's default)."
         },
     )
