@@ -77,7 +77,7 @@ def test_the_builtin_registry_entries():
         )
     first_line = inspect.getsourcelines(losses.grpo_clip)[1]  # its decorator's line
     assert str(refused.value).startswith(
-        f"a policy loss named 'grpo_clip' is already registered: trl_ext.losses:grpo_clip (registered at "
+        f"a policy loss named 'grpo_clip' is already registered: trl_ext.objective.losses:grpo_clip (registered at "
         f"{losses.__file__}:{first_line}); test_losses:test_the_builtin_registry_entries.<locals>.<lambda> "
         f"(registered at {__file__}:"
     )

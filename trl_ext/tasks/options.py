@@ -196,9 +196,7 @@ class TaskArguments(trl.ScriptArguments, RecipeArguments):
                 lambda: (
                     "The task: one of "
                     + TASKS.help().replace("%", "%%")
-                    + "".join(
-                        f", {said} ({e.description})" for said, e in zip(families_said().split(", "), FAMILIES.values())
-                    )
+                    + f", {families_said(described=True)}"
                     + " or 'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task). "
                     "Without it: generated arithmetic, or with --dataset_name the kind its columns or --dataset_kind "
                     "say. Options a task does not use are refused (trl_ext.tasks.options.TASK_OPTIONS)."
