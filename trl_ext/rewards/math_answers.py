@@ -159,9 +159,6 @@ def gsm8k_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
         ground_truth: the final answer as a number string (``"72"``, the ``answer`` column of the loaders); a raw
             GSM8K answer field ending in ``"#### 72"`` is accepted too.
 
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
-
     Raises:
         ValueError: the ground truth is not a number.
     """
@@ -340,9 +337,6 @@ def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     Args:
         response: the model's completion text.
         ground_truth: the reference answer (e.g. ``"\\frac{1}{2}"``; the ``answer`` column of the loaders).
-
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
     """
     predicted = extract_math_answer(response)
     if predicted is None:
@@ -375,9 +369,6 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     Args:
         response: the model's completion (text after the prompt's ``"<think>"``).
         ground_truth: the reference answer (the ``answer`` column of the loaders).
-
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
     """
     if "</think> <answer>" not in response:
         return dict(_ZERO)

@@ -376,20 +376,15 @@ def _idle_worker() -> _Worker | None:
 def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
     """True when math-verify shows ``pred`` equivalent to ``gold`` within ``timeout`` seconds (see ``_Worker.request``).
 
-    Runs ``math_verify.parse`` on both (LaTeX first, then plain expression) and ``math_verify.verify(gold, pred)`` in
-    a pooled worker process (see the module docstring). Thread-safe: each concurrent caller uses its own worker.
-    Fork-safe: a process forked from this one (a ``multiprocessing`` pool, dataloader workers) never uses the
-    parent's workers; its first call starts its own zygote. A worker that died (killed from outside, crashed) is
-    replaced, and a request it was answering is sent once more to a fresh worker within the same time limit.
-    The first call in a process starts the zygote process (imports math-verify: a few seconds, not counted in the
-    limit); later workers are forks of it (milliseconds).
+    ``math_verify.parse`` on both (LaTeX first, then plain) and ``math_verify.verify(gold, pred)`` in a pooled worker
+    (module docstring); thread- and fork-safe. A request whose worker died is sent once more to a fresh one. The first
+    call starts the zygote (a few seconds, not counted in the limit).
 
     Args:
         gold: reference answer text (LaTeX or plain).
         pred: predicted answer text.
-        timeout: limit in seconds (> 0): CPU time of the worker on Linux, wall time elsewhere, and never more than
-            ``WALL_FACTOR * timeout`` of wall time in all; on expiry the worker is killed (a fresh fork replaces
-            it) and the result is False.
+        timeout: limit in seconds (> 0): the worker's CPU time on Linux, wall time elsewhere, at most
+            ``WALL_FACTOR * timeout`` of wall time; on expiry the worker is killed and the result is False.
 
     Returns:
         The verdict; False on a parse failure, an expression over the size bound, a timeout, or a worker that died
