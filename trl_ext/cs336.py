@@ -1,20 +1,13 @@
 """The CS336 assignment 5 adapters, implemented by trl_ext: run the course's own tests against this library.
 
-The course's starter code calls the student's functions only through ``tests/adapters.py``. Replace that file's body
-with
+Replace the body of the course's ``tests/adapters.py`` (CS336 spring 2025, assignment 5 and its supplement) with
 
     from trl_ext.cs336 import *  # noqa: F401,F403
 
-and ``uv run pytest`` in the course repository runs its test suite against trl_ext. Every function here has the
-course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run; the loss dispatch
-through ``trl_ext.objective.losses``), ``trl_ext.objective.course``
-(the course-only helpers, which this module also re-exports under their own names, e.g.
-``trl_ext.cs336.grpo_microbatch_train_step``), ``trl_ext.eval`` (the parsers) or ``trl_ext.data`` (batching); only
-the packed SFT dataset and the Alpaca template of the supplement live here, because their exact layout is the course's
-convention rather than a trl_ext one.
-
-Sources: CS336 spring 2025, assignment 5 handout ("Alignment and Reasoning RL") and its supplement ("Safety
-Alignment, Instruction Tuning and RLHF"); argument names follow their ``tests/adapters.py``.
+and ``uv run pytest`` there runs the course's tests against trl_ext. Each ``run_*`` function keeps the course's name
+and arguments and delegates to ``trl_ext.functional``, ``trl_ext.objective`` (whose course helpers are re-exported
+here under their own names), ``trl_ext.eval`` or ``trl_ext.data``; only the supplement's packed SFT dataset and
+Alpaca template live here (their layout is the course's convention).
 """
 
 from __future__ import annotations
@@ -204,12 +197,8 @@ def run_grpo_microbatch_train_step(
 def _read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    rows = []
-    for line_number, line in enumerate(decode_text(data, str(path)).split("\n"), start=1):  # UTF-8, BOM dropped
-        if not line.strip():
-            continue
-        rows.append(json_line(line, f"{path}:{line_number}"))
-    return rows
+    lines = enumerate(decode_text(data, str(path)).split("\n"), start=1)  # UTF-8, BOM dropped
+    return [json_line(line, f"{path}:{number}") for number, line in lines if line.strip()]
 
 
 def _instruction_and_response(row: dict[str, Any], where: str) -> tuple[str, str]:
@@ -249,13 +238,10 @@ def get_packed_sft_dataset(
 ) -> PackedSFTDataset:
     """The supplement's packed instruction-tuning dataset.
 
-    Each JSONL row (``prompt``/``response``, or ``instruction``/``output``; ``.gz`` allowed) becomes one document,
-    :data:`ALPACA_TEMPLATE` filled with the row, tokenized with the tokenizer's default special tokens (a BOS where
-    the tokenizer adds one) and followed by the end-of-text delimiter (``tokenizer.eos_token_id``). Documents (in
-    file order, or shuffled with Python's ``random.shuffle`` when ``shuffle``) are concatenated into one stream and
-    cut into consecutive non-overlapping chunks of ``seq_length`` tokens; the last partial chunk is dropped. Unlike
-    :func:`trl_ext.data.pack_instruction_dataset` (trl_ext's own packing, with per-document positions and
-    completion-only labels), every next token is a label here, as in the course.
+    Each JSONL row (``prompt``/``response`` or ``instruction``/``output``; ``.gz`` allowed) becomes
+    :data:`ALPACA_TEMPLATE` filled in, tokenized with the default special tokens, followed by EOS. Documents (file
+    order, or ``random.shuffle``d) form one stream cut into non-overlapping chunks of ``seq_length`` (the last partial
+    one dropped); every next token is a label (unlike :func:`trl_ext.data.pack_instruction_dataset`).
 
     Returns:
         a :class:`PackedSFTDataset`; ``len`` = (stream length - 1) // ``seq_length``.

@@ -1,17 +1,8 @@
-"""Greedy evaluation of a causal LM on question/answer datasets, graded by a course-style reward function.
+"""Greedy evaluation of a causal LM on held-out rows, graded by a task's scorer or a course-style reward function.
 
-``evaluate_math`` generates one greedy completion per prompt and scores it with ``reward_fn(response, ground_truth)
--> {"reward", "format_reward", "answer_reward"}`` (see ``trl_ext.rewards``). Two generation backends:
-
-* Hugging Face ``generate`` (batched, left-padded, with a progress bar) when ``model`` is a ``torch.nn.Module``;
-* vLLM when ``model`` is a ``vllm.LLM`` (see :func:`load_eval_model`, which picks vLLM when it is installed and a
-  CUDA GPU is present, as the course's ``evaluate_vllm``).
-
-Accuracy is the mean ``answer_reward``. The result also holds the course's three-way breakdown of format and answer
-rewards, the responses that failed to parse (``format_reward == 0``), throughput, and every record, which
-:func:`write_jsonl` saves one JSON object per line.
-
-The course supplement's parsers are here too: :func:`parse_gsm8k_response` and :func:`parse_mmlu_response`.
+:func:`evaluate_rows` / :func:`evaluate_math` generate (HF ``generate`` for a ``torch.nn.Module``, vLLM for a
+``vllm.LLM``: :func:`load_eval_model`) and grade (:func:`score_rows`); :func:`write_jsonl` saves the records. The
+course supplement's parsers are here too: :func:`parse_gsm8k_response` and :func:`parse_mmlu_response`.
 """
 
 from __future__ import annotations
@@ -49,9 +40,8 @@ MMLU_LETTERS = ("A", "B", "C", "D")
 def parse_gsm8k_response(model_output: str) -> str | None:
     """The last number in ``model_output`` as a string, or ``None`` when it holds no number (course supplement).
 
-    Uses :func:`trl_ext.rewards.extract_last_number`: thousands commas removed (``"1,234"`` -> ``"1234"``), a
-    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``),
-    scientific notation written out (``"1.5e3"``, ``"2.5 × 10^3"`` -> ``"1500"``, ``"2500"``).
+    Read by :func:`trl_ext.rewards.extract_last_number` (``"1,234"`` -> ``"1234"``, ``"42."`` -> ``"42"``,
+    ``"2.5 × 10^3"`` -> ``"2500"``).
     """
     return extract_last_number(model_output)
 
@@ -171,24 +161,18 @@ def generate_responses(
         batch_size: prompts per ``generate`` call (>= 1).
         desc: progress-bar label.
         disable_progress: hide the progress bar.
-        prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers on their weights packed
-            once for the call (:mod:`trl_ext.speed.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise;
-            same math, float rounding may differ from the plain forward's; off by itself, in one log line, where it
-            cannot apply). Default True.
-        stop_strings: a completion ends with the first of these it writes (:mod:`trl_ext.stop_strings`: kept in
-            the text, nothing after it; the handout's ``stop=["</answer>"], include_stop_str_in_output=True``).
-            Default none.
+        prepack_linear_weights: on a CPU in fp32, run ``nn.Linear`` on weights packed once for the call
+            (:mod:`trl_ext.speed.packed_linear`; rounding may differ; off, in one log line, where it cannot apply).
+            Default True.
+        stop_strings: a completion ends with the first of these it writes, kept in the text (the handout's
+            ``stop=["</answer>"], include_stop_str_in_output=True``). Default none.
 
-    Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
-    training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
-    generation prompt), then the batch is left-padded. The columns every prompt of a batch shares (a system prompt)
-    are prefilled once and their key/value cache copied to each row (:mod:`trl_ext.speed.shared_prompts`; the same
-    tokens up to float rounding).
+    Prompts are tokenized as the trainers tokenize them (:func:`trl_ext.data.prompt_token_ids`) and left-padded; the
+    prefix every prompt of a batch shares is prefilled once (:mod:`trl_ext.speed.shared_prompts`).
 
     Returns:
         ``(texts, cut)``: N decoded completions without special tokens, and for each whether the length limit cut
-        it -- it ended neither with an EOS token (the model's ``generation_config.eos_token_id`` and the tokenizer's)
-        nor at a stop string: it ran to ``max_new_tokens``.
+        it (no EOS of the model's generation config or the tokenizer, no stop string).
 
     Raises:
         ValueError: when ``max_new_tokens`` or ``batch_size`` is < 1.
@@ -201,11 +185,7 @@ def generate_responses(
     device = next(model.parameters()).device
     outputs: list[str] = []
     cut: list[bool] = []
-    # the prefix every prompt of a batch shares (system prompt, template) is prefilled once
-    # (trl_ext.speed.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
-    # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
-    # (trl_ext.speed.packed_linear), and dropped at its end
     packed = PackedLinearWeights() if prepack_linear_weights else None
     with _generating(model, tokenizer):
         with packed.fixed_weights() if packed is not None else nullcontext():
@@ -272,8 +252,7 @@ generate_completions.__signature__ = inspect.signature(generate_responses).repla
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The token ids that end a generation: the model's ``generation_config.eos_token_id`` (an id or a list) and
-    the tokenizer's ``eos_token_id``."""
+    """The ids that end a generation: the model's ``generation_config.eos_token_id`` (id or list), the tokenizer's."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -305,10 +284,8 @@ def load_eval_model(
 ) -> tuple[Any, Any, str]:
     """Load a model for :func:`evaluate_math` from a ``trl.ModelConfig``: ``(model, tokenizer, backend)``.
 
-    With backend ``"hf"`` the model comes from :func:`trl_ext.models.load_model_and_tokenizer` (a LoRA config in
-    ``model_args`` is ignored: evaluate a merged model or a full checkpoint); with ``"vllm"`` it is a ``vllm.LLM``
-    over the same checkpoint (the embedded model resolves to its local directory). ``"auto"``: see
-    :func:`resolve_backend`. The model moves to the GPU when one is present.
+    ``"hf"``: :func:`trl_ext.models.load_model_and_tokenizer` (LoRA ignored: evaluate a merged checkpoint), moved to
+    the GPU when present; ``"vllm"``: a ``vllm.LLM`` over the same checkpoint; ``"auto"``: :func:`resolve_backend`.
 
     Raises:
         see :func:`resolve_backend`.
@@ -345,11 +322,8 @@ def generate_responses_vllm(
     *,
     stop_strings: Sequence[str] = (),
 ) -> tuple[list[str], list[bool]]:
-    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
-    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`); with ``stop_strings``, vLLM's
-    ``stop=stop_strings, include_stop_str_in_output=True`` (the text ends with the stop string). Returns
-    ``(texts, cut)``: cut tells for each completion whether the length limit cut it (vLLM's
-    ``finish_reason == "length"``).
+    """Greedy completions with a ``vllm.LLM``, in order, from the same token ids as :func:`generate_completions`;
+    ``stop_strings`` kept in the text. Returns ``(texts, cut)``, cut where ``finish_reason == "length"``.
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1.
@@ -393,8 +367,7 @@ course-shaped ``--reward package.module:function``, the sort task, a task of you
 def _checked_scores(
     score: Callable[[str, Mapping[str, Any]], Mapping[str, float]], response: str, row: Mapping[str, Any], i: int
 ) -> dict[str, float]:
-    """``score(response, row)`` as floats; a scorer that raises, or returns something without the three keys or
-    with a value that is not a number, raises ValueError naming row ``i``."""
+    """``score(response, row)`` as floats; anything else (or a raise) is a ValueError naming row ``i``."""
     try:
         scores = score(response, row)
     except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
@@ -455,34 +428,27 @@ def score_rows(
     Args:
         rows: N held-out rows (mappings; each holds at least ``prompt``).
         responses: N responses, one per row.
-        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` (a task's scorer,
-            ``trl_ext.tasks.Task.score``). A ``format_reward`` of NaN (format not measured) makes ``format_rate``
-            NaN and leaves the format counts ``None``.
+        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` (``trl_ext.tasks.Task.score``);
+            a NaN ``format_reward`` (not measured) makes ``format_rate`` NaN and the format counts ``None``.
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
         answer: the row's reference answer, as recorded (default: its ``answer`` column, when it has one).
-        extract: the answer the scorer read from a response (recorded as ``extracted``; None: nothing found).
-            Without it, ``extracted`` is None and ``extracted_note`` says the grader does not report it
-            (:data:`NOT_EXTRACTED`).
+        extract: the answer the scorer read (recorded as ``extracted``); without it ``extracted`` is None and
+            ``extracted_note`` is :data:`NOT_EXTRACTED`.
         truncated: per response, whether the length limit cut it (recorded as ``truncated``); None: not known.
-        credit_truncated: False: a cut response earns no credit -- its ``reward`` and ``answer_reward`` are at most 0
-            (:func:`trl_ext.rewards.without_credit`; a task that reads its answer from the end of the response would
-            otherwise credit the last number of a cut-off sentence). Default True.
+        credit_truncated: False: a cut response's ``reward`` and ``answer_reward`` are at most 0
+            (:func:`trl_ext.rewards.without_credit`). Default True.
 
     Returns:
-        dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``exact_accuracy`` (the share
-        of rows with answer_reward 1: exact answers; below ``accuracy`` by the partial credit), ``partial_credit_rows``
-        (rows with 0 < answer_reward < 1), ``format_rate`` (mean format_reward), ``reward`` (mean reward), ``n``,
-        ``distinct_prompts`` (how many of the rows' prompts differ), ``num_truncated`` (responses the length limit
-        cut; None when not known); ``breakdown``: counts of ``format1_answer1``,
-        ``format1_answer0``, ``format0_answer0`` and ``format0_answer1`` (a score counts as 1 when >= 0.5), the
-        course's categories; ``num_unparsed`` (responses with format_reward < 0.5) and ``unparsed_examples`` (the
-        first ``num_examples`` of them); ``examples`` (the first ``num_examples`` records) and ``records`` (every
-        prompt, response, answer, extracted answer -- or None and ``extracted_note`` -- and score).
+        dict with ``accuracy`` (mean answer_reward), ``exact_accuracy`` (share with answer_reward 1),
+        ``partial_credit_rows`` (0 < answer_reward < 1), ``format_rate``, ``reward`` (means), ``n``,
+        ``distinct_prompts``, ``num_truncated`` (None when not known), ``breakdown`` (the course's counts
+        ``format{1,0}_answer{1,0}``, a score >= 0.5 counting as 1), ``num_unparsed`` (format_reward < 0.5),
+        ``unparsed_examples``, ``examples`` (first ``num_examples``) and ``records`` (prompt, response, answer,
+        extracted answer and scores of every row).
 
     Raises:
-        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (any exception, its
-            ``__cause__``), or returns something without the three keys or with a value that is not a number (the
-            message names the row).
+        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (kept as
+            ``__cause__``) or returns no three numeric keys (the row is named).
     """
     if len(rows) != len(responses):
         raise ValueError(f"got {len(rows)} rows and {len(responses)} responses; expected one response per row")
@@ -525,8 +491,7 @@ def score_responses(
             ``extracted``.
 
     Raises:
-        ValueError: the three sequences differ in length or are empty, or ``reward_fn`` returns a dict without the
-            three keys (the row is named).
+        ValueError: the three sequences differ in length or are empty, or as :func:`score_rows`.
     """
     if not (len(prompts) == len(responses) == len(answers)):
         raise ValueError(
@@ -572,21 +537,13 @@ def evaluate_rows(
     whole row (:func:`score_rows`).
 
     Args:
-        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (all
-            prompts in one call), e.g. from :func:`load_eval_model`.
+        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (one
+            call), e.g. from :func:`load_eval_model`.
         tokenizer: the model's tokenizer (renders chat prompts, counts generated tokens).
-        dataset: a ``datasets.Dataset`` (or a list of row mappings) whose rows hold ``prompt`` and whatever
-            ``score`` reads.
-        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}``.
-        max_new_tokens: generation budget per response.
-        batch_size: prompts per HF ``generate`` call.
-        desc: progress-bar label.
-        num_examples: records kept in ``examples`` / ``unparsed_examples``.
+        dataset: a ``datasets.Dataset`` or list of rows holding ``prompt`` and whatever ``score`` reads.
+        score, num_examples, answer, extract, credit_truncated: as in :func:`score_rows`.
+        max_new_tokens, batch_size, desc, disable_progress, stop_strings: as in :func:`generate_responses`.
         jsonl_path: when given, every record is written there (:func:`write_jsonl`).
-        disable_progress: hide the HF progress bar.
-        answer, extract: what each record keeps as the row's answer and the extracted answer (:func:`score_rows`).
-        stop_strings: a response ends with the first of these it writes (:func:`generate_completions`).
-        credit_truncated: False: a response the length limit cut earns no credit (:func:`score_rows`).
 
     Returns:
         :func:`score_rows`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall time),

@@ -53,28 +53,22 @@ def run_comparison(
 ) -> list[dict[str, Any]]:
     """Train each arm from the same initial model, one after another, and summarize it (:func:`summarize_arm`).
 
-    Every arm gets ``set_seed(base_args.seed)`` before its model is loaded, the same ``task.train`` (so the same
-    prompts in the same order), the same ``task.reward_funcs`` and ``base_args``'s step budget (:func:`arm_config`).
-    With a ``tokenizer``, the arms are evaluated on ``task.evaluate`` at ``eval_steps``; when 0 is among them, the
-    initial model is evaluated once and that result is every arm's step-0 point: its records are written to
-    ``<output_dir>/eval_before.jsonl`` (``eval_before_<task>.jsonl`` for an arm's own task) before any arm trains,
-    and when no reward training uses varies over them (:func:`trl_ext.tasks.nothing_to_learn`) ``warn`` says so. An
-    arm with a ``task`` trains and is evaluated on ``tasks[arm.task]`` (its own step-0 evaluation, once per task).
+    Every arm gets ``set_seed(base_args.seed)`` before its model loads, the same prompts in the same order, rewards
+    and step budget (:func:`arm_config`). With a ``tokenizer`` arms are evaluated at ``eval_steps``; step 0 is
+    evaluated once per task and shared (records in ``<output_dir>/eval_before.jsonl``; ``warn`` when there is
+    nothing to learn, :func:`trl_ext.tasks.nothing_to_learn`). An arm with a ``task`` uses ``tasks[arm.task]``.
 
     Args:
         arms: from :func:`parse_arms`.
         base_args: the shared config (a ``trl.GRPOConfig``).
-        load_model: returns a fresh ``(model, tokenizer, peft_config)`` (``trl_ext.models.load_model_and_tokenizer``;
-            with ``beta > 0`` TRL builds the reference model from ``model.config._name_or_path``).
-        task: a :class:`trl_ext.tasks.Task`: training prompts, TRL reward function(s) (an arm changes their weights
-            through ``reward_weights``) and held-out evaluation.
+        load_model: returns a fresh ``(model, tokenizer, peft_config)`` (``trl_ext.models.load_model_and_tokenizer``).
+        task: a :class:`trl_ext.tasks.Task`: training prompts, reward function(s) and held-out evaluation.
         tokenizer: for the held-out evaluations (None: no evaluation).
         eval_steps: optimizer steps at which to evaluate (0 = before training; :func:`eval_steps`).
         curve_keys: logged metrics kept as curves.
         log: progress printer (main process only).
         tasks: task name -> :class:`trl_ext.tasks.Task`, for arms whose ``task`` is set.
-        cache: a dict shared by several calls (comparisons on the same base config, model and data): an arm whose
-            :func:`arm_key` is in it is not trained again, its summary reused under its name; so are step-0 points.
+        cache: a dict shared by several calls: an arm whose :func:`arm_key` is in it is not trained again.
         warn: prints (and records) a warning, e.g. ``trl_ext.run.RecipeRun.warn``; default ``log("warning: ...")``.
 
     Returns:
