@@ -76,7 +76,7 @@ def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recip
     # a whole recipe: one line on stderr, exit 2, before any data or model work
     grpo_math = load_recipe("grpo_math")
     monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("work started"))
-    monkeypatch.setattr(tasks, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(tasks.math, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
     argv = ["--model_name_or_path", "", "--output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_:
         recipe_main(grpo_math.main, argv)

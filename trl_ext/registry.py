@@ -178,6 +178,9 @@ class Registry(Generic[T]):
         check: ``(name, entry) -> None``, called before an entry is added; raises ValueError to refuse it (e.g. a
             claim another entry already holds).
         shown: ``(name, entry) -> how the name is written`` in lists and help (default: the name).
+        dotted_as_registered: a dotted path to a function registered here loads that entry, declarations and all
+            (default True); False: always a plain entry of the function (the graders: a course ``reward_fn`` named
+            by its path says nothing of the answer it reads).
         load: ``(object, "package.module:attr") -> entry`` in place of :meth:`load`, for entries that are not an
             ``entry_type`` (raises TypeError for an object it cannot use). Dotted paths are accepted where there is
             an ``entry_type`` or a ``load``.
@@ -199,6 +202,7 @@ class Registry(Generic[T]):
         check: Callable[[str, T], None] | None = None,
         load: Callable[[Any, str], T] | None = None,
         shown: Callable[[str, T], str] | None = None,
+        dotted_as_registered: bool = True,
     ):
         self.kind = kind
         self.option = option
@@ -209,6 +213,7 @@ class Registry(Generic[T]):
         self._check = check
         self._custom_load = load
         self._shown = shown or (lambda name, entry: name)
+        self._dotted_as_registered = dotted_as_registered
         self._dotted = entry_type is not None or load is not None
         self._entries: dict[str, T] = {}
         self._sites: dict[str, str | None] = {}  # name -> file:line that registered it, for messages
@@ -322,7 +327,9 @@ class Registry(Generic[T]):
         """
         if self._custom_load is not None:
             return self._custom_load(obj, path)
-        registered = [e for e in self._entries.values() if getattr(e, self.wraps, e) is obj]
+        registered = [
+            e for e in self._entries.values() if getattr(e, self.wraps, e) is obj and self._dotted_as_registered
+        ]
         return registered[0] if registered else self._entry(path, obj, {}, path)
 
     def unregister(self, name: str) -> T:

@@ -42,7 +42,12 @@ class Grader:
 
 
 GRADERS: Registry[Grader] = Registry(
-    "grader", "reward", Grader, wraps="reward_fn", expects="a function reward_fn(response, ground_truth)"
+    "grader",
+    "reward",
+    Grader,
+    wraps="reward_fn",
+    expects="a function reward_fn(response, ground_truth)",
+    dotted_as_registered=False,
 )
 """The math tasks' graders by ``--reward`` name (a :class:`~trl_ext.registry.Registry`: did-you-mean, and
 ``package.module:function`` for a course ``reward_fn``): ``arithmetic`` and ``gsm8k`` grade the last number of a
