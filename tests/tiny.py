@@ -1,5 +1,7 @@
-"""A tiny randomly initialised Llama for fast tests (``tiny_model_for_tests``): a test helper, so it lives here, not
-in the library. ``tests/architectures.py`` builds tiny models of every other architecture."""
+"""The one home of the tests' tiny things: a tiny randomly initialised Llama (``tiny_model_for_tests``, saved with
+its tokenizer by ``save_tiny_model``), the trainer settings every tiny CPU run shares (``CPU_QUIET``,
+``CPU_TEST_ARGS``, ``GRPO_TINY``, ``GRPO_OFF_POLICY``) and the toy prompts (``count_prompts``). Test helpers, so they
+live here, not in the library. ``tests/architectures.py`` builds tiny models of every other architecture."""
 
 from __future__ import annotations
 
@@ -74,3 +76,48 @@ def tiny_model_for_tests(
         model = LlamaForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(**special)
     return model
+
+
+def save_tiny_model(tokenizer: PreTrainedTokenizerBase, path, **sizes) -> LlamaForCausalLM:
+    """`tiny_model_for_tests(tokenizer, **sizes)` saved with `tokenizer` to `path` (what `from_pretrained`, TRL's
+    reference model and the recipes' --model_name_or_path load); returns the model."""
+    model = tiny_model_for_tests(tokenizer, **sizes)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def count_prompts(n: int = 4):
+    """A `datasets.Dataset` of `n` toy prompts "Count to 3:", "Count to 4:", ..."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(n)]})
+
+
+# Trainer settings of every tiny CPU run: float32 on the CPU, a log line each step, no saving, no reporting, seed 0.
+CPU_QUIET = dict(
+    logging_steps=1, report_to="none", bf16=False, use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True
+)
+# One CPU step without activation checkpointing (every tiny-model SFT/DPO/Reward trainer test).
+CPU_TEST_ARGS = dict(CPU_QUIET, max_steps=1, activation_checkpointing=False)
+# GRPO: 2 steps of one prompt's 4 completions of 8 tokens, sampled at temperature 1.5 (tests/test_grpo_trainer.py).
+GRPO_TINY = dict(
+    CPU_QUIET,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=2,
+    learning_rate=1e-2,
+    temperature=1.5,
+)
+# GRPO against upstream off-policy: one generation batch of 8 completions of up to 12 tokens (steps_per_generation 4)
+# feeds 2 optimizer steps of 2 accumulated micro-batches of 2; plain SGD, so equal weights mean equal gradients.
+GRPO_OFF_POLICY = dict(
+    GRPO_TINY,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    steps_per_generation=4,
+    max_completion_length=12,
+    optim="sgd",
+    learning_rate=0.5,
+)
