@@ -181,6 +181,20 @@ def embedded_model_dir() -> Path:
     return ensure_embedded_model()
 
 
+RECIPES = (  # every script of recipes/
+    "grpo_math",
+    "eval_math",
+    "sft_instruct",
+    "dpo",
+    "reward_model",
+    "rlhf",
+    "grpo_sort",
+    "compare_upstream",
+    "expert_iteration",
+    "grpo_ablations",
+)
+
+
 def load_recipe(name):
     """Import recipes/<name>.py as a module (recipes/ is not a package)."""
     import importlib.util
@@ -313,6 +327,29 @@ def launch_two_processes(script, *argv, env: dict | None = None, timeout: int = 
 def two_processes():
     """`launch_two_processes`: the one two-process launcher of the test suite (tests/test_distributed*.py)."""
     return launch_two_processes
+
+
+def tiny_model_reports_of_two_processes(script, tokenizer, tmp_path: Path, out_env: str, timeout: int = 600):
+    """Launched side's counterpart of `write_rank_report`: save the tiny model (seed 0) with ``tokenizer`` to
+    ``tmp_path``/tiny, launch ``script`` on two processes with that folder as its argument and ``tmp_path`` in
+    ``$out_env``, and return the two processes' reports (rank 0's first)."""
+    model_dir = tmp_path / "tiny"
+    save_tiny_model(tokenizer, model_dir, seed=0)
+    launch_two_processes(script, model_dir, env={out_env: str(tmp_path)}, timeout=timeout)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def write_rank_report(out: Path, report: dict) -> None:
+    """Launched side: ``report`` with this process's count as ``num_processes``, written to ``out``/rank{r}.json."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    (out / f"rank{state.process_index}.json").write_text(json.dumps({**report, "num_processes": state.num_processes}))
+
+
+def largest_difference(params: dict, reference: dict) -> float:
+    """The largest absolute difference between two dicts of tensors by name (weights of two runs)."""
+    return max((params[n] - reference[n]).abs().max().item() for n in reference)
 
 
 def run_recipe_recording_finals(recipe: str, argv: list[str], record_dir: Path, trainer_cls) -> None:

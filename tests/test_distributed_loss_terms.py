@@ -15,12 +15,11 @@ digests, the controller's state and the largest weight differences; the test rea
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from conftest import param_digest
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
 
 OUT_ENV = "TRL_EXT_TEST_LOSS_TERMS_DIR"
 ENTROPY_OPTIONS = dict(
@@ -71,7 +70,6 @@ def _train(trainer_cls, model_dir: str, tokenizer, output_dir: Path, local_quant
 
 def _launched(out: Path, model_dir: str) -> None:
     import trl
-    from accelerate import PartialState
 
     import trl_ext
 
@@ -80,20 +78,12 @@ def _launched(out: Path, model_dir: str) -> None:
     upstream, upstream_digest, upstream_state = _train(trl.GRPOTrainer, model_dir, tokenizer, out / "a")
     ours, ours_digest, ours_state = _train(trl_ext.GRPOTrainer, model_dir, tokenizer, out / "b")
     local, _, _ = _train(trl_ext.GRPOTrainer, model_dir, tokenizer, out / "c", local_quantile=True)
-    rank = PartialState().process_index
-    (out / f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "num_processes": PartialState().num_processes,
-                "upstream_digest": upstream_digest,
-                "ours_digest": ours_digest,
-                "upstream_state": upstream_state,
-                "ours_state": ours_state,
-                "ours_vs_upstream": max((ours[n] - upstream[n]).abs().max().item() for n in upstream),
-                "local_vs_upstream": max((local[n] - upstream[n]).abs().max().item() for n in upstream),
-            }
-        )
+    report = {"upstream_digest": upstream_digest, "ours_digest": ours_digest}
+    report.update(upstream_state=upstream_state, ours_state=ours_state)
+    report.update(
+        ours_vs_upstream=largest_difference(ours, upstream), local_vs_upstream=largest_difference(local, upstream)
     )
+    write_rank_report(out, report)
 
 
 if __name__ == "__main__":
@@ -102,15 +92,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import save_tiny_model  # noqa: E402
 
 
 @pytest.mark.slow
-def test_entropy_mask_and_adaptive_bonus_on_two_processes_train_as_upstream(tokenizer, tmp_path, two_processes):
-    model_dir = tmp_path / "tiny"
-    save_tiny_model(tokenizer, model_dir, seed=0)
-    two_processes(__file__, model_dir, env={OUT_ENV: str(tmp_path)}, timeout=900)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_entropy_mask_and_adaptive_bonus_on_two_processes_train_as_upstream(tokenizer, tmp_path):
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV, timeout=900)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     # DDP: both ranks hold the same weights, for each trainer
     assert ranks[0]["upstream_digest"] == ranks[1]["upstream_digest"]

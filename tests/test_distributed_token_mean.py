@@ -13,19 +13,17 @@ Each process writes its digests and the largest weight differences; the test rea
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from conftest import param_digest
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
 
 OUT_ENV = "TRL_EXT_TEST_TOKEN_MEAN_DIR"
 
 
 def _launched(out: Path, model_dir: str) -> None:
     import trl
-    from accelerate import PartialState
     from test_grpo_upstream_options import ONE_REWARD, train  # tests/test_grpo_upstream_options.py's settings
 
     import trl_ext
@@ -36,19 +34,9 @@ def _launched(out: Path, model_dir: str) -> None:
     args, ours, _ = train(trl_ext.GRPOTrainer, tokenizer, model_dir, out / "b", ONE_REWARD, dict(loss_type="dapo"))
     assert args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
     _, local, _ = train(trl.GRPOTrainer, tokenizer, model_dir, out / "c", ONE_REWARD, dict(loss_type="bnpo"))
-    rank = PartialState().process_index
-    (out / f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "num_processes": PartialState().num_processes,
-                "upstream_digest": param_digest(upstream),
-                "ours_digest": param_digest(ours),
-                "ours_vs_upstream": max((ours[n] - upstream[n]).abs().max().item() for n in upstream),
-                "bnpo_vs_dapo": max((local[n] - upstream[n]).abs().max().item() for n in upstream),
-                "num_tokens": [e["num_tokens"] for e in logs if "num_tokens" in e],
-            }
-        )
-    )
+    report = {"upstream_digest": param_digest(upstream), "ours_digest": param_digest(ours)}
+    report.update(ours_vs_upstream=largest_difference(ours, upstream), bnpo_vs_dapo=largest_difference(local, upstream))
+    write_rank_report(out, dict(report, num_tokens=[e["num_tokens"] for e in logs if "num_tokens" in e]))
 
 
 if __name__ == "__main__":
@@ -57,15 +45,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import save_tiny_model  # noqa: E402
 
 
 @pytest.mark.slow
-def test_dapo_on_two_processes_with_accumulation_trains_as_upstream(tokenizer, tmp_path, two_processes):
-    model_dir = tmp_path / "tiny"
-    save_tiny_model(tokenizer, model_dir, seed=0)
-    two_processes(__file__, model_dir, env={OUT_ENV: str(tmp_path)})
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_dapo_on_two_processes_with_accumulation_trains_as_upstream(tokenizer, tmp_path):
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     # DDP: both ranks hold the same weights, for each trainer
     assert ranks[0]["upstream_digest"] == ranks[1]["upstream_digest"]

@@ -14,12 +14,11 @@ weight differences; the test reads them.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from conftest import param_digest
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
 
 OUT_ENV = "TRL_EXT_TEST_UPSTREAM_OPTIONS_DIR"
 OPTIONS = ("cispo", "vespo", "batch_std", "normalize_then_sum")
@@ -27,28 +26,22 @@ OPTIONS = ("cispo", "vespo", "batch_std", "normalize_then_sum")
 
 def _launched(out: Path, model_dir: str) -> None:
     import trl
-    from accelerate import PartialState
     from test_grpo_upstream_options import CASES, train
 
     import trl_ext
 
     tokenizer = trl_ext.models.load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    report = {}  # PartialState only after the first trainer: use_cpu=True sets up accelerate's state for the CPU
+    report = {}  # PartialState (write_rank_report) only after the first trainer: use_cpu=True sets it up for the CPU
     for name in OPTIONS:
         option, reward_funcs, *_ = CASES[name]
         _, theirs, _ = train(trl.GRPOTrainer, tokenizer, model_dir, out / f"{name}-a", reward_funcs, option)
         args, ours, logs = train(trl_ext.GRPOTrainer, tokenizer, model_dir, out / f"{name}-b", reward_funcs, option)
-        report[name] = {
-            "estimator": str(args.advantage_estimator),
-            "pg_loss_type": str(args.pg_loss_type),
-            "upstream_digest": param_digest(theirs),
-            "ours_digest": param_digest(ours),
-            "ours_vs_upstream": max((ours[n] - theirs[n]).abs().max().item() for n in theirs),
-            "num_tokens": [e["num_tokens"] for e in logs if "num_tokens" in e],
-        }
-    report["num_processes"] = PartialState().num_processes
-    (out / f"rank{PartialState().process_index}.json").write_text(json.dumps(report))
+        report[name] = dict(estimator=str(args.advantage_estimator), pg_loss_type=str(args.pg_loss_type))
+        report[name].update(upstream_digest=param_digest(theirs), ours_digest=param_digest(ours))
+        report[name].update(ours_vs_upstream=largest_difference(ours, theirs))
+        report[name].update(num_tokens=[e["num_tokens"] for e in logs if "num_tokens" in e])
+    write_rank_report(out, report)
 
 
 if __name__ == "__main__":
@@ -57,15 +50,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import save_tiny_model  # noqa: E402
 
 
 @pytest.mark.slow
-def test_options_that_normalize_across_processes_train_as_upstream_on_two(tokenizer, tmp_path, two_processes):
-    model_dir = tmp_path / "tiny"
-    save_tiny_model(tokenizer, model_dir, seed=0)
-    two_processes(__file__, model_dir, env={OUT_ENV: str(tmp_path)}, timeout=1200)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_options_that_normalize_across_processes_train_as_upstream_on_two(tokenizer, tmp_path):
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV, timeout=1200)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     assert [ranks[0][name]["pg_loss_type"] for name in OPTIONS] == ["cispo", "vespo", "grpo_clip", "grpo_clip"]
     assert [ranks[0][name]["estimator"] for name in OPTIONS][2:] == ["batch_std", "normalize_then_sum"]

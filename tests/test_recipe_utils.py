@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trl
 import yaml
-from conftest import load_recipe
+from conftest import RECIPES, load_recipe
 
 from trl_ext import tasks
 from trl_ext.cli import RecipeError, check_model_source
@@ -1005,18 +1005,6 @@ def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp
 
 
 # ------------------------------------------------------------------------------------------- --help says what runs
-RECIPES = (
-    "grpo_math",
-    "eval_math",
-    "sft_instruct",
-    "dpo",
-    "reward_model",
-    "rlhf",
-    "grpo_sort",
-    "compare_upstream",
-    "expert_iteration",
-    "grpo_ablations",
-)
 # uv, pip, tensorboard, accelerate launch
 OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir", "--config_file"}
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
