@@ -600,21 +600,7 @@ def test_every_recipe_reads_data_files_as_utf8_without_the_mark(tmp_path, monkey
         module.main(*module.main.parse_args(argv))
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "grpo_math",
-        "eval_math",
-        "sft_instruct",
-        "dpo",
-        "reward_model",
-        "rlhf",
-        "grpo_sort",
-        "compare_upstream",
-        "expert_iteration",
-        "grpo_ablations",
-    ],
-)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
     _explode_loaders(
