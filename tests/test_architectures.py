@@ -22,9 +22,8 @@ import pytest
 import torch
 from architectures import FAST, all_causal_lm_types, tiny_config, tiny_model
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import tiny_grpo_trainer
 
-import trl_ext
 from trl_ext.speed.shared_prompts import activation_checkpointing, training_noise
 
 PLAIN = dict(share_prompt_cache=False, skip_zero_advantage_rows=False, prepack_linear_weights=False)
@@ -60,31 +59,11 @@ SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
 
 
 def one_step(model, tokenizer, tmp_path, before_train=None, **options):
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        learning_rate=1e-2,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        temperature=1.5,
-        **{"gradient_checkpointing": False, **options},
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": ["Count to 3:", "Count to 4:"]})
-    trainer = trl_ext.GRPOTrainer(
-        model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok
-    )
+    settings = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1)
+    settings.update(learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", logging_steps=1, temperature=1.5)
+    settings.update({"gradient_checkpointing": False, **options})
+    prompts = ["Count to 3:", "Count to 4:"]
+    trainer = tiny_grpo_trainer(model, tokenizer, tmp_path, prompts, length_mod5_reward, **settings)
     batches = []
     generate = trainer._generate_and_score_completions
 

@@ -8,32 +8,14 @@ import pytest
 import torch
 import trl
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import GRPO_TINY, count_prompts
 
 import trl_ext
 from trl_ext import functional
 from trl_ext.objective import aggregations, losses
 
-
-def toy_dataset(n=4):
-    return Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(n)]})
-
-
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    max_steps=2,
-    learning_rate=1e-2,
-    logging_steps=1,
-    report_to="none",
-    bf16=False,
-    use_cpu=True,
-    seed=0,
-    temperature=1.5,
-    save_strategy="no",
-    disable_tqdm=True,
-)
+toy_dataset = count_prompts
+COMMON = GRPO_TINY
 
 
 def make_trainer(cls, config_cls, model, tokenizer, tmp_path, dataset=None, **overrides):

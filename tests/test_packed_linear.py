@@ -16,9 +16,8 @@ import pytest
 import torch
 from architectures import tiny_model
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import tiny_grpo_trainer
 
-import trl_ext
 import trl_ext.logs
 from trl_ext.eval import generate_completions
 from trl_ext.speed import packed_linear
@@ -391,32 +390,11 @@ def test_greedy_evaluation_gives_the_same_answers_packed(tokenizer, monkeypatch)
 def test_grpo_generation_packs_once_per_batch_and_releases_the_copies(tokenizer, tmp_path):
     def step(prepack):
         model = tiny_model("llama", len(tokenizer))
-        args = trl_ext.GRPOConfig(
-            output_dir=str(tmp_path / str(prepack)),
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_completion_length=6,
-            max_steps=1,
-            optim="sgd",
-            learning_rate=0.1,
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            disable_tqdm=True,
-            logging_steps=1,
-            seed=0,
-            temperature=1.5,
-            dynamic_sampling=True,
-            max_sampling_rounds=2,
-            prepack_linear_weights=prepack,
-        )
-        tok = copy.deepcopy(tokenizer)
-        tok.padding_side = "left"
-        data = Dataset.from_dict({"prompt": ["Count to 3:", "Count to 4:", "Say hi:", "Add 1 and 2:"]})
-        trainer = trl_ext.GRPOTrainer(
-            model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok
-        )
+        settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=1)
+        settings.update(optim="sgd", learning_rate=0.1, logging_steps=1, temperature=1.5)
+        settings.update(dynamic_sampling=True, max_sampling_rounds=2, prepack_linear_weights=prepack)
+        prompts = ["Count to 3:", "Count to 4:", "Say hi:", "Add 1 and 2:"]
+        trainer = tiny_grpo_trainer(model, tokenizer, tmp_path / str(prepack), prompts, length_mod5_reward, **settings)
         seen, batches = [], []
         single_turn, score = trainer._generate_single_turn, trainer._generate_and_score_completions
 
@@ -451,30 +429,10 @@ def test_grpo_generation_packs_for_the_rows_each_generate_decodes(backend, token
     per_device, steps_per_generation = 2, 2
     rows = per_device * steps_per_generation
     monkeypatch.setattr(packed_linear, "choose_backend", lambda: backend)
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=per_device,
-        steps_per_generation=steps_per_generation,
-        num_generations=2,
-        max_completion_length=5,
-        max_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": ["Count to 3:", "Say hi:"]})
-    trainer = trl_ext.GRPOTrainer(
-        model=tiny_model("llama", len(tokenizer)),
-        reward_funcs=length_mod5_reward,
-        args=args,
-        train_dataset=data,
-        processing_class=tok,
-    )
+    settings = dict(per_device_train_batch_size=per_device, steps_per_generation=steps_per_generation)
+    settings.update(num_generations=2, max_completion_length=5, max_steps=1)
+    model = tiny_model("llama", len(tokenizer))
+    trainer = tiny_grpo_trainer(model, tokenizer, tmp_path, ["Count to 3:", "Say hi:"], length_mod5_reward, **settings)
     linears = [m for m in trainer.model.modules() if packable(m)]
     generating, forwards, packings, served = [False], [], [], []
     for module in linears:

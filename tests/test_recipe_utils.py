@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trl
 import yaml
-from conftest import load_recipe
+from conftest import RECIPES, load_recipe
 
 from trl_ext import tasks
 from trl_ext.cli import RecipeError, check_model_source
@@ -712,21 +712,7 @@ def test_every_recipe_reads_data_files_as_utf8_without_the_mark(tmp_path, monkey
         module.main(*module.main.parse_args(argv))
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "grpo_math",
-        "eval_math",
-        "sft_instruct",
-        "dpo",
-        "reward_model",
-        "rlhf",
-        "grpo_sort",
-        "compare_upstream",
-        "expert_iteration",
-        "grpo_ablations",
-    ],
-)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
     _explode_loaders(
@@ -1117,18 +1103,6 @@ def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp
 
 
 # ------------------------------------------------------------------------------------------- --help says what runs
-RECIPES = (
-    "grpo_math",
-    "eval_math",
-    "sft_instruct",
-    "dpo",
-    "reward_model",
-    "rlhf",
-    "grpo_sort",
-    "compare_upstream",
-    "expert_iteration",
-    "grpo_ablations",
-)
 # uv, pip, tensorboard, accelerate launch
 OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir", "--config_file"}
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
