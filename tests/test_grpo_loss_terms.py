@@ -146,14 +146,15 @@ def test_an_entropy_bonus_turns_the_row_skipping_off_in_one_line(tokenizer, tiny
     assert config.dynamic_sampling
 
 
-@pytest.mark.parametrize(
-    "options", [dict(top_entropy_quantile=0.3), dict(off_policy_mask_threshold=0.02)], ids=["entropy", "off_policy"]
-)
+# The entropy mask turns the skipping off (its quantile is over every token of the batch, the skipped rows' included:
+# test_the_entropy_mask_takes_its_quantile_over_upstreams_entropies_bit_for_bit)
+@pytest.mark.parametrize("options", [dict(off_policy_mask_threshold=0.02)], ids=["off_policy"])
 def test_the_masks_keep_zero_advantage_rows_skipped_with_the_same_loss_and_gradients(
     options, tokenizer, tiny_model_dir, tmp_path
 ):
     """A masked policy loss still gives a row of advantage 0 no gradient: skipped (its forward without gradient) or
-    not, the loss and gradients are the same -- and upstream's."""
+    not, the loss and gradients are the same -- and upstream's. The off-policy mask compares one sequence's mean KL
+    with a constant, so it keeps the skipping on."""
     runs = {}
     for skip in (True, False):
         trainer = make_trainer(
@@ -312,3 +313,154 @@ def test_a_resume_with_another_entropy_coef_says_whether_it_is_used(tmp_path):
         now = trl_ext.GRPOConfig(**base, entropy_coef=0.1, use_adaptive_entropy=adaptive)
         lines = warn_changed_options(f"checkpoint-{adaptive}", now, saved)
         assert lines == [f"resuming checkpoint-{adaptive}: entropy_coef was 0.05, now 0.1; {effect}"]
+
+
+# ----- options over every token of the batch: the log-prob forwards run padded, as upstream (issue 45 item 2) -----
+
+
+def count_to_3_scores_zero(prompts, completions, **kwargs) -> list[float]:
+    """length_mod5_reward, except 0 for every completion of "Count to 3:": that group's rewards are all equal, so its
+    advantages are exactly 0 (the rows zero-advantage skipping would run without gradient)."""
+    lengths = length_mod5_reward(completions)
+    return [0.0 if prompt == "Count to 3:" else r for prompt, r in zip(prompts, lengths, strict=True)]
+
+
+def recording_entropies(trainer, record):
+    """Record the entropies and mask ``trainer.get_high_entropy_mask`` is given at each call, and its result."""
+    helper = trainer.get_high_entropy_mask
+
+    def call(entropies, mask, threshold):
+        kept = helper(entropies, mask, threshold)
+        record.append((entropies.detach().clone(), mask.clone(), kept.clone()))
+        return kept
+
+    trainer.get_high_entropy_mask = call
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_the_entropy_mask_takes_its_quantile_over_upstreams_entropies_bit_for_bit(
+    checkpointing, tokenizer, tiny_model_dir, tmp_path, caplog
+):
+    """top_entropy_quantile < 1 keeps the policy loss on the tokens whose entropy is at least a quantile of the whole
+    batch's: a last-bit difference in one entropy can move a token across it, so trl_ext's log-prob forwards then run
+    as upstream's (padded rows, none skipped; one log line): the entropies the quantile is taken over are upstream's
+    bit for bit, and so are the mask, the loss and the gradients (up to the loss's own float rounding). Ragged
+    completions, two rows of advantage 0 (skipped otherwise), checkpointing off and on (the one-sequence path)."""
+    shared = dict(
+        beta=0.0,
+        num_iterations=2,
+        loss_type="bnpo",
+        scale_rewards="group",
+        top_entropy_quantile=0.3,
+        gradient_checkpointing=checkpointing,
+        max_completion_length=12,
+        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 14.0]]},  # ends ~1 token in 5
+    )
+    runs = {}
+    for cls, config in ((trl_ext.GRPOTrainer, trl_ext.GRPOConfig), (trl.GRPOTrainer, trl.GRPOConfig)):
+        caplog.clear()
+        extra = dict(advantage_eps=1e-4) if cls is trl_ext.GRPOTrainer else {}
+        with caplog.at_level("WARNING", logger="trl_ext"):
+            trainer = make_trainer(cls, config, tiny_model_dir, tokenizer, tmp_path, **shared, **extra)
+            inputs = perturb_for_clipping(generation_batch(trainer))
+        if cls is trl_ext.GRPOTrainer:
+            # generation still shares its prompt cache; the log-prob forwards and the row skipping are off, in 1 line
+            assert trainer._share_prompts and not trainer._pack and not trainer._skip_zero_advantage
+            said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl_ext speed savings")]
+            assert len(said) == 1, said
+            reason = "top_entropy_quantile=0.3 keeps the tokens above a quantile of the whole batch's entropies"
+            assert f"skip_zero_advantage_rows off: {reason}" in said[0], said
+            assert f"share_prompt_cache and pack_completions in the log-prob forwards off: {reason}" in said[0], said
+        lengths = inputs["completion_mask"].sum(1)
+        assert lengths.min() < lengths.max()  # ragged
+        inputs["advantages"] = torch.tensor([0.0, 1.5, 0.0, -0.5])
+        record = []
+        recording_entropies(trainer, record)
+        trainer.accelerator.gradient_state._set_sync_gradients(True)  # the optimizer step's last micro-batch
+        runs[cls] = inputs, record, *loss_and_grads(trainer, dict(inputs))
+    (batch, ours, loss, grads), (ref_batch, theirs, ref_loss, ref_grads) = (
+        runs[trl_ext.GRPOTrainer],
+        runs[trl.GRPOTrainer],
+    )
+    # same sampled completions (generation shared its prompt cache); the old log-probs perturbed alike
+    assert torch.equal(batch["completion_ids"], ref_batch["completion_ids"])
+    torch.testing.assert_close(batch["old_per_token_logps"], ref_batch["old_per_token_logps"], atol=1e-6, rtol=0)
+    assert len(ours) == len(theirs) == 1
+    (entropies, mask, kept), (ref_entropies, ref_mask, ref_kept) = ours[0], theirs[0]
+    assert torch.equal(mask, ref_mask) and torch.equal(entropies[mask.bool()], ref_entropies[ref_mask.bool()])
+    assert torch.equal(kept, ref_kept) and 0 < kept.sum() < mask.sum()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5)
+    assert loss != 0
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+BATCH_WIDE = {  # the entropy-dependent options, each with checkpointing off and on
+    "top_entropy_quantile": dict(top_entropy_quantile=0.3),
+    "top_entropy_quantile+entropy_coef": dict(top_entropy_quantile=0.3, entropy_coef=0.5),
+    "entropy_coef": dict(entropy_coef=0.5),
+    "use_adaptive_entropy": dict(
+        use_adaptive_entropy=True, entropy_coef=0.2, entropy_coef_delta=0.3, entropy_coef_max=0.7, entropy_target=50.0
+    ),
+    "off_policy_mask_threshold": dict(off_policy_mask_threshold=1e-3),
+}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("option", list(BATCH_WIDE))
+def test_entropy_dependent_options_train_as_upstream_with_every_saving_setting(
+    option, checkpointing, tokenizer, tiny_model_dir, tmp_path
+):
+    """An unchanged trl.GRPOConfig with each entropy-dependent option (bnpo, steps_per_generation 2: 2 optimizer steps
+    from one generation batch, the second off-policy) trains trl_ext.GRPOTrainer, with its default savings, to
+    upstream's weights: plain SGD (equal weights mean equal gradients; Adam's first steps move an element by +-lr
+    whatever its size, so it turns last-bit gradient differences into 1e-5 weight differences that then cross the
+    entropy threshold); advantages exact in float32 (scale_rewards "none"; with TRL's std scaling trl_ext's float32
+    advantages differ from upstream's by a last bit, 1.5e-8, whose 4e-9 weight change moves a step-2 entropy by one
+    float step across the quantile on this model: the weights then end 0.023 apart whatever the savings);
+    ragged completions; one of the 2 groups ("Count to 3:") with advantages all 0. Tolerance:
+    1e-6 absolute and 1e-5 relative on every weight, against an update above 1e-3 (learning rate 0.5 x gradients)."""
+    settings = dict(
+        COMMON,
+        **TRAINING,
+        **BATCH_WIDE[option],
+        output_dir=str(tmp_path / option),
+        loss_type="bnpo",
+        scale_rewards="none",  # advantages r - group mean of integer rewards: exact in float32, upstream's bit for bit
+        gradient_checkpointing=checkpointing,
+        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 14.0]]},
+    )
+    # 2 groups of 4 per generation batch, one optimizer step of 4 rows each
+    settings.update(
+        per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=8
+    )
+    logs, weights, records = {}, {}, {}
+    for cls in (trl_ext.GRPOTrainer, trl.GRPOTrainer):
+        trainer = cls(
+            model=tiny_model_dir,
+            reward_funcs=count_to_3_scores_zero,
+            args=trl.GRPOConfig(**settings),
+            train_dataset=toy_dataset(8),
+            processing_class=copy.deepcopy(tokenizer),
+        )
+        if cls is trl_ext.GRPOTrainer:
+            trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4; trl_ext's default is the course's 1e-6
+        records[cls] = []
+        recording_entropies(trainer, records[cls])
+        torch.manual_seed(0)
+        trainer.train()
+        weights[cls] = dict(trainer.model.named_parameters())
+        logs[cls] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    ours, theirs = weights[trl_ext.GRPOTrainer], weights[trl.GRPOTrainer]
+    assert len(logs[trl.GRPOTrainer]) == 2 and logs[trl.GRPOTrainer][0]["frac_reward_zero_std"] == 0.5, logs
+    initial = dict(trl_ext.models.load_model(tiny_model_dir).named_parameters())
+    assert max((theirs[n] - initial[n]).abs().max().item() for n in theirs) > 1e-3  # the steps did train
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-6, rtol=1e-5, msg=name)
+    # the mask acted, on the same tokens as upstream's, from a quantile of upstream's very entropies at each step
+    if "top_entropy_quantile" in option:
+        assert len(records[trl_ext.GRPOTrainer]) == len(records[trl.GRPOTrainer]) == 2
+        for ours_call, theirs_call in zip(records[trl_ext.GRPOTrainer], records[trl.GRPOTrainer], strict=True):
+            (entropies, mask, kept), (ref_entropies, ref_mask, ref_kept) = ours_call, theirs_call
+            assert torch.equal(mask, ref_mask) and torch.equal(entropies[mask.bool()], ref_entropies[mask.bool()])
+            assert torch.equal(kept, ref_kept) and 0 < kept.sum() < mask.sum()

@@ -194,7 +194,9 @@ class GRPOConfig(trl.GRPOConfig):
             "the same path, so equal weights give bit-equal log-probs. Default True; off for vLLM generation (its own "
             "prefix caching), multimodal inputs, FSDP and DeepSpeed (every forward gathers parameters collectively, "
             "so all ranks must run the same forwards); in the log-prob forwards off with TRL's MoE load-balancing "
-            "loss (it counts every row's tokens); and wherever it cannot be exact for the model, said in one log "
+            "loss (it counts every row's tokens) and with top_entropy_quantile < 1 (a quantile of every token's "
+            "entropy, where a last-bit rounding difference moves a token across the threshold); and wherever it "
+            "cannot be exact for the model, said in one log "
             "line: decided once per model for the architecture (trl_ext.speed.shared_prompts.savings_decision: "
             "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
             "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
@@ -209,11 +211,13 @@ class GRPOConfig(trl.GRPOConfig):
             "entropy still feed the logged metrics) and skip its backward. Same loss and metrics, gradients equal up "
             "to float rounding. Works with gradient checkpointing (the rows without gradient run as a batch of their "
             "own, not checkpointed; the others are checkpointed as usual). Default True; not with FSDP or DeepSpeed "
-            "(their forwards are collective), nor with TRL's MoE load-balancing loss (over every row), nor with "
-            "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy: such a row still has its entropy's "
-            "gradient), nor where a row's outputs depend on the other rows of its batch or dropout is active (one log "
-            "line says so). TRL's entropy mask (top_entropy_quantile) and off-policy mask (off_policy_mask_threshold) "
-            "keep it on: they only zero policy-loss tokens."
+            "(their forwards are collective), nor with TRL's MoE load-balancing loss (over every row) or entropy mask "
+            "(top_entropy_quantile < 1: a quantile of every token's entropy, where the skipped rows' separate "
+            "forward rounds differently and moves tokens across the threshold), nor with TRL's entropy bonus "
+            "(entropy_coef != 0 or use_adaptive_entropy: such a row still has its entropy's gradient), nor where a "
+            "row's outputs depend on the other rows of its batch or dropout is active (one log line says so). TRL's "
+            "off-policy mask (off_policy_mask_threshold, one sequence's mean KL against a constant) keeps it on: it "
+            "only zeroes policy-loss tokens."
         },
     )
     pack_completions: bool = field(
@@ -228,7 +232,7 @@ class GRPOConfig(trl.GRPOConfig):
             "canonical order, so the same rows in any order give bit-equal log-probs. Same log-probs and gradients "
             "up to float rounding. Default True; on only where it is exact for the model (sdpa attention over "
             "key/value caches without sliding windows, checked by a probe against the padded forward; one log line "
-            "otherwise) and not with TRL's MoE load-balancing loss."
+            "otherwise) and not with TRL's MoE load-balancing loss or entropy mask (top_entropy_quantile < 1)."
         },
     )
     prepack_linear_weights: bool = field(

@@ -16,7 +16,8 @@ It overrides one upstream method:
 
 and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
 (``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
-gradient) and
+gradient), ``_padded_forward_reason`` (the options that need upstream's padded log-prob forwards: TRL's MoE
+load-balancing loss and entropy mask, over every token of the batch) and
 ``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
 line otherwise; ``trl_ext.speed.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
 time). Measured effect on the main job: docs/performance.md.
@@ -148,9 +149,9 @@ class GRPOSpeedMixin:
         Under activation checkpointing (``_checkpointing``) the training forward keeps no cache, so the log-prob
         forwards share prompts only in the one-sequence forward (``SavingsDecision.sequence``), which also packs the
         completions: "pack completions" then means that forward runs, in the old, reference and training forwards
-        alike; generation shares its prompt cache as without checkpointing. With TRL's MoE load-balancing loss
-        (``aux_loss_enabled``), which counts every token of every row, the log-prob forwards run every row in full
-        and no row is skipped; generation still shares.
+        alike; generation shares its prompt cache as without checkpointing. With an option whose result depends on
+        every token of the batch (``_padded_forward_reason``: TRL's MoE load-balancing loss, its entropy mask), the
+        log-prob forwards run every row in full and no row is skipped; generation still shares.
 
         Args:
             training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
@@ -173,20 +174,13 @@ class GRPOSpeedMixin:
         bonus = _entropy_bonus_option(self.args)
         if loss_reason is None and bonus is not None:
             loss_reason = f"{bonus} adds an entropy bonus, which gives a rollout of advantage 0 a gradient"
-        # TRL adds an MoE model's load-balancing loss (router logits of every token of every row, as the batch
-        # holds them) to the training loss: a shared prompt, a packed row or a skipped row would change it
-        aux = getattr(self, "aux_loss_enabled", False)
-        aux_reason = (
-            f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef:g}) is computed over every "
-            "token of every row of the batch"
-            if aux
-            else None
-        )
+        # an option whose result depends on every token of the batch: the log-prob forwards run padded, as upstream
+        padded = self._padded_forward_reason()
         forwards = f"share_prompt_cache{' and pack_completions' if pack else ''} in the log-prob forwards"
         names = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions")
         pack_reason = (decision.pack or noise) if pack else None
-        if share and aux:  # generation still shares its prompt cache
-            names, pack_reason = (*names[:2], forwards), aux_reason
+        if share and padded:  # generation still shares its prompt cache
+            names, pack_reason = (*names[:2], forwards), padded
         elif share and self._checkpointing():
             # no cache in a checkpointed training forward: the log-prob forwards share prompts only in the
             # one-sequence forward, which packs the completions too
@@ -205,12 +199,46 @@ class GRPOSpeedMixin:
                 pack_reason = None
         decision = SavingsDecision(
             share_prompts=(decision.share_prompts or noise) if share else None,
-            skip_rows=(loss_reason or aux_reason or decision.skip_rows or noise) if skip else None,
+            skip_rows=(loss_reason or padded or decision.skip_rows or noise) if skip else None,
             pack=pack_reason,
         )
         announce(self.model, decision, names)
         shared = share and decision.share_prompts is None
         return shared, skip and decision.skip_rows is None, pack and shared and pack_reason is None
+
+    def _padded_forward_reason(self) -> str | None:
+        """Why the log-prob forwards must run every row padded, in one batch, as upstream (no prompt shared in them,
+        no completion packed, no zero-advantage row skipped; generation still shares its prompt cache), or None.
+
+        These savings change a forward's float rounding by a last bit; that is exact enough for a loss summed over
+        tokens, but not for an option whose result depends on every token of the batch at once:
+
+        - TRL's MoE load-balancing loss (``aux_loss_enabled``): router logits of every token of every row, as the
+          batch holds them -- a shared prompt, a packed row or a skipped row would change it;
+        - ``top_entropy_quantile`` < 1 (TRL's ``get_high_entropy_mask``): the policy loss is kept on the tokens whose
+          entropy is at least a quantile of the whole batch's response tokens. Entropies lie close together (on a
+          random tiny Llama 23 tokens within 2e-4 nats, about 20 float32 steps at 10.8, and the first tokens of a
+          group tie exactly), so a last-bit difference moves a token across the threshold and its whole policy
+          gradient in or out: measured (loss_type dapo, AdamW 1e-2, 2 steps), one mask bit of 23 flipped and the
+          weights ended 0.0086 from upstream's against an update of 0.015; padded, 1.1e-6.
+
+        Per-row comparisons with a constant -- the clip range, ``off_policy_mask_threshold``'s mean KL of one
+        sequence, ``use_adaptive_entropy``'s target -- are like any float comparison: a flip needs the value within
+        rounding of the constant, so they keep the savings (an entropy bonus turns only the row skipping off,
+        ``_savings_now``).
+        """
+        if getattr(self, "aux_loss_enabled", False):
+            return (
+                f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef:g}) is computed over "
+                "every token of every row of the batch"
+            )
+        quantile = getattr(self.args, "top_entropy_quantile", 1.0)
+        if quantile < 1.0:
+            return (
+                f"top_entropy_quantile={quantile!r} keeps the tokens above a quantile of the whole batch's entropies, "
+                "where a last-bit rounding difference moves a token across the threshold"
+            )
+        return None
 
     @property
     def _share_prompts(self) -> bool:
@@ -243,13 +271,13 @@ class GRPOSpeedMixin:
         # forwards then all share prompts in one cache-free forward (forward_in_one_sequence) or all run unshared,
         # so that log-probs of equal weights stay bit-equal (ratio 1, KL exactly 0) -- TRL turns checkpointing off
         # around the no-grad forwards, so the path follows _checkpointing(), not the model's state at the call.
-        # With the MoE aux loss (router logits over every row's tokens) every log-prob forward runs unshared, as
-        # upstream (_savings_now says so; pack is then off).
+        # With the MoE aux loss or TRL's entropy mask (over every token of the batch) every log-prob forward runs
+        # unshared, as upstream (_padded_forward_reason; _savings_now says so; pack is then off).
         shared, _, pack = self._savings_now()
         if self._checkpointing():
             path = "sequence" if pack else None
         else:
-            path = "cache" if shared and not getattr(self, "aux_loss_enabled", False) else None
+            path = "cache" if shared and self._padded_forward_reason() is None else None
         cache_name = cache_argument(unwrapped) if path == "cache" else None
         prompt_length = input_ids.size(1) - logits_to_keep
 
