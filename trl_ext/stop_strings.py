@@ -1,31 +1,15 @@
 """Stop strings: a completion ends where the prompt's format ends (``</answer>`` for the R1-Zero prompt).
 
-CS336 assignment 5 samples with vLLM's ``SamplingParams(stop=["</answer>"], include_stop_str_in_output=True)`` (and
-``min_tokens=4`` for rollouts), so a response ends with the closing answer tag, and the course's own grader
-(``drgrpo_grader.r1_zero_reward_fn``) scores a right answer followed by any more text as wrong. This module gives
-every generation path of trl_ext the same rule:
+CS336 A5 samples with vLLM's ``SamplingParams(stop=["</answer>"], include_stop_str_in_output=True)`` (``min_tokens=4``
+for rollouts); this module gives every generation path the same rule:
 
-* :class:`StopAtStrings`: the ``StoppingCriteria`` of a transformers ``generate`` call: transformers'
-  ``StopStringCriteria`` (which catches a stop string split over several tokens, and one whose last token runs past
-  it: ``"</"``, ``"answer"``, ``">."``), checked only once more than ``min_new_tokens`` tokens are generated, on
-  the text after the first ``min_new_tokens`` tokens (vLLM's ``min_tokens`` rule, below), and only for a stop string
-  inside the generated text (vLLM looks at the output only; a stop string straddling the prompt's end does not stop).
-* :func:`cut_at_stop`: where a generated completion ends -- the tokens up to and including the one that completes
-  the first stop string, and the text up to exactly the end of that stop string. Applied after every generation
-  (transformers pads a stopped row to the batch's longest; vLLM's token ids run to the token that completed the
-  stop), so the completion, the reward's text and the loss mask end there, whatever the backend.
-* :func:`find_stop`: the first stop string in a text (the rule both use).
+* :class:`StopAtStrings`: the ``StoppingCriteria`` of a transformers ``generate`` call;
+* :func:`cut_at_stop`: where a generated completion ends, applied after every backend's generation;
+* :func:`find_stop`: the first stop string in a text.
 
-``min_tokens`` (vLLM 0.30, ``vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update``): stop strings are
-checked only when a completion has *more than* ``min_tokens`` tokens, and only on the text after the first
-``min_tokens`` tokens' text (vllm-project/vllm#22014) -- so a stop string that the ``min_tokens``-th token completes
-does not stop, and the earliest stop is at token ``min_tokens + 1``, where EOS is first allowed too (vLLM's and
-transformers' ``min_new_tokens`` mask EOS while fewer than the minimum tokens are generated).
-
-A stop string's last token may carry text past the stop string (``">."`` completes ``"</answer>"``): that token
-is what the model sampled, so it stays in the completion's tokens (and in the loss, with the log-prob it was
-sampled with); the completion's *text* -- what rewards and records see -- ends exactly at the stop string, as
-vLLM's text output does (``include_stop_str_in_output=True``).
+``min_tokens`` follows vLLM 0.30 (vllm-project/vllm#22014): stop strings are checked only past ``min_tokens`` tokens, on
+the text after them. The token completing a stop string may carry more text (``">."``): it stays in the tokens and the
+loss; the completion's text ends exactly at the stop string, as vLLM's does.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """The speed paths of ``trl_ext.GRPOTrainer``, apart from its course seams: same numbers, less compute.
 
-``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO). It opens, for the
-trainer's one ``_generate_single_turn``, the block ``_generation_savings``: with ``share_prompt_cache``, transformers
-generation prefills each distinct prompt once (``trl_ext.speed.shared_prompts.generate_with_shared_prompts`` shadows
-the model's ``generate`` for the block); with ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed
-weights (MKL or oneDNN; ``trl_ext.speed.packed_linear``, packed once per generation batch,
-``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens vectorised (``trl_ext.speed.sampling``).
-It overrides one upstream method:
+``GRPOSpeedMixin`` opens, for the trainer's ``_generate_single_turn``, the block ``_generation_savings``: shared prompt
+prefill (``share_prompt_cache``), packed linear weights (``prepack_linear_weights``, once per generation batch) and the
+vectorised sampler (``trl_ext.speed.sampling``). It overrides one upstream method:
 
-- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
-  absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
-  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
-  padding-free with ``pack_completions`` (``packed_forward``); under activation (gradient) checkpointing, which
-  keeps no cache in a training forward, both in one cache-free forward instead (``forward_in_one_sequence``);
+- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (issue 10) and, with
+  ``share_prompt_cache``, runs each distinct prompt once (``forward_with_shared_prompts``; ``pack_completions``:
+  ``packed_forward``; under activation checkpointing ``forward_in_one_sequence``);
 
-and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
-(``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
-gradient) and
-``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
-line otherwise; ``trl_ext.speed.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
-time). Measured effect on the main job: docs/performance.md.
+and adds ``_rows_without_gradient`` / ``_logps_without_zero_rows`` (``skip_zero_advantage_rows``) and ``_savings_now``
+(each saving only where exact: ``savings_decision``, ``training_noise``). Effect: docs/performance.md.
 """
 
 from __future__ import annotations

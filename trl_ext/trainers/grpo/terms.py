@@ -1,35 +1,18 @@
-"""The terms and masks ``trl.GRPOTrainer`` (TRL 1.16) applies around the policy loss, for ``trl_ext.GRPOTrainer``.
+"""The terms and masks ``trl.GRPOTrainer._compute_loss`` (TRL 1.16) applies around the policy loss, in its order.
 
-``GRPOLossTermsMixin`` gives ``GRPOTrainer._compute_loss`` (trl_ext/trainers/grpo/trainer.py) upstream's three options
-that are not a per-token loss, an aggregation or an advantage, in upstream's order of operations
-(``trl.GRPOTrainer._compute_loss``):
+``GRPOLossTermsMixin`` gives ``trl_ext.GRPOTrainer._compute_loss``:
 
-- ``top_entropy_quantile`` < 1 (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv:2506.01939): the policy loss is kept
-  only on the tokens whose entropy is in the top quantile of the batch's response tokens, every process's
-  (upstream's ``get_high_entropy_mask``, which gathers the entropies across processes);
-- ``off_policy_mask_threshold`` (DeepSeek-V3.2, arXiv:2512.02556, eq. 9): a sequence with a negative advantage whose
-  mean per-token KL(sampler || policy) exceeds the threshold is dropped (upstream's static ``get_off_policy_mask``;
-  with vLLM the sampler's log-probs are ``sampling_per_token_logps``, else the old log-probs);
+- ``top_entropy_quantile`` < 1 (Wang et al. 2025, arXiv:2506.01939): the policy loss only on tokens whose entropy is in
+  the top quantile of every process's response tokens (upstream's ``get_high_entropy_mask``);
+- ``off_policy_mask_threshold`` (DeepSeek-V3.2, arXiv:2512.02556, eq. 9): a negative-advantage sequence whose mean
+  KL(sampler || policy) exceeds the threshold is dropped (upstream's ``get_off_policy_mask``); both multiply the
+  per-token policy loss before the vLLM correction and the KL (``_policy_loss_masks``);
+- ``entropy_coef`` / ``use_adaptive_entropy`` (Skywork-OR1, arXiv:2505.22312): the aggregated loss minus ``coef x`` the
+  mean entropy (``_entropy_bonus``); its adaptive state is upstream's and also saved in trl_ext's checkpoint state, so a
+  resume is exact.
 
-  both multiply the per-token policy loss before TRL's vLLM importance-sampling correction and the KL term
-  (``_policy_loss_masks``); the aggregation still divides by the response tokens, as upstream's;
-- ``entropy_coef`` / ``use_adaptive_entropy`` (Skywork-OR1, arXiv:2505.22312): after the aggregation, the loss minus
-  ``coef x`` the mean entropy over the tokens the policy loss acts on, divided by the accumulation steps
-  (``_entropy_bonus``); adaptive: ``coef`` is applied only while the entropy of the last optimizer step (all
-  processes, all its micro-batches) is at most ``entropy_target``, and moves by ``entropy_coef_delta`` within
-  [``entropy_coef_min``, ``entropy_coef_max``] after every optimizer step. Its state (``entropy_coef``,
-  ``_last_world_entropy``) is upstream's: ``trl.GRPOTrainer._save_checkpoint`` writes it to
-  ``entropy_ctrl_state.json`` and ``_load_optimizer_and_scheduler`` reads it back; it is also saved in trl_ext's own
-  checkpoint state, written before ``trainer_state.json`` marks the checkpoint complete (upstream's file comes after
-  it), so a resumed run continues the interrupted one exactly.
-
-The bonus is upstream's ``L = L_policy - coef x H``: a rollout whose advantage is 0 still has its entropy's gradient,
-so ``skip_zero_advantage_rows`` turns itself off with one log line while a bonus is on
-(``trl_ext.trainers.grpo.speed.GRPOSpeedMixin._savings_now``); the two masks only zero policy-loss tokens, so a zero
-advantage still gives a zero gradient under them. ``dynamic_sampling`` only chooses which groups a batch trains on and
-stays valid with a bonus (the groups it fills in then train their entropy term).
-
-All off by default (the course's math), as upstream.
+A bonus gives zero-advantage rows a gradient, so ``skip_zero_advantage_rows`` turns itself off under it (one log line);
+``dynamic_sampling`` stays valid. All off by default, as upstream.
 """
 
 from __future__ import annotations
