@@ -54,19 +54,13 @@ def is_repacked(module: torch.nn.Module) -> bool:
 
 
 def keep_trainable(model: Any) -> int:
-    """Turn bitsandbytes' CPU inference repacking off on every 4-bit layer of ``model``; return how many layers it
-    turned off (0 for a model without 4-bit layers, or one already kept trainable).
-
-    Sets ``support_avx512bf16_for_cpu = False`` on each ``Linear4bit`` (the flag its ``forward`` reads before
-    repacking); the layer then computes ``F.linear(x, dequantize_4bit(W))`` in training and in evaluation alike.
-    Logs one line when it turned something off. Safe to call repeatedly and on any model (also on a GPU, where the
-    flag is never read).
+    """Turn bitsandbytes' CPU inference repacking off on every 4-bit layer of ``model`` (``support_avx512bf16_for_cpu =
+    False``: the layer then computes ``F.linear(x, dequantize_4bit(W))`` in training and evaluation alike); return how
+    many layers it turned off. Logs one line when it did; safe to call repeatedly, on any model and device.
 
     Raises:
-        ValueError: a layer was repacked already (an evaluation-mode forward without gradients ran on a CPU with
-            AVX512-BF16 before trl_ext saw the model): its block scales are rounded to bf16 and its input gradient
-            is gone, which no inverse restores. The message names the layer and how to avoid it.
-    """
+        ValueError: a layer was repacked already (its scales rounded, its input gradient gone); names the layer and
+            how to avoid it."""
     if not isinstance(model, torch.nn.Module):
         return 0
     layers = linear4bit_modules(model)

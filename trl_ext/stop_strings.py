@@ -83,20 +83,17 @@ def cut_at_stop(
 ) -> StopCut | None:
     """Where ``completion_ids`` end at the first stop string, or None when no stop string is in them.
 
-    The completion ends at the token that completes the first stop string (:func:`find_stop`) ending after the
-    text of the first ``min_new_tokens`` tokens, at token ``min_new_tokens + 1`` at the earliest (vLLM's
-    ``min_tokens`` rule, module docstring; as in :class:`StopAtStrings`); its text is the decoded tokens cut right
-    after the stop string.
+    The token completing the first stop string (:func:`find_stop`) past the first ``min_new_tokens`` tokens' text ends
+    it; its text is cut right after the stop string.
 
     Args:
-        completion_ids: one completion's token ids (no prompt; padding or tokens after the stop may follow).
-        tokenizer: its tokenizer (decodes with ``skip_special_tokens=True``, as TRL decodes completions).
+        completion_ids: one completion's token ids (no prompt; padding or later tokens may follow).
+        tokenizer: its tokenizer (decodes with ``skip_special_tokens=True``, as TRL does).
         stop_strings: the stop strings (:func:`check_stop_strings`).
-        min_new_tokens: the generation's minimum number of new tokens (vLLM's ``min_tokens``; 0: none held back).
+        min_new_tokens: vLLM's ``min_tokens`` (0: none held back).
 
     Returns:
-        :class:`StopCut` (``num_tokens`` >= 1), or None.
-    """
+        :class:`StopCut` (``num_tokens`` >= 1), or None."""
     if not stop_strings or not completion_ids:
         return None
     ids = list(completion_ids)
@@ -118,21 +115,15 @@ def cut_at_stop(
 
 
 class StopAtStrings(StoppingCriteria):
-    """Stop a row of a transformers ``generate`` call once its generated text holds a stop string, once it has
-    more than ``min_new_tokens`` generated tokens (vLLM's ``min_tokens`` rule, module docstring).
-
-    transformers' ``StopStringCriteria`` finds a stop string at the end of the sequence even when it spans several
-    tokens or its last token runs past it; a row it stops is confirmed on the decoded generated text
-    (:func:`find_stop`, the rule :func:`cut_at_stop` applies afterwards), so a stop string straddling the prompt's
-    end, or one held back by ``min_new_tokens``, does not stop the row.
+    """Stop a row of a transformers ``generate`` call once its generated text, past ``min_new_tokens`` tokens, holds a
+    stop string: transformers' ``StopStringCriteria`` (stop strings spanning tokens), confirmed on the decoded text
+    (:func:`find_stop`).
 
     Args:
         tokenizer: the tokenizer of the model.
         stop_strings: the stop strings (:func:`check_stop_strings`).
         prompt_length: the (left-padded) prompt length of the batch: generated tokens start there.
-        min_new_tokens: no row stops at a stop string before it has more than this many generated tokens, nor at
-            one ending in their text (vLLM's ``min_tokens``).
-    """
+        min_new_tokens: vLLM's ``min_tokens`` rule (no stop before more than this many generated tokens)."""
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_length: int, min_new_tokens: int = 0):
         self.tokenizer = tokenizer

@@ -128,24 +128,14 @@ class GRPOSpeedMixin:
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
 
-        Exact or off (``trl_ext.speed.shared_prompts.savings_decision``): the per-architecture part (static checks and
-        the probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
-        changed after the trainer was built, a config change, ``train()``/``eval()`` -- is asked at each use
-        (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
-        forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
-        see one decision, the current one. A saving that is off is named in one log line per model and reason.
-
-        Under activation checkpointing (``_checkpointing``) the training forward keeps no cache, so the log-prob
-        forwards share prompts only in the one-sequence forward (``SavingsDecision.sequence``), which also packs the
-        completions: "pack completions" then means that forward runs, in the old, reference and training forwards
-        alike; generation shares its prompt cache as without checkpointing. With TRL's MoE load-balancing loss
-        (``aux_loss_enabled``), which counts every token of every row, the log-prob forwards run every row in full
-        and no row is skipped; generation still shares.
+        The per-architecture part (``savings_decision``) is cached per model; training noise is asked at each use
+        (``training_noise``, train mode only), so every path sees the current decision; a saving that is off is logged
+        once per model and reason. Under activation checkpointing "pack completions" means the one-sequence forward
+        (``SavingsDecision.sequence``). With TRL's MoE load-balancing loss (``aux_loss_enabled``) log-prob forwards run
+        every row in full.
 
         Args:
-            training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
-                mode now.
-        """
+            training: judge the forward in train (True) or eval (False) mode; None (default): the model's mode now."""
         share, skip, pack = getattr(self, "_speed_requested", (False, False, False))
         if not (share or skip):
             return False, False, False

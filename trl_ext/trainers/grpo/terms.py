@@ -39,23 +39,16 @@ class GRPOLossTermsMixin:
         mask: torch.Tensor,
         advantages: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The masks upstream multiplies the per-token policy loss by, as trl.GRPOTrainer._compute_loss (TRL 1.16)
-        computes them.
+        """The masks upstream multiplies the per-token policy loss by (trl.GRPOTrainer._compute_loss, TRL 1.16).
 
         Args:
             inputs: the batch (``sampling_per_token_logps`` with vLLM).
-            per_token_logps: (B, T) log-probs of the policy being trained.
-            old_log_probs: (B, T) log-probs of the policy that sampled (``per_token_logps.detach()`` on-policy).
-            entropies: (B, T) per-token entropies (nats).
-            mask: (B, T) response mask (1 on the tokens that count).
+            per_token_logps, old_log_probs, entropies, mask: (B, T).
             advantages: (B, 1).
 
         Returns:
-            ``(loss_mask, entropy_mask)``: the product of the off-policy sequence mask ((B, 1), 1 = keep) and the
-            entropy mask ((B, T) bool, the top ``top_entropy_quantile`` of all processes' response tokens by
-            entropy), each included where its option is on, None where both are off; and the entropy mask alone (or
-            None), which the entropy bonus also acts on.
-        """
+            ``(loss_mask, entropy_mask)``: the product of the off-policy mask (B, 1) and the top-entropy mask (B, T),
+            each where its option is on (None when both are off), and the entropy mask alone (or None)."""
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:  # a collective (every process's entropies): every rank calls it
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
@@ -82,28 +75,22 @@ class GRPOLossTermsMixin:
         accumulation: float,
         mode: str,
     ) -> torch.Tensor | float:
-        """The entropy term to subtract from this micro-batch's loss (``coef x H / accumulation``), logging
-        ``policy_loss`` and, at each optimizer step, ``entropy_coef``; in training with ``use_adaptive_entropy``,
-        adds the micro-batch to the step's entropy window and updates the coefficient at the step's end. As
-        trl.GRPOTrainer._compute_loss (TRL 1.16).
+        """The entropy term to subtract from this micro-batch's loss, as trl.GRPOTrainer._compute_loss (TRL 1.16): logs
+        ``policy_loss`` and ``entropy_coef``; with ``use_adaptive_entropy`` in training, adds to the step's entropy
+        window and updates the coefficient at the step's end.
 
         Args:
             entropies: (B, T) per-token entropies, with gradient.
             mask: (B, T) response mask.
-            entropy_mask: (B, T) bool from ``_policy_loss_masks`` or None: the bonus acts on the same tokens as the
-                policy loss.
-            policy_loss: 0-d, the micro-batch's aggregated loss (policy loss and KL), before the division by the
-                accumulation steps. Logged as ``policy_loss`` (mean over processes) as TRL 1.16 logs it: the token
-                means over the generation batch (TRL's ``dapo``, ``cispo``, ``vespo``: the aggregations whose divisor
-                is ``batch_tokens``) after that division, the others before it.
+            entropy_mask: (B, T) bool from ``_policy_loss_masks`` or None.
+            policy_loss: 0-d aggregated loss before the division by ``accumulation`` (logged as TRL 1.16 does: after the
+                division for the ``batch_tokens`` aggregations, before it for the others).
             accumulation: the gradient accumulation steps (1 in evaluation).
             mode: ``"train"`` or ``"eval"``.
 
         Returns:
-            0-d tensor: ``coef x (sum of entropies x effective mask) / (effective tokens, at least 1) / accumulation``
-            with the coefficient in force since the last optimizer step (adaptive: 0 while the last step's entropy
-            was above ``entropy_target``, and at the first step).
-        """
+            0-d: ``coef x (masked sum of entropies) / (tokens, at least 1) / accumulation`` (adaptive: 0 while the last
+            step's entropy was above ``entropy_target``, and at the first step)."""
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
         entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
         if self.use_adaptive_entropy:
