@@ -18,27 +18,19 @@ from transformers import TrainerCallback
 class HeldOutEvaluation(TrainerCallback):
     """Held-out evaluation after chosen optimizer steps, logged at that step.
 
-    Attach with :meth:`attach` after building the trainer. The evaluation runs in ``on_step_end``, on the main
-    process, after the step's optimizer update. Its results are appended to ``trainer._metrics["train"]`` as
-    ``<prefix>accuracy`` and ``<prefix>format_rate`` (default ``heldout/accuracy``, ``heldout/format_rate``), which
-    TRL logs at this step next to its own metrics (every ``report_to`` logger and ``log_history``): an evaluated step
-    is always logged, whatever ``logging_steps`` is, so its value is never averaged with a later one. Each result's
-    numbers and first responses are kept in :attr:`evals` (:func:`eval_record`).
+    Attach with :meth:`attach`. Runs in ``on_step_end`` on the main process; results go to ``trainer._metrics["train"]``
+    as ``<prefix>accuracy`` and ``<prefix>format_rate``, and an evaluated step is always logged. Each result is kept in
+    :attr:`evals` (:func:`eval_record`).
 
     Args:
-        eval_fn: ``eval_fn(model) -> dict`` with at least ``accuracy`` (e.g. :func:`trl_ext.eval.evaluate_math`
-            partially applied); None for no held-out evaluation.
-        eval_steps: optimizer steps after which to evaluate (step 0 is not handled here: evaluate the initial model
-            before training).
-        eval_every: also evaluate after every step that is a multiple of it (None: only ``eval_steps``).
-        skip_last: with ``eval_every``, leave out the run's last step (``state.max_steps``), which the caller
-            evaluates after training itself.
-        prefix: the logged names' prefix (``"eval_"`` logs ``eval_accuracy``, which TensorBoard shows as
-            ``eval/accuracy``).
+        eval_fn: ``eval_fn(model) -> dict`` with at least ``accuracy``; None for none.
+        eval_steps: optimizer steps after which to evaluate (not step 0).
+        eval_every: also every multiple of it (None: only ``eval_steps``).
+        skip_last: with ``eval_every``, leave out the last step (the caller evaluates after training).
+        prefix: the logged names' prefix (default ``"heldout/"``; ``"eval_"`` shows as ``eval/accuracy``).
 
     Raises:
-        ValueError: ``eval_every`` < 1.
-    """
+        ValueError: ``eval_every`` < 1."""
 
     def __init__(
         self,
@@ -86,28 +78,18 @@ class HeldOutEvaluation(TrainerCallback):
 
 
 class RolloutLog(TrainerCallback):
-    """Writes a few of each optimizer step's rollouts to a JSON-lines file (``rollouts.jsonl`` in a recipe's output
-    folder), one object per sample: ``step``, ``prompt``, ``response``, the scores ``reward``, ``format_reward``,
-    ``answer_reward`` and the row's ``answer`` (where the reward function logged them), each reward function's value
-    under ``rewards``, and the ``advantage`` the loss used.
+    """Writes a few of each optimizer step's rollouts to a JSON-lines file, one object per sample: ``step``, ``prompt``,
+    ``response``, ``reward``, ``format_reward``, ``answer_reward``, ``answer`` (where logged), ``rewards`` per function
+    and the ``advantage`` the loss used.
 
-    It reads what TRL's ``GRPOTrainer`` keeps for its completions table (``trainer._logs``, TRL 1.16: the prompts,
-    completions, per-function rewards and advantages of the latest generation batch, gathered from every process;
-    trl_ext's trainer replaces the advantages with the course's) and the columns reward functions add to that table
-    through TRL's ``log_extra`` (a task's reward function logs its three scores and the answer:
-    :func:`trl_ext.rewards.as_trl_row_reward`). A step that generated nothing (its batch was generated at an earlier
-    step: ``steps_per_generation`` > ``gradient_accumulation_steps``, ``num_iterations`` > 1) adds no rows; with
-    dynamic sampling the rows come from the step's last generation round (the step trains on the informative groups
-    of all its rounds). The
-    samples are spread evenly over the batch (``samples`` of ``n``: rows ``i * n // samples``), so several groups are
-    seen. Main process only; a run that resumes keeps the rows up to its checkpoint's step and drops the rest; a run
-    that starts at step 0 starts the file anew. A trainer without that table (not a GRPO trainer) writes nothing and
-    says so once.
+    Reads TRL 1.16's completions table (``trainer._logs``, every process's latest generation batch, with the columns
+    reward functions add through ``log_extra``). A step that generated nothing adds no rows; ``samples`` rows spread
+    evenly over the batch. Main process only; a resumed run keeps the rows up to its checkpoint's step, a fresh one
+    starts the file anew; a trainer without the table writes nothing and says so once.
 
     Args:
         path: the file.
-        samples: rollouts kept per step (>= 1).
-    """
+        samples: rollouts kept per step (>= 1)."""
 
     def __init__(self, path: str | os.PathLike, samples: int = 4):
         if samples < 1:

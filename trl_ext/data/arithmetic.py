@@ -77,32 +77,28 @@ def make_arithmetic_dataset(
 ) -> Dataset:
     """Generate ``n`` distinct arithmetic questions of one split, reproducibly from ``seed``.
 
-    Each problem draws an operation uniformly from ``operations`` and each operand uniformly from its digit range
-    (1 digit: 0-9; d >= 2 digits: 10**(d-1) .. 10**d - 1). For ``-`` without ``allow_negative`` the operands are
-    swapped when needed so the answer is >= 0. Draws outside the requested split (see the module docstring) or
-    repeating an earlier question of this dataset are rejected. The same ``(n, seed, split, options)`` always give
-    the same rows.
+    Operation uniform over ``operations``, operands uniform over their digit range (1 digit: 0-9; d >= 2: 10**(d-1) ..
+    10**d - 1); ``-`` swaps operands unless ``allow_negative``. Draws outside the split or repeating an earlier question
+    are rejected.
 
     Args:
         n: number of questions (>= 1).
         seed: random seed.
-        split: ``"train"`` or ``"test"``; the two never share a problem (for the same ``test_fraction``).
+        split: ``"train"`` or ``"test"``; disjoint for the same ``test_fraction``.
         operations: subset of ``("+", "-", "*")``; default addition only.
-        digits: digit count of both operands, or a pair (digits of a, digits of b); each 1..9.
+        digits: digits of both operands, or a pair (a, b); each 1..9.
         phrasing: ``"plain"`` ("What is 23 + 45?") or ``"word"`` (a short story problem).
         allow_negative: allow ``a - b < 0`` (not with ``phrasing="word"``).
         test_fraction: share of the problem space reserved for the test split, in (0, 1).
-        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
-            (default ``"chat"``: the question as the user turn, for instruct models).
+        template, tokenizer, system_prompt, instruction: for :func:`trl_ext.data.prompts.format_prompt` (default
+            ``"chat"``).
 
     Returns:
-        A ``datasets.Dataset`` with columns ``prompt``, ``answer`` (the integer result as a string, e.g. ``"68"``)
-        and ``question``.
+        A ``datasets.Dataset`` with ``prompt``, ``answer`` (e.g. ``"68"``) and ``question``.
 
     Raises:
-        ValueError: an argument is out of range (the message names it), or the split's problem space holds fewer
-            than ``n`` distinct questions (found after 100 * n + 10_000 draws).
-    """
+        ValueError: an argument out of range (named), or fewer than ``n`` distinct questions in 100 * n + 10_000
+            draws."""
     check_split_request(n, split, test_fraction)
     if not operations or any(op not in OPERATIONS for op in operations):
         raise ValueError(f"operations must be a non-empty subset of {OPERATIONS}, got {operations!r}")

@@ -249,43 +249,30 @@ def load_math_dataset(
 ) -> Dataset:
     """Load GSM8K, MATH or arithmetic questions and format them for TRL.
 
-    Input rows, by ``kind``:
-      * ``"gsm8k"``: ``question`` and ``answer`` (worked solution ending in ``"#### N"``). The ground truth is N
-        (``parse_gsm8k_ground_truth``); the original answer text is kept as ``solution`` (unless that column
-        already exists).
-      * ``"math"``: ``problem`` and either ``answer`` (used when the column exists, e.g. MATH-500) or ``solution``
-        (ground truth = its final ``\\boxed{...}``; several boxes joined by "and" / "," are one multi-part answer,
-        ``"2, 4"``, see ``trl_ext.rewards.extract_boxed_parts``; rows whose final box follows other boxes separated by
-        text are counted and warned about once).
-      * ``"arithmetic"``: ``question`` and an integer ``answer`` (e.g. a saved :func:`make_arithmetic_dataset`).
-
-    Output: every input column, plus ``prompt`` (``format_prompt(question, template, ...)``) and ``answer`` (the
-    normalized ground-truth string, e.g. ``"72"``, overwriting the input ``answer``): the ``answer`` column is what
-    ``trl_ext.rewards`` reward functions grade against.
+    Input rows by ``kind``: ``"gsm8k"``: ``question``, ``answer`` ending in ``"#### N"`` (ground truth N, the text kept
+    as ``solution``); ``"math"``: ``problem`` and ``answer`` if present, else ``solution``'s final ``\\boxed{...}``
+    (several joined boxes are one multi-part answer, ``trl_ext.rewards.extract_boxed_parts``); ``"arithmetic"``:
+    ``question`` and an integer ``answer``. Output: every input column plus ``prompt`` (``format_prompt``) and
+    ``answer``, the normalized ground truth the reward functions grade against.
 
     Args:
-        name_or_path: a local ``.jsonl``/``.json``/``.parquet`` file (read whole: the file is the split, ``split``
-            is not used) or a hub dataset id, loaded with ``datasets.load_dataset(id, config_name, split=split)``.
+        name_or_path: a local ``.jsonl``/``.json``/``.parquet`` file (the whole file is the split) or a hub id.
         split: hub split name (default ``"train"``).
-        kind: ``"gsm8k"``, ``"math"``, ``"arithmetic"``, or ``None`` (default) to infer from the columns:
-            ``problem`` -> math, ``question`` + ``answer`` -> gsm8k.
-        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
-            (default template ``"chat"``: a conversation TRL renders with the model's chat template).
-        config_name: hub config; default from :data:`HUB_DEFAULT_CONFIGS` (``"main"`` for GSM8K), else none.
-        skip_bad_rows: when False (default), the first bad row raises; when True, bad rows are dropped with one
-            ``UserWarning`` giving their count and the first one.
-        max_rows: read only the first ``max_rows`` rows of the source (default: all); fewer come back when
-            bad rows among them are skipped.
+        kind: ``"gsm8k"``, ``"math"``, ``"arithmetic"``, or None (default) to infer: ``problem`` -> math, ``question`` +
+            ``answer`` -> gsm8k.
+        template, tokenizer, system_prompt, instruction: for :func:`trl_ext.data.prompts.format_prompt` (default
+            ``"chat"``).
+        config_name: hub config; default from :data:`HUB_DEFAULT_CONFIGS`.
+        skip_bad_rows: False (default): the first bad row raises; True: bad rows dropped with one ``UserWarning``.
+        max_rows: read only the first ``max_rows`` source rows (default: all).
 
     Returns:
         A ``datasets.Dataset``.
 
     Raises:
         FileNotFoundError: a local path with a supported suffix does not exist.
-        ValueError: unsupported local path, unknown ``kind``, a required column is absent, ``max_rows`` < 1, no
-            usable rows, or (without ``skip_bad_rows``) a bad row: a missing/empty question or answer, or an
-            answer that cannot be parsed. The message names the file, the 0-based row number and the field.
-    """
+        ValueError: unsupported path, unknown ``kind``, missing column, ``max_rows`` < 1, no usable rows, or a bad
+            row (named by file, 0-based row and field)."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"dataset kind {kind!r} is not supported (--dataset_kind, kind=); expected one of {KINDS}")
     if max_rows is not None and max_rows < 1:

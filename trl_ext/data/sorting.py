@@ -42,28 +42,25 @@ def make_sorting_dataset(
 ) -> Dataset:
     """Generate ``n`` distinct sorting questions of one split, reproducibly from ``seed``.
 
-    Each question draws ``num_numbers`` distinct integers uniformly from ``low .. high`` (inclusive) in random order:
-    ``"Sort these numbers in ascending order: 42 7 19 3"``. Draws outside the requested split, or with the same
-    numbers as an earlier question of this dataset, are rejected.
+    ``num_numbers`` distinct integers uniform in ``low .. high`` (inclusive), in random order; draws outside the split
+    or repeating an earlier question are rejected.
 
     Args:
         n: number of questions (>= 1).
         seed: random seed.
         split: ``"train"`` or ``"test"``.
-        num_numbers: N, numbers per question (>= 2).
-        low, high: range of the numbers, ``0 <= low`` and ``high - low + 1 >= num_numbers``.
+        num_numbers: numbers per question (>= 2).
+        low, high: ``0 <= low`` and ``high - low + 1 >= num_numbers``.
         test_fraction: share of the problem space reserved for the test split, in (0, 1).
-        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
-            (default: a chat conversation with :data:`SORT_INSTRUCTION` appended to the question).
+        template, tokenizer, system_prompt, instruction: for :func:`trl_ext.data.prompts.format_prompt` (default: a chat
+            with :data:`SORT_INSTRUCTION` appended).
 
     Returns:
-        A ``datasets.Dataset`` with columns ``prompt``, ``answer`` (the sorted numbers, space separated, e.g.
-        ``"3 7 19 42"``), ``numbers`` (the list in prompt order) and ``question``.
+        A ``datasets.Dataset`` with ``prompt``, ``answer`` (e.g. ``"3 7 19 42"``), ``numbers`` and ``question``.
 
     Raises:
-        ValueError: an argument is out of range (the message names it), or fewer than ``n`` distinct questions of the
-            split were found in ``100 * n + 10_000`` draws.
-    """
+        ValueError: an argument out of range (named), or fewer than ``n`` distinct questions in 100 * n + 10_000
+            draws."""
     check_split_request(n, split, test_fraction)
     if num_numbers < 2:
         raise ValueError(f"num_numbers must be >= 2, got {num_numbers}")

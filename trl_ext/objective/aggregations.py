@@ -1,18 +1,9 @@
 """Length normalization: how a (B, T) per-token loss becomes one micro-batch loss, one registry entry each -- the
 choices of ``GRPOConfig.length_normalization`` (verl's ``loss_agg_mode``, TRL's part of ``loss_type``).
 
-An aggregation is ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows) -> 0-d loss`` with a
-declaration of the divisor the trainer must hand it (:class:`Aggregation`), registered with
-:func:`register_aggregation`::
-
-    @register_aggregation("token_mean", divisor="batch_tokens", upstream_loss_type="dapo", formula="...")
-    def token_mean(per_token_loss, response_mask, normalize_constant, empty_rows): ...
-
-``--length_normalization package.module:fn`` names a user's function of that signature (divisor ``"none"``) or an
-:class:`Aggregation`. The course's dispatch ``compute_grpo_loss`` (handout sections 7.2-7.3) goes through this
-registry, and so does the trainer.
-
-Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
+An entry is ``reduce(per_token_loss, response_mask, normalize_constant, empty_rows) -> 0-d loss`` with the divisor the
+trainer must hand it (:class:`Aggregation`, :func:`register_aggregation`); ``package.module:fn`` names a user's function
+(divisor ``"none"``). :func:`compute_grpo_loss` is the course's dispatch and the trainer's.
 """
 
 from __future__ import annotations
@@ -46,22 +37,17 @@ ReduceFn = Callable[..., torch.Tensor]
 
 @dataclass(frozen=True)
 class Aggregation:
-    """How the per-token loss of a micro-batch becomes its scalar loss, and what it divides by: one entry of
+    """How a micro-batch's per-token loss becomes its scalar loss, and what it divides by: one entry of
     :data:`AGGREGATIONS`.
 
     Attributes:
         name: the ``length_normalization`` value.
-        reduce: ``reduce(per_token_loss (B, T), response_mask (B, T), normalize_constant, empty_rows) -> 0-d loss``
-            (:func:`compute_grpo_loss` checks shapes and choices first).
-        divisor: what a trainer passes as ``normalize_constant``: ``"none"`` (the entry divides by counts it takes
-            from the mask itself), ``"max_completion_length"`` (that config value), or ``"batch_tokens"`` (the number
-            of response tokens of the whole batch, over every process and micro-batch of the optimizer step, as the
-            average share of one micro-batch on one process; see ``trl_ext.GRPOTrainer``).
-        upstream_loss_type: TRL's ``loss_type`` that reduces the same way, or None; ``GRPOConfig.loss_type`` maps it
-            onto this entry.
+        reduce: ``reduce(per_token_loss (B, T), response_mask (B, T), normalize_constant, empty_rows) -> 0-d loss``.
+        divisor: what the trainer passes as ``normalize_constant``: ``"none"``, ``"max_completion_length"``, or
+            ``"batch_tokens"`` (the step's response tokens as one micro-batch's average share on one process).
+        upstream_loss_type: TRL's ``loss_type`` that reduces the same way, or None.
         formula: the reduction in one line, for help texts.
-        source: where it comes from.
-    """
+        source: where it comes from."""
 
     name: str
     reduce: ReduceFn
@@ -205,46 +191,31 @@ def compute_grpo_loss(
     normalize_constant: float | torch.Tensor | None = None,
     empty_rows: Literal["raise", "zero", "drop"] = "raise",
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to the scalar GRPO loss of one microbatch (an entry of :data:`AGGREGATIONS`).
+    """Reduce a (B, T) per-token loss to one microbatch's scalar GRPO loss (an entry of :data:`AGGREGATIONS`).
 
-    - ``masked_mean``: per example, the mean over its response tokens (each response weighs the same, its tokens
-      share that weight; the handout's default), then the mean over the batch;
-    - ``masked_normalize``: per example, the sum over its response tokens divided by ``normalize_constant`` (Dr.
-      GRPO: a constant such as the maximum completion length, so every token weighs the same), then the mean over
-      the batch;
-    - ``masked_sum``: per example, the sum over its response tokens, then the mean over the batch (TRL's ``luspo``:
-      a sequence-level loss weighs its sequence by its length);
-    - ``token_mean`` / ``local_token_mean``: the sum over every response token of the batch divided by
-      ``normalize_constant``, the number of response tokens the mean is over (DAPO's token-level loss); None (the
-      default) divides by this batch's own count, which is ``local_token_mean`` (TRL's ``bnpo``) for a micro-batch.
-      A count of 0 divides by 1 (the loss is then 0), as TRL does.
+    - ``masked_mean``: per example the mean over its response tokens, then the batch mean (the handout's default);
+    - ``masked_normalize``: per example the sum divided by ``normalize_constant`` (Dr. GRPO), then the batch mean;
+    - ``masked_sum``: per example the sum, then the batch mean (TRL's ``luspo``);
+    - ``token_mean`` / ``local_token_mean``: the sum over every response token divided by ``normalize_constant`` (DAPO),
+      or by this batch's own count when None (TRL's ``bnpo``); a count of 0 divides by 1, as TRL.
 
     Args:
         per_token_loss: (B, T).
         response_mask: (B, T), 1 on response tokens.
         length_normalization: a registered name or ``package.module:attr`` (default ``"masked_mean"``).
-        normalize_constant: the divisor of ``"masked_normalize"`` (required there) and of the token means (a token
-            count; optional); ignored by ``"masked_mean"``.
-        empty_rows: what a row with no response token (e.g. one masked by ``mask_truncated_completions``) does:
-            ``"raise"`` (default) -- with ``masked_mean`` its mean is undefined, so a ValueError names the rows
-            (``masked_normalize`` is defined there: the row contributes 0 and counts in the batch mean);
-            ``"zero"`` -- it contributes 0 and still counts in the batch mean (TRL's ``grpo`` loss);
-            ``"drop"`` -- it leaves the batch mean: the loss is the mean, over the rows with at least one response
-            token, of their ``masked_mean`` (or sum / ``normalize_constant``), and 0 with zero (finite) gradients
-            when no row has one. ``trl_ext.GRPOTrainer`` reduces its batches with ``"drop"``, so masked rows do not
-            dilute the loss. The token means count tokens, not rows: an empty row changes nothing whatever this says.
+        normalize_constant: the divisor of ``masked_normalize`` (required) and the token means (optional).
+        empty_rows: a row with no response token: ``"raise"`` (default; ValueError under ``masked_mean``), ``"zero"``
+            (contributes 0, counts in the batch mean: TRL's ``grpo``) or ``"drop"`` (leaves the batch mean; 0 with
+            finite gradients when no row is left; what ``trl_ext.GRPOTrainer`` uses). Token means ignore it.
 
     Returns:
         0-d tensor.
 
     Raises:
-        ValueError: on a shape mismatch, an unknown ``length_normalization`` or ``empty_rows``, a missing
-        ``normalize_constant``, or (``masked_mean`` with ``empty_rows="raise"``) a row with no response token,
-        whose mean would be NaN; the row is named.
+        ValueError: a shape mismatch, an unknown ``length_normalization`` or ``empty_rows``, a missing
+            ``normalize_constant``, or (``masked_mean``, ``"raise"``) a row with no response token (named).
 
-    Source: CS336 A5 handout, section 7.3 (``grpo_microbatch_train_step``) and the length-normalization
-    discussion in section 7.2; Liu et al. 2025 for ``masked_normalize``; Yu et al. 2025 (DAPO) for the token means.
-    """
+    Source: CS336 A5 handout, sections 7.2-7.3; Liu et al. 2025 (``masked_normalize``); Yu et al. 2025 (DAPO)."""
     _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
     entry = AGGREGATIONS.get(length_normalization)
     _check_choice("empty_rows", empty_rows, EMPTY_ROWS)

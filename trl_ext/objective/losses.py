@@ -1,27 +1,13 @@
 """Policy-gradient losses in verl's shape, one registry entry each: the choices of ``GRPOConfig.pg_loss_type``.
 
-A loss is a function of the per-token log-probs, the log-probs of the policy that sampled, the advantages, the
-response mask and its config, returning the per-token loss and its metrics (verl's ``PolicyLossFn``,
-verl/trainer/ppo/core_algos.py, without its ``loss_agg_mode``: length normalization is a separate choice,
-:mod:`trl_ext.objective.aggregations`, and so is the advantage, :mod:`trl_ext.objective.advantages`)::
+A loss is ``fn(log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics)`` (verl's
+``PolicyLossFn`` without ``loss_agg_mode``: length normalization is :mod:`trl_ext.objective.aggregations`), registered
+with :func:`register_policy_loss`; its declarations (:class:`PolicyLoss`) are all the trainer, config and speed paths
+may assume. ``--pg_loss_type package.module:fn`` names a user's function or a :class:`PolicyLoss`.
 
-    @register_policy_loss("grpo_clip", uses_old_log_probs=True, zero_advantage_zero_gradient=True,
-                          options=("epsilon",), formula="-min(ratio*A, clip(ratio, 1-eps, 1+eps)*A)", source="...")
-    def grpo_clip(log_probs, old_log_probs, advantages, response_mask, config):
-        return functional.compute_grpo_clip_loss(advantages, log_probs, old_log_probs, config.epsilon)
-
-The entry's declarations are what the trainer, the config and the speed paths may assume of the loss
-(:class:`PolicyLoss`); everything else follows from them: ``GRPOConfig``'s choices, help and refusals,
-``skip_zero_advantage_rows`` and ``dynamic_sampling``. ``--pg_loss_type package.module:fn`` names a user's function of
-this signature (wrapped with conservative declarations) or a :class:`PolicyLoss` itself.
-
-The course's four losses are registered here as thin calls of ``trl_ext.functional``'s pure functions (the numbers
-are computed there, once; ``grpo_clip`` also reads TRL's ``epsilon_high``, ``delta`` and
-``importance_sampling_level``), followed by TRL 1.16's other per-token objectives (``cispo``, ``sapo``, ``vespo``:
-``loss_type`` names them, :mod:`trl_ext.objective.trl_names`); the course's own dispatch
-``compute_policy_gradient_loss`` (its handout signature, re-exported by ``trl_ext.cs336``) goes through this registry.
-
-Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
+Registered: the course's four losses, thin calls of ``trl_ext.functional``, then TRL 1.16's ``cispo``, ``sapo``,
+``vespo``; :func:`compute_policy_gradient_loss` is the course's dispatch. Shapes: ``B`` = batch, ``T`` = completion
+length.
 """
 
 from __future__ import annotations
@@ -51,9 +37,8 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The options a policy loss may read from its ``config``, with TRL 1.16's ``trl.GRPOConfig`` defaults (the
-    trainer passes its ``GRPOConfig``, which has them all; the course functions, which take only a ``cliprange``,
-    pass this). ``tests/test_losses.py`` checks that every field exists in ``trl.GRPOConfig`` with this default.
+    """The options a policy loss may read from its ``config``, with TRL 1.16's ``trl.GRPOConfig`` defaults (the course
+    functions pass this; ``tests/test_losses.py`` checks the defaults match).
 
     Attributes:
         epsilon: the clip half-width (``cliprange`` in the course), default 0.2.
@@ -61,8 +46,7 @@ class LossConfig:
         delta: upper bound of the unclipped ratio (two-sided clipping), None for none.
         importance_sampling_level: ``"token"`` (a ratio per token) or ``"sequence"`` (GSPO: one per sequence).
         sapo_temperature_neg, sapo_temperature_pos: SAPO's gate temperatures for A < 0 and A > 0.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight shapes.
-    """
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight shapes."""
 
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -85,43 +69,23 @@ class PolicyLoss:
     """A per-token policy-gradient loss and what a trainer may assume of it: one entry of :data:`POLICY_LOSSES`.
 
     Attributes:
-        name: the ``pg_loss_type`` value (or the ``package.module:attr`` path it was loaded from).
+        name: the ``pg_loss_type`` value (or the ``package.module:attr`` path).
         fn: ``fn(log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics)``:
-            ``log_probs`` (B, T) with gradient; ``old_log_probs`` (B, T), detached (the trainer passes
-            ``log_probs.detach()`` on-policy); ``advantages`` (B, 1), detached; ``response_mask`` (B, T), 1 on the
-            tokens that count; ``config`` an object with the attributes of :class:`LossConfig` (the trainer's
-            ``GRPOConfig``). Returns the per-token loss, (B, T), or (B, 1) for a sequence-level loss (broadcast over
-            T by :func:`policy_loss`), and a dict of detached metric tensors, (B, T) or (B, 1): ``"clipped"`` (bool,
-            True where the clip bound took the gradient; the trainer logs TRL's ``clip_ratio/low_mean``,
-            ``high_mean``, ``region_mean``, ``low_min``, ``high_max`` by the advantage's sign), ``"ratio"`` (pi /
-            pi_old; ``ratio/mean``, ``min``, ``max``), and any other name (logged under that name as its mean over
-            the response tokens of every process, one value per sequence for (B, 1); e.g. TRL's
-            ``cispo_clip_ratio``).
-        uses_old_log_probs: the loss reads ``old_log_probs`` (an importance ratio pi / pi_old), so it stays correct
-            on samples drawn by an older policy (``num_iterations > 1``, ``steps_per_generation >
-            gradient_accumulation_steps``). False: an on-policy loss; the config refuses stale samples for it.
-        zero_advantage_zero_gradient: a rollout whose advantage is exactly 0 adds exactly 0 to the loss and to every
-            gradient, at every token, whatever its log-probs (``tests/test_losses.py`` checks each entry that
-            declares it). ``skip_zero_advantage_rows`` and ``dynamic_sampling`` need it: without it the trainer
-            runs every row's backward and refuses ``dynamic_sampling``.
-        advantage_estimator: the advantage estimator (:data:`trl_ext.objective.advantages.ADVANTAGE_ESTIMATORS`) this
-        loss is defined with, or None (any; the config's default ``group_normalized``). ``no_baseline`` is REINFORCE
-            weighted by the raw rewards: ``"raw_rewards"``; the config uses it when ``advantage_estimator`` is
-            unset and refuses another one given with this loss.
-        upstream_loss_type: TRL's ``loss_type`` whose per-token objective this is (``"cispo"``, ...), or None: the
-            loss has no TRL name of its own; TRL's loss types that differ only in their length normalization
-            (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: :mod:`trl_ext.objective.aggregations`) then combine
-            with it (with ``grpo_clip``, the default, they are TRL's loss).
-        length_normalization: the length normalization the loss is defined with (TRL pairs its ``loss_type`` with
-            it: ``cispo`` and ``vespo`` with ``"token_mean"``), or None (any); the config uses it when neither
-            ``length_normalization`` nor ``loss_type`` is given.
-        takes_sampling_ratio: the loss takes vLLM's per-token importance-sampling correction itself (keyword
-            ``importance_sampling_ratio``, (B, T), or None without vLLM; VESPO folds it into its sequence weight);
-            otherwise :func:`policy_loss` multiplies the per-token loss by it, as TRL 1.16 does for its other losses.
-        options: the attributes of ``config`` the loss reads (names of :class:`LossConfig` fields).
+            ``log_probs`` (B, T) with gradient; ``old_log_probs`` (B, T) and ``advantages`` (B, 1) detached;
+            ``response_mask`` (B, T); ``config`` has :class:`LossConfig`'s attributes. Returns the loss (B, T) or (B, 1)
+            (sequence-level, broadcast by :func:`policy_loss`) and detached metrics, (B, T) or (B, 1): ``"clipped"``
+            (bool; logged as TRL's ``clip_ratio/*``), ``"ratio"`` (``ratio/mean|min|max``), others under their own name.
+        uses_old_log_probs: reads ``old_log_probs``, so it stays correct on stale samples; False: on-policy only.
+        zero_advantage_zero_gradient: a rollout with advantage exactly 0 adds exactly 0 to loss and gradients (checked
+            in ``tests/test_losses.py``); ``skip_zero_advantage_rows`` and ``dynamic_sampling`` need it.
+        advantage_estimator: the estimator the loss is defined with (``"raw_rewards"`` for ``no_baseline``), or None.
+        upstream_loss_type: TRL's ``loss_type`` with this per-token objective (``"cispo"``, ...), or None.
+        length_normalization: the normalization the loss is defined with (``"token_mean"`` for cispo, vespo), or None.
+        takes_sampling_ratio: takes vLLM's ``importance_sampling_ratio`` (B, T) itself; else :func:`policy_loss`
+            multiplies the loss by it, as TRL 1.16 does.
+        options: the :class:`LossConfig` fields the loss reads.
         formula: the per-token loss in one line, for help texts.
-        source: where the formula comes from.
-    """
+        source: where the formula comes from."""
 
     name: str
     fn: LossFn
@@ -164,16 +128,11 @@ entry that declares nothing: on-policy only, every row's backward runs)."""
 
 
 def register_policy_loss(name: str, **declarations: Any) -> Callable[[LossFn], LossFn]:
-    """Decorator: register the decorated loss function under ``name`` with ``declarations`` (the fields of
-    :class:`PolicyLoss`: ``uses_old_log_probs``, ``zero_advantage_zero_gradient``, ``advantage_estimator``,
-    ``upstream_loss_type``, ``length_normalization``, ``takes_sampling_ratio``, ``options``, ``formula``,
-    ``source``) and return the function unchanged: ``POLICY_LOSSES.register(name, **declarations)``. Register before
-    building a config that names it.
+    """Decorator: ``POLICY_LOSSES.register(name, **declarations)`` (fields of :class:`PolicyLoss`); returns the function
+    unchanged.
 
     Raises:
-        ValueError: the name is taken, a declaration is not a :class:`PolicyLoss` field, an option is not a
-            :class:`LossConfig` field, or the TRL ``loss_type`` is claimed by another loss.
-    """
+        ValueError: the name is taken, a declaration or option is unknown, or the TRL ``loss_type`` is claimed."""
     return POLICY_LOSSES.register(name, **declarations)
 
 

@@ -1,23 +1,14 @@
 """TRL's names of ``trl_ext.GRPOConfig``'s course settings, resolved both ways.
 
-TRL 1.16 names GRPO's objective with three options, trl_ext with four registered choices:
+- ``loss_type`` -> ``length_normalization`` (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: claimed by the
+  aggregations) or ``pg_loss_type`` plus its normalization (``cispo``, ``sapo``, ``vespo``: claimed by the losses);
+- ``scale_rewards`` -> ``normalize_by_std`` (``group``/True, ``none``/False), ``batch`` ->
+  ``advantage_estimator="batch_std"``;
+- ``multi_objective_aggregation="normalize_then_sum"`` -> ``advantage_estimator="normalize_then_sum"``.
 
-- ``loss_type`` -> ``pg_loss_type`` (:mod:`trl_ext.objective.losses`) and ``length_normalization``
-(:mod:`trl_ext.objective.aggregations`): ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` differ only in their
-length normalization (the aggregations claim them; the per-token objective is GRPO-Clip's, or any loss without a TRL
-name of its own); ``cispo``, ``sapo``, ``vespo`` name a per-token objective too (the losses claim them, each with the
-length normalization TRL pairs it with);
-- ``scale_rewards`` -> ``normalize_by_std`` (``group``/True, ``none``/False) and, for ``batch``,
-  ``advantage_estimator="batch_std"`` (:mod:`trl_ext.objective.advantages`);
-- ``multi_objective_aggregation`` -> ``advantage_estimator="normalize_then_sum"`` for ``normalize_then_sum``
-  (``sum_then_normalize``, TRL's default, is what every other estimator does: it decides nothing).
-
-The rule (``GRPOConfig.__post_init__`` calls :func:`resolve_objective` and :func:`resolve_advantages`): either name of
-a setting decides it, with TRL's meaning; neither gives the course default (``grpo_clip``, ``masked_mean``,
-``group_normalized`` with ``normalize_by_std=True``, or what the loss is defined with); both given must agree, else
-one ValueError names both. The names not given are then derived -- TRL's names of the course values in use (None
-where TRL has no name for them) -- and marked :class:`Derived`, so that ``dataclasses.replace`` re-derives them.
-:func:`upstream_meaning` says what one TRL value decides, for the command line's layering (``trl_ext.cli.parse``).
+Either name decides, with TRL's meaning; neither gives the course default; both must agree, else one ValueError
+(:func:`resolve_objective`, :func:`resolve_advantages`). The other names are derived and marked :class:`Derived`
+(re-derived by ``dataclasses.replace``). :func:`upstream_meaning` serves ``trl_ext.cli.parse``.
 """
 
 from __future__ import annotations

@@ -133,25 +133,15 @@ def _frozen_reference(model: Any, args: DPOConfig, peft_config: Any) -> Any:
 class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
-    Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
-    `trl.DPOConfig` or a plain `transformers.TrainingArguments` (fields copied by value, the others keep their
-    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each
-    checkpoint also holds the
-    running token count behind `num_tokens`.
-
-    The reference model, when `ref_model` is not given: a model passed as an object (not PEFT, no `peft_config`)
-    gets a frozen deep copy of itself as it is passed -- the DPO reference is the policy before training -- where
-    upstream reloads the weights from `model.config._name_or_path` (which fails for a model built in memory, and
-    silently differs from the policy for one whose weights were changed after loading). A PEFT model (or
-    `peft_config`) keeps upstream's reference, the base model with the adapters disabled; a model given by name,
-    `precompute_ref_log_probs` (outside FSDP), DeepSpeed ZeRO-3 and a quantized model keep upstream's behaviour too.
+    Takes `trl.DPOTrainer`'s arguments; `args` may be a `trl.DPOConfig` or `TrainingArguments` (copied into a
+    `trl_ext.DPOConfig`). Checkpoints also hold the `num_tokens` count. Without `ref_model`, a non-PEFT model object
+    gets a frozen deep copy of itself as reference (upstream reloads `config._name_or_path`); PEFT, a model by name,
+    `precompute_ref_log_probs`, ZeRO-3 and quantized models keep upstream's reference.
 
     Raises:
-        ValueError: `label_smoothing` > 0 with "sigmoid" combined with other loss types or upstream extensions
-        (cDPO is defined for the sigmoid loss alone), or with loss types that all ignore it; an invalid preference
-        row (see `DPOConfig.skip_invalid_pairs`); and whatever `trl.DPOTrainer` raises. RuntimeError: the installed
-        TRL is untested or lacks a seam this trainer overrides (`trl_ext.trainers.upstream`).
-    """
+        ValueError: `label_smoothing` > 0 except with "sigmoid" alone; an invalid preference row (see
+            `DPOConfig.skip_invalid_pairs`); whatever `trl.DPOTrainer` raises.
+        RuntimeError: an untested TRL or a missing seam (`trl_ext.trainers.upstream`)."""
 
     _tag_names = ["trl", "dpo", "trl_ext"]
 

@@ -1,27 +1,16 @@
-"""Instruction tuning with a safety penalty: `trl.SFTTrainer` plus an unlikelihood term on unsafe responses.
+"""Instruction tuning with a safety penalty: ``trl.SFTTrainer`` plus an unlikelihood term on unsafe responses.
 
     loss = CE + safety_penalty_weight * penalty
 
-* CE is upstream TRL's completion-only cross-entropy, unchanged: the mean of -log p over the completion tokens of
-  the batch (the EOS that closes each completion included, prompt tokens never), normalized by TRL's token count
-  (across gradient-accumulation micro-batches, like `transformers.Trainer`).
-* penalty = unlikelihood + banned_tokens, each averaged over the rows of the batch:
-  - unlikelihood (Welleck et al. 2019): for a row whose `unsafe_completion` column holds a response the model must not
-    give, the mean over that response's tokens (tokenized after the row's prompt) of -log(1 - p(token | prefix)),
-    computed by `trl_ext.functional.unlikelihood_loss`; rows without one contribute 0.
-  - banned_tokens (only with `banned_strings`): per row, the mean over the completion positions of
-    -log(1 - sum of p(first token of each banned string)), by `trl_ext.functional.banned_token_unlikelihood_loss`.
+* CE: upstream TRL's completion-only cross-entropy, unchanged (EOS included, TRL's token count normalization).
+* penalty = unlikelihood + banned_tokens, each a mean over the batch's rows: Welleck et al. 2019's -log(1 - p) over the
+  row's ``unsafe_completion`` tokens (``functional.unlikelihood_loss``; 0 without one), and with ``banned_strings``
+  -log(1 - sum p(first token of each banned string)) per completion position
+  (``functional.banned_token_unlikelihood_loss``).
 
-Logged beside TRL's `loss` (the total), `entropy`, `mean_token_accuracy` and `num_tokens`: `ce_loss`,
-`safety_penalty`, and with banned strings `safety_penalty/unlikelihood` and `safety_penalty/banned_tokens` (all in
-the units of `loss`, means over the processes as `loss` is, so loss = ce_loss + safety_penalty_weight *
-safety_penalty; eval metrics get TRL's `eval_` prefix). The penalty is computed in training only when its weight is
-positive, and always in evaluation.
-
-Several processes: every rank runs the same forwards in the same order each step, whatever its data. When the
-dataset has an `unsafe_completion` column, each batch carries an unsafe sub-batch; a batch with no unsafe row gets one
-placeholder row with no penalized token, so its unlikelihood forward runs too and adds exactly 0 (under DDP,
-FSDP2 or ZeRO-3 a forward that only some ranks run leaves the collectives unmatched and the run hangs).
+Logs ``ce_loss``, ``safety_penalty`` (and ``safety_penalty/unlikelihood``, ``/banned_tokens``) beside TRL's metrics, in
+``loss``'s units. Every rank runs the same forwards each step: a batch without an unsafe row gets a placeholder row that
+adds exactly 0 (a forward only some ranks run hangs DDP, FSDP2 or ZeRO-3).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``trl_ext.GRPOConfig``: ``trl.GRPOConfig`` plus the course's choices, and the GRPO grouping rule the recipes check.
 
-Its own module so that the trainer (trl_ext/trainers/grpo/trainer.py) stays readable; ``trl_ext.trainers.grpo.trainer``
-re-exports ``GRPOConfig`` and ``generation_grouping_problem``, so every import path keeps working and a config pickled
-in a checkpoint while the class lived there (``training_args.bin``: ``trl_ext.trainers.grpo.GRPOConfig``) still loads.
-TRL's names for the course fields (``loss_type``, ``scale_rewards``, ...) are resolved in
-trl_ext/objective/trl_names.py.
+Re-exported by ``trl_ext.trainers.grpo.trainer`` (old pickled ``training_args.bin`` still load). TRL's names for the
+course fields are resolved in trl_ext/objective/trl_names.py.
 """
 
 from __future__ import annotations
@@ -31,16 +28,13 @@ from trl_ext.trainers.upstream import config_from_upstream
 def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -> str | None:
     """Why ``num_generations`` does not divide the completions generated per step, in the flags that set them; or None.
 
-    The rule of ``trl.GRPOConfig.__post_init__`` (TRL 1.16; ``tests/test_upstream_seams.py`` checks that upstream
-    raises exactly where this returns a message): ``generation_batch_size`` -- given, or ``per_device_train_batch_size``
-    x processes x ``steps_per_generation`` (default ``gradient_accumulation_steps``) -- must be a multiple of
-    ``num_generations``. Upstream names the derived ``generation_batch_size``; this names the flags a user typed.
+    ``trl.GRPOConfig.__post_init__``'s rule (TRL 1.16; checked in ``tests/test_upstream_seams.py``):
+    ``generation_batch_size`` (given, or ``per_device_train_batch_size`` x processes x ``steps_per_generation``) must be
+    a multiple of ``num_generations``.
 
     Args:
-        values: option name -> value (parsed flags, or a config's fields); needs ``num_generations`` and
-            ``per_device_train_batch_size``.
-        processes: the number of training processes (``WORLD_SIZE``).
-    """
+        values: option name -> value; needs ``num_generations`` and ``per_device_train_batch_size``.
+        processes: the number of training processes (``WORLD_SIZE``)."""
     per_step = values["per_device_train_batch_size"] * processes
     steps = values.get("steps_per_generation") or values.get("gradient_accumulation_steps") or 1
     if values.get("generation_batch_size"):
@@ -69,16 +63,12 @@ def _upstream_loss_types_help() -> str:
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
 
-    GRPO's objective is four registered choices: ``pg_loss_type`` (the per-token loss, ``trl_ext.objective.losses``),
+    The objective is four registered choices: ``pg_loss_type`` (``trl_ext.objective.losses``),
     ``length_normalization`` (``trl_ext.objective.aggregations``), ``advantage_estimator``
     (``trl_ext.objective.advantages``) and ``normalize_by_std``. TRL's ``loss_type``, ``scale_rewards`` and
-    ``multi_objective_aggregation`` are other names for them and keep TRL's meaning (``trl_names``:
-    ``loss_type="cispo"`` is ``pg_loss_type="cispo"`` with ``length_normalization="token_mean"``, ``loss_type="dapo"``
-    is ``length_normalization="token_mean"`` alone): give either name of a setting; the other is derived in
-    ``__post_init__`` (neither: the course default, GRPO-Clip, masked_mean and the group std), and both given must
-    agree. ``epsilon`` is the GRPO-Clip ``cliprange``, ``epsilon_high``, ``delta`` and ``importance_sampling_level``
-    its TRL variants (off by default: the course's symmetric, token-level clip); ``beta`` the KL weight.
-    """
+    ``multi_objective_aggregation`` are other names for them (``trl_names``); give either, the other is derived in
+    ``__post_init__``, both given must agree. ``epsilon`` is the GRPO-Clip ``cliprange`` (``epsilon_high``,
+    ``delta``, ``importance_sampling_level``: TRL's variants, off by default); ``beta`` the KL weight."""
 
     pg_loss_type: str | None = field(
         default=None,
@@ -408,20 +398,13 @@ class GRPOConfig(trl.GRPOConfig):
 
     @classmethod
     def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:
-        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig`` (or a plain
-        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type``, ``scale_rewards`` and
-        ``multi_objective_aggregation`` keep their meaning: they decide ``pg_loss_type``, ``length_normalization``,
-        ``advantage_estimator`` and ``normalize_by_std`` (``trl_names``); ``beta``, ``epsilon``,
-        ``epsilon_high``, ``delta``, ``importance_sampling_level``, the SAPO/VESPO options and
-        ``use_bias_correction_kl`` are shared fields and keep upstream's values. ``advantage_eps`` is TRL's
-        hard-coded 1e-4 for a ``trl.GRPOConfig`` (upstream's advantages), the course's 1e-6 for plain
-        ``TrainingArguments``.
+        """The ``trl_ext.GRPOConfig`` equivalent to a ``trl.GRPOConfig`` or ``TrainingArguments``, every field copied.
+
+        TRL's ``loss_type``, ``scale_rewards`` and ``multi_objective_aggregation`` keep their meaning (``trl_names``).
+        ``advantage_eps`` is TRL's 1e-4 for a ``trl.GRPOConfig``, the course's 1e-6 for plain ``TrainingArguments``.
 
         Raises:
-            ValueError: for values out of range or names that contradict each other (``scale_rewards='none'`` with
-                ``multi_objective_aggregation='normalize_then_sum'``, which upstream ignores), and whatever else
-                ``__post_init__`` rejects.
-        """
+            ValueError: values out of range or contradicting names, and whatever ``__post_init__`` rejects."""
         # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
         upstream_eps = {"advantage_eps": 1e-4} if isinstance(args, trl.GRPOConfig) else {}
         return config_from_upstream(cls, args, generation_batch_size=None, **upstream_eps)

@@ -1,26 +1,17 @@
 """The speed paths of ``trl_ext.GRPOTrainer``, apart from its course seams: same numbers, less compute.
 
-``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO). It opens, for the
-trainer's one ``_generate_single_turn``, the block ``_generation_savings``: with ``share_prompt_cache``, transformers
-generation prefills each distinct prompt once (``trl_ext.speed.shared_prompts.generate_with_shared_prompts`` shadows
-the model's ``generate`` for the block); with ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed
-weights (MKL or oneDNN; ``trl_ext.speed.packed_linear``, packed once per generation batch,
-``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens vectorised (``trl_ext.speed.sampling``).
-It overrides one upstream method:
+``GRPOSpeedMixin`` opens, for the trainer's ``_generate_single_turn``, the block ``_generation_savings``: shared prompt
+prefill (``share_prompt_cache``), packed linear weights (``prepack_linear_weights``, once per generation batch) and the
+vectorised sampler (``trl_ext.speed.sampling``). It overrides one upstream method:
 
-- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
-  absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
-  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
-  padding-free with ``pack_completions`` (``packed_forward``); under activation (gradient) checkpointing, which
-  keeps no cache in a training forward, both in one cache-free forward instead (``forward_in_one_sequence``);
+- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (issue 10) and, with
+  ``share_prompt_cache``, runs each distinct prompt once (``forward_with_shared_prompts``; ``pack_completions``:
+  ``packed_forward``; under activation checkpointing ``forward_in_one_sequence``);
 
-and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
-(``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
-gradient), ``_padded_forward_reason`` (the options that need upstream's padded log-prob forwards: TRL's MoE
-load-balancing loss and entropy mask, over every token of the batch) and
-``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
-line otherwise; ``trl_ext.speed.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
-time). Measured effect on the main job: docs/performance.md.
+and adds ``_rows_without_gradient`` / ``_logps_without_zero_rows`` (``skip_zero_advantage_rows``),
+``_padded_forward_reason`` (options that need upstream's padded log-prob forwards: TRL's MoE load-balancing loss and
+its entropy mask) and ``_savings_now`` (each saving only where exact: ``savings_decision``, ``training_noise``).
+Effect: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -139,24 +130,15 @@ class GRPOSpeedMixin:
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
 
-        Exact or off (``trl_ext.speed.shared_prompts.savings_decision``): the per-architecture part (static checks and
-        the probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
-        changed after the trainer was built, a config change, ``train()``/``eval()`` -- is asked at each use
-        (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
-        forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
-        see one decision, the current one. A saving that is off is named in one log line per model and reason.
-
-        Under activation checkpointing (``_checkpointing``) the training forward keeps no cache, so the log-prob
-        forwards share prompts only in the one-sequence forward (``SavingsDecision.sequence``), which also packs the
-        completions: "pack completions" then means that forward runs, in the old, reference and training forwards
-        alike; generation shares its prompt cache as without checkpointing. With an option whose result depends on
-        every token of the batch (``_padded_forward_reason``: TRL's MoE load-balancing loss, its entropy mask), the
-        log-prob forwards run every row in full and no row is skipped; generation still shares.
+        The per-architecture part (``savings_decision``) is cached per model; training noise is asked at each use
+        (``training_noise``, train mode only), so every path sees the current decision; a saving that is off is logged
+        once per model and reason. Under activation checkpointing "pack completions" means the one-sequence forward
+        (``SavingsDecision.sequence``). With an option whose result depends on every token of the batch
+        (``_padded_forward_reason``: TRL's MoE load-balancing loss, its entropy mask) the log-prob forwards run every
+        row in full and no row is skipped; generation still shares.
 
         Args:
-            training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
-                mode now.
-        """
+            training: judge the forward in train (True) or eval (False) mode; None (default): the model's mode now."""
         share, skip, pack = getattr(self, "_speed_requested", (False, False, False))
         if not (share or skip):
             return False, False, False
