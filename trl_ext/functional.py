@@ -36,14 +36,16 @@ __all__ = [
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Raise ValueError naming both tensors and their shapes unless ``a`` and ``b`` have the same shape."""
     if a.shape != b.shape:
         raise ValueError(
             f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}; expected equal shapes"
         )
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise ValueError naming ``name``, ``value`` and the ``choices`` unless ``value`` is one of them."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, choices))}")
 
@@ -92,7 +94,7 @@ def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
     Source: CS336 A5 handout, section 7.2 (``masked_mean``).
     """
-    _check_same_shape("tensor", tensor, "mask", mask)
+    check_same_shape("tensor", tensor, "mask", mask)
     keep = mask.bool()
     total = torch.where(keep, tensor, torch.zeros_like(tensor))
     if dim is None:
@@ -119,7 +121,7 @@ def masked_normalize(
 
     Source: CS336 A5 handout, section 4.2 (``masked_normalize``).
     """
-    _check_same_shape("tensor", tensor, "mask", mask)
+    check_same_shape("tensor", tensor, "mask", mask)
     if normalize_constant == 0:
         raise ValueError("normalize_constant=0; expected a nonzero divisor")
     total = torch.where(mask.bool(), tensor, torch.zeros_like(tensor))
@@ -257,7 +259,7 @@ def compute_group_advantages(
 # ----------------------------------------------------------------- Policy-gradient losses  (handout sections 7.2-7.3)
 
 
-def _per_example(name: str, values: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
+def per_example(name: str, values: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
     """Accept (B,) or (B, 1) per-example values and return (B, 1) to broadcast over T."""
     if values.dim() == 1:
         values = values.unsqueeze(-1)
@@ -286,7 +288,7 @@ def compute_naive_policy_gradient_loss(
 
     Source: CS336 A5 handout, section 7.2 (``compute_naive_policy_gradient_loss``), equation 27.
     """
-    advantages = _per_example("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
+    advantages = per_example("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
     return -advantages.detach() * policy_log_probs
 
 
@@ -319,14 +321,14 @@ def compute_importance_ratio(
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization", equation 7 (sequence level); trl.GRPOTrainer
     (TRL 1.16) ``_compute_loss``'s ``log_importance_weights``.
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
-    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = policy_log_probs - old_log_probs.detach()
     if importance_sampling_level == "token":
         return torch.exp(log_ratio)
     if response_mask is None:
         raise ValueError("importance_sampling_level='sequence' needs response_mask; got None")
-    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
     mask = response_mask.to(log_ratio.dtype)
     return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
 
@@ -374,7 +376,7 @@ def compute_grpo_clip_loss(
     DAPO (Yu et al. 2025, section 3.1, clip-higher); INTELLECT-2 (Prime Intellect 2025, two-sided clipping); GSPO
     (Zheng et al. 2025).
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     if cliprange is None or cliprange < 0:
         raise ValueError(f"cliprange={cliprange!r}; expected a float >= 0")
     high = cliprange if cliprange_high is None else cliprange_high
@@ -382,7 +384,7 @@ def compute_grpo_clip_loss(
         raise ValueError(f"cliprange_high={cliprange_high!r}; expected a float >= 0 (or None: cliprange)")
     if delta is not None and not delta > 0:
         raise ValueError(f"delta={delta!r}; expected a float > 0 (or None: no upper bound)")
-    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    advantages = per_example("advantages", advantages, policy_log_probs).detach()
     ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
     if delta is not None:
@@ -427,8 +429,8 @@ def compute_grpo_no_clip_loss(
 
     Source: CS336 A5 handout, section 8 (clip ablation, "GRPO-No-Clip"): -pi_theta / pi_theta_old * A per token.
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
-    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    advantages = per_example("advantages", advantages, policy_log_probs).detach()
     ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     loss = -ratio * advantages
     return loss, {"clipped": torch.zeros_like(ratio, dtype=torch.bool), "ratio": ratio.detach()}
@@ -464,8 +466,8 @@ def compute_kl(
 
     Source: J. Schulman, "Approximating KL Divergence" (2020).
     """
-    _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
-    _check_choice("estimator", estimator, KL_ESTIMATORS)
+    check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
     d = ref_log_probs - log_probs
     if estimator == "k1":
         return -d
@@ -640,7 +642,7 @@ def unlikelihood_loss(log_probs: torch.Tensor, mask: torch.Tensor, min_one_minus
     Source: Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", equation 4 (token-level
     unlikelihood); CS336 A5 supplement (safety penalty).
     """
-    _check_same_shape("log_probs", log_probs, "mask", mask)
+    check_same_shape("log_probs", log_probs, "mask", mask)
     if not 0.0 < min_one_minus_p < 1.0:
         raise ValueError(f"min_one_minus_p={min_one_minus_p!r}; expected a float in (0, 1)")
     keep = mask.bool()

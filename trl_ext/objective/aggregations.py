@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from trl_ext.functional import _check_choice, _check_same_shape, masked_mean, masked_normalize
+from trl_ext.functional import check_choice, check_same_shape, masked_mean, masked_normalize
 from trl_ext.registry import Registry
 
 __all__ = [
@@ -58,7 +58,7 @@ class Aggregation:
 
 
 def _check_entry(name: str, entry: Aggregation) -> None:
-    _check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
+    check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
     claimed = upstream_loss_types()
     if entry.upstream_loss_type in claimed:
         raise ValueError(
@@ -216,7 +216,7 @@ def compute_grpo_loss(
             ``normalize_constant``, or (``masked_mean``, ``"raise"``) a row with no response token (named).
 
     Source: CS336 A5 handout, sections 7.2-7.3; Liu et al. 2025 (``masked_normalize``); Yu et al. 2025 (DAPO)."""
-    _check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
+    check_same_shape("per_token_loss", per_token_loss, "response_mask", response_mask)
     entry = AGGREGATIONS.get(length_normalization)
-    _check_choice("empty_rows", empty_rows, EMPTY_ROWS)
+    check_choice("empty_rows", empty_rows, EMPTY_ROWS)
     return entry.reduce(per_token_loss, response_mask, normalize_constant, empty_rows)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trl_ext.functional import (
-    _check_same_shape,
+    check_same_shape,
     compute_entropy,
     compute_group_advantages,
     dpo_loss,
@@ -108,7 +108,7 @@ def get_response_log_probs(
 
     Source: CS336 A5 handout, section 4.2 (``get_response_log_probs``).
     """
-    _check_same_shape("input_ids", input_ids, "labels", labels)
+    check_same_shape("input_ids", input_ids, "labels", labels)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     logits = model(input_ids=input_ids, **kwargs).logits.float()
     log_probs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -291,7 +291,7 @@ def grpo_microbatch_train_step(
     """
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
-    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
     per_token_loss, metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trl_ext import functional
-from trl_ext.functional import _check_same_shape
+from trl_ext.functional import check_same_shape
 from trl_ext.registry import Registry
 
 __all__ = [
@@ -166,9 +166,9 @@ def policy_loss(
             advantages not one per row; a loss returning another shape than (B, T) or (B, 1) (naming the loss).
     """
     entry = loss if isinstance(loss, PolicyLoss) else POLICY_LOSSES.get(loss)
-    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
-    _check_same_shape("log_probs", log_probs, "response_mask", response_mask)
-    advantages = functional._per_example("advantages", advantages, log_probs).detach()
+    check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
+    check_same_shape("log_probs", log_probs, "response_mask", response_mask)
+    advantages = functional.per_example("advantages", advantages, log_probs).detach()
     arguments = (log_probs, old_log_probs.detach(), advantages, response_mask, config)
     if entry.takes_sampling_ratio:
         per_token_loss, metrics = entry.fn(*arguments, importance_sampling_ratio=importance_sampling_ratio)
@@ -237,7 +237,7 @@ def compute_policy_gradient_loss(
     missing = [name for name in required if given[name] is None]
     if missing:
         raise ValueError(f"loss_type={loss_type!r} needs {', '.join(missing)}; got None")
-    values = functional._per_example(weights, given[weights], policy_log_probs)
+    values = functional.per_example(weights, given[weights], policy_log_probs)
     config = LossConfig() if cliprange is None else LossConfig(epsilon=cliprange)
     old = policy_log_probs.detach() if old_log_probs is None else old_log_probs
     return policy_loss(entry, policy_log_probs, old, values, torch.ones_like(policy_log_probs), config)

@@ -340,12 +340,12 @@ class GRPOConfig(trl.GRPOConfig):
     def __post_init__(self):
         loss = trl_names.resolve_objective(self)
         trl_names.resolve_advantages(self, loss)
-        functional._check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
-        functional._check_choice(
+        functional.check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
+        functional.check_choice(
             "importance_sampling_level", self.importance_sampling_level, functional.IMPORTANCE_SAMPLING_LEVELS
         )
         if self.vllm_dtype is not None:  # None: the policy's dtype
-            functional._check_choice("vllm_dtype", self.vllm_dtype, vllm_engine.VLLM_DTYPES)
+            functional.check_choice("vllm_dtype", self.vllm_dtype, vllm_engine.VLLM_DTYPES)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
         if self.epsilon_high is not None and self.epsilon_high < 0:
