@@ -178,6 +178,8 @@ class Registry(Generic[T]):
         check: ``(name, entry) -> None``, called before an entry is added; raises ValueError to refuse it (e.g. a
             claim another entry already holds).
         shown: ``(name, entry) -> how the name is written`` in lists and help (default: the name).
+        unique: ``{field: how messages name it}``: a field whose value (when not None) no two entries share, e.g.
+            ``{"upstream_loss_type": "TRL's loss_type"}`` (one TRL name means one entry).
         dotted_as_registered: a dotted path to a function registered here loads that entry, declarations and all
             (default True); False: always a plain entry of the function (the graders: a course ``reward_fn`` named
             by its path says nothing of the answer it reads).
@@ -202,6 +204,7 @@ class Registry(Generic[T]):
         check: Callable[[str, T], None] | None = None,
         load: Callable[[Any, str], T] | None = None,
         shown: Callable[[str, T], str] | None = None,
+        unique: dict[str, str] | None = None,
         dotted_as_registered: bool = True,
     ):
         self.kind = kind
@@ -214,6 +217,7 @@ class Registry(Generic[T]):
         self._custom_load = load
         self._shown = shown or (lambda name, entry: name)
         self._dotted_as_registered = dotted_as_registered
+        self._unique = unique or {}
         self._dotted = entry_type is not None or load is not None
         self._entries: dict[str, T] = {}
         self._sites: dict[str, str | None] = {}  # name -> file:line that registered it, for messages
@@ -267,14 +271,13 @@ class Registry(Generic[T]):
                     f"{_place(entry, site)} is another definition (unregister {name!r} first to replace it, or choose "
                     "another name)"
                 )
-            if self._check is not None:  # on the new entry, without the old one (whose claims the new one repeats)
-                order = list(self._entries.items())
-                del self._entries[name]
-                try:
-                    self._check(name, entry)
-                finally:
-                    self._entries.clear()
-                    self._entries.update(order)
+            order = list(self._entries.items())  # checked without the old one (whose claims the new one repeats)
+            del self._entries[name]
+            try:
+                self._checked(name, entry)
+            finally:
+                self._entries.clear()
+                self._entries.update(order)
             self._entries[name] = entry  # an existing key: the same place in the order
             logger.debug(
                 "%s %r: %s replaces %s, the same definition run again (a reload, or a script imported by name)",
@@ -286,11 +289,22 @@ class Registry(Generic[T]):
             self._sites[name] = site
             self._forget(old)
             return entry
-        if self._check is not None:
-            self._check(name, entry)
+        self._checked(name, entry)
         self._entries[name] = entry
         self._sites[name] = site
         return entry
+
+    def _checked(self, name: str, entry: T) -> None:
+        """Refuse ``entry`` (ValueError) when a ``unique`` field's value is another entry's, or ``check`` refuses it."""
+        for field, said in self._unique.items():
+            value = getattr(entry, field, None)
+            holder = next(
+                (n for n, e in self._entries.items() if value is not None and getattr(e, field, None) == value), None
+            )
+            if holder is not None:
+                raise ValueError(f"{said} {value!r} already means {holder!r}")
+        if self._check is not None:
+            self._check(name, entry)
 
     def _entry(self, name: str, obj: Any, declarations: dict[str, Any], path: str = "") -> T:
         """``obj`` as an entry: an ``entry_type`` as it is, a function wrapped with ``declarations``."""

@@ -59,11 +59,6 @@ class Aggregation:
 
 def _check_entry(name: str, entry: Aggregation) -> None:
     check_choice(f"{name}: divisor", entry.divisor, DIVISORS)
-    claimed = upstream_loss_types()
-    if entry.upstream_loss_type in claimed:
-        raise ValueError(
-            f"TRL's loss_type {entry.upstream_loss_type!r} already means {claimed[entry.upstream_loss_type]!r}"
-        )
 
 
 AGGREGATIONS: Registry[Aggregation] = Registry(
@@ -74,6 +69,7 @@ AGGREGATIONS: Registry[Aggregation] = Registry(
     expects="a function (per_token_loss, response_mask, normalize_constant, empty_rows) -> loss or a "
     "trl_ext.objective.aggregations.Aggregation",
     check=_check_entry,
+    unique={"upstream_loss_type": "TRL's loss_type"},
 )
 """``length_normalization`` -> its :class:`Aggregation`, in registration order (a ``package.module:attr`` function
 takes no divisor)."""

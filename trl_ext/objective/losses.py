@@ -107,11 +107,6 @@ def _check_entry(name: str, entry: PolicyLoss) -> None:
             f"policy loss {name!r} reads options {unknown}, which trl_ext.objective.losses.LossConfig does not have "
             "(add them there with TRL's defaults)"
         )
-    claims = {e.upstream_loss_type: n for n, e in POLICY_LOSSES.items() if e.upstream_loss_type}
-    if entry.upstream_loss_type in claims:
-        raise ValueError(
-            f"TRL's loss_type {entry.upstream_loss_type!r} already means {claims[entry.upstream_loss_type]!r}"
-        )
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
@@ -121,6 +116,7 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
     expects="a function (log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics) "
     "or a trl_ext.objective.losses.PolicyLoss",
     check=_check_entry,
+    unique={"upstream_loss_type": "TRL's loss_type"},
 )
 """``pg_loss_type`` -> its :class:`PolicyLoss`, in registration order. A ``package.module:attr`` names a
 :class:`PolicyLoss`, a function registered with its declarations, or a plain function of the loss signature (an
