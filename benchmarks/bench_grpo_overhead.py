@@ -30,9 +30,9 @@ sequences). Peak = best of several ``torch.matmul`` of two 2048 x 2048 matrices 
 
 Scaling (--scaling): the same lockstep measurement as the group size (4, 8, 16 completions per prompt, 2 prompts per
 step) and the completion length (16, 64, 256 tokens, forced with min_new_tokens) grow, with each trainer's time per
-phase (trl_ext.profiling); writes a JSON and a plot (docs/performance.png); trl_ext there shares prompts but does not
-skip zero-advantage rows (see ``KINDS``). Threads follow trl_ext.runtime (every core); precision ``auto`` is bf16
-autocast where the CPU has bf16 instructions -- pass ``--precision fp32`` for the main job's setting.
+phase (trl_ext.measurement.profiling); writes a JSON and a plot (docs/performance.png); trl_ext there shares prompts but
+does not skip zero-advantage rows (see ``KINDS``). Threads follow trl_ext.runtime (every core); precision ``auto`` is
+bf16 autocast where the CPU has bf16 instructions -- pass ``--precision fp32`` for the main job's setting.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import trl_ext
 from trl_ext import runtime
 from trl_ext.compare import PeakMemory, release_memory
 from trl_ext.data import make_arithmetic_dataset
+from trl_ext.measurement.profiling import StepProfiler
 from trl_ext.models import load_model, load_tokenizer
-from trl_ext.profiling import StepProfiler
 from trl_ext.rewards import arithmetic_reward
 
 

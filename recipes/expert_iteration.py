@@ -11,7 +11,7 @@ question from the current policy, keep those whose reward is 1, and fine-tune on
 rollouts come from trl_ext.GRPOTrainer.sample (GRPO's own generation path: transformers `generate`, or vLLM with
 --use_vllm), the SFT is a TRL trainer. Held-out greedy accuracy is measured before training and after every EI step,
 and the mean token entropy of each step's sampled responses under the policy that sampled them
-(trl_ext.course.mean_response_entropy).
+(trl_ext.objective.course.mean_response_entropy).
 
 Writes metrics.json (accuracy_before, accuracy_after, n_eval, ei_steps: per step generated/kept samples, held-out
 accuracy, response entropy; plus the command, resolved configs, library versions and phase times), ei_curves.png,
@@ -170,7 +170,7 @@ def summary(before, steps, seconds, cpu_seconds):
         f"Held-out accuracy per EI step: {', '.join(format(s['accuracy'], '.1%') for s in steps)} (n = {before['n']}).",
         f"Kept fraction per EI step: {', '.join(format(s['kept'] / s['generated'], '.0%') for s in steps)}.",
         f"Response entropy {'fell' if h1 < h0 else 'did not fall'} from {h0:.3f} to {h1:.3f} nats/token"
-        + (" (collapsed)." if trl_ext.observations.entropy_collapsed(h0, h1) else "."),
+        + (" (collapsed)." if trl_ext.measurement.observations.entropy_collapsed(h0, h1) else "."),
     ]
     line = (
         f"Expert iteration: held-out accuracy {before['accuracy']:.1%} -> {last['accuracy']:.1%} ({before['n']} "
@@ -230,7 +230,7 @@ def ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, trai
         rewards = [task.score(text, row)["reward"] for text, row in zip(texts, rows)]
         kept = [i for i, r in enumerate(rewards) if r == 1.0]
     with run.phase("entropy", breakdown="entropy"):  # a forward over every sampled response
-        entropy = trl_ext.course.mean_response_entropy(
+        entropy = trl_ext.objective.course.mean_response_entropy(
             model, prompt_ids, completion_ids, tokenizer.pad_token_id, script_args.entropy_batch_size
         )
     record = {
@@ -287,13 +287,13 @@ def main(run, script_args, training_args, model_args, speed=None):
         sampler = make_sampler(model, tokenizer, task, script_args, training_args)
     order = random.Random(training_args.seed).sample(range(len(task.train)), len(task.train))
     questions = script_args.ei_batch_size
-    steps, log_history, start, cpu_start = [], [], time.perf_counter(), trl_ext.profiling.cpu_seconds()
+    steps, log_history, start, cpu_start = [], [], time.perf_counter(), trl_ext.measurement.profiling.cpu_seconds()
     for step in range(1, script_args.n_ei_steps + 1):  # each step's questions, drawn without replacement
         batch = task.train[order[(step - 1) * questions : step * questions]]
         record, log = ei_step(run, step, batch, sampler, model, tokenizer, task, script_args, training_args)
         steps.append(record)
         log_history += log
-    seconds, cpu_seconds = time.perf_counter() - start, trl_ext.profiling.cpu_seconds() - cpu_start
+    seconds, cpu_seconds = time.perf_counter() - start, trl_ext.measurement.profiling.cpu_seconds() - cpu_start
     with run.phase("save", breakdown="save"):
         model.save_pretrained(run.output_dir)
         tokenizer.save_pretrained(run.output_dir)

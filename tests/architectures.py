@@ -154,7 +154,7 @@ def decision_table(vocab_size: int = 49152, seconds: int = 120) -> list[tuple[st
     import os
     import signal
 
-    from trl_ext.shared_prompts import savings_decision, training_noise
+    from trl_ext.speed.shared_prompts import savings_decision, training_noise
 
     rows = []
     names = list(FAST) + [t for t in all_causal_lm_types() if t not in {n.split(":")[0] for n in FAST}]

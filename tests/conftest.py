@@ -18,7 +18,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
+from tiny import CPU_TEST_ARGS, save_tiny_model, tiny_model_for_tests  # noqa: E402, F401 -- CPU_TEST_ARGS: re-exported
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, PreTrainedTokenizerBase  # noqa: E402
 
 from trl_ext.models import ensure_embedded_model, load_tokenizer  # noqa: E402
@@ -120,9 +120,10 @@ def length_mod5_reward(completions, **kwargs) -> list[float]:
 
 
 def param_digest(model) -> str:
-    """SHA-256 over the parameters (name, then float32 bytes), in name order; tied weights count once."""
+    """SHA-256 over the parameters (name, then float32 bytes), in name order; tied weights count once. ``model``: a
+    module, or a dict of its parameters by name (``named_parameters``'s)."""
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters()):
+    for name, param in sorted(model.items() if isinstance(model, dict) else model.named_parameters()):
         digest.update(name.encode())
         digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -152,8 +153,7 @@ def qwen_stand_in(tmp_path_factory) -> str:
 def llama_stand_in(tmp_path_factory, tokenizer) -> str:
     """The embedded model's stand-in: a tiny random Llama with the embedded SmolLM2 tokenizer, saved once."""
     path = tmp_path_factory.mktemp("llama_stand_in")
-    tiny_model_for_tests(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_model(tokenizer, path)
     return str(path)
 
 
@@ -179,6 +179,20 @@ def embedded_model_dir() -> Path:
     Only for tests marked `@pytest.mark.slow`.
     """
     return ensure_embedded_model()
+
+
+RECIPES = (  # every script of recipes/
+    "grpo_math",
+    "eval_math",
+    "sft_instruct",
+    "dpo",
+    "reward_model",
+    "rlhf",
+    "grpo_sort",
+    "compare_upstream",
+    "expert_iteration",
+    "grpo_ablations",
+)
 
 
 def load_recipe(name):
@@ -277,15 +291,92 @@ def tool_calling_tokenizer(tokenizer):
     return tok
 
 
-# Training arguments every tiny-model trainer test shares: one CPU step, no saving, no reporting.
-CPU_TEST_ARGS = dict(
-    max_steps=1,
-    report_to="none",
-    bf16=False,
-    use_cpu=True,
-    save_strategy="no",
-    disable_tqdm=True,
-    logging_steps=1,
-    activation_checkpointing=False,
-    seed=0,
-)
+# ------------------------------------------------------------------------------------------------ two processes
+REPO = Path(__file__).resolve().parents[1]
+TWO_PROCESS_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+
+
+def launch_two_processes(script, *argv, env: dict | None = None, timeout: int = 600):
+    """Run ``script`` (a test file whose ``__main__`` block is the launched side) with ``argv`` under
+    ``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml``: two gloo processes on the CPU, offline,
+    from the repository root, with ``env`` added to this process's environment. Fails the test with the tail of
+    both outputs when the launch exits non-zero; returns the completed process."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TWO_PROCESS_CONFIG)]
+    cmd = [*launch, str(script), *map(str, argv)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"accelerate launch exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr "
+            f"---\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="session")
+def two_processes():
+    """`launch_two_processes`: the one two-process launcher of the test suite (tests/test_distributed*.py)."""
+    return launch_two_processes
+
+
+def tiny_model_reports_of_two_processes(script, tokenizer, tmp_path: Path, out_env: str, timeout: int = 600):
+    """Launched side's counterpart of `write_rank_report`: save the tiny model (seed 0) with ``tokenizer`` to
+    ``tmp_path``/tiny, launch ``script`` on two processes with that folder as its argument and ``tmp_path`` in
+    ``$out_env``, and return the two processes' reports (rank 0's first)."""
+    model_dir = tmp_path / "tiny"
+    save_tiny_model(tokenizer, model_dir, seed=0)
+    launch_two_processes(script, model_dir, env={out_env: str(tmp_path)}, timeout=timeout)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def write_rank_report(out: Path, report: dict) -> None:
+    """Launched side: ``report`` with this process's count as ``num_processes``, written to ``out``/rank{r}.json."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    (out / f"rank{state.process_index}.json").write_text(json.dumps({**report, "num_processes": state.num_processes}))
+
+
+def largest_difference(params: dict, reference: dict) -> float:
+    """The largest absolute difference between two dicts of tensors by name (weights of two runs)."""
+    return max((params[n] - reference[n]).abs().max().item() for n in reference)
+
+
+def run_recipe_recording_finals(recipe: str, argv: list[str], record_dir: Path, trainer_cls) -> None:
+    """Launched side: wrap ``trainer_cls.train`` to write ``rank{r}_final.json`` in ``record_dir`` (the process's
+    index and count, accelerate's distributed type, backend and device, the global step and `param_digest` of the
+    final weights), then run recipes/``recipe``.py unchanged with ``argv``."""
+    import runpy
+    import sys
+
+    train = trainer_cls.train
+
+    def recording_train(self, *args, **kwargs):
+        result = train(self, *args, **kwargs)
+        state = self.accelerator.state
+        final = {
+            "process_index": state.process_index,
+            "num_processes": state.num_processes,
+            "distributed_type": str(state.distributed_type),
+            "backend": state.backend,
+            "device": str(state.device),
+            "global_step": self.state.global_step,
+            "param_digest": param_digest(self.accelerator.unwrap_model(self.model)),
+        }
+        (record_dir / f"rank{state.process_index}_final.json").write_text(json.dumps(final))
+        return result
+
+    trainer_cls.train = recording_train
+    path = REPO / "recipes" / f"{recipe}.py"
+    sys.argv = [str(path), *argv]
+    runpy.run_path(str(path), run_name="__main__")

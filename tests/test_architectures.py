@@ -9,8 +9,8 @@ long tail runs every other causal-LM architecture transformers can build from th
 
 The matrix runs again with activation (gradient) checkpointing on -- TRL's default -- with both values of
 ``use_reentrant`` (issue 41): the training forward keeps no cache then, so the log-prob forwards share prompts in one
-cache-free padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), checked against the plain step with
-the same checkpointing.
+cache-free padding-free sequence (``trl_ext.speed.packing.forward_in_one_sequence``), checked against the plain step
+with the same checkpointing.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import pytest
 import torch
 from architectures import FAST, all_causal_lm_types, tiny_config, tiny_model
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import tiny_grpo_trainer
 
-import trl_ext
-from trl_ext.shared_prompts import activation_checkpointing, training_noise
+from trl_ext.speed.shared_prompts import activation_checkpointing, training_noise
 
 PLAIN = dict(share_prompt_cache=False, skip_zero_advantage_rows=False, prepack_linear_weights=False)
 """The options of the plain step every default step is checked against: every speed saving off."""
@@ -60,31 +59,11 @@ SLOW_FAST = {"falcon_h1"}  # ~10 s to build on 2 cores
 
 
 def one_step(model, tokenizer, tmp_path, before_train=None, **options):
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        learning_rate=1e-2,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        temperature=1.5,
-        **{"gradient_checkpointing": False, **options},
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": ["Count to 3:", "Count to 4:"]})
-    trainer = trl_ext.GRPOTrainer(
-        model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok
-    )
+    settings = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1)
+    settings.update(learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", logging_steps=1, temperature=1.5)
+    settings.update({"gradient_checkpointing": False, **options})
+    prompts = ["Count to 3:", "Count to 4:"]
+    trainer = tiny_grpo_trainer(model, tokenizer, tmp_path, prompts, length_mod5_reward, **settings)
     batches = []
     generate = trainer._generate_and_score_completions
 
@@ -349,7 +328,7 @@ def test_long_tail(model_type, tokenizer, tmp_path, caplog):
 def test_length_dependent_rope_would_change_the_numbers_so_sharing_is_off(name):
     """Why the static rule exists: past the original context, the prompt alone (the shared prefill) picks another
     rotary table than the full sequence, so the shared forward is far from the plain one."""
-    from trl_ext.shared_prompts import forward_with_shared_prompts, savings_decision
+    from trl_ext.speed.shared_prompts import forward_with_shared_prompts, savings_decision
 
     config = tiny_config(name, 64)
     config.initializer_range = 1.0  # large random weights: logits far from uniform, so position changes show
@@ -374,7 +353,7 @@ def test_length_dependent_rope_would_change_the_numbers_so_sharing_is_off(name):
 def test_a_model_that_cannot_run_the_probe_batch_keeps_the_plain_path(tokenizer, monkeypatch):
     """The decision never raises: a model whose plain forward fails on the probe's random tokens (where the user's
     data might still run) turns both savings off, naming the error, and the trainer takes upstream's path."""
-    from trl_ext.shared_prompts import savings_decision
+    from trl_ext.speed.shared_prompts import savings_decision
 
     model = tiny_model("llama", len(tokenizer))
 

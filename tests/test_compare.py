@@ -170,7 +170,7 @@ def test_the_two_arms_at_trls_defaults_compute_the_same_loss(tokenizer, tiny_mod
     and gradients -- with old log-probs perturbed so that the clip acts."""
     from test_grpo_trainer import generation_batch, independent_log_probs, loss_and_grads, perturb_for_clipping
 
-    from trl_ext.shared_prompts import activation_checkpointing
+    from trl_ext.speed.shared_prompts import activation_checkpointing
 
     base = trl.GRPOConfig(
         output_dir=str(tmp_path), gradient_checkpointing=False, **{**BASE, "temperature": 1.5, "max_steps": 1}

@@ -1,5 +1,6 @@
-"""trl_ext.course (the course-only helpers that trl_ext.cs336 re-exports) against values worked out by hand or by an
-independent formula. Moved here from test_functional.py and test_functional_preference.py with their assertions."""
+"""trl_ext.objective.course (the course-only helpers that trl_ext.cs336 re-exports) against values worked out by hand or
+by an independent formula. Moved here from test_functional.py and test_functional_preference.py with their
+assertions."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from tiny import tiny_model_for_tests
 
-from trl_ext import course as C
+from trl_ext.objective import course as C
 
 
 class TableLM(torch.nn.Module):

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,11 +32,9 @@ from conftest import (
     completion_text,
     length_mod5_reward,
     param_digest,
+    run_recipe_recording_finals,
 )  # tests/ is on sys.path here and in the launched processes
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "grpo_math.py"
-CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 RECORD_DIR_ENV = "TRL_EXT_TEST_RECORD_DIR"
 
 # Batch geometry: 2 ranks x 6 completions = 12 per step = 3 prompts x 4 completions, so the middle group is split
@@ -75,7 +71,6 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
     generate_and_score = (
         trainer_cls._generate_and_score_round
     )  # one generation round (dynamic sampling may draw several)
-    train = trainer_cls.train
     call_count = {"n": 0}
 
     def recording_generate_and_score(self, inputs):
@@ -87,41 +82,15 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
         if len(advantages) != len(call["rewards"]):
             raise AssertionError(f"rank {rank}: {len(advantages)} advantages for {len(call['rewards'])} rewards")
         with open(record_dir / f"rank{rank}.jsonl", "a") as f:
-            for i, (prompt, completion, reward, advantage) in enumerate(
-                zip(call["prompts"], call["completions"], call["rewards"], advantages)
-            ):
-                row = dict(
-                    call=call_count["n"],
-                    rank=rank,
-                    index=i,
-                    prompt=prompt,
-                    completion=completion,
-                    reward=reward,
-                    advantage=advantage,
-                )
-                f.write(json.dumps(row) + "\n")
+            rows = zip(call["prompts"], call["completions"], call["rewards"], advantages)
+            for i, (prompt, completion, reward, advantage) in enumerate(rows):
+                row = dict(call=call_count["n"], rank=rank, index=i, prompt=prompt, completion=completion)
+                f.write(json.dumps(dict(row, reward=reward, advantage=advantage)) + "\n")
         call_count["n"] += 1
         return output
 
-    def recording_train(self, *args, **kwargs):
-        result = train(self, *args, **kwargs)
-        state = self.accelerator.state
-        final = {
-            "process_index": state.process_index,
-            "num_processes": state.num_processes,
-            "distributed_type": str(state.distributed_type),
-            "backend": state.backend,
-            "device": str(state.device),
-            "global_step": self.state.global_step,
-            "param_digest": param_digest(self.accelerator.unwrap_model(self.model)),
-        }
-        (record_dir / f"rank{state.process_index}_final.json").write_text(json.dumps(final))
-        return result
-
     trainer_cls._generate_and_score_round = recording_generate_and_score
-    trainer_cls.train = recording_train
-    sys.argv = [str(RECIPE), *recipe_argv]
-    runpy.run_path(str(RECIPE), run_name="__main__")
+    run_recipe_recording_finals("grpo_math", recipe_argv, record_dir, trainer_cls)
 
 
 if __name__ == "__main__":
@@ -135,7 +104,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
+from tiny import save_tiny_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_ext.functional import compute_group_advantages  # noqa: E402
@@ -149,17 +118,15 @@ def hand_group_advantages(rewards: list[float], eps: float) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, tokenizer):
+def two_process_run(tmp_path_factory, tokenizer, two_processes):
     """Launch the recipe on 2 CPU processes once; return (work dir, initial weight digest, completed process)."""
-    return launch_two_processes(tmp_path_factory.mktemp("two_proc"), tokenizer)
+    return launch_two_processes(tmp_path_factory.mktemp("two_proc"), tokenizer, two_processes)
 
 
-def launch_two_processes(work, tokenizer, per_device_batch=PER_DEVICE_BATCH, extra=()):
+def launch_two_processes(work, tokenizer, launch, per_device_batch=PER_DEVICE_BATCH, extra=()):
     model_dir, out_dir, record_dir = work / "tiny", work / "out", work / "records"
     record_dir.mkdir()
-    model = tiny_model_for_tests(tokenizer, seed=0)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model = save_tiny_model(tokenizer, model_dir, seed=0)
     recipe_args = [
         "--model_name_or_path", str(model_dir),
         "--output_dir", str(out_dir),
@@ -181,21 +148,7 @@ def launch_two_processes(work, tokenizer, per_device_batch=PER_DEVICE_BATCH, ext
         "--dynamic_sampling", "false",
         *extra,
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        RECORD_DIR_ENV: str(record_dir),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, *recipe_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(
-            f"accelerate launch exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr "
-            f"---\n{proc.stderr[-8000:]}"
-        )
+    proc = launch(__file__, *recipe_args, env={RECORD_DIR_ENV: str(record_dir)})
     return work, param_digest(model), proc
 
 
@@ -287,11 +240,12 @@ def test_saved_model_loads_with_trained_weights(two_process_run):
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_on_two_processes_keeps_the_ranks_identical(tmp_path, tokenizer):
+def test_dynamic_sampling_on_two_processes_keeps_the_ranks_identical(tmp_path, tokenizer, two_processes):
     """Dynamic sampling draws extra rounds while any rank lacks informative groups: both ranks draw the same number
     of rounds (the same collectives) and end with identical weights."""
+    extra = ("--dynamic_sampling", "true", "--max_sampling_rounds", "3")
     work, initial_digest, proc = launch_two_processes(
-        tmp_path, tokenizer, per_device_batch=4, extra=("--dynamic_sampling", "true", "--max_sampling_rounds", "3")
+        tmp_path, tokenizer, two_processes, per_device_batch=4, extra=extra
     )
     finals = [json.loads((work / "records" / f"rank{r}_final.json").read_text()) for r in range(NUM_PROCESSES)]
     assert finals[0]["global_step"] == finals[1]["global_step"] == MAX_STEPS

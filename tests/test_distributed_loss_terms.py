@@ -15,17 +15,23 @@ digests, the controller's state and the largest weight differences; the test rea
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import length_mod5_reward, param_digest
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 OUT_ENV = "TRL_EXT_TEST_LOSS_TERMS_DIR"
+ENTROPY_OPTIONS = dict(
+    top_entropy_quantile=0.2,
+    # the entropy (about 10.8 nats) stays below the target: the coefficient grows after every step and is applied
+    # from the second step on
+    use_adaptive_entropy=True,
+    entropy_coef=0.2,
+    entropy_coef_delta=0.3,
+    entropy_coef_max=0.7,
+    entropy_target=50.0,
+)
 
 
 def _local_entropy_mask(entropies, mask, threshold):
@@ -37,89 +43,47 @@ def _local_entropy_mask(entropies, mask, threshold):
 
 
 def _train(trainer_cls, model_dir: str, tokenizer, output_dir: Path, local_quantile: bool = False):
-    import torch
-    import trl
-    from datasets import Dataset
+    """tests/test_grpo_upstream_options.py's run with the entropy options: weights, digest, the controller's state."""
+    from test_grpo_upstream_options import ONE_REWARD, train
 
     import trl_ext
 
-    args = trl.GRPOConfig(
-        output_dir=str(output_dir),
-        top_entropy_quantile=0.2,
-        # the entropy (about 10.8 nats) stays below the target: the coefficient grows after every step and is applied
-        # from the second step on
-        use_adaptive_entropy=True,
-        entropy_coef=0.2,
-        entropy_coef_delta=0.3,
-        entropy_coef_max=0.7,
-        entropy_target=50.0,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
-        optim="sgd",  # the weights move by the gradients themselves: equal weights mean equal gradients
-        learning_rate=0.5,
-        temperature=1.5,
-        # a random model almost never ends early; +14 on the EOS logit (before temperature) ends ~1 token in 5
-        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 14.0]]},
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
-    dataset = Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]})
-    trainer = trainer_cls(
-        model=model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    if trainer_cls is trl_ext.GRPOTrainer:
-        trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4 (trl_ext's default is the course's 1e-6)
-    if local_quantile:
-        trainer.get_high_entropy_mask = _local_entropy_mask
-    torch.manual_seed(0)
-    trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    logs = [e for e in trainer.state.log_history if "loss" in e]
+    trainers = []
+
+    def prepare(trainer):
+        trainers.append(trainer)
+        if trainer_cls is trl_ext.GRPOTrainer:
+            trainer.args.advantage_eps = 1e-4  # TRL hard-codes 1e-4 (trl_ext's default is the course's 1e-6)
+        if local_quantile:
+            trainer.get_high_entropy_mask = _local_entropy_mask
+
+    _, params, logs = train(trainer_cls, tokenizer, model_dir, output_dir, ONE_REWARD, ENTROPY_OPTIONS, prepare)
+    (trainer,) = trainers
     state = {
         "entropy_coef": trainer.entropy_coef,
         "last_world_entropy": trainer._last_world_entropy,
         "logged_entropy_coef": [e["entropy_coef"] for e in logs],
         "policy_loss": [e["policy_loss"] for e in logs],
     }
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, param_digest(model), state
+    return params, param_digest(params), state
 
 
 def _launched(out: Path, model_dir: str) -> None:
-    import copy
-
     import trl
-    from accelerate import PartialState
 
     import trl_ext
 
     tokenizer = trl_ext.models.load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    upstream, upstream_digest, upstream_state = _train(trl.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), out / "a")
-    ours, ours_digest, ours_state = _train(trl_ext.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), out / "b")
-    local, _, _ = _train(trl_ext.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), out / "c", local_quantile=True)
-    rank = PartialState().process_index
-    (out / f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "num_processes": PartialState().num_processes,
-                "upstream_digest": upstream_digest,
-                "ours_digest": ours_digest,
-                "upstream_state": upstream_state,
-                "ours_state": ours_state,
-                "ours_vs_upstream": max((ours[n] - upstream[n]).abs().max().item() for n in upstream),
-                "local_vs_upstream": max((local[n] - upstream[n]).abs().max().item() for n in upstream),
-            }
-        )
+    upstream, upstream_digest, upstream_state = _train(trl.GRPOTrainer, model_dir, tokenizer, out / "a")
+    ours, ours_digest, ours_state = _train(trl_ext.GRPOTrainer, model_dir, tokenizer, out / "b")
+    local, _, _ = _train(trl_ext.GRPOTrainer, model_dir, tokenizer, out / "c", local_quantile=True)
+    report = {"upstream_digest": upstream_digest, "ours_digest": ours_digest}
+    report.update(upstream_state=upstream_state, ours_state=ours_state)
+    report.update(
+        ours_vs_upstream=largest_difference(ours, upstream), local_vs_upstream=largest_difference(local, upstream)
     )
+    write_rank_report(out, report)
 
 
 if __name__ == "__main__":
@@ -128,20 +92,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
 
 
 @pytest.mark.slow
 def test_entropy_mask_and_adaptive_bonus_on_two_processes_train_as_upstream(tokenizer, tmp_path):
-    model_dir = tmp_path / "tiny"
-    tiny_model_for_tests(tokenizer, seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    env = {**os.environ, OUT_ENV: str(tmp_path), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, str(model_dir)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"accelerate launch exited with {proc.returncode}\n--- stderr ---\n{proc.stderr[-8000:]}")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV, timeout=900)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     # DDP: both ranks hold the same weights, for each trainer
     assert ranks[0]["upstream_digest"] == ranks[1]["upstream_digest"]

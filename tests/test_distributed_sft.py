@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import param_digest  # tests/ is on sys.path here and in the launched processes
+from conftest import REPO, param_digest, run_recipe_recording_finals  # tests/ is on sys.path here and when launched
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "sft_instruct.py"
-CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 RECORD_DIR_ENV = "TRL_EXT_TEST_RECORD_DIR"
 WEIGHT = 0.7
 
@@ -36,7 +31,7 @@ WEIGHT = 0.7
 def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None:
     from trl_ext.trainers.sft import SFTTrainer
 
-    compute_loss, train = SFTTrainer.compute_loss, SFTTrainer.train
+    compute_loss = SFTTrainer.compute_loss
 
     def recording_compute_loss(self, model, inputs, *args, **kwargs):
         labels = inputs.get("unsafe_labels")
@@ -52,20 +47,8 @@ def _run_recipe_with_recording(record_dir: Path, recipe_argv: list[str]) -> None
             f.write(json.dumps(row) + "\n")
         return compute_loss(self, model, inputs, *args, **kwargs)
 
-    def recording_train(self, *args, **kwargs):
-        result = train(self, *args, **kwargs)
-        final = {
-            "num_processes": self.accelerator.num_processes,
-            "global_step": self.state.global_step,
-            "param_digest": param_digest(self.accelerator.unwrap_model(self.model)),
-        }
-        (record_dir / f"rank{self.accelerator.process_index}_final.json").write_text(json.dumps(final))
-        return result
-
     SFTTrainer.compute_loss = recording_compute_loss
-    SFTTrainer.train = recording_train
-    sys.argv = [str(RECIPE), *recipe_argv]
-    runpy.run_path(str(RECIPE), run_name="__main__")
+    run_recipe_recording_finals("sft_instruct", recipe_argv, record_dir, SFTTrainer)
 
 
 if __name__ == "__main__":
@@ -78,7 +61,7 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------------------------------------------
 
 import pytest  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
+from tiny import save_tiny_model  # noqa: E402
 
 
 def instruction_rows(path: Path, unsafe: bool, count: int) -> list[dict]:
@@ -87,12 +70,10 @@ def instruction_rows(path: Path, unsafe: bool, count: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_safety_penalty_with_unsafe_rows_on_one_rank(tmp_path, tokenizer):
+def test_safety_penalty_with_unsafe_rows_on_one_rank(tmp_path, tokenizer, two_processes):
     model_dir, out_dir, record_dir = tmp_path / "tiny", tmp_path / "out", tmp_path / "records"
     record_dir.mkdir()
-    model = tiny_model_for_tests(tokenizer, seed=0)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model = save_tiny_model(tokenizer, model_dir, seed=0)
     data = REPO / "recipes" / "data"
     benign, unsafe = (
         instruction_rows(data / "instructions_train.jsonl", False, 7),
@@ -116,18 +97,7 @@ def test_safety_penalty_with_unsafe_rows_on_one_rank(tmp_path, tokenizer):
         "--learning_rate", "1e-3", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
         "--use_cpu", "true", "--seed", "0",
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        RECORD_DIR_ENV: str(record_dir),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, *recipe_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"accelerate launch exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    two_processes(__file__, *recipe_args, env={RECORD_DIR_ENV: str(record_dir)})
 
     records = {
         r: [json.loads(line) for line in (record_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)

@@ -13,87 +13,30 @@ Each process writes its digests and the largest weight differences; the test rea
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from conftest import length_mod5_reward, param_digest
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
 OUT_ENV = "TRL_EXT_TEST_TOKEN_MEAN_DIR"
 
 
-def _train(trainer_cls, model_dir: str, tokenizer, loss_type: str, output_dir: Path):
-    import torch
-    import trl
-    from datasets import Dataset
-
-    import trl_ext
-
-    args = trl.GRPOConfig(
-        output_dir=str(output_dir),
-        loss_type=loss_type,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
-        optim="sgd",  # the weights move by the gradients themselves: equal weights mean equal gradients
-        learning_rate=0.5,
-        temperature=1.5,
-        # a random model almost never ends early; +14 on the EOS logit (before temperature) ends ~1 token in 5
-        generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 14.0]]},
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
-    dataset = Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]})
-    trainer = trainer_cls(
-        model=model_dir, reward_funcs=length_mod5_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    if trainer_cls is trl_ext.GRPOTrainer:
-        assert trainer.args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
-    torch.manual_seed(0)
-    trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    tokens = [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, param_digest(model), tokens
-
-
 def _launched(out: Path, model_dir: str) -> None:
-    import copy
-
     import trl
-    from accelerate import PartialState
+    from test_grpo_upstream_options import ONE_REWARD, train  # tests/test_grpo_upstream_options.py's settings
 
     import trl_ext
 
     tokenizer = trl_ext.models.load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    upstream, upstream_digest, tokens = _train(trl.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), "dapo", out / "a")
-    ours, ours_digest, _ = _train(trl_ext.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), "dapo", out / "b")
-    local, _, _ = _train(trl.GRPOTrainer, model_dir, copy.deepcopy(tokenizer), "bnpo", out / "c")
-    rank = PartialState().process_index
-    (out / f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "num_processes": PartialState().num_processes,
-                "upstream_digest": upstream_digest,
-                "ours_digest": ours_digest,
-                "ours_vs_upstream": max((ours[n] - upstream[n]).abs().max().item() for n in upstream),
-                "bnpo_vs_dapo": max((local[n] - upstream[n]).abs().max().item() for n in upstream),
-                "num_tokens": tokens,
-            }
-        )
-    )
+    _, upstream, logs = train(trl.GRPOTrainer, tokenizer, model_dir, out / "a", ONE_REWARD, dict(loss_type="dapo"))
+    args, ours, _ = train(trl_ext.GRPOTrainer, tokenizer, model_dir, out / "b", ONE_REWARD, dict(loss_type="dapo"))
+    assert args.advantage_eps == 1e-4  # from_upstream: TRL's hard-coded eps (the course's is 1e-6)
+    _, local, _ = train(trl.GRPOTrainer, tokenizer, model_dir, out / "c", ONE_REWARD, dict(loss_type="bnpo"))
+    report = {"upstream_digest": param_digest(upstream), "ours_digest": param_digest(ours)}
+    report.update(ours_vs_upstream=largest_difference(ours, upstream), bnpo_vs_dapo=largest_difference(local, upstream))
+    write_rank_report(out, dict(report, num_tokens=[e["num_tokens"] for e in logs if "num_tokens" in e]))
 
 
 if __name__ == "__main__":
@@ -102,20 +45,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
 
 
 @pytest.mark.slow
 def test_dapo_on_two_processes_with_accumulation_trains_as_upstream(tokenizer, tmp_path):
-    model_dir = tmp_path / "tiny"
-    tiny_model_for_tests(tokenizer, seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    env = {**os.environ, OUT_ENV: str(tmp_path), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, str(model_dir)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"accelerate launch exited with {proc.returncode}\n--- stderr ---\n{proc.stderr[-8000:]}")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     # DDP: both ranks hold the same weights, for each trainer
     assert ranks[0]["upstream_digest"] == ranks[1]["upstream_digest"]

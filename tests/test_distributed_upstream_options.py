@@ -14,52 +14,34 @@ weight differences; the test reads them.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+from conftest import largest_difference, param_digest, tiny_model_reports_of_two_processes, write_rank_report
+
 OUT_ENV = "TRL_EXT_TEST_UPSTREAM_OPTIONS_DIR"
 OPTIONS = ("cispo", "vespo", "batch_std", "normalize_then_sum")
 
 
 def _launched(out: Path, model_dir: str) -> None:
     import trl
-    from accelerate import PartialState
     from test_grpo_upstream_options import CASES, train
 
     import trl_ext
 
     tokenizer = trl_ext.models.load_tokenizer(model_dir)
     tokenizer.padding_side = "left"
-    report = {}  # PartialState only after the first trainer: use_cpu=True sets up accelerate's state for the CPU
+    report = {}  # PartialState (write_rank_report) only after the first trainer: use_cpu=True sets it up for the CPU
     for name in OPTIONS:
         option, reward_funcs, *_ = CASES[name]
         _, theirs, _ = train(trl.GRPOTrainer, tokenizer, model_dir, out / f"{name}-a", reward_funcs, option)
         args, ours, logs = train(trl_ext.GRPOTrainer, tokenizer, model_dir, out / f"{name}-b", reward_funcs, option)
-        report[name] = {
-            "estimator": str(args.advantage_estimator),
-            "pg_loss_type": str(args.pg_loss_type),
-            "upstream_digest": param_digest_of(theirs),
-            "ours_digest": param_digest_of(ours),
-            "ours_vs_upstream": max((ours[n] - theirs[n]).abs().max().item() for n in theirs),
-            "num_tokens": [e["num_tokens"] for e in logs if "num_tokens" in e],
-        }
-    report["num_processes"] = PartialState().num_processes
-    (out / f"rank{PartialState().process_index}.json").write_text(json.dumps(report))
-
-
-def param_digest_of(params) -> str:
-    """SHA-256 over the parameters (name, then float32 bytes), in name order (conftest.param_digest's, of a dict)."""
-    digest = hashlib.sha256()
-    for name, value in sorted(params.items()):
-        digest.update(name.encode())
-        digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+        report[name] = dict(estimator=str(args.advantage_estimator), pg_loss_type=str(args.pg_loss_type))
+        report[name].update(upstream_digest=param_digest(theirs), ours_digest=param_digest(ours))
+        report[name].update(ours_vs_upstream=largest_difference(ours, theirs))
+        report[name].update(num_tokens=[e["num_tokens"] for e in logs if "num_tokens" in e])
+    write_rank_report(out, report)
 
 
 if __name__ == "__main__":
@@ -68,20 +50,11 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
 
 
 @pytest.mark.slow
 def test_options_that_normalize_across_processes_train_as_upstream_on_two(tokenizer, tmp_path):
-    model_dir = tmp_path / "tiny"
-    tiny_model_for_tests(tokenizer, seed=0).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    env = {**os.environ, OUT_ENV: str(tmp_path), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), __file__, str(model_dir)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        pytest.fail(f"accelerate launch exited with {proc.returncode}\n--- stderr ---\n{proc.stderr[-8000:]}")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = tiny_model_reports_of_two_processes(__file__, tokenizer, tmp_path, OUT_ENV, timeout=1200)
     assert [r["num_processes"] for r in ranks] == [2, 2]
     assert [ranks[0][name]["pg_loss_type"] for name in OPTIONS] == ["cispo", "vespo", "grpo_clip", "grpo_clip"]
     assert [ranks[0][name]["estimator"] for name in OPTIONS][2:] == ["batch_std", "normalize_then_sum"]

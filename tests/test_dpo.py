@@ -14,7 +14,7 @@ from conftest import CPU_TEST_ARGS, TOOL_ROWS, jsonl_dataset, load_recipe, param
 from datasets import Dataset
 from tiny import tiny_model_for_tests
 
-from trl_ext import course as C
+from trl_ext.objective import course as C
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
 
 COMMON = dict(

@@ -1,17 +1,16 @@
-"""Dynamic sampling (trl_ext.trainers.dynamic_sampling) against values worked out by hand."""
+"""Dynamic sampling (trl_ext.trainers.grpo.dynamic_sampling) against values worked out by hand."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 from architectures import tiny_model
 from datasets import Dataset
+from tiny import tiny_grpo_trainer
 
-import trl_ext
-from trl_ext.trainers.dynamic_sampling import (
+from trl_ext.trainers.grpo.dynamic_sampling import (
     DynamicSamplingState,
     informative_groups,
     merge_rounds,
@@ -79,31 +78,10 @@ def position_reward(prompts, completions, **kwargs):
 
 
 def make_trainer(tokenizer, tmp_path, prompts, reward_funcs=position_reward, **options):
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=3,
-        max_steps=1,
-        learning_rate=1e-2,
-        optim="sgd",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        gradient_checkpointing=False,
-        **options,
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": prompts})
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=3, max_steps=1)
+    settings.update(learning_rate=1e-2, optim="sgd", logging_steps=1, gradient_checkpointing=False)
     model = tiny_model("llama", len(tokenizer))
-    return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=reward_funcs, args=args, train_dataset=data, processing_class=tok
-    )
+    return tiny_grpo_trainer(model, tokenizer, tmp_path, prompts, reward_funcs, **settings, **options)
 
 
 def record_rounds(trainer):
@@ -299,35 +277,12 @@ def test_a_streaming_training_set_trains_with_dynamic_sampling_and_resumes_on_th
     prompts = [f"same {i}:" for i in range(6)] + [f"diff {i}:" for i in range(6)]
 
     def run(out, resume=None):
-        args = trl_ext.GRPOConfig(
-            output_dir=str(out),
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_completion_length=3,
-            max_steps=2,
-            learning_rate=1e-2,
-            optim="sgd",
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            save_strategy="steps",
-            save_steps=1,
-            disable_tqdm=True,
-            logging_steps=1,
-            gradient_checkpointing=False,
-            dynamic_sampling=True,
-            max_sampling_rounds=4,
-        )
-        tok = copy.deepcopy(tokenizer)
-        tok.padding_side = "left"
-        trainer = trl_ext.GRPOTrainer(
-            model=tiny_model("llama", len(tokenizer)),
-            reward_funcs=position_reward,
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": prompts}).to_iterable_dataset(),
-            processing_class=tok,
-        )
+        settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=3, max_steps=2)
+        settings.update(learning_rate=1e-2, optim="sgd", save_strategy="steps", save_steps=1, logging_steps=1)
+        settings.update(gradient_checkpointing=False, dynamic_sampling=True, max_sampling_rounds=4)
+        model = tiny_model("llama", len(tokenizer))
+        stream = Dataset.from_dict({"prompt": prompts}).to_iterable_dataset()
+        trainer = tiny_grpo_trainer(model, tokenizer, out, stream, position_reward, **settings)
         rounds = record_rounds(trainer)
         trainer.train(resume_from_checkpoint=resume)
         return trainer, [p for p, _ in rounds]

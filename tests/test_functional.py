@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_ext import aggregations, functional, losses
+from trl_ext import functional
+from trl_ext.objective import aggregations, losses
 
 
 class CharTokenizer:
@@ -408,3 +409,34 @@ def test_adaptive_kl_coefficient_by_hand():
     assert functional.adaptive_kl_coefficient(1.0, 100.0, 0.1, 10, n_steps=1) == pytest.approx(1.02)
     with pytest.raises(ValueError, match="kl_target=0"):
         functional.adaptive_kl_coefficient(0.05, 0.1, 0, 1000)
+
+
+DESIGN_FUNCTIONAL_API = (  # the table "Public functional API (trl_ext.functional)" of the design notes
+    "tokenize_prompt_and_output",
+    "compute_entropy",
+    "get_response_log_probs",
+    "masked_mean",
+    "masked_normalize",
+    "compute_group_normalized_rewards",
+    "compute_naive_policy_gradient_loss",
+    "compute_grpo_clip_loss",
+    "compute_policy_gradient_loss",
+    "grpo_microbatch_train_step",
+    "sft_microbatch_train_step",
+    "compute_kl",
+    "compute_gae",
+)
+
+
+@pytest.mark.parametrize("name", DESIGN_FUNCTIONAL_API)
+def test_every_function_of_the_agreed_api_imports_from_trl_ext_functional(name):
+    """A function may live in another room (the objective's dispatch and the course's helpers), but ``from
+    trl_ext.functional import NAME`` keeps working and gives the same object as its room, not a copy."""
+    import importlib
+
+    value = getattr(importlib.import_module("trl_ext.functional"), name)
+    home = importlib.import_module(value.__module__)
+    assert callable(value) and getattr(home, name) is value
+    assert name in dir(functional)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_function'"):
+        functional.no_such_function  # noqa: B018

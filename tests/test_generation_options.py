@@ -12,7 +12,7 @@ from architectures import tiny_model
 from test_architectures import one_step
 
 from trl_ext.eval import generate_completions
-from trl_ext.shared_prompts import generation_blocker
+from trl_ext.speed.shared_prompts import generation_blocker
 
 
 @pytest.mark.parametrize(

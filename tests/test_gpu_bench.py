@@ -57,7 +57,7 @@ def test_cpu_dry_run_trains_both_trainers_with_the_same_math(tmp_path, monkeypat
         assert r["trainable_parameters"] == 2 * 16 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))  # LoRA r16, tiny
     # identical math: the same model, seed and samples give the same loss and gradient norm at every step -- up to
     # bf16 rounding (2^-8): under gradient checkpointing trl_ext's log-prob forwards run prompts and completions as
-    # one packed sequence (trl_ext.packing), other matmul shapes than TRL's padded rows under bf16 autocast
+    # one packed sequence (trl_ext.speed.packing), other matmul shapes than TRL's padded rows under bf16 autocast
     # (measured: 3.2e-4 relative on the gradient norm)
     assert runs["trl_ext"]["loss"] == pytest.approx(runs["trl"]["loss"], abs=1e-6)
     assert runs["trl_ext"]["grad_norm"] == pytest.approx(runs["trl"]["grad_norm"], rel=2**-8)

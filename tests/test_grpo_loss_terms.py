@@ -1,6 +1,6 @@
 """TRL's GRPO terms and masks around the policy loss, through trl_ext.GRPOTrainer, against upstream trl.GRPOTrainer.
 
-The options (trl_ext/trainers/grpo_terms.py): ``entropy_coef`` (a static entropy bonus), ``use_adaptive_entropy``
+The options (trl_ext/trainers/grpo/terms.py): ``entropy_coef`` (a static entropy bonus), ``use_adaptive_entropy``
 (Skywork-OR1's controller), ``top_entropy_quantile`` < 1 (the policy loss on the highest-entropy tokens only) and
 ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence mask). For each: the loss, gradients and metrics of
 one batch equal upstream's (with trl_ext's shared-prompt, packed forward); an unchanged ``trl.GRPOConfig`` with the

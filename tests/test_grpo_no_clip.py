@@ -8,8 +8,9 @@ from conftest import length_mod5_reward
 from test_grpo_trainer import COMMON, generation_batch, independent_log_probs, make_trainer
 
 import trl_ext
-from trl_ext import course as C
-from trl_ext import functional, losses
+from trl_ext import functional
+from trl_ext.objective import course as C
+from trl_ext.objective import losses
 
 RATIO = math.exp(0.5)  # log-prob -0.5 under the policy, -1.0 under the old policy: ratio = e^(-0.5 - -1.0)
 

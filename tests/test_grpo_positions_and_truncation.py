@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import trl
 from conftest import tiny_gpt2
-from datasets import Dataset
-from tiny import tiny_model_for_tests
+from tiny import tiny_grpo_trainer, tiny_model_for_tests
 
-import trl_ext
-from trl_ext import aggregations, functional
+from trl_ext import functional
+from trl_ext.objective import aggregations
 
 
 def constant_reward(completions, **kwargs):
@@ -20,26 +17,8 @@ def constant_reward(completions, **kwargs):
 
 
 def make_trainer(model, tokenizer, tmp_path, **overrides):
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=4,
-        temperature=1.0,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        **overrides,
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    dataset = Dataset.from_dict({"prompt": ["a", "b"]})
-    return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=constant_reward, args=args, train_dataset=dataset, processing_class=tok
-    )
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=4, temperature=1.0)
+    return tiny_grpo_trainer(model, tokenizer, tmp_path, ["a", "b"], constant_reward, **settings, **overrides)
 
 
 def left_padded(rows, pad_id):

@@ -8,31 +8,14 @@ import pytest
 import torch
 import trl
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import GRPO_TINY, count_prompts
 
 import trl_ext
-from trl_ext import aggregations, functional, losses
+from trl_ext import functional
+from trl_ext.objective import aggregations, losses
 
-
-def toy_dataset(n=4):
-    return Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(n)]})
-
-
-COMMON = dict(
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    max_steps=2,
-    learning_rate=1e-2,
-    logging_steps=1,
-    report_to="none",
-    bf16=False,
-    use_cpu=True,
-    seed=0,
-    temperature=1.5,
-    save_strategy="no",
-    disable_tqdm=True,
-)
+toy_dataset = count_prompts
+COMMON = GRPO_TINY
 
 
 def make_trainer(cls, config_cls, model, tokenizer, tmp_path, dataset=None, **overrides):
@@ -538,13 +521,13 @@ def test_resolved_settings_survive_replace_pickle_and_json(tmp_path):
 
 
 def test_a_config_pickled_while_it_lived_in_trainers_grpo_still_loads(tmp_path):
-    """GRPOConfig moved from trl_ext/trainers/grpo.py to grpo_config.py (no module over 1,000 lines): a checkpoint's
-    ``training_args.bin`` written before names ``trl_ext.trainers.grpo.GRPOConfig``, which must still load as the
-    same class with the same resolved settings; both import paths give the one class."""
+    """GRPOConfig moved from trl_ext/trainers/grpo.py to trl_ext/trainers/grpo/config.py (no module over 1,000 lines): a
+    checkpoint's ``training_args.bin`` written before names ``trl_ext.trainers.grpo.GRPOConfig``, which must still load
+    as the same class with the same resolved settings; both import paths give the one class."""
     import pickle
 
     import trl_ext.trainers.grpo as grpo
-    import trl_ext.trainers.grpo_config as grpo_config
+    import trl_ext.trainers.grpo.config as grpo_config
 
     assert grpo.GRPOConfig is grpo_config.GRPOConfig is trl_ext.GRPOConfig
     assert grpo.generation_grouping_problem is grpo_config.generation_grouping_problem
@@ -554,8 +537,8 @@ def test_a_config_pickled_while_it_lived_in_trainers_grpo_still_loads(tmp_path):
     try:
         old = pickle.dumps(config, protocol=2)  # torch.save's protocol
     finally:
-        cls.__module__ = "trl_ext.trainers.grpo_config"
-    assert b"trl_ext.trainers.grpo" in old and b"trl_ext.trainers.grpo_config" not in old
+        cls.__module__ = "trl_ext.trainers.grpo.config"
+    assert b"trl_ext.trainers.grpo" in old and b"trl_ext.trainers.grpo.config" not in old
     loaded = pickle.loads(old)
     assert type(loaded) is trl_ext.GRPOConfig
     assert (loaded.loss_type, loaded.length_normalization, loaded.pg_loss_type) == (
@@ -1120,7 +1103,7 @@ def test_an_upstream_default_config_runs_the_savings_or_says_in_one_line_which_i
     line which savings the log-prob forwards lose and why, and runs them unshared."""
     from architectures import tiny_model
 
-    from trl_ext.shared_prompts import activation_checkpointing
+    from trl_ext.speed.shared_prompts import activation_checkpointing
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path),

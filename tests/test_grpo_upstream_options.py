@@ -25,8 +25,7 @@ import torch
 import trl
 from conftest import length_mod5_reward
 from datasets import Dataset
-from test_grpo_trainer import COMMON
-from tiny import tiny_model_for_tests
+from tiny import GRPO_OFF_POLICY, count_prompts, save_tiny_model
 
 import trl_ext
 from trl_ext.rewards import completion_text
@@ -37,15 +36,7 @@ def spaces_mod3_reward(completions, **kwargs) -> list[float]:
     return [float(completion_text(c).count(" ") % 3) for c in completions]
 
 
-BASE = dict(
-    COMMON,
-    per_device_train_batch_size=2,
-    gradient_accumulation_steps=2,
-    steps_per_generation=4,
-    max_completion_length=12,
-    optim="sgd",
-    learning_rate=0.5,
-)
+BASE = GRPO_OFF_POLICY
 ONE_REWARD, TWO_REWARDS = (length_mod5_reward,), (length_mod5_reward, spaces_mod3_reward)
 
 # option -> (its settings, the reward functions, the run without it, the metrics upstream logs for it, what trl_ext
@@ -119,13 +110,13 @@ RESOLVED = {  # option -> (length_normalization, advantage_estimator) trl_ext re
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    tiny_model_for_tests(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_model(tokenizer, path, seed=0)
     return str(path)
 
 
-def train(trainer_cls, tokenizer, model_dir, output_dir, reward_funcs, option):
-    """2 optimizer steps from an upstream config with ``option``: the trainer's config, weights and logs."""
+def train(trainer_cls, tokenizer, model_dir, output_dir, reward_funcs, option, prepare=None):
+    """2 optimizer steps from an upstream config with ``option``: the trainer's config, weights and logs.
+    ``prepare(trainer)``, when given, runs between building the trainer and training it."""
     tok = copy.deepcopy(tokenizer)
     settings = dict(BASE, output_dir=str(output_dir), **option)
     settings["generation_kwargs"] = {"sequence_bias": [[[tok.eos_token_id], 14.0]]}  # ends ~1 token in 5
@@ -133,9 +124,11 @@ def train(trainer_cls, tokenizer, model_dir, output_dir, reward_funcs, option):
         model=model_dir,
         reward_funcs=list(reward_funcs),
         args=trl.GRPOConfig(**settings),
-        train_dataset=Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]}),
+        train_dataset=count_prompts(8),
         processing_class=tok,
     )
+    if prepare is not None:
+        prepare(trainer)
     torch.manual_seed(0)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -324,3 +324,33 @@ def test_no_module_is_over_a_thousand_lines():
     assert len(files) > 50
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
     assert long == {}, long
+
+
+def test_no_private_helper_is_imported_across_modules():
+    """A name with a leading underscore is its module's own (issue 46): another module neither imports it (``from
+    trl_ext.x import _helper``) nor reaches it through the module (``x._helper``); what two rooms share is public.
+    Dunder names and an underscore alias kept for old pickles (``_Derived``) defined in place are not imports."""
+    modules = _library_modules()
+    found = []
+    for path in modules.values():
+        tree = _tree(path)
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trl_ext"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {node.module}.{alias.name}")
+                    if f"{node.module}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("trl_ext")})
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: uses {aliases[node.value.id]}.{node.attr}")
+    assert found == []

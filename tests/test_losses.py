@@ -1,6 +1,6 @@
-"""The registered choices of GRPO's objective: policy losses in verl's shape (trl_ext.losses), length normalizations
-(trl_ext.aggregations) and advantage estimators (trl_ext.advantages) -- each entry keeps what it declares, the
-built-ins give the course's numbers, and a user's own loads by package.module:attr."""
+"""The registered choices of GRPO's objective: policy losses in verl's shape (trl_ext.objective.losses), length
+normalizations (trl_ext.objective.aggregations) and advantage estimators (trl_ext.objective.advantages) -- each entry
+keeps what it declares, the built-ins give the course's numbers, and a user's own loads by package.module:attr."""
 
 import dataclasses
 import inspect
@@ -13,7 +13,8 @@ import torch
 import trl
 
 import trl_ext
-from trl_ext import advantages, aggregations, functional, losses
+from trl_ext import functional
+from trl_ext.objective import advantages, aggregations, losses
 
 # ------------------------------------------------------------------------------------------- the built-in entries
 
@@ -76,7 +77,7 @@ def test_the_builtin_registry_entries():
         )
     first_line = inspect.getsourcelines(losses.grpo_clip)[1]  # its decorator's line
     assert str(refused.value).startswith(
-        f"a policy loss named 'grpo_clip' is already registered: trl_ext.losses:grpo_clip (registered at "
+        f"a policy loss named 'grpo_clip' is already registered: trl_ext.objective.losses:grpo_clip (registered at "
         f"{losses.__file__}:{first_line}); test_losses:test_the_builtin_registry_entries.<locals>.<lambda> "
         f"(registered at {__file__}:"
     )
@@ -84,9 +85,11 @@ def test_the_builtin_registry_entries():
         aggregations.AGGREGATIONS.register(
             "token_sum", aggregations.Aggregation("token_sum", lambda *a: a[0].sum(), upstream_loss_type="dapo")
         )
-    with pytest.raises(ValueError, match="reads options \\['epsilon_low'\\], which trl_ext.losses.LossConfig does"):
+    with pytest.raises(
+        ValueError, match="reads options \\['epsilon_low'\\], which trl_ext.objective.losses.LossConfig does"
+    ):
         losses.register_policy_loss("clip_low", options=("epsilon_low",))(lambda *a: None)
-    with pytest.raises(ValueError, match="expected a trl_ext.losses.PolicyLoss, got function"):
+    with pytest.raises(ValueError, match="expected a trl_ext.objective.losses.PolicyLoss, got function"):
         losses.POLICY_LOSSES.register("bare", lambda *a: None)
     assert "clip_low" not in losses.POLICY_LOSSES and "token_sum" not in aggregations.AGGREGATIONS
 

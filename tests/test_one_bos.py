@@ -15,9 +15,8 @@ import pytest
 import torch
 from conftest import CPU_TEST_ARGS
 from datasets import Dataset
-from tiny import tiny_model_for_tests
+from tiny import tiny_grpo_trainer, tiny_model_for_tests
 
-import trl_ext
 from trl_ext.data import adds_bos_token, format_prompt, prompt_token_ids, render_chat_prompt, strip_leading_bos
 from trl_ext.eval import generate_completions
 from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
@@ -70,27 +69,9 @@ def test_prompt_token_ids_have_exactly_one_bos(bos_tokenizer):
 
 
 def grpo_trainer(tok, model, tmp_path):
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path / "grpo"),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=3,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    gtok = copy.deepcopy(tok)
-    gtok.padding_side = "left"
-    return trl_ext.GRPOTrainer(
-        model=model,
-        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}),
-        processing_class=gtok,
-    )
+    settings = dict(per_device_train_batch_size=2, num_generations=2, max_completion_length=3)
+    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
+    return tiny_grpo_trainer(model, tok, tmp_path / "grpo", ["a", "b"], reward, **settings)
 
 
 def test_grpo_training_and_eval_generation_see_the_same_ids(bos_tokenizer, tmp_path):

@@ -1,4 +1,4 @@
-"""Packed linear weights for CPU generation and evaluation (trl_ext.packed_linear, issue 31).
+"""Packed linear weights for CPU generation and evaluation (trl_ext.speed.packed_linear, issue 31).
 
 Two backends, each tested where this PyTorch has its ops: oneDNN's blocked layout and MKL's packed sgemm. The packed
 forward computes ``x @ W^T + b`` with another GEMM kernel: the tests hold it to values worked out by hand
@@ -16,12 +16,12 @@ import pytest
 import torch
 from architectures import tiny_model
 from conftest import length_mod5_reward
-from datasets import Dataset
+from tiny import tiny_grpo_trainer
 
-import trl_ext
-from trl_ext import packed_linear
+import trl_ext.logs
 from trl_ext.eval import generate_completions
-from trl_ext.packed_linear import PackedLinearWeights, choose_backend, cpu_vendor, packable, packing_blocker
+from trl_ext.speed import packed_linear
+from trl_ext.speed.packed_linear import PackedLinearWeights, choose_backend, cpu_vendor, packable, packing_blocker
 
 BACKENDS = ["onednn"] + (["mkl"] if packed_linear._mkl_ops_available() else [])
 KERNEL = {"onednn": "_pointwise", "mkl": "_mkl_linear"}  # the function each backend's packed forward calls
@@ -48,7 +48,7 @@ def spy(monkeypatch, backend: str) -> list[int]:
 def fresh_backend_probes(monkeypatch):
     """Each test probes the backends afresh (their verdicts are cached per process), and sees its own log lines."""
     monkeypatch.setattr(packed_linear, "_probe_results", {})
-    monkeypatch.setattr(packed_linear, "_announced_backends", set())
+    monkeypatch.setattr(trl_ext.logs, "SAID", set())  # each backend message said anew
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -390,32 +390,11 @@ def test_greedy_evaluation_gives_the_same_answers_packed(tokenizer, monkeypatch)
 def test_grpo_generation_packs_once_per_batch_and_releases_the_copies(tokenizer, tmp_path):
     def step(prepack):
         model = tiny_model("llama", len(tokenizer))
-        args = trl_ext.GRPOConfig(
-            output_dir=str(tmp_path / str(prepack)),
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_completion_length=6,
-            max_steps=1,
-            optim="sgd",
-            learning_rate=0.1,
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            save_strategy="no",
-            disable_tqdm=True,
-            logging_steps=1,
-            seed=0,
-            temperature=1.5,
-            dynamic_sampling=True,
-            max_sampling_rounds=2,
-            prepack_linear_weights=prepack,
-        )
-        tok = copy.deepcopy(tokenizer)
-        tok.padding_side = "left"
-        data = Dataset.from_dict({"prompt": ["Count to 3:", "Count to 4:", "Say hi:", "Add 1 and 2:"]})
-        trainer = trl_ext.GRPOTrainer(
-            model=model, reward_funcs=length_mod5_reward, args=args, train_dataset=data, processing_class=tok
-        )
+        settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=1)
+        settings.update(optim="sgd", learning_rate=0.1, logging_steps=1, temperature=1.5)
+        settings.update(dynamic_sampling=True, max_sampling_rounds=2, prepack_linear_weights=prepack)
+        prompts = ["Count to 3:", "Count to 4:", "Say hi:", "Add 1 and 2:"]
+        trainer = tiny_grpo_trainer(model, tokenizer, tmp_path / str(prepack), prompts, length_mod5_reward, **settings)
         seen, batches = [], []
         single_turn, score = trainer._generate_single_turn, trainer._generate_and_score_completions
 
@@ -450,30 +429,10 @@ def test_grpo_generation_packs_for_the_rows_each_generate_decodes(backend, token
     per_device, steps_per_generation = 2, 2
     rows = per_device * steps_per_generation
     monkeypatch.setattr(packed_linear, "choose_backend", lambda: backend)
-    args = trl_ext.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=per_device,
-        steps_per_generation=steps_per_generation,
-        num_generations=2,
-        max_completion_length=5,
-        max_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": ["Count to 3:", "Say hi:"]})
-    trainer = trl_ext.GRPOTrainer(
-        model=tiny_model("llama", len(tokenizer)),
-        reward_funcs=length_mod5_reward,
-        args=args,
-        train_dataset=data,
-        processing_class=tok,
-    )
+    settings = dict(per_device_train_batch_size=per_device, steps_per_generation=steps_per_generation)
+    settings.update(num_generations=2, max_completion_length=5, max_steps=1)
+    model = tiny_model("llama", len(tokenizer))
+    trainer = tiny_grpo_trainer(model, tokenizer, tmp_path, ["Count to 3:", "Say hi:"], length_mod5_reward, **settings)
     linears = [m for m in trainer.model.modules() if packable(m)]
     generating, forwards, packings, served = [False], [], [], []
     for module in linears:

@@ -1,5 +1,5 @@
-"""trl_ext.profiling: exclusive per-phase timing, the breakdown's keys and sums; bf16 autocast keeps the RL math
-fp32."""
+"""trl_ext.measurement.profiling: exclusive per-phase timing, the breakdown's keys and sums; bf16 autocast keeps the RL
+math fp32."""
 
 import copy
 import dataclasses
@@ -10,8 +10,10 @@ from conftest import CPU_TEST_ARGS
 from datasets import Dataset
 
 import trl_ext
-from trl_ext import functional, losses, profiling
-from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
+from trl_ext import functional
+from trl_ext.measurement import profiling
+from trl_ext.measurement.profiling import PhaseTimer, StepProfiler, time_breakdown
+from trl_ext.objective import losses
 
 
 class FakeClock:

@@ -34,7 +34,7 @@ from tiny import tiny_model_for_tests
 import trl_ext
 from trl_ext import machine, quantized
 from trl_ext.models import load_model, load_model_and_tokenizer
-from trl_ext.shared_prompts import savings_decision
+from trl_ext.speed.shared_prompts import savings_decision
 
 bnb = pytest.importorskip("bitsandbytes")  # the qlora extra; the dev group installs it on Linux x86_64
 from bitsandbytes.functional import dequantize_4bit  # noqa: E402

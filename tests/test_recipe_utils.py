@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trl
 import yaml
-from conftest import load_recipe
+from conftest import RECIPES, load_recipe
 
 from trl_ext import tasks
 from trl_ext.cli import RecipeError, check_model_source
@@ -712,21 +712,7 @@ def test_every_recipe_reads_data_files_as_utf8_without_the_mark(tmp_path, monkey
         module.main(*module.main.parse_args(argv))
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        "grpo_math",
-        "eval_math",
-        "sft_instruct",
-        "dpo",
-        "reward_model",
-        "rlhf",
-        "grpo_sort",
-        "compare_upstream",
-        "expert_iteration",
-        "grpo_ablations",
-    ],
-)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_refuses_a_finished_run_before_any_work(tmp_path, monkeypatch, recipe):
     module = load_recipe(recipe)
     _explode_loaders(
@@ -1024,7 +1010,7 @@ def test_the_flags_each_message_names_fix_it(cpu_user, tmp_path, capsys):
     assert not training_args.use_vllm and not training_args.bf16 and training_args.use_cpu is False
     # ignored for real: the parsed options hold the default, so load_task's own check (which refuses an unused
     # option set by a caller from Python) passes, as the accelerate launch of this config does
-    from trl_ext.task_options import option_problems
+    from trl_ext.tasks.loader import option_problems
 
     assert script_args.dataset_config is None and option_problems(script_args) == []
 
@@ -1117,18 +1103,6 @@ def test_a_deprecated_alias_is_read_as_its_new_name_over_the_recipe_defaults(tmp
 
 
 # ------------------------------------------------------------------------------------------- --help says what runs
-RECIPES = (
-    "grpo_math",
-    "eval_math",
-    "sft_instruct",
-    "dpo",
-    "reward_model",
-    "rlhf",
-    "grpo_sort",
-    "compare_upstream",
-    "expert_iteration",
-    "grpo_ablations",
-)
 # uv, pip, tensorboard, accelerate launch
 OTHER_PROGRAMS_FLAGS = {"--extra", "--no-build-isolation", "--logdir", "--config_file"}
 REFUSED = {  # inherited options a recipe refuses, whose help must say so
@@ -1168,7 +1142,7 @@ def test_help_mentions_only_flags_the_recipe_takes(recipe, monkeypatch, capsys, 
 
 def test_help_lists_the_losses_registered_when_it_is_printed(capsys):
     """A loss registered after the recipe (and trl_ext.GRPOConfig) was imported is in the --help printed after."""
-    from trl_ext import losses
+    from trl_ext.objective import losses
 
     module = load_recipe("grpo_math")
     losses.register_policy_loss("late_reinforce", formula="-A log p, registered late")(lambda *a: None)

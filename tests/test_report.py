@@ -1,12 +1,12 @@
 """trl_ext.report: hyperparameters, experiment.md and the one closing call; what it records of git
-(trl_ext.run.git_state) and of the training log (trl_ext.observations)."""
+(trl_ext.run.git_state) and of the training log (trl_ext.measurement.observations)."""
 
 import dataclasses
 import subprocess
 
 import pytest
 
-from trl_ext.observations import entropy_collapsed, observe_training
+from trl_ext.measurement.observations import entropy_collapsed, observe_training
 from trl_ext.report import config_hyperparameters, write_experiment_record
 from trl_ext.run import git_state
 

@@ -25,12 +25,13 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 import trl_ext
-from trl_ext import models, packed_linear, sampling, shared_prompts
+from trl_ext import models
 from trl_ext.eval import generate_completions
-from trl_ext.packed_linear import PackedLinearWeights
-from trl_ext.rng import model_devices, preserved_rng, unpreservable
-from trl_ext.roofline import measure_peaks
-from trl_ext.sampling import same_draws_multinomial
+from trl_ext.measurement.roofline import measure_peaks
+from trl_ext.speed import packed_linear, sampling, shared_prompts
+from trl_ext.speed.packed_linear import PackedLinearWeights
+from trl_ext.speed.rng import model_devices, preserved_rng, unpreservable
+from trl_ext.speed.sampling import same_draws_multinomial
 
 SEEDING = {
     "cuda": ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"),

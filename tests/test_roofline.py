@@ -1,5 +1,5 @@
-"""trl_ext.roofline: each phase's counted work against hand-worked counts, the floor and ratio arithmetic, and the
-peaks measured in the run."""
+"""trl_ext.measurement.roofline: each phase's counted work against hand-worked counts, the floor and ratio arithmetic,
+and the peaks measured in the run."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_ext.profiling import PhaseTimer
-from trl_ext.roofline import (
+from trl_ext.measurement.profiling import PhaseTimer
+from trl_ext.measurement.roofline import (
     MachinePeaks,
     ModelShape,
     RooflineRecorder,

@@ -1,6 +1,6 @@
-"""torch.multinomial's draws, vectorised (trl_ext.sampling, issue 31): the same tokens, the same random numbers and
-the same generator state afterwards as PyTorch's own ``torch.multinomial(probs, 1)``, checked against PyTorch itself;
-every call the replica cannot serve identically goes to PyTorch."""
+"""torch.multinomial's draws, vectorised (trl_ext.speed.sampling, issue 31): the same tokens, the same random numbers
+and the same generator state afterwards as PyTorch's own ``torch.multinomial(probs, 1)``, checked against PyTorch
+itself; every call the replica cannot serve identically goes to PyTorch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import logging
 import pytest
 import torch
 
-from trl_ext import sampling
-from trl_ext.sampling import multinomial, probe, same_draws_multinomial
+import trl_ext.logs
+from trl_ext.speed import sampling
+from trl_ext.speed.sampling import multinomial, probe, same_draws_multinomial
 
 
 @pytest.mark.parametrize("shape", [(16, 49152), (1, 5), (3, 1000), (64, 3)])
@@ -77,7 +78,7 @@ def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, c
     state = torch.get_rng_state()
     assert "other random numbers" in probe()
     assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the generator as it found it
-    monkeypatch.setattr(same_draws_multinomial, "_announced", False, raising=False)
+    monkeypatch.setattr(trl_ext.logs, "SAID", set())  # the sampler's message said anew
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         for _ in range(2):
             with same_draws_multinomial():

@@ -1,4 +1,4 @@
-"""trl_ext.shared_prompts: each distinct prompt runs once, its key/value cache serves all of its completions.
+"""trl_ext.speed.shared_prompts: each distinct prompt runs once, its key/value cache serves all of its completions.
 
 Checked against the plain computation on tiny random GPT-2 (learned absolute positions) and Llama (rotary) models:
 TRL's fused LM head log-probs and entropies, the gradients of every parameter, and sampled/greedy generation
@@ -17,9 +17,9 @@ from conftest import tiny_gpt2
 from tiny import tiny_model_for_tests
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_ext import shared_prompts
-from trl_ext.packing import canonical_order, forward_in_one_sequence, one_sequence_inputs
-from trl_ext.shared_prompts import (
+from trl_ext.speed import shared_prompts
+from trl_ext.speed.packing import canonical_order, forward_in_one_sequence, one_sequence_inputs
+from trl_ext.speed.shared_prompts import (
     cache_argument,
     common_prefix_length,
     forward_with_shared_prompts,
@@ -238,7 +238,7 @@ def test_generation_passes_other_model_inputs_through(tokenizer):
 
 def test_training_noise_is_measured_again_only_when_a_dropout_rate_changes(tokenizer, monkeypatch):
     """Generation asks before every rollout; the two probe forwards run only when the answer can have changed."""
-    from trl_ext.shared_prompts import training_noise
+    from trl_ext.speed.shared_prompts import training_noise
 
     model = no_dropout(tiny_gpt2(tokenizer)).train()
     forwards = []
@@ -257,7 +257,7 @@ def test_training_noise_is_measured_again_only_when_a_dropout_rate_changes(token
 def test_a_dropout_rate_held_by_a_module_attribute_counts_once_it_changes(tokenizer):
     """Llama's attention reads its rate from ``self_attn.attention_dropout`` at every forward (no Dropout module): set
     after the model was built, it makes the training forward random, and the remembered answer must not hide it."""
-    from trl_ext.shared_prompts import training_noise
+    from trl_ext.speed.shared_prompts import training_noise
 
     model = tiny_model_for_tests(tokenizer).train()
     forwards = []

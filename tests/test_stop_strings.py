@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
+from tiny import CPU_QUIET, tiny_grpo_trainer
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import trl_ext
@@ -209,22 +210,8 @@ def test_task_evaluation_gives_no_credit_to_a_cut_response(tiny_model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------------ training
-GENERATION = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=16,
-    max_steps=1,
-    learning_rate=1e-3,
-    logging_steps=1,
-    report_to="none",
-    bf16=False,
-    use_cpu=True,
-    seed=0,
-    temperature=1.0,
-    save_strategy="no",
-    disable_tqdm=True,
-    beta=0.0,
-)
+GENERATION = dict(CPU_QUIET, per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=1)
+GENERATION.update(learning_rate=1e-3, temperature=1.0, beta=0.0)
 
 
 def rollout_scripts(tok):
@@ -251,12 +238,8 @@ def rollout_scripts(tok):
 
 
 def make_trainer(model, tokenizer, tmp_path, task, **overrides):
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    args = trl_ext.GRPOConfig(output_dir=str(tmp_path / "out"), **{**GENERATION, **overrides})
-    return trl_ext.GRPOTrainer(
-        model=model, reward_funcs=task.reward_funcs, args=args, train_dataset=task.train, processing_class=tok
-    )
+    settings = {**GENERATION, **overrides}
+    return tiny_grpo_trainer(model, tokenizer, tmp_path / "out", task.train, task.reward_funcs, **settings)
 
 
 def last_number_task(stop=STOP, credit_truncated=False):
@@ -406,12 +389,9 @@ def test_upstream_trainer_cut_completions_earn_nothing_by_upstreams_own_rule(tin
     import trl
 
     task = last_number_task(stop=(), credit_truncated=False)
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "up"), **GENERATION)
-    trainer = trl.GRPOTrainer(
-        model=tiny_model, reward_funcs=task.reward_funcs, args=args, train_dataset=task.train, processing_class=tok
-    )
+    upstream = dict(trainer_cls=trl.GRPOTrainer, config_cls=trl.GRPOConfig, **GENERATION)
+    trainer = tiny_grpo_trainer(tiny_model, tokenizer, tmp_path / "up", task.train, task.reward_funcs, **upstream)
+    tok = trainer.processing_class
     rows = rollout_scripts(tok)
     script_generation(tiny_model, [r[0] for r in rows], filler=ids(tok, " the")[0])
     trainer.model.train()

@@ -1,6 +1,6 @@
 """Every task option is used by the task or refused in one line naming the flag, before any model loads (issue 37,
 item 5): the product of every kind of task and every option of trl_ext.tasks.TaskArguments, read from the one table
-the check reads (trl_ext.task_options.TASK_OPTIONS). "Used" is observed: the task's rows, name, description or
+the check reads (trl_ext.tasks.options.TASK_OPTIONS). "Used" is observed: the task's rows, name, description or
 batch size change when the option is set."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from trl_ext import cli, tasks
 from trl_ext.data import math_datasets
 from trl_ext.errors import RecipeError
-from trl_ext.task_options import TASK_KINDS, TASK_OPTION_NAMES, TASK_OPTIONS, UNUSED_WHEN
+from trl_ext.tasks.options import TASK_KINDS, TASK_OPTION_NAMES, TASK_OPTIONS, UNUSED_WHEN
 
 HUB = "test-org/questions"
 """A Hub id that the loader reaches as a local dataset repository (configs main/alt, splits train/test/other), read

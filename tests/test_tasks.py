@@ -331,9 +331,8 @@ def test_a_task_whose_columns_use_trls_names_scores_the_same_row_in_training(ups
     """unslothai/unsloth-zoo#832, huggingface/trl#2644: a reference in a column named `completion` (or any name TRL
     takes for itself) scored 1.0 in evaluation and 0.0 (or failed) in training. One real GRPO step: every reward TRL
     records equals the scorer's formula on the completion and the user's original row."""
-    import copy
-
     import trl
+    from tiny import tiny_grpo_trainer
 
     import trl_ext
 
@@ -351,30 +350,12 @@ def test_a_task_whose_columns_use_trls_names_scores_the_same_row_in_training(ups
         reward.__name__ = func.__name__
         return reward
 
-    trainer_cls, config_cls = (
-        (trl.GRPOTrainer, trl.GRPOConfig) if upstream else (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)
-    )
-    args = config_cls(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    trainer = trainer_cls(
-        model=tiny_model,
-        reward_funcs=[recording(f) for f in task.reward_funcs],
-        args=args,
-        train_dataset=task.train,
-        processing_class=tok,
-    )
+    classes = (trl.GRPOTrainer, trl.GRPOConfig) if upstream else (trl_ext.GRPOTrainer, trl_ext.GRPOConfig)
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=1)
+    settings.update(bf16=None)  # TRL's default
+    rewards = [recording(f) for f in task.reward_funcs]
+    trainer = tiny_grpo_trainer(tiny_model, tokenizer, tmp_path, task.train, rewards, *classes, **settings)
+    tok = trainer.processing_class  # the left-padding copy it trained with
     trainer.train()
     assert len(recorded) == 4
     for prompt, completion, value in recorded:
@@ -692,7 +673,7 @@ def test_grpo_sort_loads_its_task_through_the_resolver(tmp_path, monkeypatch):
     resolved, built = [], []
     real_resolve, real_load = tasks.resolve_task, tasks.load_task
     monkeypatch.setattr(
-        tasks, "resolve_task", lambda values: resolved.append(values.get("task")) or real_resolve(values)
+        tasks.loader, "resolve_task", lambda values: resolved.append(values.get("task")) or real_resolve(values)
     )
     monkeypatch.setattr(tasks, "load_task", lambda *a, **k: built.append(real_load(*a, **k)) or built[-1])
 

@@ -29,13 +29,11 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
-import copy  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from tiny import tiny_model_for_tests  # noqa: E402
+from tiny import CPU_QUIET, count_prompts, save_tiny_model, tiny_grpo_trainer  # noqa: E402
 
 import trl_ext  # noqa: E402
 
@@ -61,39 +59,17 @@ def characters(completions, **kwargs) -> list[float]:
 @pytest.fixture(scope="module")
 def vllm_model_dir(tokenizer, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("vllm_tiny")
-    tiny_model_for_tests(tokenizer, hidden_size=64, num_heads=2).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_model(tokenizer, path, hidden_size=64, num_heads=2)
     return str(path)
 
 
 def vllm_trainer(model_dir, tokenizer, tmp_path, **overrides) -> trl_ext.GRPOTrainer:
-    options = dict(
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        activation_checkpointing=False,  # TRL 1.16 checkpoints by default, which turns prompt sharing off
-        bf16=False,  # TRL's GRPOConfig would train in bf16 autocast; the engine runs the policy's float32
-        seed=0,
-        temperature=1.0,
-        save_strategy="no",
-        disable_tqdm=True,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=128,
-        vllm_gpu_memory_utilization=0.1,
-    )
-    args = trl_ext.GRPOConfig(output_dir=str(tmp_path), **{**options, **overrides})
-    tok = copy.deepcopy(tokenizer)
-    tok.padding_side = "left"
-    data = Dataset.from_dict({"prompt": [f"Count to {i + 3}:" for i in range(8)]})
-    return trl_ext.GRPOTrainer(
-        model=model_dir, reward_funcs=characters, args=args, train_dataset=data, processing_class=tok
-    )
+    options = dict(CPU_QUIET, per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=3)
+    options.update(learning_rate=1e-2, temperature=1.0)
+    options.update(activation_checkpointing=False)  # TRL 1.16 checkpoints by default, which turns prompt sharing off
+    options.update(bf16=False)  # TRL's GRPOConfig would train in bf16 autocast; the engine runs the policy's float32
+    options.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128, vllm_gpu_memory_utilization=0.1)
+    return tiny_grpo_trainer(model_dir, tokenizer, tmp_path, count_prompts(8), characters, **{**options, **overrides})
 
 
 def engine_log_probs(trainer, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:

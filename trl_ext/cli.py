@@ -47,16 +47,17 @@ from transformers import TrainingArguments
 
 # RecipeError, user_input, RecipeArguments and check_fills_one_step live in the leaves trl_ext.errors and
 # trl_ext.options (trl_ext.tasks needs them too); a recipe reaches them as cli.RecipeError...
-from trl_ext import advantages, aggregations, losses, machine, runtime, tasks
+from trl_ext import machine, runtime, tasks
 from trl_ext.data.math_datasets import dataset_source_problem
 from trl_ext.errors import RecipeError as RecipeError
 from trl_ext.errors import decode_text, read_text
 from trl_ext.errors import user_input as user_input
 from trl_ext.models import EMBEDDED_ALIAS, check_backend_available, model_source_problem
+from trl_ext.objective import advantages, aggregations, losses, trl_names
 from trl_ext.options import RecipeArguments as RecipeArguments
 from trl_ext.options import check_fills_one_step as check_fills_one_step
 from trl_ext.run import RecipeRun, command_line, install_interrupt_handler, is_main_process, refuse_resume
-from trl_ext.task_options import TASK_OPTION_NAMES
+from trl_ext.tasks.options import TASK_OPTION_NAMES
 
 MODEL_NAME_HELP = (
     f"A Hub id or a local folder. `{EMBEDDED_ALIAS}` (also `embedded:SmolLM2-135M-Instruct`; the default when no "
@@ -118,11 +119,11 @@ def flag_problems(values: Mapping[str, Any]) -> list[str]:
         return problems + named
     if values.get("num_generations") and "steps_per_generation" in values and "per_device_train_batch_size" in values:
         # the rule lives beside the seam check; imported here because trl_ext.trainers loads TRL's trainers (~13 s)
-        from trl_ext.trainers.grpo import generation_grouping_problem
+        from trl_ext.trainers.grpo.trainer import generation_grouping_problem
 
         problems += [p for p in [generation_grouping_problem(values, int(os.environ.get("WORLD_SIZE", "1")))] if p]
         if values.get("dynamic_sampling") and not problems:
-            from trl_ext.trainers.dynamic_sampling import whole_groups_problem
+            from trl_ext.trainers.grpo.dynamic_sampling import whole_groups_problem
 
             which = "steps_per_generation" if values.get("steps_per_generation") else "gradient_accumulation_steps"
             problem = whole_groups_problem(
@@ -405,7 +406,7 @@ def parse(
     values out of range and GRPO's grouping (:func:`flag_problems`), what this machine cannot do (vLLM, bf16 without
     a bf16 GPU, 4/8-bit, flash-attention: :func:`device_problems`), models, datasets and files it cannot reach
     (:func:`source_problems`), the task's name and every task option the user set that the task does not use
-    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.task_options.option_problems`) and whatever a config class
+    (:func:`trl_ext.tasks.task_problem`, :func:`trl_ext.tasks.options.option_problems`) and whatever a config class
     itself rejects (its ``__post_init__``; run with the
     options above switched off, so its own objections are found in the same pass).
 
@@ -428,66 +429,19 @@ def parse(
     args, paths = _pop_configs(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(dataclass_types, default_config, doc, help_overrides)
     options = parser._option_string_actions
-    # TRL's names of course settings (trl_ext.GRPOConfig: loss_type -> pg_loss_type and length_normalization, ...):
-    # a layer's TRL name stands for the course fields its value decides (loss_type cispo: both; dapo:
-    # length_normalization alone), so it replaces what lower layers set of those fields under either name; a lower
-    # layer's TRL name overridden in part keeps deciding the rest, as course fields.
-    meaning_of: dict[str, Callable[[Any], dict[str, Any] | None]] = {}
-    may_decide: dict[str, tuple[str, ...]] = {}
-    for dtype in dataclass_types:
-        for upstream_name, course_names in getattr(dtype, "UPSTREAM_OPTIONS", {}).items():
-            meaning_of[upstream_name] = functools.partial(dtype.upstream_meaning, upstream_name)
-            may_decide[upstream_name] = tuple(course_names)
-
-    merged: dict[str, Any] = {}
-    source: dict[str, str] = {}
-
-    def decided(key: str, value: Any) -> dict[str, Any]:
-        """The course fields ``key=value`` decides: itself for a course field; for a TRL name what its value means
-        (every field it may decide, for a value it does not have: the config then names it)."""
-        if key not in meaning_of:
-            return {key: value}
-        meaning = meaning_of[key](value)
-        return dict.fromkeys(may_decide[key]) if meaning is None else meaning
-
-    def drop_other_names(layer: dict[str, Any]) -> None:
-        fields = {field for key, value in layer.items() for field in decided(key, value)}
-        for key in [k for k in merged if k not in layer]:
-            if key in fields:  # a course field the layer decides
-                merged.pop(key)
-            elif key in meaning_of:
-                below = decided(key, merged[key])
-                if below.keys() & fields:  # a TRL name the layer overrides, in part: the rest as course fields
-                    merged.pop(key)
-                    for field, value in below.items():
-                        if field not in fields and value is not None:
-                            merged.setdefault(field, value)
-
-    for path in ([default_config] if default_config else []) + paths:
-        layer = _read_yaml(path)
-        env = layer.pop("env", {}) or {}
-        if not isinstance(env, dict):
-            raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
-        for key, value in env.items():  # TRL's `env:` block
-            os.environ[key] = str(value)
-        layer = {
-            DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
-            for k, v in layer.items()
-        }
-        drop_other_names(layer)
-        merged.update(layer)
-        source.update(dict.fromkeys(layer, str(path)))
-    drop_other_names(_flag_values(args))
+    layers = _config_layers(dataclass_types, [default_config] if default_config else [], paths, options)
+    layers.overridden_by(_flag_values(args))
     problems = []
-    unknown = parser.set_defaults_with_config(**merged)
+    unknown = parser.set_defaults_with_config(**layers.merged)
     if unknown:
         keys = sorted({item[2:] for item in unknown[::2]})
         problems.append(
             "unknown option(s) "
-            + ", ".join(f"{k!r} (from {source[k]})" for k in keys)
+            + ", ".join(f"{k!r} (from {layers.source[k]})" for k in keys)
             + "; see --help for the options of this recipe"
         )
-    if paths and source.get("use_cpu") == str(default_config) and merged.get("use_cpu") and "--use_cpu" not in args:
+    from_defaults = layers.source.get("use_cpu") == str(default_config)
+    if paths and from_defaults and layers.merged.get("use_cpu") and "--use_cpu" not in args:
         if machine.cuda_available():
             print(
                 f"note: use_cpu: true comes from the recipe's defaults ({default_config}); your --config does not "
@@ -511,31 +465,70 @@ def parse(
             file=sys.stderr,
         )
     flagged = flag_problems(values)
-    problems += flagged
     devices = device_problems(values)
-    problems += devices + source_problems(values)
+    problems += flagged + devices + source_problems(values)
     if "task" in values:  # --task and --task_config, and every option the task would not use, before any data is read
-        problems += [p for p in [tasks.task_problem(values)] if p]
-        flags = dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), "")
-        files = {k: src for k, src in source.items() if src != str(default_config) and k not in flags}
-        own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
-        defaults = tasks.option_defaults(own)
-        # An option a --config file sets that the task does not use is refused as a flag is -- unless a flag
-        # replaced a task option the file sets: the flag then overrides part of the file (a GPU config's Hub
-        # dataset, whose dataset_config a local --dataset_name leaves unused), and what it leaves unused in the file
-        # is ignored with a warning, since no flag can unset a file's value.
-        file_set = {k for k, src in source.items() if src != str(default_config)}
-        if not any(name in TASK_OPTION_NAMES and name in file_set for name in flags):
-            problems += tasks.option_problems(values, {**files, **flags}, defaults=defaults)
-        else:
-            problems += tasks.option_problems(values, flags, defaults=defaults)
-            for name, src in files.items():  # each unused file option is reset to its default: ignored for real
-                for problem in tasks.option_problems(values, {name: src}, defaults=defaults):
-                    if is_main_process():
-                        print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
-                    if name in defaults:
-                        values[name] = defaults[name]
-    # the classes' own checks, with what device_problems refused switched off (TRL would raise on it first)
+        problems += _task_problems(values, args, layers.source, str(default_config), dataclass_types)
+    outputs = _construct(dataclass_types, values, devices, flagged, problems)
+    raise_problems(problems)
+    return tuple(outputs)
+
+
+def _config_layers(
+    dataclass_types: Sequence[type], defaults: list, paths: list, options: Mapping[str, Any]
+) -> trl_names.OptionLayers:
+    """The recipe's defaults and each ``--config`` file, merged in order (TRL's ``env:`` block set in the
+    environment; deprecated names read as their new names; TRL's names of course settings by
+    :class:`trl_ext.objective.trl_names.OptionLayers`)."""
+    layers = trl_names.OptionLayers(any(hasattr(t, "UPSTREAM_OPTIONS") for t in dataclass_types))
+    for path in defaults + paths:
+        layer = _read_yaml(path)
+        env = layer.pop("env", {}) or {}
+        if not isinstance(env, dict):
+            raise RecipeError(f"--config {path}: `env` must be a mapping of variable: value")
+        for key, value in env.items():  # TRL's `env:` block
+            os.environ[key] = str(value)
+        layer = {
+            DEPRECATED_ALIASES.get(k, k) if f"--{DEPRECATED_ALIASES.get(k, k)}" in options else k: v
+            for k, v in layer.items()
+        }
+        layers.add(layer, str(path))
+    return layers
+
+
+def _task_problems(
+    values: dict[str, Any], args: list[str], source: Mapping[str, str], defaults_path: str, dataclass_types: Sequence
+) -> list[str]:
+    """``--task``'s problems and every task option set that the task does not use (naming the flag or file).
+
+    An option a ``--config`` file sets that the task does not use is refused as a flag is -- unless a flag replaced
+    a task option the file sets: the flag then overrides part of the file (a GPU config's Hub dataset, whose
+    dataset_config a local --dataset_name leaves unused), and what it leaves unused in the file is ignored with a
+    warning (reset in ``values`` to its default), since no flag can unset a file's value."""
+    problems = [p for p in [tasks.task_problem(values)] if p]
+    flags = dict.fromkeys((a[2:].split("=", 1)[0] for a in args if a.startswith("--")), "")
+    files = {k: src for k, src in source.items() if src != defaults_path and k not in flags}
+    own = next(t for t in dataclass_types if any(f.name == "task" for f in dataclasses.fields(t)))
+    defaults = tasks.option_defaults(own)
+    file_set = {k for k, src in source.items() if src != defaults_path}
+    if not any(name in TASK_OPTION_NAMES and name in file_set for name in flags):
+        return problems + tasks.option_problems(values, {**files, **flags}, defaults=defaults)
+    problems += tasks.option_problems(values, flags, defaults=defaults)
+    for name, src in files.items():  # each unused file option is reset to its default: ignored for real
+        for problem in tasks.option_problems(values, {name: src}, defaults=defaults):
+            if is_main_process():
+                print(f"warning: {problem.removesuffix('; remove it')}; ignored", file=sys.stderr, flush=True)
+            if name in defaults:
+                values[name] = defaults[name]
+    return problems
+
+
+def _construct(
+    dataclass_types: Sequence[type], values: dict[str, Any], devices: list[str], flagged: list[str], problems: list
+) -> list:
+    """One instance per dataclass type, built with ``values``: the classes' own checks, with what
+    :func:`device_problems` refused switched off (TRL would raise on it first); each objection appended to
+    ``problems`` unless it objects to a value a flag problem already names."""
     constructed = dict(values)
     if devices:
         constructed.update(
@@ -557,8 +550,7 @@ def parse(
         except (ValueError, ImportError) as err:
             if not any(f"--{k} " in p for p in flagged for k in keys):  # else it objects to a value named above
                 problems.append(f"invalid options for {dtype.__name__}: {err}")
-    raise_problems(problems)
-    return tuple(outputs)
+    return outputs
 
 
 COMPARISON_HELP = {

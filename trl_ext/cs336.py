@@ -1,26 +1,18 @@
 """The CS336 assignment 5 adapters, implemented by trl_ext: run the course's own tests against this library.
 
-The course's starter code calls the student's functions only through ``tests/adapters.py``. Replace that file's body
-with
+Replace the body of the course's ``tests/adapters.py`` (CS336 spring 2025, assignment 5 and its supplement) with
 
     from trl_ext.cs336 import *  # noqa: F401,F403
 
-and ``uv run pytest`` in the course repository runs its test suite against trl_ext. Every function here has the
-course's name and arguments and delegates to ``trl_ext.functional`` (the math the trainers run; the loss dispatch
-through ``trl_ext.losses``), ``trl_ext.course``
-(the course-only helpers, which this module also re-exports under their own names, e.g.
-``trl_ext.cs336.grpo_microbatch_train_step``), ``trl_ext.eval`` (the parsers) or ``trl_ext.data`` (batching); only
-the packed SFT dataset and the Alpaca template of the supplement live here, because their exact layout is the course's
-convention rather than a trl_ext one.
-
-Sources: CS336 spring 2025, assignment 5 handout ("Alignment and Reasoning RL") and its supplement ("Safety
-Alignment, Instruction Tuning and RLHF"); argument names follow their ``tests/adapters.py``.
+and ``uv run pytest`` there runs the course's tests against trl_ext. Each ``run_*`` function keeps the course's name
+and arguments and delegates to ``trl_ext.functional``, ``trl_ext.objective`` (whose course helpers are re-exported
+here under their own names), ``trl_ext.eval`` or ``trl_ext.data``; only the supplement's packed SFT dataset and
+Alpaca template live here (their layout is the course's convention).
 """
 
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import random
 from collections.abc import Callable
@@ -29,9 +21,14 @@ from typing import Any, Literal
 
 import torch
 
-from trl_ext import course as C
-from trl_ext import functional, losses
-from trl_ext.course import (
+from trl_ext import functional
+from trl_ext.data.instructions import iterate_batches
+from trl_ext.data.math_datasets import json_line
+from trl_ext.errors import decode_text
+from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
+from trl_ext.objective import course as C
+from trl_ext.objective import losses
+from trl_ext.objective.course import (
     compute_gae,
     compute_group_normalized_rewards,
     get_response_log_probs,
@@ -41,13 +38,10 @@ from trl_ext.course import (
     sft_microbatch_train_step,
     tokenize_prompt_and_output,
 )
-from trl_ext.data.instructions import iterate_batches
-from trl_ext.errors import decode_text
-from trl_ext.eval import parse_gsm8k_response, parse_mmlu_response
 
 __all__ = [
     "ALPACA_TEMPLATE",
-    # the course-only helpers of trl_ext.course, under their own names
+    # the course-only helpers of trl_ext.objective.course, under their own names
     "compute_gae",
     "compute_group_normalized_rewards",
     "get_response_log_probs",
@@ -88,7 +82,7 @@ def run_tokenize_prompt_and_output(
     prompt_strs: list[str], output_strs: list[str], tokenizer: Any
 ) -> dict[str, torch.Tensor]:
     """``input_ids``, ``labels``, ``response_mask``, each (B, max_len - 1):
-    :func:`trl_ext.course.tokenize_prompt_and_output`."""
+    :func:`trl_ext.objective.course.tokenize_prompt_and_output`."""
     return C.tokenize_prompt_and_output(prompt_strs, output_strs, tokenizer)
 
 
@@ -100,7 +94,8 @@ def run_compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 def run_get_response_log_probs(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool
 ) -> dict[str, torch.Tensor]:
-    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``: :func:`trl_ext.course.get_response_log_probs`."""
+    """``{"log_probs": (B, T), "token_entropy": (B, T) when asked}``:
+    :func:`trl_ext.objective.course.get_response_log_probs`."""
     return C.get_response_log_probs(model, input_ids, labels, return_token_entropy)
 
 
@@ -118,7 +113,8 @@ def run_sft_microbatch_train_step(
     gradient_accumulation_steps: int,
     normalize_constant: float | None = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One SFT microbatch backward: :func:`trl_ext.course.sft_microbatch_train_step` (``None`` constant = 1.0)."""
+    """One SFT microbatch backward: :func:`trl_ext.objective.course.sft_microbatch_train_step` (``None`` constant =
+    1.0)."""
     constant = 1.0 if normalize_constant is None else normalize_constant
     return C.sft_microbatch_train_step(policy_log_probs, response_mask, gradient_accumulation_steps, constant)
 
@@ -132,7 +128,8 @@ def run_compute_group_normalized_rewards(
     advantage_eps: float,
     normalize_by_std: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """``(advantages (N,), raw_rewards (N,), metadata)``: :func:`trl_ext.course.compute_group_normalized_rewards`."""
+    """``(advantages (N,), raw_rewards (N,), metadata)``:
+    :func:`trl_ext.objective.course.compute_group_normalized_rewards`."""
     return C.compute_group_normalized_rewards(
         reward_fn, rollout_responses, repeated_ground_truths, group_size, advantage_eps, normalize_by_std
     )
@@ -160,8 +157,8 @@ def run_compute_policy_gradient_loss(
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Dispatch on ``loss_type``: :func:`trl_ext.losses.compute_policy_gradient_loss` (also ``"grpo_no_clip"`` and
-    any other registered loss)."""
+    """Dispatch on ``loss_type``: :func:`trl_ext.objective.losses.compute_policy_gradient_loss` (also ``"grpo_no_clip"``
+    and any other registered loss)."""
     return losses.compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )
@@ -183,7 +180,7 @@ def run_grpo_microbatch_train_step(
     cliprange: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One GRPO microbatch backward with masked_mean length normalization (the handout's):
-    :func:`trl_ext.course.grpo_microbatch_train_step`."""
+    :func:`trl_ext.objective.course.grpo_microbatch_train_step`."""
     return C.grpo_microbatch_train_step(
         policy_log_probs,
         response_mask,
@@ -200,16 +197,8 @@ def run_grpo_microbatch_train_step(
 def _read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    rows = []
-    for line_number, line in enumerate(decode_text(data, str(path)).split("\n"), start=1):  # UTF-8, BOM dropped
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{line_number}: invalid JSON ({err.msg})") from None
-        rows.append(row)
-    return rows
+    lines = enumerate(decode_text(data, str(path)).split("\n"), start=1)  # UTF-8, BOM dropped
+    return [json_line(line, f"{path}:{number}") for number, line in lines if line.strip()]
 
 
 def _instruction_and_response(row: dict[str, Any], where: str) -> tuple[str, str]:
@@ -249,13 +238,10 @@ def get_packed_sft_dataset(
 ) -> PackedSFTDataset:
     """The supplement's packed instruction-tuning dataset.
 
-    Each JSONL row (``prompt``/``response``, or ``instruction``/``output``; ``.gz`` allowed) becomes one document,
-    :data:`ALPACA_TEMPLATE` filled with the row, tokenized with the tokenizer's default special tokens (a BOS where
-    the tokenizer adds one) and followed by the end-of-text delimiter (``tokenizer.eos_token_id``). Documents (in
-    file order, or shuffled with Python's ``random.shuffle`` when ``shuffle``) are concatenated into one stream and
-    cut into consecutive non-overlapping chunks of ``seq_length`` tokens; the last partial chunk is dropped. Unlike
-    :func:`trl_ext.data.pack_instruction_dataset` (trl_ext's own packing, with per-document positions and
-    completion-only labels), every next token is a label here, as in the course.
+    Each JSONL row (``prompt``/``response`` or ``instruction``/``output``; ``.gz`` allowed) becomes
+    :data:`ALPACA_TEMPLATE` filled in, tokenized with the default special tokens, followed by EOS. Documents (file
+    order, or ``random.shuffle``d) form one stream cut into non-overlapping chunks of ``seq_length`` (the last partial
+    one dropped); every next token is a label (unlike :func:`trl_ext.data.pack_instruction_dataset`).
 
     Returns:
         a :class:`PackedSFTDataset`; ``len`` = (stream length - 1) // ``seq_length``.
@@ -314,6 +300,6 @@ def run_compute_per_instance_dpo_loss(
 ) -> torch.Tensor:
     """DPO loss of one pair with the supplement's Alpaca formatting: the prompt is :data:`ALPACA_TEMPLATE` up to
     ``"### Response:\\n"``, each response follows it and ends with EOS; then
-    :func:`trl_ext.course.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
+    :func:`trl_ext.objective.course.per_instance_dpo_loss` (0-d tensor, gradients into ``lm``)."""
     rendered = ALPACA_TEMPLATE.format(instruction=prompt, response="")
     return C.per_instance_dpo_loss(lm, lm_ref, tokenizer, beta, rendered, response_chosen, response_rejected)

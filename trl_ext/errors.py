@@ -40,20 +40,16 @@ _BOMS = (  # longest first: the UTF-32-LE mark begins with the UTF-16-LE one
 
 
 def decode_text(data: bytes, where: str) -> str:
-    """The text of a user's file from its bytes, as every reader of user text in trl_ext decodes it (templates, data
-    files, YAML configs): UTF-8, with a byte-order mark dropped (a UTF-8 one, which editors on Windows write, would
-    otherwise start the text with U+FEFF); a file that starts with a UTF-16 or UTF-32 byte-order mark is decoded in
-    that encoding (its mark tells it unambiguously). Line ends are read as ``open()`` reads them (``\\r\\n`` and ``\\r``
-    become ``\\n``).
+    """The text of a user's file (template, data, YAML) from its bytes: UTF-8 with a byte-order mark dropped, or
+    UTF-16/UTF-32 when its byte-order mark says so; line ends as ``open()`` reads them.
 
     Args:
         data: the file's bytes.
-        where: the file, for messages (its path; a caller prefixes the flag that named it).
+        where: the file, for messages.
 
     Raises:
-        ValueError: the bytes hold NUL bytes (UTF-16/UTF-32 without a byte-order mark), or are not UTF-8 (naming
-            the first bad byte, its line and column: a cp1252/latin-1 file saved by an old editor).
-    """
+        ValueError: NUL bytes (UTF-16/32 without a mark), or not UTF-8 (naming the first bad byte, its line and
+            column)."""
     for bom, codec, name in _BOMS:
         if data.startswith(bom):
             try:

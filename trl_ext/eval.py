@@ -1,28 +1,20 @@
-"""Greedy evaluation of a causal LM on question/answer datasets, graded by a course-style reward function.
+"""Greedy evaluation of a causal LM on held-out rows, graded by a task's scorer or a course-style reward function.
 
-``evaluate_math`` generates one greedy completion per prompt and scores it with ``reward_fn(response, ground_truth)
--> {"reward", "format_reward", "answer_reward"}`` (see ``trl_ext.rewards``). Two generation backends:
-
-* Hugging Face ``generate`` (batched, left-padded, with a progress bar) when ``model`` is a ``torch.nn.Module``;
-* vLLM when ``model`` is a ``vllm.LLM`` (see :func:`load_eval_model`, which picks vLLM when it is installed and a
-  CUDA GPU is present, as the course's ``evaluate_vllm``).
-
-Accuracy is the mean ``answer_reward``. The result also holds the course's three-way breakdown of format and answer
-rewards, the responses that failed to parse (``format_reward == 0``), throughput, and every record, which
-:func:`write_jsonl` saves one JSON object per line.
-
-The course supplement's parsers are here too: :func:`parse_gsm8k_response` and :func:`parse_mmlu_response`.
+:func:`evaluate_rows` / :func:`evaluate_math` generate (HF ``generate`` for a ``torch.nn.Module``, vLLM for a
+``vllm.LLM``: :func:`load_eval_model`) and grade (:func:`score_rows`); :func:`write_jsonl` saves the records. The
+course supplement's parsers are here too: :func:`parse_gsm8k_response` and :func:`parse_mmlu_response`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +24,10 @@ from transformers import StoppingCriteriaList
 
 from trl_ext import machine
 from trl_ext.data.prompts import prompt_token_ids
-from trl_ext.packed_linear import PackedLinearWeights
 from trl_ext.rewards.adapters import without_credit
 from trl_ext.rewards.math_answers import extract_last_number
-from trl_ext.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
+from trl_ext.speed.packed_linear import PackedLinearWeights
+from trl_ext.speed.shared_prompts import accepts_position_ids, cache_argument, generate_with_shared_prompts
 from trl_ext.stop_strings import StopAtStrings, check_stop_strings, cut_at_stop
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -48,9 +40,8 @@ MMLU_LETTERS = ("A", "B", "C", "D")
 def parse_gsm8k_response(model_output: str) -> str | None:
     """The last number in ``model_output`` as a string, or ``None`` when it holds no number (course supplement).
 
-    Uses :func:`trl_ext.rewards.extract_last_number`: thousands commas removed (``"1,234"`` -> ``"1234"``), a
-    sentence-final dot dropped (``"42."`` -> ``"42"``), a leading minus kept (``"-7"``), decimals kept (``"3.50"``),
-    scientific notation written out (``"1.5e3"``, ``"2.5 × 10^3"`` -> ``"1500"``, ``"2500"``).
+    Read by :func:`trl_ext.rewards.extract_last_number` (``"1,234"`` -> ``"1234"``, ``"42."`` -> ``"42"``,
+    ``"2.5 × 10^3"`` -> ``"2500"``).
     """
     return extract_last_number(model_output)
 
@@ -148,62 +139,6 @@ def render_prompts(tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]]
 
 
 @torch.no_grad()
-def generate_completions(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str | list[dict[str, str]]],
-    max_new_tokens: int,
-    batch_size: int = 32,
-    desc: str = "generating",
-    disable_progress: bool = False,
-    prepack_linear_weights: bool = True,
-    *,
-    stop_strings: Sequence[str] = (),
-) -> list[str]:
-    """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
-
-    Args:
-        model: causal LM (put in eval mode for the call, then restored).
-        tokenizer: its tokenizer; must have a pad token.
-        prompts: N prompts.
-        max_new_tokens: generation budget per completion (>= 1).
-        batch_size: prompts per ``generate`` call (>= 1).
-        desc: progress-bar label.
-        disable_progress: hide the progress bar.
-        prepack_linear_weights: on a CPU in fp32, run the model's ``nn.Linear`` layers on their weights packed
-            once for the call (:mod:`trl_ext.packed_linear`: MKL's packed sgemm on Intel CPUs, oneDNN otherwise; same
-            math, float rounding may differ from the plain forward's; off by itself, in one log line, where it cannot
-            apply). Default True.
-        stop_strings: a completion ends with the first of these it writes (:mod:`trl_ext.stop_strings`: kept in
-            the text, nothing after it; the handout's ``stop=["</answer>"], include_stop_str_in_output=True``).
-            Default none.
-
-    Each prompt is tokenized by :func:`trl_ext.data.prompt_token_ids`, exactly as trl_ext's trainers tokenize it for
-    training (one BOS when the tokenizer uses one, none twice; conversations through the chat template with the
-    generation prompt), then the batch is left-padded. The columns every prompt of a batch shares (a system prompt)
-    are prefilled once and their key/value cache copied to each row (:mod:`trl_ext.shared_prompts`; the same tokens
-    up to float rounding).
-
-    Returns:
-        N decoded completions without special tokens.
-
-    Raises:
-        ValueError: when ``max_new_tokens`` or ``batch_size`` is < 1.
-    """
-    return generate_responses(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens,
-        batch_size,
-        desc,
-        disable_progress,
-        prepack_linear_weights,
-        stop_strings=stop_strings,
-    )[0]
-
-
-@torch.no_grad()
 def generate_responses(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -216,28 +151,43 @@ def generate_responses(
     *,
     stop_strings: Sequence[str] = (),
 ) -> tuple[list[str], list[bool]]:
-    """:func:`generate_completions`, and for each completion whether the length limit cut it: ``(texts, cut)``.
+    """Greedy completions for ``prompts`` (plain strings or chat conversations), in order, with HF ``generate``.
 
-    A completion is cut when it ended neither with an EOS token (the model's ``generation_config.eos_token_id``
-    and the tokenizer's) nor at a stop string: it ran to ``max_new_tokens``.
+    Args:
+        model: causal LM (put in eval mode for the call, then restored).
+        tokenizer: its tokenizer; must have a pad token.
+        prompts: N prompts.
+        max_new_tokens: generation budget per completion (>= 1).
+        batch_size: prompts per ``generate`` call (>= 1).
+        desc: progress-bar label.
+        disable_progress: hide the progress bar.
+        prepack_linear_weights: on a CPU in fp32, run ``nn.Linear`` on weights packed once for the call
+            (:mod:`trl_ext.speed.packed_linear`; rounding may differ; off, in one log line, where it cannot apply).
+            Default True.
+        stop_strings: a completion ends with the first of these it writes, kept in the text (the handout's
+            ``stop=["</answer>"], include_stop_str_in_output=True``). Default none.
+
+    Prompts are tokenized as the trainers tokenize them (:func:`trl_ext.data.prompt_token_ids`) and left-padded; the
+    prefix every prompt of a batch shares is prefilled once (:mod:`trl_ext.speed.shared_prompts`).
+
+    Returns:
+        ``(texts, cut)``: N decoded completions without special tokens, and for each whether the length limit cut
+        it (no EOS of the model's generation config or the tokenizer, no stop string).
+
+    Raises:
+        ValueError: when ``max_new_tokens`` or ``batch_size`` is < 1.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, batch_size={batch_size}; expected both >= 1")
     stop_strings = check_stop_strings(stop_strings)
     end_ids = _eos_ids(model, tokenizer)
     token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
-    was_training, padding_side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     outputs: list[str] = []
     cut: list[bool] = []
-    # the prefix every prompt of a batch shares (system prompt, template) is prefilled once (trl_ext.shared_prompts)
     generate = generate_with_shared_prompts(model.generate, model, cache_argument(model), accepts_position_ids(model))
-    # the weights are fixed for the whole call: linear weights packed once, for the rows a batch decodes
-    # (trl_ext.packed_linear), and dropped at its end
     packed = PackedLinearWeights() if prepack_linear_weights else None
-    try:
+    with _generating(model, tokenizer):
         with packed.fixed_weights() if packed is not None else nullcontext():
             for start in tqdm(range(0, len(token_ids), batch_size), desc=desc, disable=disable_progress):
                 batch = tokenizer.pad(
@@ -245,11 +195,7 @@ def generate_responses(
                 )
                 batch = {k: v.to(device) for k, v in batch.items()}
                 rows, prompt_length = batch["input_ids"].shape
-                stopping = (
-                    {"stopping_criteria": StoppingCriteriaList([StopAtStrings(tokenizer, stop_strings, prompt_length)])}
-                    if stop_strings
-                    else {}
-                )
+                stopping = _stopping_option(tokenizer, stop_strings, prompt_length)
                 with packed.applied(model, rows=rows) if packed is not None else nullcontext():
                     generated = generate(
                         **batch,
@@ -258,21 +204,55 @@ def generate_responses(
                         pad_token_id=tokenizer.pad_token_id,
                         **stopping,
                     )
-                new_tokens = generated[:, prompt_length:]
-                texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-                for row, text in zip(new_tokens.tolist(), texts):
-                    stop = cut_at_stop(row, tokenizer, stop_strings) if stop_strings else None
-                    outputs.append(stop.text if stop is not None else text)
-                    cut.append(stop is None and not any(t in end_ids for t in row))
-    finally:
-        model.train(was_training)
-        tokenizer.padding_side = padding_side
+                texts, cuts = _decoded(generated[:, prompt_length:], tokenizer, stop_strings, end_ids)
+                outputs += texts
+                cut += cuts
     return outputs, cut
 
 
+@contextmanager
+def _generating(model: torch.nn.Module, tokenizer: Any) -> Iterator[None]:
+    """``model`` in eval mode and ``tokenizer`` padding on the left for the block; both as they were after it."""
+    was_training, padding_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        tokenizer.padding_side = padding_side
+
+
+def _stopping_option(tokenizer: Any, stop_strings: Sequence[str], prompt_length: int) -> dict[str, Any]:
+    """``generate``'s ``stopping_criteria`` that end a row at a stop string (none without stop strings)."""
+    if not stop_strings:
+        return {}
+    return {"stopping_criteria": StoppingCriteriaList([StopAtStrings(tokenizer, stop_strings, prompt_length)])}
+
+
+def _decoded(
+    new_tokens: torch.Tensor, tokenizer: Any, stop_strings: Sequence[str], end_ids: set[int]
+) -> tuple[list[str], list[bool]]:
+    """Texts of the generated tokens (B, T) -- cut after the first stop string -- and for each whether the length
+    limit cut it (no stop string, no end-of-sequence token)."""
+    texts, cut = [], []
+    for row, text in zip(new_tokens.tolist(), tokenizer.batch_decode(new_tokens, skip_special_tokens=True)):
+        stop = cut_at_stop(row, tokenizer, stop_strings) if stop_strings else None
+        texts.append(stop.text if stop is not None else text)
+        cut.append(stop is None and not any(t in end_ids for t in row))
+    return texts, cut
+
+
+def generate_completions(*args: Any, **kwargs: Any) -> list[str]:
+    """The texts of :func:`generate_responses` (same arguments): N greedy completions, in order."""
+    return generate_responses(*args, **kwargs)[0]
+
+
+generate_completions.__signature__ = inspect.signature(generate_responses).replace(return_annotation="list[str]")
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The token ids that end a generation: the model's ``generation_config.eos_token_id`` (an id or a list) and
-    the tokenizer's ``eos_token_id``."""
+    """The ids that end a generation: the model's ``generation_config.eos_token_id`` (id or list), the tokenizer's."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -304,10 +284,8 @@ def load_eval_model(
 ) -> tuple[Any, Any, str]:
     """Load a model for :func:`evaluate_math` from a ``trl.ModelConfig``: ``(model, tokenizer, backend)``.
 
-    With backend ``"hf"`` the model comes from :func:`trl_ext.models.load_model_and_tokenizer` (a LoRA config in
-    ``model_args`` is ignored: evaluate a merged model or a full checkpoint); with ``"vllm"`` it is a ``vllm.LLM``
-    over the same checkpoint (the embedded model resolves to its local directory). ``"auto"``: see
-    :func:`resolve_backend`. The model moves to the GPU when one is present.
+    ``"hf"``: :func:`trl_ext.models.load_model_and_tokenizer` (LoRA ignored: evaluate a merged checkpoint), moved to
+    the GPU when present; ``"vllm"``: a ``vllm.LLM`` over the same checkpoint; ``"auto"``: :func:`resolve_backend`.
 
     Raises:
         see :func:`resolve_backend`.
@@ -336,24 +314,6 @@ def load_eval_model(
     return model, tokenizer, backend
 
 
-def generate_completions_vllm(
-    llm: Any,
-    tokenizer: Any,
-    prompts: Sequence[str | list[dict[str, str]]],
-    max_new_tokens: int,
-    *,
-    stop_strings: Sequence[str] = (),
-) -> list[str]:
-    """Greedy completions (temperature 0) with a ``vllm.LLM``, in the order of ``prompts``, from the same token ids as
-    :func:`generate_completions` (:func:`trl_ext.data.prompt_token_ids`); with ``stop_strings``, vLLM's
-    ``stop=stop_strings, include_stop_str_in_output=True`` (the text ends with the stop string).
-
-    Raises:
-        ValueError: when ``max_new_tokens`` < 1.
-    """
-    return generate_responses_vllm(llm, tokenizer, prompts, max_new_tokens, stop_strings=stop_strings)[0]
-
-
 def generate_responses_vllm(
     llm: Any,
     tokenizer: Any,
@@ -362,8 +322,12 @@ def generate_responses_vllm(
     *,
     stop_strings: Sequence[str] = (),
 ) -> tuple[list[str], list[bool]]:
-    """:func:`generate_completions_vllm`, and for each completion whether the length limit cut it (vLLM's
-    ``finish_reason == "length"``): ``(texts, cut)``."""
+    """Greedy completions with a ``vllm.LLM``, in order, from the same token ids as :func:`generate_completions`;
+    ``stop_strings`` kept in the text. Returns ``(texts, cut)``, cut where ``finish_reason == "length"``.
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     from vllm import SamplingParams
@@ -374,6 +338,16 @@ def generate_responses_vllm(
     # token ids, not text: vLLM would add its own special tokens to text (see trl_ext.data.prompt_token_ids)
     outputs = llm.generate([{"prompt_token_ids": prompt_token_ids(tokenizer, p)} for p in prompts], params)
     return [out.outputs[0].text for out in outputs], [out.outputs[0].finish_reason == "length" for out in outputs]
+
+
+def generate_completions_vllm(*args: Any, **kwargs: Any) -> list[str]:
+    """The texts of :func:`generate_responses_vllm` (same arguments): N greedy completions, in order."""
+    return generate_responses_vllm(*args, **kwargs)[0]
+
+
+generate_completions_vllm.__signature__ = inspect.signature(generate_responses_vllm).replace(
+    return_annotation="list[str]"
+)
 
 
 def _is_vllm_engine(model: Any) -> bool:
@@ -388,6 +362,54 @@ def _mean(values: list[float]) -> float:
 NOT_EXTRACTED = "not reported: this task's grader returns its scores, not the answer it read"
 """``extracted_note`` of a record whose task does not say which answer it read (``extracted`` is then None): a
 course-shaped ``--reward package.module:function``, the sort task, a task of your own without an extractor."""
+
+
+def _checked_scores(
+    score: Callable[[str, Mapping[str, Any]], Mapping[str, float]], response: str, row: Mapping[str, Any], i: int
+) -> dict[str, float]:
+    """``score(response, row)`` as floats; anything else (or a raise) is a ValueError naming row ``i``."""
+    try:
+        scores = score(response, row)
+    except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+        detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"held-out row {i} (0-based): {detail}") from err
+    missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
+    if missing:
+        raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
+    try:
+        return {k: float(v) for k, v in scores.items()}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the scorer returned {scores!r} for row {i}; expected numbers ({err})") from None
+
+
+def _summary(records: list[dict[str, Any]], num_examples: int, truncation_known: bool) -> dict[str, Any]:
+    """:func:`score_rows`'s dict from its scored records."""
+    format_measured = not any(math.isnan(r["format_reward"]) for r in records)
+    breakdown = {  # the course's categories; a score counts as 1 when >= 0.5
+        f"format{fmt}_answer{ans}": (
+            sum((r["format_reward"] >= 0.5) == fmt and (r["answer_reward"] >= 0.5) == ans for r in records)
+            if format_measured
+            else None
+        )
+        for fmt in (1, 0)
+        for ans in (1, 0)
+    }
+    unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
+    return {
+        "accuracy": _mean([r["answer_reward"] for r in records]),
+        "exact_accuracy": _mean([float(r["answer_reward"] >= 1.0) for r in records]),
+        "partial_credit_rows": sum(0.0 < r["answer_reward"] < 1.0 for r in records),
+        "format_rate": _mean([r["format_reward"] for r in records]),
+        "reward": _mean([r["reward"] for r in records]),
+        "n": len(records),
+        "distinct_prompts": len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in records}),
+        "num_truncated": sum(r["truncated"] for r in records) if truncation_known else None,
+        "breakdown": breakdown,
+        "num_unparsed": len(unparsed) if format_measured else None,
+        "unparsed_examples": unparsed[:num_examples],
+        "examples": records[:num_examples],
+        "records": records,
+    }
 
 
 def score_rows(
@@ -406,34 +428,27 @@ def score_rows(
     Args:
         rows: N held-out rows (mappings; each holds at least ``prompt``).
         responses: N responses, one per row.
-        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` (a task's scorer,
-            ``trl_ext.tasks.Task.score``). A ``format_reward`` of NaN (format not measured) makes ``format_rate``
-            NaN and leaves the format counts ``None``.
+        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` (``trl_ext.tasks.Task.score``);
+            a NaN ``format_reward`` (not measured) makes ``format_rate`` NaN and the format counts ``None``.
         num_examples: how many records to keep in ``examples`` and ``unparsed_examples``.
         answer: the row's reference answer, as recorded (default: its ``answer`` column, when it has one).
-        extract: the answer the scorer read from a response (recorded as ``extracted``; None: nothing found).
-            Without it, ``extracted`` is None and ``extracted_note`` says the grader does not report it
-            (:data:`NOT_EXTRACTED`).
+        extract: the answer the scorer read (recorded as ``extracted``); without it ``extracted`` is None and
+            ``extracted_note`` is :data:`NOT_EXTRACTED`.
         truncated: per response, whether the length limit cut it (recorded as ``truncated``); None: not known.
-        credit_truncated: False: a cut response earns no credit -- its ``reward`` and ``answer_reward`` are at most 0
-            (:func:`trl_ext.rewards.without_credit`; a task that reads its answer from the end of the response would
-            otherwise credit the last number of a cut-off sentence). Default True.
+        credit_truncated: False: a cut response's ``reward`` and ``answer_reward`` are at most 0
+            (:func:`trl_ext.rewards.without_credit`). Default True.
 
     Returns:
-        dict with ``accuracy`` (mean answer_reward: partial credit counts as given), ``exact_accuracy`` (the share
-        of rows with answer_reward 1: exact answers; below ``accuracy`` by the partial credit), ``partial_credit_rows``
-        (rows with 0 < answer_reward < 1), ``format_rate`` (mean format_reward), ``reward`` (mean reward), ``n``,
-        ``distinct_prompts`` (how many of the rows' prompts differ), ``num_truncated`` (responses the length limit
-        cut; None when not known); ``breakdown``: counts of ``format1_answer1``,
-        ``format1_answer0``, ``format0_answer0`` and ``format0_answer1`` (a score counts as 1 when >= 0.5), the
-        course's categories; ``num_unparsed`` (responses with format_reward < 0.5) and ``unparsed_examples`` (the
-        first ``num_examples`` of them); ``examples`` (the first ``num_examples`` records) and ``records`` (every
-        prompt, response, answer, extracted answer -- or None and ``extracted_note`` -- and score).
+        dict with ``accuracy`` (mean answer_reward), ``exact_accuracy`` (share with answer_reward 1),
+        ``partial_credit_rows`` (0 < answer_reward < 1), ``format_rate``, ``reward`` (means), ``n``,
+        ``distinct_prompts``, ``num_truncated`` (None when not known), ``breakdown`` (the course's counts
+        ``format{1,0}_answer{1,0}``, a score >= 0.5 counting as 1), ``num_unparsed`` (format_reward < 0.5),
+        ``unparsed_examples``, ``examples`` (first ``num_examples``) and ``records`` (prompt, response, answer,
+        extracted answer and scores of every row).
 
     Raises:
-        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (any exception, its
-            ``__cause__``), or returns something without the three keys or with a value that is not a number (the
-            message names the row).
+        ValueError: ``rows`` and ``responses`` differ in length or are empty; ``score`` raises (kept as
+            ``__cause__``) or returns no three numeric keys (the row is named).
     """
     if len(rows) != len(responses):
         raise ValueError(f"got {len(rows)} rows and {len(responses)} responses; expected one response per row")
@@ -443,18 +458,7 @@ def score_rows(
         raise ValueError(f"got {len(truncated)} truncation flags for {len(responses)} responses; expected one each")
     records = []
     for i, (row, response) in enumerate(zip(rows, responses)):
-        try:
-            scores = score(response, row)
-        except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
-            detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-            raise ValueError(f"held-out row {i} (0-based): {detail}") from err
-        missing = [k for k in ("reward", "format_reward", "answer_reward") if k not in (scores or {})]
-        if missing:
-            raise ValueError(f"the scorer returned {scores!r} for row {i}; missing keys {missing}")
-        try:
-            values = {k: float(v) for k, v in scores.items()}
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"the scorer returned {scores!r} for row {i}; expected numbers ({err})") from None
+        values = _checked_scores(score, response, row, i)
         record = {"prompt": row.get("prompt"), "response": response}
         record["answer"] = answer(row) if answer is not None else row.get("answer")
         if extract is not None:
@@ -466,32 +470,7 @@ def score_rows(
             if truncated[i] and not credit_truncated:
                 values = without_credit(values)
         records.append({**record, **values})
-    format_measured = not any(math.isnan(r["format_reward"]) for r in records)
-    breakdown: dict[str, int | None] = {}
-    for fmt in (1, 0):
-        for ans in (1, 0):
-            key = f"format{fmt}_answer{ans}"
-            breakdown[key] = (
-                sum((r["format_reward"] >= 0.5) == fmt and (r["answer_reward"] >= 0.5) == ans for r in records)
-                if format_measured
-                else None
-            )
-    unparsed = [r for r in records if r["format_reward"] < 0.5] if format_measured else []
-    return {
-        "accuracy": _mean([r["answer_reward"] for r in records]),
-        "exact_accuracy": _mean([float(r["answer_reward"] >= 1.0) for r in records]),
-        "partial_credit_rows": sum(0.0 < r["answer_reward"] < 1.0 for r in records),
-        "format_rate": _mean([r["format_reward"] for r in records]),
-        "reward": _mean([r["reward"] for r in records]),
-        "n": len(records),
-        "distinct_prompts": len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in records}),
-        "num_truncated": sum(r["truncated"] for r in records) if truncated is not None else None,
-        "breakdown": breakdown,
-        "num_unparsed": len(unparsed) if format_measured else None,
-        "unparsed_examples": unparsed[:num_examples],
-        "examples": records[:num_examples],
-        "records": records,
-    }
+    return _summary(records, num_examples, truncation_known=truncated is not None)
 
 
 def score_responses(
@@ -512,8 +491,7 @@ def score_responses(
             ``extracted``.
 
     Raises:
-        ValueError: the three sequences differ in length or are empty, or ``reward_fn`` returns a dict without the
-            three keys (the row is named).
+        ValueError: the three sequences differ in length or are empty, or as :func:`score_rows`.
     """
     if not (len(prompts) == len(responses) == len(answers)):
         raise ValueError(
@@ -559,21 +537,13 @@ def evaluate_rows(
     whole row (:func:`score_rows`).
 
     Args:
-        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (all
-            prompts in one call), e.g. from :func:`load_eval_model`.
+        model: a ``torch.nn.Module`` (HF ``generate``, ``batch_size`` prompts per call) or a ``vllm.LLM`` (one
+            call), e.g. from :func:`load_eval_model`.
         tokenizer: the model's tokenizer (renders chat prompts, counts generated tokens).
-        dataset: a ``datasets.Dataset`` (or a list of row mappings) whose rows hold ``prompt`` and whatever
-            ``score`` reads.
-        score: ``score(response, row) -> {"reward", "format_reward", "answer_reward"}``.
-        max_new_tokens: generation budget per response.
-        batch_size: prompts per HF ``generate`` call.
-        desc: progress-bar label.
-        num_examples: records kept in ``examples`` / ``unparsed_examples``.
+        dataset: a ``datasets.Dataset`` or list of rows holding ``prompt`` and whatever ``score`` reads.
+        score, num_examples, answer, extract, credit_truncated: as in :func:`score_rows`.
+        max_new_tokens, batch_size, desc, disable_progress, stop_strings: as in :func:`generate_responses`.
         jsonl_path: when given, every record is written there (:func:`write_jsonl`).
-        disable_progress: hide the HF progress bar.
-        answer, extract: what each record keeps as the row's answer and the extracted answer (:func:`score_rows`).
-        stop_strings: a response ends with the first of these it writes (:func:`generate_completions`).
-        credit_truncated: False: a response the length limit cut earns no credit (:func:`score_rows`).
 
     Returns:
         :func:`score_rows`'s dict plus ``backend`` (``"hf"`` or ``"vllm"``), ``seconds`` (generation wall time),
@@ -609,13 +579,8 @@ def evaluate_rows(
         credit_truncated=credit_truncated,
     )
     tokens = sum(len(ids) for ids in tokenizer(responses, add_special_tokens=False)["input_ids"])
-    result.update(
-        backend=backend,
-        seconds=seconds,
-        examples_per_second=result["n"] / seconds,
-        generated_tokens=tokens,
-        tokens_per_second=tokens / seconds,
-    )
+    result.update(backend=backend, seconds=seconds, examples_per_second=result["n"] / seconds, generated_tokens=tokens)
+    result["tokens_per_second"] = tokens / seconds
     if jsonl_path is not None:
         write_jsonl(result["records"], jsonl_path)
     return result

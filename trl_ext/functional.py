@@ -1,24 +1,13 @@
 """The course math the trainers run, as pure torch functions on tensors: no model, no tokenizer, no backward, no I/O.
 
-Every formula a trl_ext trainer executes lives here, written so it can be checked line by line against Stanford
-CS336 assignment 5 (spring 2025 handout, "Alignment and Reasoning RL", and its supplement "Safety Alignment,
-Instruction Tuning and RLHF"); section names in the docstrings refer to that handout. Who calls what: ``GRPOTrainer`` --
-through the registries that name the choices of its config, each entry a thin call of the functions here:
-``trl_ext.advantages`` (``advantage_estimator``: ``compute_group_advantages``), ``trl_ext.losses`` (``pg_loss_type``:
-``compute_naive_policy_gradient_loss``, ``compute_grpo_clip_loss``, ``compute_grpo_no_clip_loss``,
-``compute_importance_ratio``), ``trl_ext.aggregations`` (``length_normalization``: ``masked_mean``,
-``masked_normalize``); and directly ``equal_reward_groups`` (its metrics), ``compute_kl``, ``compute_entropy``,
-``adaptive_kl_coefficient``; ``RewardTrainer`` -- ``bradley_terry_loss``; ``DPOTrainer`` -- ``dpo_loss``; ``SFTTrainer``
--- ``unlikelihood_loss``, ``banned_token_unlikelihood_loss``. The course's dispatch functions
-``compute_policy_gradient_loss`` and ``compute_grpo_loss`` go through those registries, so they live beside them
-(``trl_ext.losses``, ``trl_ext.aggregations``). The handout's helpers that take a model or a tokenizer or call
-``backward`` themselves (``tokenize_prompt_and_output``, ``get_response_log_probs``,
-``compute_group_normalized_rewards``, the two ``*_microbatch_train_step``, ``per_instance_dpo_loss``, ``compute_gae``)
-are in ``trl_ext.course``; ``trl_ext.cs336`` re-exports the course's API.
+Each formula can be checked line by line against Stanford CS336 assignment 5 (spring 2025 handout and its safety/RLHF
+supplement; "section" in the docstrings means the handout's). GRPOTrainer reaches the losses, advantages and length
+normalizations through the registries of ``trl_ext.objective``; the reward, DPO and SFT trainers call
+``bradley_terry_loss``, ``dpo_loss`` and the unlikelihood losses. The handout's helpers that take a model or a
+tokenizer or call ``backward`` are in ``trl_ext.objective.course`` (re-exported by ``trl_ext.cs336``).
 
-Shapes: ``B`` = batch, ``T`` = sequence length, ``V`` = vocabulary, ``N`` = number of rollouts.
-Masks hold 1 (or True) on tokens that count and 0 elsewhere; a masked-out position never enters a
-numerator or a denominator, even when it holds NaN or inf.
+Shapes: ``B`` batch, ``T`` sequence length, ``V`` vocabulary, ``N`` rollouts. Masks hold 1 (True) on tokens that
+count; a masked-out position never enters a numerator or a denominator, even when it holds NaN or inf.
 """
 
 from __future__ import annotations
@@ -47,29 +36,28 @@ __all__ = [
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """Raise ValueError naming both tensors and their shapes unless ``a`` and ``b`` have the same shape."""
     if a.shape != b.shape:
         raise ValueError(
             f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}; expected equal shapes"
         )
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise ValueError naming ``name``, ``value`` and the ``choices`` unless ``value`` is one of them."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; expected one of {', '.join(map(repr, choices))}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Entropy  (handout section 4.2, "SFT helper methods")
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------- Entropy  (handout section 4.2, "SFT helper methods")
 
 
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution, in nats, over the last dimension.
 
-    H = logsumexp(z) - sum_v softmax(z)_v * z_v, written as -sum_v p_v log p_v with terms where p_v = 0 dropped,
-    so logits of -inf (masked vocabulary entries) contribute exactly 0 instead of 0 * inf = NaN. Computed in
-    float32 and returned in the input dtype, so fp16/bf16 logits give finite results.
+    H = -sum_v p_v log p_v with terms where p_v = 0 dropped (a -inf logit adds 0, not NaN); computed in float32,
+    returned in the input dtype.
 
     Args:
         logits: (..., V), typically (B, T, V).
@@ -86,17 +74,12 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     return (-plogp.sum(dim=-1)).to(logits.dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Masked reductions  (handout sections 4.2 "masked_normalize" and 7.2 "masked_mean")
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------- Masked reductions  (handout sections 4.2 "masked_normalize" and 7.2 "masked_mean")
 
 
 def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``tensor`` over the elements where ``mask`` is 1.
-
-    Masked-out elements never enter the numerator or the denominator (they may hold NaN or inf). A slice in which
-    every element is masked out has no elements to average and returns NaN (0/0), exactly like ``torch.mean`` of
-    an empty tensor.
+    """Mean of ``tensor`` over the elements where ``mask`` is 1; a fully masked slice gives NaN (0/0), like
+    ``torch.mean`` of an empty tensor.
 
     Args:
         tensor: any shape.
@@ -111,7 +94,7 @@ def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
     Source: CS336 A5 handout, section 7.2 (``masked_mean``).
     """
-    _check_same_shape("tensor", tensor, "mask", mask)
+    check_same_shape("tensor", tensor, "mask", mask)
     keep = mask.bool()
     total = torch.where(keep, tensor, torch.zeros_like(tensor))
     if dim is None:
@@ -122,11 +105,10 @@ def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 def masked_normalize(
     tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None, normalize_constant: float = 1.0
 ) -> torch.Tensor:
-    """Sum of ``tensor`` over the elements where ``mask`` is 1, divided by a constant.
+    """Sum of ``tensor`` over the elements where ``mask`` is 1, divided by a constant (a fully masked slice gives 0).
 
-    With ``normalize_constant`` = the maximum response length this is the length normalization of Dr. GRPO
-    (Liu et al. 2025, "Understanding R1-Zero-Like Training"): every token gets the same weight whatever the
-    length of its response. A fully masked slice sums to 0 and returns 0.
+    With ``normalize_constant`` = the maximum response length this is Dr. GRPO's length normalization (Liu et al.
+    2025): every token weighs the same whatever its response's length.
 
     Args:
         tensor: any shape.
@@ -139,7 +121,7 @@ def masked_normalize(
 
     Source: CS336 A5 handout, section 4.2 (``masked_normalize``).
     """
-    _check_same_shape("tensor", tensor, "mask", mask)
+    check_same_shape("tensor", tensor, "mask", mask)
     if normalize_constant == 0:
         raise ValueError("normalize_constant=0; expected a nonzero divisor")
     total = torch.where(mask.bool(), tensor, torch.zeros_like(tensor))
@@ -147,9 +129,7 @@ def masked_normalize(
     return summed / normalize_constant
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Group-normalized advantages  (handout section 7.2, equation 28)
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------- Group-normalized advantages  (handout section 7.2, equation 28)
 
 
 EQUAL_REWARDS_MARGIN = 2.0
@@ -157,8 +137,7 @@ EQUAL_REWARDS_MARGIN = 2.0
 
 
 def _rounding_eps(dtype: torch.dtype) -> float:
-    """Relative rounding of the rewards' arithmetic: float32's (what TRL computes rewards in), or a coarser floating
-    dtype's own (bfloat16, float16)."""
+    """Relative rounding of the rewards' arithmetic: float32's (TRL's), or a coarser float dtype's own."""
     eps32 = torch.finfo(torch.float32).eps
     return max(eps32, torch.finfo(dtype).eps) if dtype.is_floating_point else eps32
 
@@ -168,22 +147,17 @@ def equal_reward_groups(
 ) -> torch.Tensor:
     """Which groups' rewards are all equal up to the float rounding of how they were computed.
 
-    Rewards that are equal in exact arithmetic can differ in float32: a weighted sum of reward functions, 0.1 + 0.6
-    against 0.2 + 0.5, differs in its last bit (5.96e-8), and a group of such rewards has a std of ~3e-8 that
-    ``advantage_eps`` 1e-6 does not hide (advantages +-0.029; NVIDIA-NeMo/RL#4158). The rule: a group of consecutive
-    rows counts as all-equal when fewer than two of its rewards are valid (not NaN), or when
+    Rewards equal in exact arithmetic can differ in float32 (0.1 + 0.6 against 0.2 + 0.5 differ by 5.96e-8), and
+    ``advantage_eps`` 1e-6 does not hide a std of ~3e-8 (advantages +-0.029; NVIDIA-NeMo/RL#4158). A group of
+    consecutive rows counts as all-equal when fewer than two of its rewards are valid (not NaN), or when
 
         max_g(r) - min_g(r) <= EQUAL_REWARDS_MARGIN * (K + 1) * eps * max_g(S_i),   S_i = sum_k |t_ik|
 
-    over its valid rows, where t_ik are the K terms whose sum gave reward i (``reward_terms``: weight x reward of
-    each reward function) and eps the relative rounding of the arithmetic (float32's 1.19e-7, or the terms' own
-    dtype's when coarser: bfloat16 7.8e-3, float16 9.8e-4). Why: each term is rounded once when stored and once when
-    weighted, and each of the K - 1 additions once, so a computed sum is within (K + 1) * eps/2 * S_i of the exact
-    one (first order; the error of a sum is bounded by the sum of the magnitudes of its terms, not by the size of
-    the sum: 1000.1 - 1000 is computed 2.4e-5 away from 0.1 in float32), and two rows are within twice that;
-    ``EQUAL_REWARDS_MARGIN`` (2) covers second-order terms and rounding inside the reward functions. Without
-    ``reward_terms`` each reward is its own single term (K = 1, S_i = |r_i|), which covers sums whose terms share a
-    sign but not cancellations like 1000.1 - 1000: pass the terms for those.
+    over its valid rows, t_ik the K terms summed into reward i and eps float32's 1.19e-7 (or the terms' coarser
+    dtype's: bf16 7.8e-3, fp16 9.8e-4). A computed sum of K terms is within (K + 1) * eps/2 * S_i of the exact one
+    (first order; bounded by the terms' magnitudes, not the sum's: 1000.1 - 1000 is 2.4e-5 off in float32); two rows
+    within twice that; the margin 2 covers second-order terms and rounding inside the reward functions. Without
+    ``reward_terms`` each reward is one term (K = 1, S_i = |r_i|): pass the terms when they can cancel.
 
     Args:
         raw_rewards: (N,) rewards, NaN where unscorable; rows of a group consecutive.
@@ -230,29 +204,22 @@ def compute_group_advantages(
     normalize_by_std: bool = True,
     reward_terms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Group-normalized advantages from rewards already computed.
-
-    Rollouts come in consecutive groups of ``group_size`` answers to the same prompt. For rollout i in group g:
+    """Group-normalized advantages from rewards already computed; groups are consecutive blocks of ``group_size``.
 
         A_i = (r_i - mean_g(r)) / (std_g(r) + advantage_eps)   when normalize_by_std   (GRPO, Shao et al. 2024)
         A_i =  r_i - mean_g(r)                                  otherwise               (Dr. GRPO, Liu et al. 2025)
 
-    std is the unbiased (Bessel-corrected, n-1) standard deviation, as ``torch.std`` computes it. Rewards that are
-    NaN (a reward function that returned None or NaN) are excluded from their group's mean and std, and their own
-    advantage is 0. A group whose rewards are all equal up to the float rounding of how they were computed
-    (:func:`equal_reward_groups`: spread within 2 (K + 1) x float32 eps x the rewards' scale, e.g. 0.1 + 0.6
-    against 0.2 + 0.5; NVIDIA-NeMo/RL#4158) gets advantages of exactly 0, where the formula would turn its rounding
-    noise into advantages of +-0.03. Otherwise the mean is taken of values centred on the group's first valid
-    reward, and the variance computed from centred values. Computed in float64, returned in float32.
+    std is unbiased (n - 1), as ``torch.std``. NaN rewards are left out of their group's mean and std and get
+    advantage 0; a group all equal up to rounding (:func:`equal_reward_groups`) gets exactly 0. Computed in float64
+    on values centred on the group's first valid reward, returned in float32.
 
     Args:
         raw_rewards: (N,) rewards, NaN where unscorable.
         group_size: rollouts per prompt; N must be a multiple of it; >= 2 when ``normalize_by_std``.
         advantage_eps: added to the std to avoid dividing by zero (default 1e-6, as in the handout).
         normalize_by_std: divide by the group std (default True).
-        reward_terms: (N, K) the terms summed into each reward (``trl_ext.GRPOTrainer`` passes weight x reward of
-            each reward function), which set the rounding scale of the all-equal rule; None (default): each reward
-            is its own scale (:func:`equal_reward_groups`).
+        reward_terms: (N, K) the terms summed into each reward (weight x reward of each reward function), the
+            rounding scale of the all-equal rule; None (default): each reward is its own.
 
     Returns:
         (N,) float32 advantages.
@@ -276,7 +243,6 @@ def compute_group_advantages(
     grouped = raw_rewards.detach().to(torch.float64).reshape(-1, group_size)
     valid = ~torch.isnan(grouped) & ~equal
     n_valid = valid.sum(dim=1, keepdim=True)
-    # Shift each group by its first valid reward: the centred values are then computed from small differences.
     first_valid = torch.gather(grouped, 1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
     first_valid = torch.where(n_valid > 0, first_valid, torch.zeros_like(first_valid))
     shifted = torch.where(valid, grouped - first_valid, torch.zeros_like(grouped))
@@ -290,12 +256,10 @@ def compute_group_advantages(
     return advantages.reshape(-1).to(torch.float32)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Policy-gradient losses  (handout sections 7.2-7.3)
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------- Policy-gradient losses  (handout sections 7.2-7.3)
 
 
-def _per_example(name: str, values: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
+def per_example(name: str, values: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
     """Accept (B,) or (B, 1) per-example values and return (B, 1) to broadcast over T."""
     if values.dim() == 1:
         values = values.unsqueeze(-1)
@@ -324,7 +288,7 @@ def compute_naive_policy_gradient_loss(
 
     Source: CS336 A5 handout, section 7.2 (``compute_naive_policy_gradient_loss``), equation 27.
     """
-    advantages = _per_example("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
+    advantages = per_example("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
     return -advantages.detach() * policy_log_probs
 
 
@@ -337,14 +301,10 @@ def compute_importance_ratio(
     response_mask: torch.Tensor | None = None,
     importance_sampling_level: Literal["token", "sequence"] = "token",
 ) -> torch.Tensor:
-    """The importance ratio pi_theta / pi_theta_old of the sampled tokens, per token or per sequence.
+    """The importance ratio pi_theta / pi_theta_old of the sampled tokens (old log-probs detached).
 
-    - ``"token"``: ``exp(log pi_theta - log pi_theta_old)`` at each token, (B, T) (PPO, GRPO);
-    - ``"sequence"``: ``exp(mean over the response tokens of (log pi_theta - log pi_theta_old))``, one ratio per
-      sequence, (B, 1): the length-normalized sequence likelihood ratio of GSPO (a row with no response token gets
-      ratio 1).
-
-    The old log-probs are detached: no gradient flows through them.
+    ``"token"``: ``exp(log pi_theta - log pi_theta_old)`` per token, (B, T); ``"sequence"``: exp of its mean over
+    the response tokens, (B, 1) (GSPO; a row with no response token gets 1).
 
     Args:
         policy_log_probs: (B, T) log-probs under the policy being trained.
@@ -361,14 +321,14 @@ def compute_importance_ratio(
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization", equation 7 (sequence level); trl.GRPOTrainer
     (TRL 1.16) ``_compute_loss``'s ``log_importance_weights``.
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
-    _check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = policy_log_probs - old_log_probs.detach()
     if importance_sampling_level == "token":
         return torch.exp(log_ratio)
     if response_mask is None:
         raise ValueError("importance_sampling_level='sequence' needs response_mask; got None")
-    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
     mask = response_mask.to(log_ratio.dtype)
     return torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
 
@@ -386,12 +346,10 @@ def compute_grpo_clip_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-Clip loss  -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A).
 
-    ratio = exp(log pi_theta - log pi_theta_old). The old log-probs are detached: no gradient ever flows through
-    them, even when ``old_log_probs`` is the very tensor passed as ``policy_log_probs`` (the on-policy case, where
-    ratio = 1 and d loss / d log pi = -A). The keyword-only options are TRL's variants (all off by default, the
-    handout's loss): ``cliprange_high`` clips the ratio to [1 - eps, 1 + eps_high] (DAPO's clip-higher); ``delta``
-    bounds the unclipped ratio too, ``-min(min(ratio, delta) * A, clip(ratio) * A)`` (INTELLECT-2's two-sided
-    clipping, meant for delta > 1 + eps_high); ``importance_sampling_level="sequence"`` uses one ratio per sequence
+    ratio = exp(log pi_theta - log pi_theta_old), the old log-probs detached (also when they are the same tensor:
+    on-policy, ratio = 1 and d loss / d log pi = -A). Keyword-only options are TRL's variants, off by default:
+    ``cliprange_high`` clips to [1 - eps, 1 + eps_high] (DAPO); ``delta`` bounds the unclipped ratio,
+    ``-min(min(ratio, delta) * A, clip(ratio) * A)`` (INTELLECT-2); ``"sequence"`` level: one ratio per sequence
     (GSPO, :func:`compute_importance_ratio`).
 
     Args:
@@ -418,7 +376,7 @@ def compute_grpo_clip_loss(
     DAPO (Yu et al. 2025, section 3.1, clip-higher); INTELLECT-2 (Prime Intellect 2025, two-sided clipping); GSPO
     (Zheng et al. 2025).
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
     if cliprange is None or cliprange < 0:
         raise ValueError(f"cliprange={cliprange!r}; expected a float >= 0")
     high = cliprange if cliprange_high is None else cliprange_high
@@ -426,7 +384,7 @@ def compute_grpo_clip_loss(
         raise ValueError(f"cliprange_high={cliprange_high!r}; expected a float >= 0 (or None: cliprange)")
     if delta is not None and not delta > 0:
         raise ValueError(f"delta={delta!r}; expected a float > 0 (or None: no upper bound)")
-    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    advantages = per_example("advantages", advantages, policy_log_probs).detach()
     ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     clipped = torch.clamp(ratio, 1.0 - cliprange, 1.0 + high) * advantages
     if delta is not None:
@@ -451,11 +409,8 @@ def compute_grpo_no_clip_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token GRPO-No-Clip loss  -ratio * A, ratio = exp(log pi_theta - log pi_theta_old) (no clipping).
 
-    The importance ratio keeps the gradient unbiased when the rollouts came from an older policy (``num_iterations
-    > 1`` or ``steps_per_generation > 1``): d loss / d log pi = -ratio * A. Without the clip nothing bounds how far
-    one batch can move the policy; that is what the handout's clip ablation measures. The old log-probs are
-    detached, as in ``compute_grpo_clip_loss``. ``importance_sampling_level="sequence"`` uses one ratio per sequence
-    (:func:`compute_importance_ratio`).
+    The ratio keeps the gradient unbiased for rollouts of an older policy; nothing bounds the step (the handout's
+    clip ablation). Old log-probs detached; ``"sequence"`` level as in :func:`compute_importance_ratio`.
 
     Args:
         advantages: (B, 1) (or (B,)) advantage per rollout.
@@ -474,16 +429,14 @@ def compute_grpo_no_clip_loss(
 
     Source: CS336 A5 handout, section 8 (clip ablation, "GRPO-No-Clip"): -pi_theta / pi_theta_old * A per token.
     """
-    _check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
-    advantages = _per_example("advantages", advantages, policy_log_probs).detach()
+    check_same_shape("policy_log_probs", policy_log_probs, "old_log_probs", old_log_probs)
+    advantages = per_example("advantages", advantages, policy_log_probs).detach()
     ratio = compute_importance_ratio(policy_log_probs, old_log_probs, response_mask, importance_sampling_level)
     loss = -ratio * advantages
     return loss, {"clipped": torch.zeros_like(ratio, dtype=torch.bool), "ratio": ratio.detach()}
 
 
-# --------------------------------------------------------------------------------------------------------------
-# KL estimators and the adaptive KL coefficient
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- KL estimators and the adaptive KL coefficient
 
 
 def compute_kl(
@@ -495,11 +448,10 @@ def compute_kl(
 
     - ``k1`` = -d = log pi - log pi_ref (unbiased, high variance, can be negative);
     - ``k2`` = d^2 / 2 (biased, low variance, never negative);
-    - ``k3`` = exp(d) - d - 1 (unbiased, low variance, never negative; the default). Computed as
-      ``expm1(d) - d``, which stays >= 0 in floating point. This is the lecture's "log(Q/P) - 1" estimator
-      written correctly; it is the one GRPO (Shao et al. 2024) and TRL use.
+    - ``k3`` = exp(d) - d - 1 as ``expm1(d) - d`` (unbiased, low variance, never negative; the default, as in GRPO
+      and TRL; the lecture's "log(Q/P) - 1" written correctly).
 
-    Gradients flow into both arguments; detach ``ref_log_probs`` yourself if the reference is not trained.
+    Gradients flow into both arguments (detach ``ref_log_probs`` yourself).
 
     Args:
         log_probs: (B, T) log-probs under pi.
@@ -514,8 +466,8 @@ def compute_kl(
 
     Source: J. Schulman, "Approximating KL Divergence" (2020).
     """
-    _check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
-    _check_choice("estimator", estimator, KL_ESTIMATORS)
+    check_same_shape("log_probs", log_probs, "ref_log_probs", ref_log_probs)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
     d = ref_log_probs - log_probs
     if estimator == "k1":
         return -d
@@ -531,8 +483,7 @@ def adaptive_kl_coefficient(
 
         error = clip(measured_kl / kl_target - 1, -0.2, 0.2);   beta <- beta * (1 + error * n_steps / kl_horizon)
 
-    beta grows when the policy drifts further from the reference than the target and shrinks when it stays
-    closer; the clipped error bounds each change to a factor of 1 +- 0.2 * n_steps / kl_horizon.
+    beta grows when the KL exceeds the target and shrinks below it, by at most a factor 1 +- 0.2 n_steps / horizon.
 
     Args:
         beta: current KL coefficient (> 0; a multiplicative controller cannot leave 0).
@@ -556,9 +507,7 @@ def adaptive_kl_coefficient(
     return beta * (1.0 + error * n_steps / kl_horizon)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Preference and safety losses (course supplement)
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------- Preference and safety losses (course supplement)
 
 
 def _pair_vectors(**named: torch.Tensor) -> int:
@@ -583,10 +532,8 @@ def bradley_terry_loss(
 
         loss = mean_i  -log sigmoid(r_chosen_i - r_rejected_i - margin_i)
 
-    P(chosen > rejected) = sigmoid(r_chosen - r_rejected) is the Bradley-Terry model; the loss is its negative
-    log-likelihood. A per-pair ``margin`` (Llama 2, Touvron et al. 2023, section 3.2.2) asks the chosen reward to
-    exceed the rejected one by at least that much; ``margin = None`` means 0. Computed with ``logsigmoid``, so it is
-    finite for any finite reward difference.
+    The negative log-likelihood of the Bradley-Terry model; ``margin`` (Llama 2, section 3.2.2; None = 0) asks the
+    chosen reward to exceed the rejected one by that much. ``logsigmoid`` keeps it finite.
 
     Args:
         chosen_rewards: (B,) or (B, 1) scalar reward of each chosen response.
@@ -597,8 +544,7 @@ def bradley_terry_loss(
         0-d tensor, the mean loss over the B pairs.
 
     Raises:
-        ValueError: when the shapes are not one value per pair or do not match (a (B,) tensor never meets a (B, 1)
-        tensor, which would broadcast to a B x B matrix), or B = 0.
+        ValueError: when the shapes are not one value per pair or differ ((B,) never meets (B, 1)), or B = 0.
 
     Source: Bradley & Terry (1952); Ouyang et al. 2022 (InstructGPT), equation 1; CS336 A5 supplement (reward
     modelling from preference pairs).
@@ -630,16 +576,13 @@ def dpo_loss(
 
         loss = (1 - eps) * (-log sigmoid(beta * h)) + eps * (-log sigmoid(-beta * h))
 
-    eps = 0 is DPO (Rafailov et al. 2023, equation 7). eps > 0 is cDPO (Mitchell 2023), the loss under the belief
-    that each label is flipped with probability eps; it no longer drives h to infinity (its minimum is at
-    beta * h = log((1 - eps) / eps)). For beta = 0.1, h = 2: 0.5981 (eps = 0) and 0.6181 (eps = 0.1).
-    The implicit reward of a response is beta * (log pi - log pi_ref); beta * h is the reward margin.
+    eps = 0 is DPO; eps > 0 is cDPO (each label flipped with probability eps; minimum at beta * h =
+    log((1 - eps) / eps)). For beta = 0.1, h = 2: 0.5981 (eps = 0) and 0.6181 (eps = 0.1).
 
     Args:
         policy_chosen_logps: (B,) summed log-probs of the chosen responses under the policy (with gradient).
         policy_rejected_logps: (B,) same for the rejected responses.
-        ref_chosen_logps: (B,) summed log-probs of the chosen responses under the reference (no gradient needed;
-            detached here).
+        ref_chosen_logps: (B,) summed log-probs of the chosen responses under the reference (detached here).
         ref_rejected_logps: (B,) same for the rejected responses.
         beta: inverse temperature of the implicit reward (> 0), e.g. 0.1.
         label_smoothing: eps in [0, 0.5] (default 0.0).
@@ -681,11 +624,9 @@ def _neg_log1mexp(log_p: torch.Tensor, min_one_minus_p: float) -> torch.Tensor:
 def unlikelihood_loss(log_probs: torch.Tensor, mask: torch.Tensor, min_one_minus_p: float = 1e-5) -> torch.Tensor:
     """Token-level unlikelihood term of each sequence: mean over its masked tokens of -log(1 - p(token | prefix)).
 
-    Minimizing it pushes down the probability of tokens the model must not produce (here: the tokens of an unsafe
-    response after its prompt). Computed from log p as -log1mexp(log p) (log(-expm1(x)) near p = 1, log1p(-exp(x))
-    elsewhere), with 1 - p clamped to at least ``min_one_minus_p``: the term is at most -log(min_one_minus_p)
-    (11.51 for the default 1e-5) and stays finite, with a finite gradient, as p -> 1 (the gradient is 0 where the
-    clamp is active, as in Welleck et al.'s implementation). A sequence with no masked token contributes 0.
+    Computed stably from log p, with 1 - p clamped to at least ``min_one_minus_p``: at most -log(min_one_minus_p)
+    (11.51 for 1e-5), finite with a finite gradient as p -> 1 (0 where the clamp is active, as in Welleck et al.'s
+    code). A sequence with no masked token gives 0.
 
     Args:
         log_probs: (B, T) log p of each target token (<= 0).
@@ -701,7 +642,7 @@ def unlikelihood_loss(log_probs: torch.Tensor, mask: torch.Tensor, min_one_minus
     Source: Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", equation 4 (token-level
     unlikelihood); CS336 A5 supplement (safety penalty).
     """
-    _check_same_shape("log_probs", log_probs, "mask", mask)
+    check_same_shape("log_probs", log_probs, "mask", mask)
     if not 0.0 < min_one_minus_p < 1.0:
         raise ValueError(f"min_one_minus_p={min_one_minus_p!r}; expected a float in (0, 1)")
     keep = mask.bool()
@@ -718,10 +659,8 @@ def banned_token_unlikelihood_loss(
 ) -> torch.Tensor:
     """Unlikelihood of a banned token set: per sequence, mean over masked positions of -log(1 - sum_b p(b)).
 
-    p(b) is the next-token probability of banned token b (e.g. the first token of each banned string); the mass
-    sum_b p(b) = exp(logsumexp(z_banned) - logsumexp(z)) is formed in log space and passed through the same stable,
-    clamped -log(1 - .) as ``unlikelihood_loss``. Positions where the mask is 0 contribute nothing; a sequence with
-    no masked position contributes 0.
+    The banned mass is formed in log space, exp(logsumexp(z_banned) - logsumexp(z)), then clamped as in
+    :func:`unlikelihood_loss`. A sequence with no masked position gives 0.
 
     Args:
         logits: (B, T, V) next-token logits.
@@ -758,3 +697,36 @@ __all__ += [
     "unlikelihood_loss",
     "banned_token_unlikelihood_loss",
 ]
+
+ELSEWHERE = {
+    "compute_policy_gradient_loss": "trl_ext.objective.losses",
+    "compute_grpo_loss": "trl_ext.objective.aggregations",
+    **{
+        name: "trl_ext.objective.course"
+        for name in (
+            "tokenize_prompt_and_output",
+            "get_response_log_probs",
+            "compute_group_normalized_rewards",
+            "grpo_microbatch_train_step",
+            "sft_microbatch_train_step",
+            "per_instance_dpo_loss",
+            "compute_gae",
+        )
+    },
+}
+"""Names of the course's functional API (shared/design.md) whose function lives in the objective room: the dispatch
+functions go through its registries, the course's helpers take a model, a tokenizer or call ``backward``. They are
+served from here by name on first use (``from trl_ext.functional import compute_policy_gradient_loss``), the same
+function object as in their room."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ELSEWHERE])

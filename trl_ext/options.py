@@ -30,19 +30,11 @@ class RecipeArguments:
 
 
 def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str = "rows") -> None:
-    """Refuse, before any model work, a training set from which the trainer would take no batch at all: it would
-    train 0 steps and exit 0 after evaluating before and after (transformers only says "There seems not to be a
-    single sample in your epoch_iterator").
+    """Refuse, before any model work, a training set from which the trainer would take no batch (0 steps, exit 0).
 
-    * GRPO (``training_args`` has ``num_generations``): TRL's sampler hands out whole generation batches of
-      ``generation_batch_size / num_generations`` prompts (``generation_batch_size`` = ``per_device_train_batch_size``
-      x processes x ``steps_per_generation``, which defaults to ``gradient_accumulation_steps``) and drops an
-      incomplete one, so fewer prompts than one generation batch train 0 steps.
-    * SFT, DPO, reward (transformers' dataloader): a last incomplete batch or accumulation window still makes an
-      optimizer step, so only ``dataloader_drop_last`` with fewer rows than one batch on every process
-      (``per_device_train_batch_size`` x processes) trains 0 steps.
-
-    ``max_steps`` does not help: with 0 batches per epoch transformers stops at step 0 whatever the budget.
+    GRPO (``training_args`` has ``num_generations``): fewer prompts than one generation batch (``generation_batch_size /
+    num_generations``, TRL drops an incomplete one). SFT, DPO, reward: only ``dataloader_drop_last`` with fewer rows
+    than ``per_device_train_batch_size`` x processes. ``max_steps`` does not help.
 
     Args:
         rows: training examples (prompts for GRPO).
@@ -51,8 +43,7 @@ def check_fills_one_step(rows: int, training_args: Any, source: str, unit: str =
         unit: what a row is called in the message (``"rows"``, ``"pairs"``, ``"prompts"``).
 
     Raises:
-        RecipeError: naming the numbers and the flags that change them.
-    """
+        RecipeError: naming the numbers and the flags that change them."""
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     batch = training_args.per_device_train_batch_size
     have = f"{rows} training {unit[:-1] if rows == 1 and unit.endswith('s') else unit}"

@@ -1,33 +1,11 @@
-"""bitsandbytes' 4-bit layers (QLoRA) kept trainable on the CPU (a leaf module; it imports bitsandbytes only when a
-model holds its layers).
+"""bitsandbytes' 4-bit layers (QLoRA) kept trainable on the CPU (imports bitsandbytes only when a model holds them).
 
-bitsandbytes >= 0.49 repacks a ``bnb.nn.Linear4bit`` for a faster CPU inference kernel the first time the layer runs
-in evaluation mode without gradients on a CPU with AVX512-BF16 (``Linear4bit.forward`` ->
-``bitsandbytes.functional._convert_weight_packed_for_cpu``; bitsandbytes 0.50.2 does it on this project's Intel
-Xeon). The repacking is permanent and lossy, and the kernel it selects (``bitsandbytes::gemv_4bit``) computes in bf16
-and has no backward:
-
-- training after one such forward (a recipe's before-training evaluation, trl_ext's savings probe,
-  ``Trainer.evaluate``) gets no gradient through the 4-bit layers' inputs: the LoRA adapters below the last layer
-  learn from a wrong gradient while torch only warns "an autograd kernel was not registered";
-- a 4-bit layer with a bias (Qwen2's q/k/v projections) stops training with ``RuntimeError: a view of a leaf
-  Variable that requires grad is being used in an in-place operation``;
-- the weights change: the block scales (absmax) are rounded to bf16, and saving or moving the model afterwards
-  "inverts" the packing without undoing that (for unnested NF4 the scales even stay transposed), so the saved 4-bit
-  model is not the one loaded.
-
-:func:`keep_trainable` turns that path off on every 4-bit layer of a model before its first forward: evaluation
-then runs the same dequantize + matmul as training (in the layer's compute dtype, fp32 by default), so before- and
-after-training scores, TRL's log-probs and the training forward agree. ``trl_ext.models.load_model`` calls it on
-what it loads and every trl_ext trainer on the model it is given. A model that was already repacked cannot be
-restored exactly (its scales were rounded); :func:`keep_trainable` refuses it with a ValueError that says how to
-avoid it.
-
-On the CPUs where that kernel applies, bitsandbytes also tries, when it is imported, to download a faster version of
-it from the Hugging Face Hub (``kernels-community/quantization-bitsandbytes``, through the ``kernels`` package) and
-otherwise logs "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install kernels". Since
-trl_ext turns that kernel off, the message is dropped (:data:`HUB_KERNEL_MESSAGE`) instead of inviting an install
-that would download code at run time.
+bitsandbytes >= 0.49 permanently repacks a ``Linear4bit`` for a bf16 CPU inference kernel (no backward) the first time
+it runs in eval mode without gradients on an AVX512-BF16 CPU: later training gets wrong or no input gradients (or an
+in-place ``RuntimeError`` with a bias), and the block scales are rounded to bf16, so a saved model is not the loaded
+one. :func:`keep_trainable` turns that path off before the first forward (``trl_ext.models.load_model`` and every
+trl_ext trainer call it) and refuses an already repacked model. bitsandbytes' import-time invitation to download that
+kernel from the Hub is dropped (:data:`HUB_KERNEL_MESSAGE`).
 """
 
 from __future__ import annotations
@@ -76,19 +54,13 @@ def is_repacked(module: torch.nn.Module) -> bool:
 
 
 def keep_trainable(model: Any) -> int:
-    """Turn bitsandbytes' CPU inference repacking off on every 4-bit layer of ``model``; return how many layers it
-    turned off (0 for a model without 4-bit layers, or one already kept trainable).
-
-    Sets ``support_avx512bf16_for_cpu = False`` on each ``Linear4bit`` (the flag its ``forward`` reads before
-    repacking); the layer then computes ``F.linear(x, dequantize_4bit(W))`` in training and in evaluation alike.
-    Logs one line when it turned something off. Safe to call repeatedly and on any model (also on a GPU, where the
-    flag is never read).
+    """Turn bitsandbytes' CPU inference repacking off on every 4-bit layer of ``model`` (``support_avx512bf16_for_cpu =
+    False``: the layer then computes ``F.linear(x, dequantize_4bit(W))`` in training and evaluation alike); return how
+    many layers it turned off. Logs one line when it did; safe to call repeatedly, on any model and device.
 
     Raises:
-        ValueError: a layer was repacked already (an evaluation-mode forward without gradients ran on a CPU with
-            AVX512-BF16 before trl_ext saw the model): its block scales are rounded to bf16 and its input gradient
-            is gone, which no inverse restores. The message names the layer and how to avoid it.
-    """
+        ValueError: a layer was repacked already (its scales rounded, its input gradient gone); names the layer and
+            how to avoid it."""
     if not isinstance(model, torch.nn.Module):
         return 0
     layers = linear4bit_modules(model)

@@ -6,8 +6,8 @@ as TRL names a reward function by its dotted path -- and says what is registered
 ``help``), so a ``--help`` printed after a user registered an entry lists it. An unknown name gets one error that
 names the option, the closest registered names (difflib) and every registered one::
 
-    LOSSES = Registry("policy loss", "pg_loss_type", describe=lambda entry: entry.formula, load=as_entry)
-    LOSSES.register("grpo_clip", entry)          # or: @LOSSES.register("grpo_clip") above the entry's definition
+    LOSSES = Registry("policy loss", "pg_loss_type", PolicyLoss)   # entries: PolicyLoss(name, fn, **declarations)
+    @LOSSES.register("grpo_clip", uses_old_log_probs=True, formula="...")   # above the loss function
     LOSSES.get("grpo_clp")   # ValueError: pg_loss_type='grpo_clp' is not supported: no such policy loss (did you
                              # mean 'grpo_clip'?); expected one of 'grpo_clip', ..., or a package.module:attr ...
     LOSSES.problem("grpo_clp", flag=True)        # "--pg_loss_type grpo_clp: no such policy loss (did you mean ..."
@@ -170,12 +170,22 @@ class Registry(Generic[T]):
         kind: what an entry is, in words (``"policy loss"``), for messages.
         option: the config field that names an entry (``"pg_loss_type"``); errors name it, and with ``flag=True``
             the command-line flag ``--pg_loss_type``.
-        describe: ``entry -> one line`` for :meth:`help` (default: none, names only).
-        load: ``(object, "package.module:attr") -> entry``: turns what a dotted path names into an entry (e.g. a
-            plain function into an entry with conservative declarations); raises TypeError for an object it cannot
-            use. None (default): dotted paths are not accepted.
+        entry_type: the frozen dataclass an entry is (``PolicyLoss``), whose field ``wraps`` holds the function and
+            whose other fields are the declarations :meth:`register` takes; None: entries are stored as given.
+        wraps: the field of ``entry_type`` that holds the function (default ``"fn"``).
+        expects: the function an entry wraps, in words, for the error of a dotted path naming something else.
+        describe: ``entry -> one line`` for :meth:`help` (default: the entry's ``formula`` or ``description``).
         check: ``(name, entry) -> None``, called before an entry is added; raises ValueError to refuse it (e.g. a
             claim another entry already holds).
+        shown: ``(name, entry) -> how the name is written`` in lists and help (default: the name).
+        unique: ``{field: how messages name it}``: a field whose value (when not None) no two entries share, e.g.
+            ``{"upstream_loss_type": "TRL's loss_type"}`` (one TRL name means one entry).
+        dotted_as_registered: a dotted path to a function registered here loads that entry, declarations and all
+            (default True); False: always a plain entry of the function (the graders: a course ``reward_fn`` named
+            by its path says nothing of the answer it reads).
+        load: ``(object, "package.module:attr") -> entry`` in place of :meth:`load`, for entries that are not an
+            ``entry_type`` (raises TypeError for an object it cannot use). Dotted paths are accepted where there is
+            an ``entry_type`` or a ``load``.
 
     An entry loaded from a dotted path is kept (loaded once per object the path names: a path whose module was
     reloaded or imported again is loaded again), but is not registered: it is not listed by :meth:`names` or
@@ -186,24 +196,40 @@ class Registry(Generic[T]):
         self,
         kind: str,
         option: str,
+        entry_type: type | None = None,
+        *,
+        wraps: str = "fn",
+        expects: str = "a function",
         describe: Callable[[T], str] | None = None,
-        load: Callable[[Any, str], T] | None = None,
         check: Callable[[str, T], None] | None = None,
+        load: Callable[[Any, str], T] | None = None,
+        shown: Callable[[str, T], str] | None = None,
+        unique: dict[str, str] | None = None,
+        dotted_as_registered: bool = True,
     ):
         self.kind = kind
         self.option = option
-        self._describe = describe
-        self._load = load
+        self.entry_type = entry_type
+        self.wraps = wraps
+        self.expects = expects
+        self._describe = describe or _said
         self._check = check
+        self._custom_load = load
+        self._shown = shown or (lambda name, entry: name)
+        self._dotted_as_registered = dotted_as_registered
+        self._unique = unique or {}
+        self._dotted = entry_type is not None or load is not None
         self._entries: dict[str, T] = {}
         self._sites: dict[str, str | None] = {}  # name -> file:line that registered it, for messages
         self._loaded: dict[str, tuple[Any, T]] = {}  # dotted path -> (the object it named, its entry)
 
     # -- adding and removing ----------------------------------------------------------------------------------
 
-    def register(self, name: str, entry: T | None = None) -> Any:
-        """Add ``entry`` under ``name`` and return it; without ``entry``, a decorator that registers the object it
-        decorates and returns it unchanged (``@REGISTRY.register("name")``).
+    def register(self, name: str, entry: Any = None, **declarations: Any) -> Any:
+        """The one way to register: ``@REGISTRY.register("name", **declarations)`` above a function registers it
+        as an ``entry_type`` holding it, with ``declarations`` (the entry's other fields; its ``formula`` or
+        ``description`` defaults to the docstring's first line), and returns the function unchanged. With
+        ``entry`` (a finished ``entry_type``), adds it and returns it.
 
         A module that registers may run twice in one process (``python my_loss.py``, which runs it as ``__main__``
         and imports it again by name; ``importlib.reload``; notebook autoreload). Registering the same definition
@@ -214,16 +240,23 @@ class Registry(Generic[T]):
 
         Raises:
             ValueError: ``name`` is held by another definition (naming the old and the new one, ``module:qualname``
-                and the ``file:line`` that registered each), is empty, or contains ``:`` (the mark of a dotted path);
-                or ``check`` refuses the entry.
+                and the ``file:line`` that registered each), is empty, or contains ``:`` (the mark of a dotted path); a
+                declaration the entry does not have; ``entry`` not an ``entry_type``; or ``check`` refuses the entry.
+            TypeError: the decorated object is not a function.
         """
         if entry is None:
 
-            def decorate(obj: T) -> T:
-                self.register(name, obj)
+            def decorate(obj: Any) -> Any:
+                self._add(name, self._entry(name, obj, declarations))
                 return obj
 
             return decorate
+        if self.entry_type is not None and not isinstance(entry, self.entry_type):
+            said = f"{self.entry_type.__module__}.{self.entry_type.__qualname__}"
+            raise ValueError(f"{self.kind} {name!r}: expected a {said}, got {type(entry).__name__}")
+        return self._add(name, entry)
+
+    def _add(self, name: str, entry: T) -> T:
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(
                 f"{self.kind} name {name!r}: expected a non-empty string without ':' (a name with ':' is a "
@@ -238,14 +271,13 @@ class Registry(Generic[T]):
                     f"{_place(entry, site)} is another definition (unregister {name!r} first to replace it, or choose "
                     "another name)"
                 )
-            if self._check is not None:  # on the new entry, without the old one (whose claims the new one repeats)
-                order = list(self._entries.items())
-                del self._entries[name]
-                try:
-                    self._check(name, entry)
-                finally:
-                    self._entries.clear()
-                    self._entries.update(order)
+            order = list(self._entries.items())  # checked without the old one (whose claims the new one repeats)
+            del self._entries[name]
+            try:
+                self._checked(name, entry)
+            finally:
+                self._entries.clear()
+                self._entries.update(order)
             self._entries[name] = entry  # an existing key: the same place in the order
             logger.debug(
                 "%s %r: %s replaces %s, the same definition run again (a reload, or a script imported by name)",
@@ -257,11 +289,62 @@ class Registry(Generic[T]):
             self._sites[name] = site
             self._forget(old)
             return entry
-        if self._check is not None:
-            self._check(name, entry)
+        self._checked(name, entry)
         self._entries[name] = entry
         self._sites[name] = site
         return entry
+
+    def _checked(self, name: str, entry: T) -> None:
+        """Refuse ``entry`` (ValueError) when a ``unique`` field's value is another entry's, or ``check`` refuses it."""
+        for field, said in self._unique.items():
+            value = getattr(entry, field, None)
+            holder = next(
+                (n for n, e in self._entries.items() if value is not None and getattr(e, field, None) == value), None
+            )
+            if holder is not None:
+                raise ValueError(f"{said} {value!r} already means {holder!r}")
+        if self._check is not None:
+            self._check(name, entry)
+
+    def _entry(self, name: str, obj: Any, declarations: dict[str, Any], path: str = "") -> T:
+        """``obj`` as an entry: an ``entry_type`` as it is, a function wrapped with ``declarations``."""
+        if self.entry_type is None or isinstance(obj, self.entry_type):
+            if declarations:
+                raise ValueError(f"{self.kind} {name!r}: declarations go with a function, not a finished entry")
+            return obj
+        if not callable(obj):
+            said = path or f"{self.kind} {name!r}"
+            raise TypeError(f"{said} is a {type(obj).__name__}; expected {self.expects}")
+        known = {f.name for f in dataclasses.fields(self.entry_type)}
+        unknown = sorted(set(declarations) - known - {"name", self.wraps})
+        if unknown:
+            allowed = ", ".join(sorted(known - {"name", self.wraps}))
+            raise ValueError(f"{self.kind} {name!r}: no declaration(s) {unknown}; expected some of {allowed}")
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in declarations.items()}
+        values[self.wraps] = obj
+        if "name" in known:
+            values["name"] = name
+        for text in ("formula", "description"):
+            if text in known and not values.get(text):
+                values[text] = _first_line(obj)
+        if path and "source" in known and not values.get("source"):
+            values["source"] = path
+        return self.entry_type(**values)
+
+    def load(self, obj: Any, path: str) -> T:
+        """What ``package.module:attr`` names, as an entry -- the one loader of every registry: an entry as it is;
+        a function registered when its module was imported, that entry (with its declarations); any other
+        function, an entry that declares nothing (every declaration at its conservative default).
+
+        Raises:
+            TypeError: ``obj`` is neither an entry nor a function (naming ``path`` and what was expected).
+        """
+        if self._custom_load is not None:
+            return self._custom_load(obj, path)
+        registered = [
+            e for e in self._entries.values() if getattr(e, self.wraps, e) is obj and self._dotted_as_registered
+        ]
+        return registered[0] if registered else self._entry(path, obj, {}, path)
 
     def unregister(self, name: str) -> T:
         """Remove the entry called ``name`` and return it (tests, and a user replacing a built-in).
@@ -317,22 +400,23 @@ class Registry(Generic[T]):
     def _find(self, name: Any) -> T:
         if isinstance(name, str) and name in self._entries:
             return self._entries[name]
-        if isinstance(name, str) and ":" in name and self._load is not None:
+        if isinstance(name, str) and ":" in name and self._dotted:
             obj = self._import(name)
             loaded = self._loaded.get(name)
             # first time, or the module was reloaded or imported again: not the old entry (a bound method is made
             # anew by each getattr: equal, not identical)
             if loaded is None or not (loaded[0] is obj or (inspect.ismethod(obj) and loaded[0] == obj)):
                 try:
-                    loaded = (obj, self._load(obj, name))
+                    loaded = (obj, self.load(obj, name))
                 except TypeError as err:
                     raise _NotFound(str(err)) from None
                 self._loaded[name] = loaded
             return loaded[1]
         close = difflib.get_close_matches(str(name), list(self._entries), n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-        dotted = ", or a package.module:attr of your own" if self._load is not None else ""
-        raise _NotFound(f"no such {self.kind}{hint}; expected one of {', '.join(map(repr, self._entries))}{dotted}")
+        dotted = ", or a package.module:attr of your own" if self._dotted else ""
+        listed = ", ".join(repr(self._shown(n, e)) for n, e in self._entries.items())
+        raise _NotFound(f"no such {self.kind}{hint}; expected one of {listed}{dotted}")
 
     def _import(self, path: str) -> Any:
         """The object ``package.module:attr`` names (the module imported if it is not yet)."""
@@ -371,8 +455,9 @@ class Registry(Generic[T]):
         """``"'name' (description), ..."`` of every registered entry, built now."""
 
         def one(name: str, entry: T) -> str:
-            text = self._describe(entry) if self._describe else ""
-            return f"{name!r} ({text})" if text else repr(name)
+            text = self._describe(entry)
+            said = repr(self._shown(name, entry))
+            return f"{said} ({text})" if text else said
 
         return ", ".join(one(name, entry) for name, entry in self._entries.items())
 
@@ -384,3 +469,14 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.option!r}: {', '.join(self._entries)})"
+
+
+def _first_line(obj: Any) -> str:
+    """A function's docstring's first line ("" without one)."""
+    lines = (getattr(obj, "__doc__", None) or "").strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _said(entry: Any) -> str:
+    """An entry's line in :meth:`Registry.help`: its ``formula`` or ``description`` ("" for neither)."""
+    return getattr(entry, "formula", "") or getattr(entry, "description", "") or ""

@@ -5,22 +5,10 @@
     report.finish(run, metrics, [report.Record("GRPO on math problems"), report.accuracy_table(...),
                                  report.Curves("training_curves.png", PANELS)], trainer=trainer)
 
-It writes, in this order: per-example records (``eval_before.jsonl``...), the model card (``README.md``, naming
-the real base model), the plot of the training log (``training_curves.png``), ``experiment.md`` (from what it was
-given, never by reading files back) and ``metrics.json`` (the results plus the run's provenance; written last, its
-presence marks a finished run); then it prints the table and the closing lines. :func:`finish_comparison` does the
-same for a comparison of arms (``comparison.json``/``.md``/``.png`` through :mod:`trl_ext.compare.report`).
-
-``experiment.md`` ties a run to the code that made it and says what a reader wants to know first:
-
-- trl_ext's version and git commit, ``git describe`` and whether its tree had uncommitted changes (``dirty``), or "not
-  a git checkout" for an installed package; and the working directory's repository when it is another one (the
-  course repository trl_ext is installed into);
-- the hyperparameters that differ from their defaults, plus the important ones whatever their value (learning
-  rate, group size, loss type, normalization, beta, steps, ...), from the run's config dataclasses;
-- a results table (before/after, final reward, time) and the plot(s);
-- automatic observations from the training log (``trl_ext.observations.observe_training``): where the reward rose
-  fastest, whether the entropy collapsed, whether completions hit the length limit, gradient-norm spikes, KL growth.
+:func:`finish_comparison` does the same for a comparison of arms. ``experiment.md``
+(:func:`write_experiment_record`) ties a run to the code that made it (version, git commit, dirty tree), its
+non-default and important hyperparameters, a results table, the plots and observations of the training log
+(``trl_ext.measurement.observations.observe_training``).
 """
 
 from __future__ import annotations
@@ -35,10 +23,10 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.table import Table
 
+from trl_ext.measurement.observations import observe_training
+from trl_ext.measurement.profiling import format_breakdown
+from trl_ext.measurement.roofline import format_roofline
 from trl_ext.models import DEFAULT_MODEL, EMBEDDED_BASE_MODEL, base_model_id, is_embedded
-from trl_ext.observations import observe_training
-from trl_ext.profiling import format_breakdown
-from trl_ext.roofline import format_roofline
 from trl_ext.run import command_line, describe_code, git_state, is_main_process
 
 IMPORTANT_FIELDS = (
@@ -120,6 +108,25 @@ def _fmt(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def _hyperparameters(configs: Sequence[Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The record's hyperparameter table: :func:`config_hyperparameters`, then ``extra``; the embedded model (an
+    unset ``model_name_or_path``) named by the Hub id it was quantized from."""
+    params = config_hyperparameters(*configs)
+    params.update(extra or {})
+    if "model_name_or_path" in params and is_embedded(params["model_name_or_path"]):  # unset: the embedded model
+        params["model_name_or_path"] = f"{EMBEDDED_BASE_MODEL} (trl_ext's embedded copy)"
+    return params
+
+
+def _plot_lines(plots: Sequence[str | os.PathLike], out: Path) -> list[str]:
+    """Markdown image lines for ``plots``, an absolute path made relative to ``out``."""
+    lines = []
+    for plot in map(Path, plots):
+        rel = os.path.relpath(plot, out) if plot.is_absolute() else str(plot)
+        lines += [f"![{plot.stem}]({rel})", ""]
+    return lines
+
+
 def write_experiment_record(
     output_dir: str | os.PathLike,
     title: str,
@@ -142,9 +149,8 @@ def write_experiment_record(
     Args:
         output_dir: the run's output directory (where ``metrics.json`` is).
         title: first heading.
-        configs: the run's config dataclasses (script arguments, training config, ``trl.ModelConfig``); their
-            non-default and important fields are listed (:func:`config_hyperparameters`), the embedded model (an unset
-            ``model_name_or_path``) by the Hub id it was quantized from.
+        configs: the run's config dataclasses; their non-default and important fields are listed
+            (:func:`config_hyperparameters`), the embedded model by its Hub id.
         hyperparameters: extra or overriding name -> value pairs for the hyperparameter table.
         results: a mapping (two columns) or rows matching ``results_header`` (e.g. ``("accuracy", before, after)``).
         results_header: column titles of ``results``.
@@ -152,26 +158,18 @@ def write_experiment_record(
         observations: sentences written first under "Observations".
         log_history: TRL's log; ``observe_training`` adds its observations.
         max_completion_length: the generation budget, for the length-limit observation.
-        command: the command line that reproduces the run (default: ``trl_ext.run.command_line``: this process's
-            script and flags, with a launcher that reproduces it without accelerate's "values were not passed"
-            warning).
+        command: the command line that reproduces the run (default: ``trl_ext.run.command_line``).
         extra_markdown: appended at the end (e.g. a comparison table).
-        git: trl_ext's ``trl_ext.run.git_state`` taken when the run started (``trl_ext.run.RecipeRun.git``;
-            default: now), so that commits made while the run goes on are not credited with its results.
-        project_git: the working directory's checkout when it is not trl_ext's (``RecipeRun.project_git``: the
-            project trl_ext is installed into, e.g. the course repository), or None.
+        git: trl_ext's ``trl_ext.run.git_state`` taken when the run started (default: now).
+        project_git: the working directory's checkout when it is not trl_ext's (e.g. the course repository), or None.
 
-    The record starts with the code it was made with (``trl_ext.run.describe_code``): trl_ext's version and git
-    commit (or "not a git checkout"), then the working directory's repository when it is another one.
+    The record starts with the code it was made with (``trl_ext.run.describe_code``).
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if git is None:
         git = git_state()
-    params = config_hyperparameters(*configs)
-    params.update(hyperparameters or {})
-    if "model_name_or_path" in params and is_embedded(params["model_name_or_path"]):  # unset: the embedded model
-        params["model_name_or_path"] = f"{EMBEDDED_BASE_MODEL} (trl_ext's embedded copy)"
+    params = _hyperparameters(configs, hyperparameters)
     command = command or command_line()
     lines = [
         f"# {title}",
@@ -192,11 +190,7 @@ def write_experiment_record(
         lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
         lines.append("")
     if plots:
-        lines += ["## Plots", ""]
-        for plot in plots:
-            plot = Path(plot)
-            rel = os.path.relpath(plot, out) if plot.is_absolute() else str(plot)
-            lines += [f"![{plot.stem}]({rel})", ""]
+        lines += ["## Plots", "", *_plot_lines(plots, out)]
     notes = list(observations) + (observe_training(log_history, max_completion_length) if log_history else [])
     if notes:
         lines += ["## Observations", "", *[f"- {n}" for n in notes], ""]
@@ -292,10 +286,8 @@ def before_after_rows(before: Mapping[str, float], after: Mapping[str, float], k
 
 
 def held_out_metrics(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
-    """The metrics of a held-out evaluation before and after training (``Task.evaluate`` results): accuracy (the mean
-    score, partial credit included) and exact accuracy (the share of answers scored 1), format rate and responses cut
-    by the length limit before and after, the number of problems and how many are distinct (and the task's note on
-    them), and the evaluation speed after."""
+    """The metrics of held-out evaluations (``Task.evaluate`` results) before and after training: accuracy, exact
+    accuracy, format rate and truncated responses of each, the problems (distinct, the task's note) and speed after."""
     metrics = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
@@ -329,9 +321,8 @@ def held_out_logs(result: Mapping[str, Any]) -> dict[str, float]:
 
 
 def eval_curve(log_history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The held-out evaluations of a training log, in step order: ``[{"step", "accuracy", "format_rate"}, ...]`` from
-    its ``eval_accuracy``/``eval_format_rate`` entries (:func:`held_out_logs`: before training at step 0, every
-    ``--eval_every`` steps, after training at the last step); a step logged twice keeps its last value."""
+    """The held-out evaluations of a training log (:func:`held_out_logs`), in step order: ``[{"step", "accuracy",
+    "format_rate"}, ...]``; a step logged twice keeps its last value."""
     points = {
         e["step"]: {"step": e["step"], "accuracy": e["eval_accuracy"], "format_rate": e.get("eval_format_rate")}
         for e in log_history
@@ -363,9 +354,7 @@ def accuracy_table(what: str, before: Mapping[str, Any], after: Mapping[str, Any
 
 def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | None, dataset: str | None = None) -> Path:
     """Write ``output_dir/README.md`` with TRL's model card template, naming the real base model
-    (``trl_ext.models.base_model_id``: the embedded model's Hub id for the embedded model, by name or cache folder)
-    and the output folder as the model to load (TRL's own card names ``None`` and the folder's bare name for local
-    runs)."""
+    (``trl_ext.models.base_model_id``) and the output folder as the model to load."""
     from trl.trainer.utils import generate_model_card
 
     base = base_model_id(base_model)
@@ -399,7 +388,6 @@ def write_model_card(trainer: Any, output_dir: str | Path, base_model: str | Non
     return path
 
 
-# ------------------------------------------------------------------------------------------------- the one call
 # ---------------------------------------------------------------------------------------------- what a run leaves
 class Records(NamedTuple):
     """Per-example records: file stem -> rows, each file written as JSON lines (``Records({"eval_after": rows})``
@@ -488,6 +476,73 @@ def _by_kind(outputs: Sequence[Output]) -> dict[type, list]:
     return kinds
 
 
+def _add_run_metrics(
+    metrics: dict[str, Any], run: Any, trainer: Any, log_history: Any, speed: Mapping[str, Any] | None
+) -> None:
+    """What every run records in ``metrics``, unless given (see :func:`finish`): the training's steps, seconds,
+    log, held-out curve and runtime (with a trainer); where the time went and the roofline (when timed)."""
+    if trainer is not None and hasattr(trainer, "state"):
+        metrics.setdefault("train_steps", trainer.state.global_step)
+        metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
+        metrics.setdefault("log_history", log_history)
+        if eval_curve(log_history):  # held-out accuracy at each evaluated step
+            metrics.setdefault("eval_curve", eval_curve(log_history))
+        if hasattr(trainer, "accelerator"):
+            accelerator = trainer.accelerator
+            runtime = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
+            metrics.setdefault("runtime", {**(speed or {}), **runtime})
+    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
+        metrics.setdefault("time_breakdown", run.time_breakdown())
+        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
+        if roofline is not None:  # how far each phase ran from what the machine allows
+            metrics.setdefault("roofline", roofline)
+
+
+def _write_record(
+    out: Path, record: Record, run: Any, metrics: Mapping[str, Any], log_history: Any, git: Mapping[str, Any]
+) -> None:
+    """``experiment.md`` of :class:`Record` ``record``: the run's configs, the results (default: the scalar
+    metrics), every plot in ``out``, the observations and the generation budget the configs set."""
+    configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
+    header, rows = record.results or (("metric", "value"), scalar_results(metrics))
+    budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
+    write_experiment_record(
+        out,
+        record.title,
+        configs=configs,
+        results=rows,
+        results_header=header,
+        plots=sorted(p.name for p in out.glob("*.png")),
+        observations=record.observations,
+        log_history=log_history,
+        max_completion_length=budget,
+        git=git,
+        project_git=getattr(run, "project_git", None),
+    )
+
+
+def _print_summary(
+    kinds: dict[type, list], run: Any, metrics: Mapping[str, Any], written: list[str], out: Path
+) -> Console:
+    """What :func:`finish` prints, in its order; returns the console."""
+    console = Console(soft_wrap=True)
+    for table in kinds[ConsoleTable]:
+        print_table(*table, console=console)
+    for line in (line for lines in kinds[ConsoleLines] for line in lines.lines):
+        console.print(line, markup=False)
+    for name in run.reused:
+        console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
+    if "time_breakdown" in metrics:
+        breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
+        how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
+        console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
+    if "roofline" in metrics:
+        console.print(format_roofline(metrics["roofline"]), markup=False)
+    saved = " and the trained model" if kinds[ModelCard] else ""
+    console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
+    return console
+
+
 def finish(
     run: Any,
     metrics: Mapping[str, Any],
@@ -500,32 +555,22 @@ def finish(
 ) -> Console | None:
     """Write everything a finished run leaves and print its summary; on the main process only (others: None).
 
-    ``outputs`` lists what the run leaves besides ``metrics.json``, in any order; they are written in this one:
-    :class:`Records`, the :class:`ModelCard`, each :class:`Curves` plot, the :class:`Record` (``experiment.md``),
-    ``metrics.json`` (last, its presence marks a finished run); then printed: each :class:`ConsoleTable`, each
-    :class:`ConsoleLines`, which results were reused on resume, where the time went (when ``metrics`` has a
-    ``time_breakdown``), the roofline, and the closing "Wrote ..." line (naming :class:`Written`'s files too)::
-
-        report.finish(run, metrics, [report.Record("GRPO"), report.ConsoleTable(*table), report.Curves(...)],
-                      trainer=trainer)
+    Written in this order: :class:`Records`, the :class:`ModelCard`, each :class:`Curves` plot, the :class:`Record`
+    (``experiment.md``), ``metrics.json`` (last: its presence marks a finished run); then printed: each
+    :class:`ConsoleTable` and :class:`ConsoleLines`, results reused on resume, where the time went, the roofline, and
+    the closing "Wrote ..." line (naming :class:`Written`'s files too).
 
     Args:
         run: the ``trl_ext.run.RecipeRun`` (output folder, configs, provenance).
-        metrics: the results; ``metrics.json`` holds them plus ``run.provenance()``, and, unless ``metrics`` has
-            them: with a ``trainer``, ``train_steps``, ``train_seconds`` (the run's ``train`` phase) and
-            ``log_history``, and ``eval_curve`` (:func:`eval_curve`) when the log holds held-out evaluations; when
-            the run timed exclusive phases (``run.profile``, ``run.phase(..., breakdown=)``),
-            ``time_breakdown`` (``run.time_breakdown()``, its ``total`` the wall time so far) and, when it watched a
-            model, ``roofline`` (``run.roofline_report()``: a phase that was not timed or ran under its floor is left
-            out with the reason, never reported with a ratio below 1).
-        outputs: the list of :data:`Output` (:class:`Records`, :class:`ModelCard`, :class:`Curves`, :class:`Record`,
-            :class:`ConsoleTable`, :class:`ConsoleLines`, :class:`Written`).
+        metrics: the results; ``metrics.json`` adds ``run.provenance()`` and, unless given: with a ``trainer``,
+            ``train_steps``, ``train_seconds``, ``log_history`` and ``eval_curve`` (:func:`eval_curve`); when the run
+            timed exclusive phases, ``time_breakdown`` and, when it watched a model, ``roofline``.
+        outputs: the :data:`Output` items, in any order.
         trainer: the trainer whose model card template names the training method; its ``state.log_history`` is
             the default ``log_history``.
         log_history: the training log for :class:`Curves` and for the record's observations.
-        speed: what ``trl_ext.runtime.apply_speed_defaults`` chose (threads, precision); with a trainer, recorded
-            as ``runtime`` with the number of processes and accelerate's distributed type (FSDP shows there, not
-            in ``PartialState``), unless ``metrics`` has a ``runtime``.
+        speed: what ``trl_ext.runtime.apply_speed_defaults`` chose; with a trainer, recorded as ``runtime`` with the
+            number of processes and accelerate's distributed type, unless ``metrics`` has a ``runtime``.
         git: trl_ext's ``trl_ext.run.git_state`` (default: ``run.git``, taken when the run started).
 
     Returns:
@@ -546,28 +591,9 @@ def finish(
             with open(out / f"{stem}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
     metrics = dict(metrics)
-    if trainer is not None and hasattr(trainer, "state"):  # what every training run records, unless given
+    if trainer is not None and hasattr(trainer, "state"):
         log_history = trainer.state.log_history if log_history is None else log_history
-        metrics.setdefault("train_steps", trainer.state.global_step)
-        metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
-        metrics.setdefault("log_history", log_history)
-        if eval_curve(log_history):  # held-out accuracy at each evaluated step
-            metrics.setdefault("eval_curve", eval_curve(log_history))
-        if hasattr(trainer, "accelerator"):
-            accelerator = trainer.accelerator
-            metrics.setdefault(
-                "runtime",
-                {
-                    **(speed or {}),
-                    "processes": accelerator.num_processes,
-                    "distributed_type": str(accelerator.distributed_type),
-                },
-            )
-    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
-        metrics.setdefault("time_breakdown", run.time_breakdown())
-        roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
-        if roofline is not None:  # how far each phase ran from what the machine allows
-            metrics.setdefault("roofline", roofline)
+    _add_run_metrics(metrics, run, trainer, log_history, speed)
     for card in kinds[ModelCard]:
         write_model_card(trainer, out, card.base_model, card.dataset)
     for name, panels, points in kinds[Curves]:
@@ -579,40 +605,10 @@ def finish(
         plot = plot_curves(log_history or [], panels, out / name, points)
         written.append(plot.name if plot else "no plot")
     for record in kinds[Record]:
-        configs = [c for c in run.configs.values() if dataclasses.is_dataclass(c) and not isinstance(c, type)]
-        header, rows = record.results or (("metric", "value"), scalar_results(metrics))
-        budget = next((c.max_completion_length for c in configs if getattr(c, "max_completion_length", None)), None)
-        write_experiment_record(
-            out,
-            record.title,
-            configs=configs,
-            results=rows,
-            results_header=header,
-            plots=sorted(p.name for p in out.glob("*.png")),
-            observations=record.observations,
-            log_history=log_history,
-            max_completion_length=budget,
-            git=run.git if git is None else git,
-            project_git=getattr(run, "project_git", None),
-        )
+        _write_record(out, record, run, metrics, log_history, run.git if git is None else git)
         written.append("experiment.md")
     run.write_metrics(metrics)  # last: its presence marks a finished run
-    console = Console(soft_wrap=True)
-    for table in kinds[ConsoleTable]:
-        print_table(*table, console=console)
-    for line in (line for lines in kinds[ConsoleLines] for line in lines.lines):
-        console.print(line, markup=False)
-    for name in run.reused:
-        console.print(f"({name} reused from the first run of this folder: {name}.json)", markup=False)
-    if "time_breakdown" in metrics:
-        breakdown, speed = metrics["time_breakdown"], metrics.get("runtime", {})
-        how = f" ({speed['threads']} threads, {speed['precision']})" if "threads" in speed else ""
-        console.print(f"Where the {breakdown['total']:.0f} s went{how}:\n{format_breakdown(breakdown)}", markup=False)
-    if "roofline" in metrics:
-        console.print(format_roofline(metrics["roofline"]), markup=False)
-    saved = " and the trained model" if kinds[ModelCard] else ""
-    console.print(f"Wrote {', '.join(written)}{saved} to {out}", markup=False)
-    return console
+    return _print_summary(kinds, run, metrics, written, out)
 
 
 def finish_comparison(
@@ -681,9 +677,8 @@ def finish_comparison(
 def before_after_table(
     caption: str, before: Mapping[str, float], after: Mapping[str, float], keys: Sequence[str]
 ) -> ConsoleTable:
-    """The console table (``caption, columns, rows``) of a recipe that evaluates held-out data before and
-    after training (sft_instruct, reward_model, dpo): one row per name in ``keys``, its value in ``before`` and in
-    ``after`` to 4 decimals (:func:`before_after_rows`).
+    """The console table of a recipe evaluated before and after training (sft_instruct, reward_model, dpo): one row
+    per name in ``keys`` (:func:`before_after_rows`).
 
     Raises:
         KeyError: a name missing from ``before`` or ``after``.
@@ -702,12 +697,10 @@ def before_after_metrics(
     script_args: Any,
     **data: Any,
 ) -> dict[str, Any]:
-    """The ``metrics`` of a recipe that evaluates held-out data before and after training (sft_instruct,
-    reward_model, dpo), keys in this order: ``recipe`` (``run.name``), ``model`` (None: the embedded model's name),
-    ``data`` in the order given (row counts, the loss's settings), ``train_seconds`` (the run's ``train`` phase, to
-    0.1 s), ``train_steps`` and ``train_loss`` (``train_output``, what ``trainer.train()`` returned: the model's
-    step, so a resumed run counts the steps before the resume), ``before``, ``after``, ``log_history`` (the
-    trainer's) and ``script_args`` (the recipe's own dataclass, as a dict).
+    """The ``metrics`` of a recipe evaluated before and after training, keys in this order: ``recipe``, ``model``
+    (None: the embedded model's name), ``data`` as given, ``train_seconds`` (to 0.1 s), ``train_steps`` and
+    ``train_loss`` (from ``trainer.train()``'s output: a resumed run counts the steps before the resume),
+    ``before``, ``after``, ``log_history`` and ``script_args`` (as a dict).
 
     Raises:
         KeyError: the run has no ``train`` phase yet.

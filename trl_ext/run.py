@@ -1,31 +1,10 @@
 """One recipe run: its output folder, resume, Ctrl-C, phase times and provenance.
 
-A recipe's ``main`` gets a :class:`RecipeRun` from ``@trl_ext.cli.recipe`` (or builds one itself)::
-
-    run = RecipeRun("grpo_math", training_args.output_dir, {"script_args": ..., "training_args": ...},
-                    overwrite=script_args.overwrite_output_dir, resume=training_args.resume_from_checkpoint)
-    with run.phase("load_model", breakdown="model_load"):
-        model, tokenizer, peft_config = ...
-    before = run.reuse_or_compute("eval_before", key, evaluate)   # read back on resume instead of recomputed
-    run.attach(trainer)                                            # last step logged, Ctrl-C waits for a checkpoint
-    run.profile(trainer)                                           # generation/forward/backward/... seconds
-    trainer.train(resume_from_checkpoint=run.resume_from_checkpoint)
-
-and ends with ``trl_ext.report.finish(run, ...)``, which writes ``metrics.json`` with :meth:`RecipeRun.provenance`.
-
-* A folder that holds a finished run (``metrics.json``) or an unfinished run's checkpoints is never silently reused:
-  the run refuses unless ``--overwrite_output_dir`` (delete that run's outputs first) or
-  ``--resume_from_checkpoint`` (continue it) is given (:func:`check_output_dir`).
-* ``--resume_from_checkpoint true`` picks the latest complete ``checkpoint-N`` in ``--output_dir``
-  (:func:`latest_checkpoint`); a path picks that checkpoint. The options a resume depends on are compared with the
-  checkpoint's before any model work (:func:`check_resume`).
-* With ``handle_signals`` (what ``trl_ext.cli.main`` asks for), Ctrl-C and SIGTERM stop the run at once with one
-  line naming the last checkpoint and the command that resumes it (the command as typed, launcher included:
-  :func:`command_line`); a checkpoint being written is finished first; the first stop signal sets the line and the
-  exit status.
-* One :class:`trl_ext.profiling.PhaseTimer` (:attr:`RecipeRun.timer`) holds both the run's phases
-  (``phase_seconds`` in ``metrics.json``: load_data, load_model, eval_before, train, ...) and the exclusive
-  breakdown the profiler fills (``time_breakdown``: model_load, evaluation, generation, backward, ...).
+A recipe's ``main`` gets a :class:`RecipeRun` from ``@trl_ext.cli.recipe``; it checks the folder
+(:func:`check_output_dir`), resolves and checks the checkpoint (:func:`resolve_resume`, :func:`check_resume`), times
+phases (:meth:`RecipeRun.phase`, :meth:`RecipeRun.profile`), reuses a resumed run's before-evaluation
+(:meth:`RecipeRun.reuse_or_compute`), stops on Ctrl-C/SIGTERM with the resume command (:func:`command_line`), and
+records :meth:`RecipeRun.provenance` in ``metrics.json`` (written by ``trl_ext.report.finish``).
 """
 
 from __future__ import annotations
@@ -51,8 +30,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainingArguments
 
 from trl_ext.errors import RecipeError
-from trl_ext.profiling import PhaseTimer, StepProfiler, time_breakdown
-from trl_ext.roofline import RooflineRecorder
+from trl_ext.measurement.profiling import PhaseTimer, StepProfiler, time_breakdown
+from trl_ext.measurement.roofline import RooflineRecorder
 
 OVERWRITE_FLAG = "--overwrite_output_dir"
 """The one flag, in every recipe, that allows replacing a finished run in ``--output_dir``."""
@@ -82,16 +61,12 @@ def check_output_dir(
 ) -> Path:
     """Make sure ``output_dir`` can take this run's results, before any model work.
 
-    * A finished run (``result_file``, default ``metrics.json``; of several result files, the first that exists) or
-      an unfinished run's ``checkpoint-*`` folders: refused, unless ``resuming`` (continue it) or ``overwrite`` (the
-      previous run's :data:`RUN_ARTIFACTS` and every result file are deleted first, on the main process, so
-      TensorBoard logs and checkpoints of two runs never mix and no stale result survives a stopped run).
-    * The folder is created and a probe file written and removed, so an unwritable folder fails now.
+    A finished run (the first of ``result_file`` that exists) or ``checkpoint-*`` folders are refused unless
+    ``resuming`` or ``overwrite`` (then :data:`RUN_ARTIFACTS` and the result files are deleted on the main process). The
+    folder is created and probed for writing.
 
     Raises:
-        RecipeError: naming the folder and the ways forward (a new ``--output_dir``, ``--overwrite_output_dir``,
-            ``--resume_from_checkpoint true``), or why it cannot be written.
-    """
+        RecipeError: naming the folder and the ways forward, or why it cannot be written."""
     out = Path(output_dir)
     result_files = [result_file] if isinstance(result_file, str) else list(result_file)
     finished = next((name for name in result_files if (out / name).is_file()), None)
@@ -119,10 +94,7 @@ def check_output_dir(
 
 
 def latest_checkpoint(output_dir: str | Path) -> str | None:
-    """The highest-numbered complete ``checkpoint-N`` in ``output_dir`` (complete: it has ``trainer_state.json``,
-    which transformers writes last), or None. A checkpoint cut short by a kill is skipped."""
-    import re
-
+    """The highest-numbered ``checkpoint-N`` in ``output_dir`` with ``trainer_state.json`` (written last), or None."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return None
@@ -138,15 +110,10 @@ def latest_checkpoint(output_dir: str | Path) -> str | None:
 
 
 def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
-    """The checkpoint folder to resume from, or None.
-
-    ``None``/"false" -> None; "true" (any case) -> the latest complete ``checkpoint-N`` in ``output_dir``
-    (:func:`latest_checkpoint`: what ``Trainer.train(resume_from_checkpoint=True)`` picks, minus a checkpoint cut
-    short by a kill); anything else -> that folder.
+    """The checkpoint to resume from: None for None/"false", :func:`latest_checkpoint` for "true", else that path.
 
     Raises:
-        RecipeError: "true" with no complete checkpoint in ``output_dir``, or a path that is not a Trainer checkpoint.
-    """
+        RecipeError: "true" with no complete checkpoint, or a path that is not a Trainer checkpoint."""
     if value is None or value is False or str(value).strip().lower() in ("", "false", "no", "none"):
         return None
     if value is True or str(value).strip().lower() in ("true", "yes", "latest"):
@@ -166,13 +133,10 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
 
 def check_resume(checkpoint: str | Path, training_args: Any) -> None:
     """Refuse, before any model work, to resume ``checkpoint`` with options that would not continue it exactly
-    (``trl_ext.trainers.resume.check_resume_options``: the options that change which rows a step reads, for the
-    config's trainer), and warn once for each option that changes what the steps after the checkpoint compute; the
-    trainer checks the same again in ``train()``, and the number of training rows.
+    (``trl_ext.trainers.resume.check_resume_options``).
 
     Raises:
-        RecipeError: naming each option that changed with its value in the checkpoint and now, and how to start over.
-    """
+        RecipeError: naming each changed option, its value in the checkpoint and now, and how to start over."""
     from trl_ext.trainers.resume import (
         ResumeMismatchError,
         check_resume_options,
@@ -206,18 +170,13 @@ def _read_process(pid: int) -> tuple[int, list[str]] | None:
 
 
 def _is_python(word: str) -> bool:
+    """Whether ``word`` names a python interpreter."""
     return re.fullmatch(r"python[0-9.]*", Path(word).name) is not None
 
 
 def _as_typed(words: Sequence[str]) -> list[str] | None:
-    """A launcher's command line as a person types it, or None when ``words`` is no launcher: ``uv run``,
-    ``accelerate launch``, ``accelerate-launch``, ``torchrun``, or ``python -m`` of torch's or accelerate's launch
-    module.
-
-    A console script run through its shebang (``accelerate``, ``torchrun``) shows in ``/proc`` as ``[interpreter,
-    /path/to/script, ...]``: it is written as its name where that name finds the same file on ``PATH`` (else its
-    path); ``uv`` (a shim may have run it by its full path) as ``uv``; a ``python -m`` launcher keeps its interpreter
-    as given."""
+    """A launcher's command line (``uv run``, ``accelerate launch``, ``torchrun``, ``python -m`` a launch module) as
+    typed, or None; a shebang script's interpreter is dropped and the script written by name when ``PATH`` finds it."""
     words = list(words)
     if len(words) >= 2 and _is_python(words[0]) and Path(words[1]).name in _LAUNCHER_SCRIPTS:
         words = words[1:]  # the shebang's interpreter, then the script's resolved path
@@ -235,8 +194,7 @@ def _as_typed(words: Sequence[str]) -> list[str] | None:
 
 
 def _is_script(word: str, before: str | None, script: str) -> bool:
-    """Whether ``word`` in a launcher's command names the script this process runs (``sys.argv[0]`` = ``script``):
-    the same path or file name, or (after ``-m``) the module whose file it is."""
+    """Whether ``word`` (after ``before``) names ``script``: the same path or file name, or after ``-m`` its module."""
     if before in ("-m", "--module"):
         stem = word.replace(".", "/")
         return script.endswith((f"{stem}.py", f"{stem}/__main__.py"))
@@ -249,20 +207,12 @@ def typed_command(
     pid: int | None = None,
     read_process: Callable[[int], tuple[int, list[str]] | None] | None = None,
 ) -> list[str] | None:
-    """The command, as typed, whose launchers started this process: ``["uv", "run", "accelerate", "launch",
-    "--config_file", "X", "recipes/grpo_math.py", "--max_steps", "5"]``; None when no launcher started it (a plain
-    ``python recipes/grpo_math.py``) or ``/proc`` cannot be read (not Linux).
+    """The command, as typed, whose launchers started this process (e.g. ``["uv", "run", "accelerate", "launch", ...,
+    "recipes/grpo_math.py", "--max_steps", "5"]``); None with no launcher or no ``/proc``.
 
-    Walks up the parent processes while each is a launcher (``uv run``, ``accelerate launch``, ``torchrun``,
-    ``python -m torch.distributed.run``, written as typed: :func:`_as_typed`) whose command ends with this
-    process's script and flags (``argv``, default ``sys.argv``: the script as the launcher was given it, then the
-    same flags); the topmost such launcher's command is the one a person (or a job script) typed.
-
-    Args:
-        argv: this process's script and flags (default ``sys.argv``).
-        pid: the process to start from (default this one).
-        read_process: ``pid -> (parent pid, command line words)`` or None (default: ``/proc``); tests pass a fake.
-    """
+    Walks up the parents while each is a launcher whose command ends with ``argv`` (default ``sys.argv``); the
+    topmost wins. ``pid``: the process to start from (default this one); ``read_process``: ``pid -> (ppid, words)``
+    (tests)."""
     script, *flags = list(sys.argv if argv is None else argv)
     read_process = read_process or _read_process
     found, current = None, os.getpid() if pid is None else pid
@@ -283,26 +233,17 @@ def typed_command(
 
 @functools.cache
 def launched_as() -> list[str] | None:
-    """:func:`typed_command` of this process, read once: :func:`install_interrupt_handler` and a run that handles
-    signals read it at start, while the launchers live (a SIGTERM to the process group stops the launcher before
-    this process prints its resume line, and /proc then shows the process that adopted it)."""
+    """:func:`typed_command` of this process, cached: read at start, while the launchers still live."""
     return typed_command()
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command that runs this process's script with ``argv``'s flags (default ``sys.argv``).
 
-    Started by a launcher (``uv run``, ``accelerate launch``, ``torchrun``: :func:`typed_command`), the command as it
-    was typed, launcher and its options included, with ``argv``'s flags after the script. Else (a plain ``python``,
-    or no ``/proc`` to read): the launcher, the script relative to the working directory (as given when it lies
-    outside), the flags.
-
-    That launcher reproduces this launch without accelerate's "values were not passed" warning (which a bare ``uv run
-    accelerate launch`` prints): ``uv run python`` for one process without accelerate's mixed precision (the same
-    job: trl_ext.runtime picks the threads either way), else ``uv run accelerate launch`` with every value that
-    warning names (``--num_processes``, ``--num_machines``, ``--mixed_precision``, ``--dynamo_backend``;
-    ``--multi_gpu`` for several processes, torchrun's launcher, which also runs CPU processes). A launch config's
-    other settings (FSDP, DeepSpeed) are not in it: repeat your ``--config_file``."""
+    Under a launcher, the command as typed (:func:`typed_command`). Else ``uv run python`` for one process without
+    mixed precision, or ``uv run accelerate launch`` with ``--num_processes``, ``--num_machines``,
+    ``--mixed_precision``, ``--dynamo_backend`` (and ``--multi_gpu``), then the script relative to the working
+    directory and the flags. A launch config's FSDP/DeepSpeed settings are not included."""
     script, *flags = list(sys.argv if argv is None else argv)
     if script == sys.argv[0]:  # this process's script: its launchers' command as typed, where /proc shows it
         typed = launched_as()
@@ -352,9 +293,8 @@ def file_digest(path: str | Path) -> str:
 
 
 def evaluation_key(model: str | None, test_file: str | Path, **depends_on: Any) -> dict[str, Any]:
-    """What a before-evaluation depends on (a :meth:`RecipeRun.reuse_or_compute` key): the starting ``model``, the
-    held-out file's bytes (:func:`file_digest`) and ``depends_on``, where a dataclass (a recipe's own options) counts
-    without the options that change no result (``overwrite_output_dir``)."""
+    """A :meth:`RecipeRun.reuse_or_compute` key for a before-evaluation: ``model``, the held-out file's digest and
+    ``depends_on`` (dataclasses without ``overwrite_output_dir``)."""
     key: dict[str, Any] = {"model": model, "test_file": file_digest(test_file)}
     for name, value in depends_on.items():
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -364,6 +304,7 @@ def evaluation_key(model: str | None, test_file: str | Path, **depends_on: Any) 
 
 
 def _json_config(obj: Any) -> Any:
+    """A config object as JSON-able data."""
     if hasattr(obj, "to_dict"):  # TrainingArguments: enums to values, *_token fields masked
         return obj.to_dict()
     if dataclasses.is_dataclass(obj):
@@ -376,15 +317,10 @@ GIT_KEYS = ("commit", "describe", "dirty", "root")
 
 
 def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """``{"commit": sha, "describe": git describe --tags --always --dirty, "dirty": bool, "root": the checkout's
-    folder}`` of the git checkout holding ``path``: the one place trl_ext reads git. ``dirty`` is True when tracked
-    files differ from the commit or untracked files that git does not ignore exist. Every value is None where git or
-    the repository is unavailable.
+    """``{"commit", "describe", "dirty", "root"}`` of the checkout holding ``path``; all None without git or repository.
 
-    Default ``path``: trl_ext's own source tree, which counts only when the package's files are tracked there. A
-    trl_ext installed into another project's environment (a wheel in a ``.venv`` inside the CS336 course repository)
-    lies in a folder that project's repository ignores: that repository's commit is not trl_ext's, so all None
-    (the project's own checkout is :func:`project_git_state`)."""
+    Default ``path``: trl_ext's source tree, counted only when the package's files are tracked there (an install
+    inside another repository's ``.venv`` is not trl_ext's commit; see :func:`project_git_state`)."""
     cwd = Path(path) if path is not None else Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
@@ -407,17 +343,14 @@ def git_state(path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 def project_git_state(trl_ext_git: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """:func:`git_state` of the working directory's checkout when it is not trl_ext's own (``trl_ext_git``, default
-    :func:`git_state` now): the project a run is started from, e.g. the course repository with trl_ext installed into
-    it; None when the working directory is in no checkout or in trl_ext's."""
+    """:func:`git_state` of the working directory when it is not trl_ext's checkout (``trl_ext_git``), else None."""
     trl_ext_git = git_state() if trl_ext_git is None else trl_ext_git
     here = git_state(Path.cwd())
     return None if here["root"] is None or here["root"] == trl_ext_git.get("root") else here
 
 
 def trl_ext_version() -> str:
-    """trl_ext's installed version (its package metadata), or ``"unknown"`` when it is not installed (a bare
-    source tree on ``sys.path``)."""
+    """trl_ext's installed version, or ``"unknown"`` for a bare source tree."""
     try:
         return metadata.version("trl-ext")
     except metadata.PackageNotFoundError:
@@ -425,9 +358,7 @@ def trl_ext_version() -> str:
 
 
 def describe_code(git: Mapping[str, Any], project: Mapping[str, Any] | None = None) -> list[str]:
-    """What code a record was made with, one line each: trl_ext's version and, from ``git`` (:func:`git_state` of
-    trl_ext), its commit, ``git describe`` and dirty flag, or "not a git checkout" and where the package is; then,
-    when given, the working directory's checkout (``project``: :func:`project_git_state`)."""
+    """Lines naming the code a record was made with: trl_ext's version, ``git`` state and ``project``'s checkout."""
     version = trl_ext_version()
     if git.get("commit"):
         lines = [
@@ -445,10 +376,8 @@ def describe_code(git: Mapping[str, Any], project: Mapping[str, Any] | None = No
 
 
 def library_versions(git: Mapping[str, Any] | None = None, project: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` plus Python; ``trl_ext_git``: trl_ext's ``commit``,
-    ``describe`` and ``dirty`` from ``git`` (default: :func:`git_state` now), or ``"not a git checkout"`` when trl_ext
-    is an installed package; and ``project_git``, the working directory's checkout when it is another repository
-    (``project``, :func:`project_git_state`), when given."""
+    """Versions of :data:`VERSIONED_PACKAGES` and Python, ``trl_ext_git`` (from ``git``, default :func:`git_state`)
+    and ``project_git`` when ``project`` is given."""
     versions: dict[str, Any] = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:
         try:
@@ -470,35 +399,23 @@ class RecipeRun:
     """Bookkeeping of one recipe run; constructing it checks the output folder and resolves the checkpoint.
 
     Args:
-        name: the recipe's name (``"grpo_math"``), recorded in ``metrics.json``.
+        name: the recipe's name, recorded in ``metrics.json``.
         output_dir: the run's ``--output_dir``.
-        configs: the resolved argument objects by name (``{"script_args": ..., "training_args": ...}``), recorded
-            in ``metrics.json`` (TrainingArguments through ``to_dict``, which masks ``*_token`` values).
+        configs: the resolved argument objects by name, recorded in ``metrics.json``.
         overwrite: ``--overwrite_output_dir``.
-        resume: ``--resume_from_checkpoint`` as parsed (None, "true" or a path); see :func:`resolve_resume`.
-        result_file: the file whose presence marks a finished run of this recipe (or several: any of them).
-        handle_signals: install the Ctrl-C / SIGTERM handler of this run (:meth:`interrupted`); the command line
-            (``trl_ext.cli.main``) asks for it, a library caller keeps its own handlers.
+        resume: ``--resume_from_checkpoint`` as parsed (:func:`resolve_resume`).
+        result_file: the file(s) whose presence marks a finished run.
+        handle_signals: install this run's Ctrl-C / SIGTERM handler (:meth:`interrupted`).
 
     Attributes:
-        resume_from_checkpoint: the checkpoint folder to pass to ``trainer.train``, or None.
-        resumed_step: that checkpoint's optimizer step (0 when not resuming): this process trains the steps after it.
-        timer: the run's :class:`~trl_ext.profiling.PhaseTimer`: :meth:`phase` and :meth:`profile` write to it.
-        profilers: the :class:`~trl_ext.profiling.StepProfiler` of each trainer :meth:`profile` was given.
-        roofline: the run's :class:`~trl_ext.roofline.RooflineRecorder`: the work of every forward of the models
-            :meth:`watch` was given, counted by phase; ``trl_ext.report.finish`` reports it against the machine's
-            peaks, measured then.
-        phase_seconds: wall seconds per phase (:meth:`phase`), recorded in ``metrics.json``.
-        reused: names of the results :meth:`reuse_or_compute` read back instead of computing.
-        warnings: what :meth:`warn` said, recorded in ``metrics.json``.
-        git: :func:`git_state` of trl_ext when the run started: the code it runs (``metrics.json``'s ``versions``,
-            ``experiment.md``), whatever is committed while it goes on.
-        project_git: :func:`project_git_state`: the working directory's checkout when it is not trl_ext's (the
-            project trl_ext is installed into), else None.
+        resume_from_checkpoint: the checkpoint folder for ``trainer.train``, or None.
+        resumed_step: that checkpoint's optimizer step (0 when not resuming).
+        timer, profilers, roofline: the run's PhaseTimer, StepProfilers and RooflineRecorder.
+        reused, warnings: names read back by :meth:`reuse_or_compute`; messages of :meth:`warn`.
+        git, project_git: :func:`git_state` and :func:`project_git_state` at start.
 
     Raises:
-        RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`.
-    """
+        RecipeError: from :func:`check_output_dir`, :func:`resolve_resume` and :func:`check_resume`."""
 
     def __init__(
         self,
@@ -558,43 +475,34 @@ class RecipeRun:
         return time.time() - self.started
 
     def steps_summary(self, global_step: int, seconds: float | None = None) -> str:
-        """``"2 steps in 171 s"`` for the steps this process trained (``global_step`` minus :attr:`resumed_step`) in
-        ``seconds`` (default: the ``train`` phase), ``"(resumed from step 1; 3 in all)"`` added on resume."""
+        """``"2 steps in 171 s"`` for the steps this process trained in ``seconds`` (default: the ``train`` phase),
+        plus ``"(resumed from step 1; 3 in all)"`` on resume."""
         seconds = self.phase_seconds["train"] if seconds is None else seconds
         done = global_step - self.resumed_step
         text = f"{done} step{'s' if done != 1 else ''} in {seconds:.0f} s"
         return text + (f" (resumed from step {self.resumed_step}; {global_step} in all)" if self.resuming else "")
 
     def phase(self, name: str, breakdown: str | None = None):
-        """Time a phase of the run (``load_data``, ``load_model``, ``eval_before``, ``train``, ...; repeated names add
-        up) -- inclusive wall seconds, ``phase_seconds`` in ``metrics.json``. ``breakdown`` also charges the block to
-        that phase of the exclusive breakdown (``model_load``, ``evaluation``; ``time_breakdown``)."""
+        """Time phase ``name`` (repeats add up); ``breakdown`` also charges it to that exclusive phase."""
         stage = self.timer.stage(name)
         if breakdown is None:
             return stage
         return _both(stage, self.timer.phase(breakdown))
 
     def profile(self, trainer: Any) -> None:
-        """Charge ``trainer.train()``'s generation, reward, forward, backward, optimizer and checkpoint seconds to
-        :attr:`timer` (:class:`~trl_ext.profiling.StepProfiler`; any Trainer: the phases it does not have are not
-        timed), and count the work of its model's forwards and backwards (:meth:`watch`). Once per trainer: a second
-        call changes nothing."""
+        """Time ``trainer.train()``'s phases into :attr:`timer` and :meth:`watch` its model; once per trainer."""
         if id(trainer) not in self._profiled:
             self._profiled.add(id(trainer))
             self.profilers.append(StepProfiler(self.timer).attach(trainer))
         self.watch(trainer.model)
 
     def watch(self, model: Any) -> None:
-        """Count the work of every forward of ``model`` by phase, for the roofline report (once per model; call it
-        before the first evaluation so that it is counted too; a trainer's PEFT wrapper of a watched model counts as
-        that model, whose shape is read again)."""
+        """Count the work of every forward of ``model`` by phase, for the roofline report (once per model)."""
         self.roofline.watch(model)
 
     def roofline_report(self, optimizer_steps: int | None = None) -> dict[str, Any] | None:
-        """Each phase's seconds against the floor this machine allows for its work, the peaks measured now (about
-        2 s; :func:`trl_ext.roofline.roofline_report`); None when no model was watched. ``optimizer_steps``: default
-        the steps the profilers timed (:meth:`profile`), so that the optimizer's floor covers the steps its seconds
-        do."""
+        """Each phase's seconds against this machine's floor for its work, or None when no model was watched;
+        ``optimizer_steps`` defaults to the steps the profilers timed."""
         if optimizer_steps is None:
             optimizer_steps = sum(p.optimizer_steps for p in self.profilers)
         return self.roofline.report(self.timer.seconds, optimizer_steps)
@@ -604,12 +512,8 @@ class RecipeRun:
         return time_breakdown(self.timer, self.seconds)
 
     def reuse_or_compute(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
-        """On resume, the result a previous run of this folder saved under ``name`` with the same ``key``; else
-        ``compute()``, saved to ``output_dir/<name>.json`` (main process) for a later resume.
-
-        ``key`` holds what the result depends on (model, held-out rows, generation budget...): a resumed run whose
-        key differs computes again. Reused names are listed in ``metrics.json`` under ``reused``.
-        """
+        """On resume, the result saved under ``name`` with the same ``key``; else ``compute()``, saved to
+        ``output_dir/<name>.json`` (main process). Reused names go to ``metrics.json``'s ``reused``."""
         path = self.output_dir / f"{name}.json"
         key = json.loads(json.dumps(key, default=str))
         if self.resuming and path.is_file():
@@ -625,14 +529,11 @@ class RecipeRun:
     def train_and_evaluate(
         self, trainer: Any, evaluate: Callable[[], Any], key: Mapping[str, Any]
     ) -> tuple[Any, Any, Any]:
-        """The phases of a recipe that evaluates held-out data before and after training, in order: this run
-        attached to ``trainer`` (:meth:`attach`) and its phases profiled (:meth:`profile`), ``eval_before``
-        (``evaluate()``, read back on resume when ``key`` is the same: :meth:`reuse_or_compute`), ``train``
-        (``trainer.train``, from :attr:`resume_from_checkpoint`) and ``eval_after`` (``evaluate()`` again).
+        """:meth:`attach`, :meth:`profile`, then ``eval_before`` (:meth:`reuse_or_compute`), ``train`` and
+        ``eval_after`` phases.
 
         Returns:
-            ``(before, what trainer.train() returned, after)``.
-        """
+            ``(before, what trainer.train() returned, after)``."""
         self.attach(trainer)
         self.profile(trainer)  # every trainer's phases timed: the roofline's rows need their seconds
         with self.phase("eval_before", breakdown="evaluation"):
@@ -644,8 +545,7 @@ class RecipeRun:
         return before, output, after
 
     def warn(self, message: str | None) -> None:
-        """Print ``warning: message`` on stderr (main process) and record it under ``warnings`` in ``metrics.json``;
-        nothing for None."""
+        """Print ``warning: message`` on stderr (main process) and record it in ``metrics.json``; nothing for None."""
         if message is None:
             return
         self.warnings.append(message)
@@ -653,9 +553,8 @@ class RecipeRun:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def provenance(self) -> dict[str, Any]:
-        """``recipe``, ``command``, ``config`` (every resolved argument object), ``versions``, ``phase_seconds``,
-        ``resumed_from`` (the checkpoint), ``resumed_from_step`` (its step; 0 when not resuming), ``reused`` and
-        ``warnings``: the keys ``trl_ext.report`` adds to ``metrics.json``."""
+        """The keys ``trl_ext.report`` adds to ``metrics.json``: recipe, command, config, versions, phase_seconds,
+        resumed_from, resumed_from_step, reused, warnings."""
         return {
             "recipe": self.name,
             "command": shlex.join(sys.argv),
@@ -669,8 +568,7 @@ class RecipeRun:
         }
 
     def write_metrics(self, metrics: Mapping[str, Any], path: str | Path | None = None) -> Path:
-        """Write ``metrics`` plus :meth:`provenance` to ``path`` (default ``output_dir/metrics.json``; written last:
-        its presence marks a finished run), through a temporary file so a kill never leaves half of it."""
+        """Write ``metrics`` plus :meth:`provenance` atomically to ``path`` (default ``output_dir/metrics.json``)."""
         path = Path(path) if path is not None else self.output_dir / "metrics.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({**metrics, **self.provenance()}, indent=2, default=str))
@@ -686,17 +584,12 @@ class RecipeRun:
         eval_every: int | None = None,
         rollouts: int = 0,
     ) -> None:
-        """Add this run's TrainerCallback to ``trainer``: it logs the last step whatever ``logging_steps`` is,
-        makes a Ctrl-C that arrives while a checkpoint is written wait until that checkpoint is complete, and logs
-        ``first_logs`` (e.g. the held-out accuracy before training) at step 0 once the loggers are set up (not
-        again on resume).
+        """Add this run's callback to ``trainer``: log the last step, finish a checkpoint being written before a Ctrl-C
+        exits, log ``first_logs`` at step 0 (not on resume).
 
-        ``evaluate`` (``evaluate(model) -> {"accuracy", "format_rate", ...}``, e.g. ``Task.evaluate``) with
-        ``eval_every``: held-out evaluation after every ``eval_every``-th optimizer step but the last (which the
-        recipe evaluates after training), logged as ``eval_accuracy`` and ``eval_format_rate`` at that step
-        (``trl_ext.compare.ArmMonitor``: TensorBoard's ``eval/accuracy``, ``log_history``) and timed as
-        ``evaluation``; not under FSDP or DeepSpeed (said once). ``rollouts`` > 0: that many of each step's rollouts
-        written to ``output_dir/rollouts.jsonl`` (``trl_ext.compare.RolloutLog``)."""
+        ``evaluate(model) -> {"accuracy", "format_rate", ...}`` with ``eval_every``: held-out evaluation every
+        ``eval_every`` steps but the last, logged as ``eval_*`` (not under FSDP/DeepSpeed: said once). ``rollouts`` >
+        0: that many rollouts per step to ``output_dir/rollouts.jsonl``."""
         trainer.add_callback(_RecipeCallback(self, trainer, first_logs))
         if evaluate is not None and eval_every:
             if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
@@ -705,22 +598,21 @@ class RecipeRun:
                     "generate from sharded weights); held-out accuracy before and after training only"
                 )
             else:
-                from trl_ext.compare.monitoring import ArmMonitor  # here: trl_ext.compare loads TRL's trainers
+                from trl_ext.callbacks import HeldOutEvaluation
 
                 def timed(model: Any) -> Mapping[str, Any]:
                     with self.timer.phase("evaluation"):
                         return evaluate(model)
 
-                ArmMonitor(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
+                HeldOutEvaluation(timed, eval_every=eval_every, skip_last=True, prefix="eval_").attach(trainer)
         if rollouts:
-            from trl_ext.compare.monitoring import RolloutLog
+            from trl_ext.callbacks import RolloutLog
 
             RolloutLog(self.output_dir / "rollouts.jsonl", rollouts).attach(trainer)
 
     @staticmethod
     def log_after_training(trainer: Any, logs: Mapping[str, float]) -> None:
-        """Log ``logs`` (e.g. the held-out accuracy after training) at the last step to every ``report_to``
-        logger, and flush TensorBoard (its writer was closed at the end of training)."""
+        """Log ``logs`` at the last step to every ``report_to`` logger and flush TensorBoard."""
         from transformers import Trainer
         from transformers.integrations import TensorBoardCallback
 
@@ -731,12 +623,8 @@ class RecipeRun:
                 cb.tb_writer = None
 
     def interrupted(self, signum: int) -> None:
-        """Signal handler body: one line naming the last checkpoint and the resume command, then exit at once (or
-        right after the checkpoint being written) with 128 + the signal's number (:func:`exit_status`: 130 for
-        Ctrl-C, 143 for SIGTERM).
-
-        The first stop signal decides the line and the status: a later one changes nothing (under a launcher, a
-        SIGTERM sent to the process group also stops the launcher, whose death signals this process again)."""
+        """Signal handler body: print the last checkpoint and the resume command, exit with :func:`exit_status`
+        (after a checkpoint being written); only the first stop signal counts."""
         if self._stop_signal is not None:
             return
         self._stop_signal = signal.Signals(signum).name
@@ -793,8 +681,7 @@ def _stop(output_dir: Path, signame: str) -> None:
 
 
 def exit_status(signame: str) -> int:
-    """The shell's exit status of a process stopped by signal ``signame``: 128 + its number (SIGINT, Ctrl-C: 130;
-    SIGTERM, what ``kill``, schedulers and containers send: 143), so a caller can tell the two apart."""
+    """128 + the signal's number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM."""
     return 128 + int(signal.Signals[signame])
 
 
@@ -812,11 +699,8 @@ def _stopped_before_the_run(signum, frame):  # noqa: ARG001
 
 
 def install_interrupt_handler() -> None:
-    """Until a run installs its own (``RecipeRun(handle_signals=True)``), Ctrl-C / SIGTERM stop the process at once
-    with one line (no traceback); and when only the launcher that started this process dies, the process stops too
-    (Linux: the kernel sends SIGTERM to the child, so ``accelerate launch``'s child never runs on alone, and stops
-    as it does for a SIGTERM sent to the launcher's process group, which also stops the launcher; under a SIGKILL of
-    the launcher it still finishes a checkpoint being written)."""
+    """Until a run installs its own, Ctrl-C / SIGTERM stop the process with one line; on Linux under a launcher, the
+    launcher's death sends this process SIGTERM (``PR_SET_PDEATHSIG``)."""
     signal.signal(signal.SIGINT, _stopped_before_the_run)
     signal.signal(signal.SIGTERM, _stopped_before_the_run)
     launched_as()  # the command as typed, read while its launchers live (for the resume line)
@@ -831,13 +715,8 @@ def install_interrupt_handler() -> None:
 
 
 def refuse_resume(value: Any, reason: str, what: str = "run") -> None:
-    """Raise :class:`RecipeError` when ``--resume_from_checkpoint`` is given to a recipe that cannot be resumed.
-
-    Args:
-        value: the parsed ``--resume_from_checkpoint``.
-        reason: why (``"a comparison trains every arm from scratch"``).
-        what: what ``--overwrite_output_dir`` would replace (``"comparison"``).
-    """
+    """Raise :class:`RecipeError` when ``--resume_from_checkpoint`` (``value``) is given to a recipe that cannot
+    resume; ``reason`` says why, ``what`` names what ``--overwrite_output_dir`` would replace."""
     if value not in (None, "", "false", "False", False):
         raise RecipeError(
             f"--resume_from_checkpoint: {reason} and cannot be resumed; run it again (add {OVERWRITE_FLAG} to replace "

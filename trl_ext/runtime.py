@@ -1,19 +1,8 @@
 """Speed defaults for CPU runs: every core by default, bf16 autocast where the CPU has bf16 instructions.
 
-Both only change *our defaults*; an explicit choice of the user always wins.
-
-Threads. ``accelerate launch`` without a config file on a machine without a GPU exports ``OMP_NUM_THREADS=1`` to
-the script (accelerate 1.15, ``commands/launch.py::_validate_launch_command``: ``num_cpu_threads_per_process``
-defaults to ``$OMP_NUM_THREADS`` or 1, and its "use the physical cores" heuristic only runs with ``--cpu``), and
-``torchrun`` does the same for several processes. The script cannot tell that 1 from a user's ``export
-OMP_NUM_THREADS=1`` by its own environment, but it can ask its launcher: ``/proc/<launcher>/environ`` holds the
-environment the launcher was *started* with (what the user exported; the launcher's own later changes are not in
-it) and ``/proc/<launcher>/cmdline`` its flags (``--num_cpu_threads_per_process``). :func:`thread_setting` reads
-both; :func:`configure_cpu_threads` then uses ``available cores // local processes`` unless the setting was explicit.
-
-bf16. :func:`cpu_has_bf16` reads the CPU flags (``avx512_bf16``, ``amx_bf16``, Arm ``bf16``); without them bf16
-matmuls are emulated and slower than fp32. :func:`enable_cpu_bf16` turns on ``bf16`` (autocast, fp32 master weights
-and optimizer state) in a ``TrainingArguments`` whose precision the user did not set.
+An explicit choice of the user always wins. ``accelerate launch`` (1.15) and ``torchrun`` export
+``OMP_NUM_THREADS=1`` on a CPU machine; :func:`thread_setting` tells that default from a user's own by reading the
+launcher's start-up environment and flags in ``/proc``. :func:`apply_speed_defaults` is the recipes' one call.
 """
 
 from __future__ import annotations
@@ -37,10 +26,8 @@ class ThreadSetting:
     """Where a process's thread count comes from.
 
     Attributes:
-        explicit: True when the user chose it (``OMP_NUM_THREADS`` exported before the launcher, or the launcher's
-            ``--num_cpu_threads_per_process``, or ``OMP_NUM_THREADS`` set for a script run without a launcher).
-        source: ``"OMP_NUM_THREADS"``, ``"--num_cpu_threads_per_process"``, ``"launcher default"`` (accelerate or
-            torchrun exported it on their own) or ``"unset"``.
+        explicit: True when the user chose it (see :func:`thread_setting`).
+        source: ``"OMP_NUM_THREADS"``, ``"--num_cpu_threads_per_process"``, ``"launcher default"`` or ``"unset"``.
         value: the ``OMP_NUM_THREADS`` this process sees, or None.
     """
 
@@ -57,8 +44,7 @@ def _read_proc(pid: int, name: str) -> list[str] | None:
 
 
 def _is_launcher(cmdline: Sequence[str]) -> bool:
-    """``accelerate launch ...`` / ``python -m accelerate.commands.launch`` / ``torchrun`` /
-    ``torch.distributed.run``."""
+    """``accelerate launch``, ``python -m accelerate.commands.launch``, ``torchrun`` or ``torch.distributed.run``."""
     names = [os.path.basename(a) for a in cmdline]
     if "launch" in cmdline and any(n == "accelerate" or n.startswith("accelerate.commands") for n in names):
         return True
@@ -70,8 +56,7 @@ def _is_launcher(cmdline: Sequence[str]) -> bool:
 def find_launcher(pid: int | None = None, max_depth: int = 4) -> int | None:
     """The pid of the nearest ancestor of ``pid`` (default: this process) that is a launcher, or None.
 
-    Looks at most ``max_depth`` parents up (``uv run accelerate launch`` puts the script two levels below ``uv``).
-    Returns None where ``/proc`` cannot be read (non-Linux).
+    Looks at most ``max_depth`` parents up; None where ``/proc`` cannot be read (non-Linux).
     """
     pid = os.getpid() if pid is None else pid
     for _ in range(max_depth):
@@ -146,9 +131,8 @@ def default_num_threads(local_processes: int | None = None, cores: int | None = 
 def configure_cpu_threads(setting: ThreadSetting | None = None, on_gpu: bool | None = None) -> dict[str, Any]:
     """Use every core (shared by the local processes) unless the user set the thread count; return what was done.
 
-    On a machine with a GPU nothing changes (the CPU only feeds the GPU there). Otherwise, when ``setting``
-    (default :func:`thread_setting`) is not explicit, ``torch.set_num_threads(default_num_threads())`` and
-    ``OMP_NUM_THREADS`` is updated for child processes.
+    Nothing changes on a GPU machine; otherwise, unless ``setting`` (default :func:`thread_setting`) is explicit,
+    ``torch.set_num_threads(default_num_threads())`` and ``OMP_NUM_THREADS`` updated for child processes.
 
     Returns:
         ``{"threads": int, "source": str, "changed": bool}``; ``source`` is ``"default (cores / local
@@ -168,10 +152,8 @@ def configure_cpu_threads(setting: ThreadSetting | None = None, on_gpu: bool | N
 
 
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU has bf16 arithmetic instructions (x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16``).
-
-    Reads ``/proc/cpuinfo`` (or the given text); False where it cannot be read (non-Linux), the safe side: fp32.
-    """
+    """True when the CPU has bf16 instructions (``avx512_bf16``, ``amx_bf16``, Arm ``bf16``; without them bf16 is
+    emulated, slower than fp32), read from ``/proc/cpuinfo`` or ``cpuinfo``; False where unreadable."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -186,10 +168,8 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def precision_set_by_user(argv: Sequence[str] | None = None, config_path: str | os.PathLike | None = None) -> bool:
-    """True when ``--bf16``/``--fp16`` is on the command line, or ``bf16``/``fp16`` is a key of a config layer: the
-    recipe's defaults ``config_path`` or any ``--config FILE`` of ``argv``. Every layer counts, as in
-    ``trl_ext.cli.parse`` (defaults < each --config < flags): a default config's ``bf16: false`` stays set under a
-    ``--config`` that does not mention precision."""
+    """True when ``--bf16``/``--fp16`` is on the command line, or ``bf16``/``fp16`` is a key of any config layer
+    (``config_path``, each ``--config FILE`` of ``argv``), as ``trl_ext.cli.parse`` layers them."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for flag in ("--bf16", "--fp16"):
         if any(a == flag or a.startswith(flag + "=") for a in argv):
@@ -213,13 +193,9 @@ _WEIGHT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def precision_label(training_args: Any, dtype: Any = "float32") -> str:
-    """What a run computes in, from its autocast (``bf16``/``fp16`` of ``training_args``) and its weights' ``dtype``
-    (``trl.ModelConfig.dtype``: "float32", "bfloat16", "float16", "auto"/None = the checkpoint's own, or a
-    ``torch.dtype``): ``"fp32"``, ``"bf16 autocast, fp32 weights"``, ``"bf16 weights, no autocast"``,
-    ``"bf16 autocast, bf16 weights"``, ...
-
-    bf16 weights with ``--bf16 false`` train in bf16 without autocast: the label says so rather than "fp32".
-    """
+    """What a run computes in, from its autocast (``training_args.bf16``/``fp16``) and its weights' ``dtype``
+    (``trl.ModelConfig.dtype``; "auto"/None = the checkpoint's own): ``"fp32"``, ``"bf16 autocast, fp32 weights"``,
+    ``"bf16 weights, no autocast"``, ..."""
     name = str(dtype).replace("torch.", "") if dtype is not None else "auto"
     weights = _WEIGHT_NAMES.get(name, "checkpoint-dtype" if name == "auto" else name)
     autocast = (
@@ -231,10 +207,8 @@ def precision_label(training_args: Any, dtype: Any = "float32") -> str:
 
 
 def name_loaded_weights(precision: str, training_args: Any, requested_dtype: Any, model: Any) -> str:
-    """``precision`` (a label from :func:`apply_speed_defaults`, made before the model loaded) with the weights' dtype
-    the model really has: ``--dtype auto`` (or None) loads each checkpoint in its own dtype, e.g. bf16 for
-    Qwen2.5-Math, so ``"checkpoint-dtype weights, no autocast (GPU)"`` becomes ``"bf16 weights, no autocast (GPU)"``.
-    Labels made for an explicit dtype come back unchanged, and so does a label made elsewhere.
+    """``precision`` (made before the model loaded) with the weights' dtype the model really has:
+    ``"checkpoint-dtype weights, no autocast (GPU)"`` becomes ``"bf16 weights, ..."``; other labels unchanged.
 
     Args:
         precision: the label (``speed["precision"]``).
@@ -258,11 +232,9 @@ def note_loaded_weights(speed: dict[str, Any] | None, training_args: Any, reques
 def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None = None, dtype: Any = "float32") -> str:
     """On a CPU run whose precision the user did not set: bf16 autocast where the CPU has bf16 instructions, else fp32.
 
-    (TRL's ``GRPOConfig`` defaults to ``bf16=True`` whatever the CPU; without bf16 instructions that is emulated and
-    slower than fp32, so "not set" is decided here.) Master weights and optimizer state stay fp32: autocast runs
-    matmuls in bf16 op by op. The LM head runs in fp32 (``cast_lm_head_to_fp32``, TRL 1.16), so the per-token
-    log-probs, and the ratio, KL and advantages computed from them, are fp32. Sets ``bf16`` and ``mixed_precision``
-    the way ``TrainingArguments.__post_init__`` derives one from the other (transformers 5.x, "Mixed Precision").
+    (TRL's ``GRPOConfig`` defaults to ``bf16=True`` whatever the CPU.) Weights and optimizer state stay fp32; the LM
+    head runs in fp32 (``cast_lm_head_to_fp32``, TRL 1.16), so log-probs, ratio, KL and advantages are fp32. Sets
+    ``bf16`` and ``mixed_precision`` together, as ``TrainingArguments.__post_init__`` does (transformers 5.x).
 
     Args:
         training_args: a ``TrainingArguments`` (e.g. ``trl.GRPOConfig``), changed in place.
@@ -271,9 +243,7 @@ def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None
         dtype: the model's weights (``trl.ModelConfig.dtype``), for the label.
 
     Returns:
-        what the run uses, as :func:`precision_label` (e.g. ``"fp32"``, ``"bf16 weights, no autocast"``), followed by
-        ``" (default: CPU has bf16 instructions)"`` / ``" (default: no bf16 instructions)"`` when chosen here, or
-        ``" (GPU)"`` when a GPU is used (nothing changed).
+        :func:`precision_label`, followed by ``" (default: ...)"`` when chosen here or ``" (GPU)"`` on a GPU.
     """
     if not getattr(training_args, "use_cpu", False) and torch.cuda.is_available():
         return f"{precision_label(training_args, dtype)} (GPU)"

@@ -1,31 +1,15 @@
 """Stop strings: a completion ends where the prompt's format ends (``</answer>`` for the R1-Zero prompt).
 
-CS336 assignment 5 samples with vLLM's ``SamplingParams(stop=["</answer>"], include_stop_str_in_output=True)`` (and
-``min_tokens=4`` for rollouts), so a response ends with the closing answer tag, and the course's own grader
-(``drgrpo_grader.r1_zero_reward_fn``) scores a right answer followed by any more text as wrong. This module gives
-every generation path of trl_ext the same rule:
+CS336 A5 samples with vLLM's ``SamplingParams(stop=["</answer>"], include_stop_str_in_output=True)`` (``min_tokens=4``
+for rollouts); this module gives every generation path the same rule:
 
-* :class:`StopAtStrings`: the ``StoppingCriteria`` of a transformers ``generate`` call: transformers'
-  ``StopStringCriteria`` (which catches a stop string split over several tokens, and one whose last token runs past
-  it: ``"</"``, ``"answer"``, ``">."``), checked only once more than ``min_new_tokens`` tokens are generated, on
-  the text after the first ``min_new_tokens`` tokens (vLLM's ``min_tokens`` rule, below), and only for a stop string
-  inside the generated text (vLLM looks at the output only; a stop string straddling the prompt's end does not stop).
-* :func:`cut_at_stop`: where a generated completion ends -- the tokens up to and including the one that completes
-  the first stop string, and the text up to exactly the end of that stop string. Applied after every generation
-  (transformers pads a stopped row to the batch's longest; vLLM's token ids run to the token that completed the
-  stop), so the completion, the reward's text and the loss mask end there, whatever the backend.
-* :func:`find_stop`: the first stop string in a text (the rule both use).
+* :class:`StopAtStrings`: the ``StoppingCriteria`` of a transformers ``generate`` call;
+* :func:`cut_at_stop`: where a generated completion ends, applied after every backend's generation;
+* :func:`find_stop`: the first stop string in a text.
 
-``min_tokens`` (vLLM 0.30, ``vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update``): stop strings are
-checked only when a completion has *more than* ``min_tokens`` tokens, and only on the text after the first
-``min_tokens`` tokens' text (vllm-project/vllm#22014) -- so a stop string that the ``min_tokens``-th token completes
-does not stop, and the earliest stop is at token ``min_tokens + 1``, where EOS is first allowed too (vLLM's and
-transformers' ``min_new_tokens`` mask EOS while fewer than the minimum tokens are generated).
-
-A stop string's last token may carry text past the stop string (``">."`` completes ``"</answer>"``): that token
-is what the model sampled, so it stays in the completion's tokens (and in the loss, with the log-prob it was
-sampled with); the completion's *text* -- what rewards and records see -- ends exactly at the stop string, as
-vLLM's text output does (``include_stop_str_in_output=True``).
+``min_tokens`` follows vLLM 0.30 (vllm-project/vllm#22014): stop strings are checked only past ``min_tokens`` tokens, on
+the text after them. The token completing a stop string may carry more text (``">."``): it stays in the tokens and the
+loss; the completion's text ends exactly at the stop string, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -99,20 +83,17 @@ def cut_at_stop(
 ) -> StopCut | None:
     """Where ``completion_ids`` end at the first stop string, or None when no stop string is in them.
 
-    The completion ends at the token that completes the first stop string (:func:`find_stop`) ending after the
-    text of the first ``min_new_tokens`` tokens, at token ``min_new_tokens + 1`` at the earliest (vLLM's
-    ``min_tokens`` rule, module docstring; as in :class:`StopAtStrings`); its text is the decoded tokens cut right
-    after the stop string.
+    The token completing the first stop string (:func:`find_stop`) past the first ``min_new_tokens`` tokens' text ends
+    it; its text is cut right after the stop string.
 
     Args:
-        completion_ids: one completion's token ids (no prompt; padding or tokens after the stop may follow).
-        tokenizer: its tokenizer (decodes with ``skip_special_tokens=True``, as TRL decodes completions).
+        completion_ids: one completion's token ids (no prompt; padding or later tokens may follow).
+        tokenizer: its tokenizer (decodes with ``skip_special_tokens=True``, as TRL does).
         stop_strings: the stop strings (:func:`check_stop_strings`).
-        min_new_tokens: the generation's minimum number of new tokens (vLLM's ``min_tokens``; 0: none held back).
+        min_new_tokens: vLLM's ``min_tokens`` (0: none held back).
 
     Returns:
-        :class:`StopCut` (``num_tokens`` >= 1), or None.
-    """
+        :class:`StopCut` (``num_tokens`` >= 1), or None."""
     if not stop_strings or not completion_ids:
         return None
     ids = list(completion_ids)
@@ -134,21 +115,15 @@ def cut_at_stop(
 
 
 class StopAtStrings(StoppingCriteria):
-    """Stop a row of a transformers ``generate`` call once its generated text holds a stop string, once it has
-    more than ``min_new_tokens`` generated tokens (vLLM's ``min_tokens`` rule, module docstring).
-
-    transformers' ``StopStringCriteria`` finds a stop string at the end of the sequence even when it spans several
-    tokens or its last token runs past it; a row it stops is confirmed on the decoded generated text
-    (:func:`find_stop`, the rule :func:`cut_at_stop` applies afterwards), so a stop string straddling the prompt's
-    end, or one held back by ``min_new_tokens``, does not stop the row.
+    """Stop a row of a transformers ``generate`` call once its generated text, past ``min_new_tokens`` tokens, holds a
+    stop string: transformers' ``StopStringCriteria`` (stop strings spanning tokens), confirmed on the decoded text
+    (:func:`find_stop`).
 
     Args:
         tokenizer: the tokenizer of the model.
         stop_strings: the stop strings (:func:`check_stop_strings`).
         prompt_length: the (left-padded) prompt length of the batch: generated tokens start there.
-        min_new_tokens: no row stops at a stop string before it has more than this many generated tokens, nor at
-            one ending in their text (vLLM's ``min_tokens``).
-    """
+        min_new_tokens: vLLM's ``min_tokens`` rule (no stop before more than this many generated tokens)."""
 
     def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_length: int, min_new_tokens: int = 0):
         self.tokenizer = tokenizer

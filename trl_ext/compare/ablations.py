@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_ext.compare.monitoring import binomial_standard_error
-from trl_ext.observations import entropy_collapsed
+from trl_ext.measurement.observations import entropy_collapsed
 
 EXPERIMENTS = (  # the order of --experiment all: the reference arm first, reused by the next four experiments
     "baselines",
@@ -152,8 +152,8 @@ def observations(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which arm ended best, and whether each gap to it exceeds the noise of the held-out estimate (2 standard
     errors of the difference of two binomial accuracies); an arm that never saw a nonzero reward
     (:func:`never_rewarded`) is said not to have trained instead, and when no arm did, that is the one finding; per
-    arm, entropy collapse (``trl_ext.observations.entropy_collapsed``), completions cut at the length limit, the
-    largest importance ratio."""
+    arm, entropy collapse (``trl_ext.measurement.observations.entropy_collapsed``), completions cut at the length limit,
+    the largest importance ratio."""
     scored = [r for r in results if r.get("final_accuracy") is not None]
     if not scored:
         return []

@@ -132,15 +132,9 @@ ARM_PRESETS: dict[str, dict[str, Any]] = {
     "kl_k3": {"trainer": "trl_ext", "pg_loss_type": "grpo_clip", "beta": 0.04, "kl_estimator": "k3", "epsilon": 0.2},
 }
 """Named arms usable as ``arms: [trl, trl_ext, course, ...]``; a mapping ``{preset: course, name: ..., field: value}``
-extends one.
-
-``trl`` and ``trl_ext`` are TRL's defaults: from TRL's defaults (:func:`trl_defaults`, read from the installed
-``trl.GRPOConfig``) come the fields of :data:`TRL_UPDATE_FIELDS` -- loss type, advantage scaling, beta, the clip
-range, num_iterations, truncated-completion masking, entropy masking, importance-sampling level, the KL's bias
-correction, gradient checkpointing -- and, for ``trl_ext``, TRL's hard-coded advantage eps. From the comparison (the
-shared config, the same for every arm) come the budget and everything else: model, data, steps, batch and group
-sizes, completion length, sampling (temperature, ...), learning rate and schedule, optimizer, precision, seed. The
-other presets are the course's settings (``course`` and its variants) and upstream GRPO written out (``trl_grpo``).
+extends one. ``trl`` and ``trl_ext`` take :data:`TRL_UPDATE_FIELDS` from the installed TRL's defaults
+(:func:`trl_defaults`; ``trl_ext`` also TRL's hard-coded advantage eps), everything else from the shared config; the
+others are the course's settings and upstream GRPO written out (``trl_grpo``).
 """
 
 _DERIVED_FIELDS = (
@@ -204,11 +198,9 @@ def parse_arms(
 ) -> list[Arm]:
     """Build arms from preset names and/or mappings.
 
-    Each spec is a preset name from ``presets`` (default :data:`ARM_PRESETS`, e.g. ``"trl"``), a mapping, or a JSON
-    object string (from the command line). A preset is a mapping with ``trainer``, optionally ``task``, and config
-    fields. A mapping holds ``name``, optionally ``preset`` (a preset to start from), ``trainer`` (default: the
-    preset's, else ``"trl_ext"``) and ``task`` (see :class:`Arm`), and any config fields, which override the
-    preset's.
+    Each spec is a preset name from ``presets`` (default :data:`ARM_PRESETS`), a mapping, or a JSON object string. A
+    mapping holds ``name``, optionally ``preset`` to start from, ``trainer`` (default: the preset's, else
+    ``"trl_ext"``), ``task`` and config fields overriding the preset's.
 
     Raises:
         ValueError: unknown preset, a mapping without ``name``, a repeated name, or an invalid arm (see :class:`Arm`).
@@ -250,10 +242,8 @@ def parse_arms(
 def arm_config(base: trl.GRPOConfig, arm: Arm) -> trl.GRPOConfig:
     """The config of ``arm``: the shared ``base`` with the arm's settings, output under ``base.output_dir/arm.name``.
 
-    Fields of ``base`` that differ from their defaults are carried over, except those ``__post_init__`` derives
-    (``generation_batch_size`` from ``steps_per_generation``; ``gradient_checkpointing*`` from
-    ``activation_checkpointing*``) and ``loss_type``/``scale_rewards``, which every arm sets (upstream) or derives
-    (trl_ext). ``run_name`` becomes the arm's name.
+    Fields of ``base`` that differ from their defaults are carried over, except those ``__post_init__`` derives and
+    ``loss_type``/``scale_rewards`` (set or derived per arm); ``run_name`` becomes the arm's name.
 
     Raises:
         ValueError: ``base`` sets ``loss_type`` or ``scale_rewards`` away from TRL's defaults (set them per arm).
@@ -281,9 +271,8 @@ def arm_config(base: trl.GRPOConfig, arm: Arm) -> trl.GRPOConfig:
 def arm_key(arm: Arm, base: trl.GRPOConfig) -> str:
     """What an arm trains, independent of its name: trainer, task and the settings that differ from ``base``.
 
-    Two arms with the same key train the same model the same way (a setting equal to the shared config's value is
-    no change), so a run of several comparisons (``recipes/grpo_ablations.py --experiment all``) trains each key
-    once and reuses the result under each name (``cache`` of :func:`trl_ext.compare.run_comparison`).
+    Arms with the same key train the same way, so several comparisons sharing a ``cache``
+    (:func:`trl_ext.compare.run_comparison`) train each key once.
     """
     changed = {k: v for k, v in sorted(arm.settings.items()) if not hasattr(base, k) or getattr(base, k) != v}
     return json.dumps({"trainer": arm.trainer, "task": arm.task, "settings": changed}, sort_keys=True, default=str)

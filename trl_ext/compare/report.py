@@ -68,6 +68,17 @@ def _running_mean(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _saved(fig: Any, path: str | os.PathLike) -> Path:
+    """``fig`` written to ``path`` (folders made, 120 dpi) and closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_comparison(
     results: Sequence[Mapping[str, Any]],
     path: str | os.PathLike,
@@ -139,11 +150,7 @@ def plot_comparison(
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def seconds_to_gain(result: Mapping[str, Any], gain: float) -> float | None:
@@ -188,11 +195,7 @@ def plot_accuracy_against_seconds(
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def write_comparison(

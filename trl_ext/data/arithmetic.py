@@ -4,16 +4,12 @@ The default task is two-digit addition asked plainly ("What is 23 + 45?"); opera
 counts and a word-problem phrasing are options. Grade with ``trl_ext.rewards.arithmetic_reward`` (last number in
 the completion, compared numerically with the ``answer`` column).
 
-Split rule: a problem belongs to the test split when ``sha256(canonical problem)``, read as a fraction of 2**64,
-is below ``test_fraction``, else to the train split. The canonical problem is ``"a op b"`` with the operands of
-``+`` and ``*`` sorted, so "23 + 45" and "45 + 23" always land in the same split. The rule does not depend on the
-seed, ``n`` or the phrasing, so no train set ever shares a problem with any test set drawn with the same
-``test_fraction``.
+Split rule (:mod:`trl_ext.data.splits`) on the canonical problem ``"a op b"``, the operands of ``+`` and ``*`` sorted:
+"23 + 45" and "45 + 23" land in the same split, whatever the seed, ``n`` or the phrasing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +17,7 @@ from typing import Any
 from datasets import Dataset
 
 from trl_ext.data.prompts import format_prompt
+from trl_ext.data.splits import check_split_request, draw_distinct, in_test_split
 
 OPERATIONS = ("+", "-", "*")
 """Supported operations."""
@@ -47,12 +44,20 @@ def canonical_problem(a: int, op: str, b: int) -> str:
 
 def is_test_problem(a: int, op: str, b: int, test_fraction: float = 0.2) -> bool:
     """True when the problem ``a op b`` belongs to the test split (see the module docstring for the rule)."""
-    digest = hashlib.sha256(canonical_problem(a, op, b).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < test_fraction
+    return in_test_split(canonical_problem(a, op, b), test_fraction)
 
 
 def _operand_range(digits: int) -> tuple[int, int]:
     return (0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _question_and_answer(a: int, op: str, b: int, phrasing: str, rng: random.Random) -> tuple[str, str]:
+    """The question in ``phrasing`` (a word problem draws its name and items from ``rng``) and its integer answer."""
+    if phrasing == "plain":
+        question = f"What is {a} {op} {b}?"
+    else:
+        question = _WORD_TEMPLATES[op].format(name=rng.choice(_NAMES), items=rng.choice(_ITEMS), a=a, b=b)
+    return question, str(a + b if op == "+" else a - b if op == "-" else a * b)
 
 
 def make_arithmetic_dataset(
@@ -72,36 +77,29 @@ def make_arithmetic_dataset(
 ) -> Dataset:
     """Generate ``n`` distinct arithmetic questions of one split, reproducibly from ``seed``.
 
-    Each problem draws an operation uniformly from ``operations`` and each operand uniformly from its digit range
-    (1 digit: 0-9; d >= 2 digits: 10**(d-1) .. 10**d - 1). For ``-`` without ``allow_negative`` the operands are
-    swapped when needed so the answer is >= 0. Draws outside the requested split (see the module docstring) or
-    repeating an earlier question of this dataset are rejected. The same ``(n, seed, split, options)`` always give
-    the same rows.
+    Operation uniform over ``operations``, operands uniform over their digit range (1 digit: 0-9; d >= 2: 10**(d-1) ..
+    10**d - 1); ``-`` swaps operands unless ``allow_negative``. Draws outside the split or repeating an earlier question
+    are rejected.
 
     Args:
         n: number of questions (>= 1).
         seed: random seed.
-        split: ``"train"`` or ``"test"``; the two never share a problem (for the same ``test_fraction``).
+        split: ``"train"`` or ``"test"``; disjoint for the same ``test_fraction``.
         operations: subset of ``("+", "-", "*")``; default addition only.
-        digits: digit count of both operands, or a pair (digits of a, digits of b); each 1..9.
+        digits: digits of both operands, or a pair (a, b); each 1..9.
         phrasing: ``"plain"`` ("What is 23 + 45?") or ``"word"`` (a short story problem).
         allow_negative: allow ``a - b < 0`` (not with ``phrasing="word"``).
         test_fraction: share of the problem space reserved for the test split, in (0, 1).
-        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
-            (default ``"chat"``: the question as the user turn, for instruct models).
+        template, tokenizer, system_prompt, instruction: for :func:`trl_ext.data.prompts.format_prompt` (default
+            ``"chat"``).
 
     Returns:
-        A ``datasets.Dataset`` with columns ``prompt``, ``answer`` (the integer result as a string, e.g. ``"68"``)
-        and ``question``.
+        A ``datasets.Dataset`` with ``prompt``, ``answer`` (e.g. ``"68"``) and ``question``.
 
     Raises:
-        ValueError: an argument is out of range (the message names it), or the split's problem space holds fewer
-            than ``n`` distinct questions (found after 100 * n + 10_000 draws).
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        ValueError: an argument out of range (named), or fewer than ``n`` distinct questions in 100 * n + 10_000
+            draws."""
+    check_split_request(n, split, test_fraction)
     if not operations or any(op not in OPERATIONS for op in operations):
         raise ValueError(f"operations must be a non-empty subset of {OPERATIONS}, got {operations!r}")
     digit_pair = (digits, digits) if isinstance(digits, int) else tuple(digits)
@@ -111,38 +109,25 @@ def make_arithmetic_dataset(
         raise ValueError(f"phrasing must be one of {PHRASINGS}, got {phrasing!r}")
     if allow_negative and phrasing == "word" and "-" in operations:
         raise ValueError("allow_negative=True with phrasing='word' would ask to give away more than one has")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
 
     rng = random.Random(f"trl_ext.arithmetic:{seed}:{split}")  # str seeds are hashed with SHA-512: stable
     range_a, range_b = _operand_range(digit_pair[0]), _operand_range(digit_pair[1])
-    want_test = split == "test"
-    seen: set[str] = set()
-    questions: list[str] = []
-    answers: list[str] = []
-    max_draws = 100 * n + 10_000
-    for _ in range(max_draws):
-        if len(questions) == n:
-            break
+
+    def draw() -> tuple[str, bool, tuple[int, str, int]]:
         op = rng.choice(list(operations))
         a, b = rng.randint(*range_a), rng.randint(*range_b)
         if op == "-" and not allow_negative and a < b:
             a, b = b, a
-        if is_test_problem(a, op, b, test_fraction) != want_test or f"{a} {op} {b}" in seen:
-            continue
-        seen.add(f"{a} {op} {b}")
-        if phrasing == "plain":
-            question = f"What is {a} {op} {b}?"
-        else:
-            question = _WORD_TEMPLATES[op].format(name=rng.choice(_NAMES), items=rng.choice(_ITEMS), a=a, b=b)
-        questions.append(question)
-        answers.append(str(a + b if op == "+" else a - b if op == "-" else a * b))
-    if len(questions) < n:
+        return f"{a} {op} {b}", is_test_problem(a, op, b, test_fraction), (a, op, b)
+
+    drawn = draw_distinct(n, split, draw, lambda problem: _question_and_answer(*problem, phrasing, rng))
+    if len(drawn) < n:
         raise ValueError(
-            f"could draw only {len(questions)} distinct {split} problems of the {n} asked (operations={operations!r}, "
+            f"could draw only {len(drawn)} distinct {split} problems of the {n} asked (operations={operations!r}, "
             f"digits={digits!r}, test_fraction={test_fraction}); lower n or widen the problem space"
         )
+    questions = [q for q, _ in drawn]
     prompts = [
         format_prompt(q, template, tokenizer, system_prompt=system_prompt, instruction=instruction) for q in questions
     ]
-    return Dataset.from_dict({"prompt": prompts, "answer": answers, "question": questions})
+    return Dataset.from_dict({"prompt": prompts, "answer": [a for _, a in drawn], "question": questions})

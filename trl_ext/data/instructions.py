@@ -14,13 +14,9 @@ File format, one JSON object per line (blank lines are ignored)::
 * ``unsafe_output`` (optional, non-empty string different from ``output``): a response the model must not give;
   ``trl_ext.SFTTrainer`` applies its unlikelihood penalty to it.
 
-A bad row raises ``ValueError`` naming the file, the row (0-based line among non-blank lines) and the field;
-with ``skip_invalid=True`` bad rows are dropped instead and one warning counts them.
-
-:func:`make_instruction_dataset` turns rows into a TRL prompt-completion dataset (``prompt``, ``completion``,
-``unsafe_completion``, ``safety_category``), rendered either through the tokenizer's chat template (``"chat"``) or
-through :data:`PROMPT_TEMPLATE` (``"template"``, plain text in our own words). :func:`pack_instruction_dataset`
-and :func:`iterate_batches` are the course supplement's packed-SFT helpers, with document boundaries respected.
+A bad row raises ``ValueError`` naming the file, the row and the field (``skip_invalid=True``: dropped, with one
+warning that counts them). :func:`make_instruction_dataset` builds TRL's prompt-completion dataset;
+:func:`pack_instruction_dataset` and :func:`iterate_batches` are the course supplement's packed-SFT helpers.
 """
 
 from __future__ import annotations
@@ -74,8 +70,7 @@ def read_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, int, str]]:
 def collect_valid_rows(path: str | os.PathLike, validate: Any, skip_invalid: bool, kind: str) -> list[dict[str, Any]]:
     """Parse a JSON-lines file and keep the rows for which ``validate(row) -> (clean_row, error)`` reports no error.
 
-    A line that is not a JSON object, or a row with an error, raises at once (``skip_invalid=False``) or is dropped,
-    with one warning at the end that counts the dropped rows (``skip_invalid=True``).
+    A bad line raises at once, or with ``skip_invalid`` is dropped (one warning at the end counts them).
 
     Raises:
         FileNotFoundError: no such file.
@@ -221,6 +216,26 @@ def render_prompt_text(row: dict[str, Any], tokenizer: Any, prompt_format: str) 
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _document_stream(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, prompt_format: str
+) -> tuple[list[int], list[int], list[int], list[bool]]:
+    """The rows as one token stream, each the rendered prompt then the output and EOS (no special tokens added):
+    ``(tokens, document index, position within the document, is an output token)``, one entry per token."""
+    tokens: list[int] = []
+    doc_index: list[int] = []
+    positions: list[int] = []
+    is_output: list[bool] = []
+    for doc, row in enumerate(rows):
+        prompt_ids = tokenizer(render_prompt_text(row, tokenizer, prompt_format), add_special_tokens=False)["input_ids"]
+        output_ids = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = prompt_ids + output_ids
+        tokens += ids
+        doc_index += [doc] * len(ids)
+        positions += list(range(len(ids)))
+        is_output += [False] * len(prompt_ids) + [True] * len(output_ids)
+    return tokens, doc_index, positions, is_output
+
+
 def pack_instruction_dataset(
     rows: Sequence[dict[str, Any]],
     tokenizer: Any,
@@ -278,20 +293,7 @@ def pack_instruction_dataset(
     order = list(range(len(rows)))
     if shuffle:
         random.Random(seed).shuffle(order)
-    tokens: list[int] = []
-    doc_index: list[int] = []
-    positions: list[int] = []
-    is_output: list[bool] = []
-    for doc, i in enumerate(order):
-        prompt_ids = tokenizer(render_prompt_text(rows[i], tokenizer, prompt_format), add_special_tokens=False)[
-            "input_ids"
-        ]
-        output_ids = tokenizer(rows[i]["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = prompt_ids + output_ids
-        tokens += ids
-        doc_index += [doc] * len(ids)
-        positions += list(range(len(ids)))
-        is_output += [False] * len(prompt_ids) + [True] * len(output_ids)
+    tokens, doc_index, positions, is_output = _document_stream([rows[i] for i in order], tokenizer, prompt_format)
     num_examples = (len(tokens) - 1) // seq_length
     if num_examples == 0:
         raise ValueError(

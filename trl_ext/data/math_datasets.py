@@ -35,6 +35,14 @@ class _BadRow(ValueError):
         self.field = field
 
 
+def json_line(line: str, where: str) -> Any:
+    """One line of a JSON-lines file, parsed; invalid JSON raises ValueError ``"<where>: invalid JSON (...)"``."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
+
+
 def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     """Rows of a local JSON file: JSON lines (.jsonl, or a .json holding one object per line), or a .json array
     of objects (or ``{"data": [...]}``, as ``datasets`` reads it). Errors name the file, the line and the problem.
@@ -62,10 +70,7 @@ def _read_json_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from None
+        row = json_line(line, f"{path} line {line_number}")
         if not isinstance(row, dict):
             raise ValueError(f"{path} line {line_number}: expected a JSON object, got {type(row).__name__}")
         rows.append(row)
@@ -156,67 +161,9 @@ def _ground_truth(row: dict[str, Any], kind: str, answer_field: str) -> str:
     return text
 
 
-def load_math_dataset(
-    name_or_path: str | Path,
-    split: str = "train",
-    *,
-    kind: str | None = None,
-    template: str = "chat",
-    tokenizer: Any | None = None,
-    system_prompt: str | None = None,
-    instruction: str | None = None,
-    config_name: str | None = None,
-    skip_bad_rows: bool = False,
-    max_rows: int | None = None,
-) -> Dataset:
-    """Load GSM8K, MATH or arithmetic questions and format them for TRL.
-
-    Input rows, by ``kind``:
-      * ``"gsm8k"``: ``question`` and ``answer`` (worked solution ending in ``"#### N"``). The ground truth is N
-        (``parse_gsm8k_ground_truth``); the original answer text is kept as ``solution`` (unless that column
-        already exists).
-      * ``"math"``: ``problem`` and either ``answer`` (used when the column exists, e.g. MATH-500) or ``solution``
-        (ground truth = its final ``\\boxed{...}``; several boxes joined by "and" / "," are one multi-part answer,
-        ``"2, 4"``, see ``trl_ext.rewards.extract_boxed_parts``; rows whose final box follows other boxes separated by
-        text are counted and warned about once).
-      * ``"arithmetic"``: ``question`` and an integer ``answer`` (e.g. a saved :func:`make_arithmetic_dataset`).
-
-    Output: every input column, plus ``prompt`` (``format_prompt(question, template, ...)``) and ``answer`` (the
-    normalized ground-truth string, e.g. ``"72"``, overwriting the input ``answer``): the ``answer`` column is what
-    ``trl_ext.rewards`` reward functions grade against.
-
-    Args:
-        name_or_path: a local ``.jsonl``/``.json``/``.parquet`` file (read whole: the file is the split, ``split``
-            is not used) or a hub dataset id, loaded with ``datasets.load_dataset(id, config_name, split=split)``.
-        split: hub split name (default ``"train"``).
-        kind: ``"gsm8k"``, ``"math"``, ``"arithmetic"``, or ``None`` (default) to infer from the columns:
-            ``problem`` -> math, ``question`` + ``answer`` -> gsm8k.
-        template, tokenizer, system_prompt, instruction: passed to :func:`trl_ext.data.prompts.format_prompt`
-            (default template ``"chat"``: a conversation TRL renders with the model's chat template).
-        config_name: hub config; default from :data:`HUB_DEFAULT_CONFIGS` (``"main"`` for GSM8K), else none.
-        skip_bad_rows: when False (default), the first bad row raises; when True, bad rows are dropped with one
-            ``UserWarning`` giving their count and the first one.
-        max_rows: read only the first ``max_rows`` rows of the source (default: all); fewer come back when
-            bad rows among them are skipped.
-
-    Returns:
-        A ``datasets.Dataset``.
-
-    Raises:
-        FileNotFoundError: a local path with a supported suffix does not exist.
-        ValueError: unsupported local path, unknown ``kind``, a required column is absent, ``max_rows`` < 1, no
-            usable rows, or (without ``skip_bad_rows``) a bad row: a missing/empty question or answer, or an
-            answer that cannot be parsed. The message names the file, the 0-based row number and the field.
-    """
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"dataset kind {kind!r} is not supported (--dataset_kind, kind=); expected one of {KINDS}")
-    if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
-    raw, source, lines = _load_raw(name_or_path, split, config_name)
-    if max_rows is not None and max_rows < len(raw):
-        raw = raw[:max_rows] if isinstance(raw, list) else raw.select(range(max_rows))
-
-    columns = _column_names(raw)
+def _fields(kind: str | None, columns: list[str], source: str) -> tuple[str, str, str]:
+    """``(kind, question field, answer field)`` of data with ``columns``: the kind inferred when None, a math answer
+    from ``answer`` or else ``solution``; a kind not inferable or a field absent raises ValueError naming ``source``."""
     if kind is None:
         kind = infer_kind(columns)
         if kind is None:
@@ -226,15 +173,26 @@ def load_math_dataset(
                 "Python: kind=)"
             )
     question_field = "problem" if kind == "math" else "question"
-    if kind == "math":
-        answer_field = "answer" if "answer" in columns else "solution"
-    else:
-        answer_field = "answer"
+    answer_field = ("answer" if "answer" in columns else "solution") if kind == "math" else "answer"
     for field in (question_field, answer_field):
         if field not in columns:
             wanted = "'answer' or 'solution'" if kind == "math" and field == answer_field else repr(field)
             raise ValueError(f"{source}: {kind} data needs a column {wanted}; found columns {columns}")
+    return kind, question_field, answer_field
 
+
+def _checked_rows(
+    raw: Any,
+    columns: list[str],
+    kind: str,
+    question_field: str,
+    answer_field: str,
+    source: str,
+    lines: list[int] | None,
+    skip_bad_rows: bool,
+) -> tuple[list[int], list[str]]:
+    """The indices of the usable rows of ``raw`` and their ground truths (:func:`load_math_dataset`'s bad rows:
+    raised, or skipped with one warning; a math answer taken among boxes separated by text warned about once)."""
     keep: list[int] = []
     answers: list[str] = []
     bad: list[tuple[int, str, str]] = []
@@ -259,7 +217,7 @@ def load_math_dataset(
             f"{source}: skipped {len(bad)} bad row(s) of {len(raw)}; first: row {i} (0-based), field {field!r}: "
             f"{problem}",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if not keep:
         raise ValueError(f"{source}: no usable rows (read {len(raw)})")
@@ -270,9 +228,62 @@ def load_math_dataset(
             f"was taken as the answer. First: row {several_boxes[0]} (0-based): "
             f"...{raw[several_boxes[0]][answer_field][-120:]!r}",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
+    return keep, answers
+
+
+def load_math_dataset(
+    name_or_path: str | Path,
+    split: str = "train",
+    *,
+    kind: str | None = None,
+    template: str = "chat",
+    tokenizer: Any | None = None,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+    config_name: str | None = None,
+    skip_bad_rows: bool = False,
+    max_rows: int | None = None,
+) -> Dataset:
+    """Load GSM8K, MATH or arithmetic questions and format them for TRL.
+
+    Input rows by ``kind``: ``"gsm8k"``: ``question``, ``answer`` ending in ``"#### N"`` (ground truth N, the text kept
+    as ``solution``); ``"math"``: ``problem`` and ``answer`` if present, else ``solution``'s final ``\\boxed{...}``
+    (several joined boxes are one multi-part answer, ``trl_ext.rewards.extract_boxed_parts``); ``"arithmetic"``:
+    ``question`` and an integer ``answer``. Output: every input column plus ``prompt`` (``format_prompt``) and
+    ``answer``, the normalized ground truth the reward functions grade against.
+
+    Args:
+        name_or_path: a local ``.jsonl``/``.json``/``.parquet`` file (the whole file is the split) or a hub id.
+        split: hub split name (default ``"train"``).
+        kind: ``"gsm8k"``, ``"math"``, ``"arithmetic"``, or None (default) to infer: ``problem`` -> math, ``question`` +
+            ``answer`` -> gsm8k.
+        template, tokenizer, system_prompt, instruction: for :func:`trl_ext.data.prompts.format_prompt` (default
+            ``"chat"``).
+        config_name: hub config; default from :data:`HUB_DEFAULT_CONFIGS`.
+        skip_bad_rows: False (default): the first bad row raises; True: bad rows dropped with one ``UserWarning``.
+        max_rows: read only the first ``max_rows`` source rows (default: all).
+
+    Returns:
+        A ``datasets.Dataset``.
+
+    Raises:
+        FileNotFoundError: a local path with a supported suffix does not exist.
+        ValueError: unsupported path, unknown ``kind``, missing column, ``max_rows`` < 1, no usable rows, or a bad
+            row (named by file, 0-based row and field)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"dataset kind {kind!r} is not supported (--dataset_kind, kind=); expected one of {KINDS}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
+    raw, source, lines = _load_raw(name_or_path, split, config_name)
+    if max_rows is not None and max_rows < len(raw):
+        raw = raw[:max_rows] if isinstance(raw, list) else raw.select(range(max_rows))
+
+    columns = _column_names(raw)
+    kind, question_field, answer_field = _fields(kind, columns, source)
+    keep, answers = _checked_rows(raw, columns, kind, question_field, answer_field, source, lines, skip_bad_rows)
     if isinstance(raw, list):
         data = {name: [raw[i].get(name) for i in keep] for name in columns}
     else:

@@ -6,18 +6,15 @@ File format, one JSON object per line (blank lines are ignored)::
      "rejected": "The capital of France is Lyon.", "margin": 1.0}
 
 * ``prompt`` (required): a non-empty string, or a conversation ``[{"role": ..., "content": ...}, ...]``.
-* ``chosen``, ``rejected`` (required): the preferred and the dispreferred response, non-empty and different from
-  each other; strings, or (when the prompt is a conversation) turns ``[{"role": "assistant", ...}, ...]``, which may
-  call tools (``"tool_calls"`` or the older ``"function_call"``, with ``"content"`` absent, None or "" as the
-  OpenAI format writes it) and hold tool results (``{"role": "tool", ...}``), as in
-  TRL's conversational preference data; a ``tools`` column then gives the tools' schemas to the chat template.
+* ``chosen``, ``rejected`` (required): the preferred and the dispreferred response, non-empty and different;
+  strings, or (with a conversational prompt) assistant turns, which may call tools and hold tool results, as in TRL's
+  conversational preference data.
 * ``margin`` (optional number): how much the chosen reward should exceed the rejected one (Bradley-Terry with
   margin); rows without one get 0.0 when any row of the file has one.
 
-These are TRL's preference columns, so the resulting dataset goes to ``trl.RewardTrainer`` / ``trl.DPOTrainer`` and
-to ``trl_ext.RewardTrainer`` / ``trl_ext.DPOTrainer`` unchanged. All rows of a file must share one shape (all plain
-text or all conversational). A bad row raises ``ValueError`` naming the file, the row (0-based among non-blank
-lines) and the field; ``skip_invalid=True`` drops bad rows with one warning that counts them.
+These are TRL's preference columns (upstream's and trl_ext's reward and DPO trainers take them unchanged); all rows of
+a file share one shape. A bad row raises ``ValueError`` naming the file, the row and the field (``skip_invalid=True``:
+dropped, with one warning that counts them).
 """
 
 from __future__ import annotations
@@ -37,10 +34,7 @@ PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def _is_messages(value: Any) -> bool:
-    """A conversation as TRL reads one (``trl.data_utils.is_conversational``): a non-empty list of messages, each a
-    dict with a string ``role``. Besides ``content`` (a string, or a list of typed content blocks) a message may
-    carry ``tool_calls`` (an assistant turn calling tools, often without ``content``), ``name`` or ``tool_call_id``
-    (a tool's result), ``reasoning_content`` ...: the chat template renders them, as upstream."""
+    """A conversation as TRL reads one (``is_conversational``): a non-empty list of dicts with a string ``role``."""
     return (
         isinstance(value, list)
         and bool(value)
@@ -60,11 +54,7 @@ def _part_says_something(part: Any) -> bool:
 
 
 def _says_something(message: dict[str, Any]) -> bool:
-    """A message says something when its ``content`` does (non-blank text, or a content block that is non-blank
-    text or not text) or when it calls a tool: a non-empty ``tool_calls`` list, or the older OpenAI
-    ``function_call``. The OpenAI format writes ``"content": ""`` (or None, or nothing) beside ``tool_calls``: such
-    an assistant turn says something. ``"tool_calls": []`` calls nothing; a tool turn (``role: tool``) whose
-    content is "" says nothing itself (its call, in an earlier turn, does)."""
+    """Whether a message's ``content`` says something or it calls a tool (``tool_calls``, ``function_call``)."""
     content = message.get("content")
     if isinstance(content, str):
         text = bool(content.strip())
@@ -96,13 +86,9 @@ def validate_preference_row(
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Check one preference row; return ``(row, None)`` or ``(None, error message naming the field)``.
 
-    Accepts every row shape TRL's preference trainers train on: strings, or conversations whose messages may carry
-    tool calls and tool results instead of text (see ``_is_messages``), with or without an explicit prompt. Checks:
-    the required fields are present (``prompt`` only when ``require_prompt``; TRL also accepts rows whose
-    chosen/rejected conversations carry the prompt), each is a non-empty string or conversation (a conversation
-    with no text and no tool call is empty), a message without a ``role`` (named by its index), a prompt that is a
-    string while the responses are conversations or the other way round (TRL joins prompt + response, which fails),
-    chosen identical to rejected, and ``margin`` (if present and not None) a finite number.
+    Accepts every row shape TRL's preference trainers train on. Checks: required fields present (``prompt`` only
+    when ``require_prompt``), each a non-empty string or conversation, every message with a ``role``, prompt and
+    responses of one shape, chosen different from rejected, and ``margin`` (if not None) a finite number.
     """
     required = PREFERENCE_FIELDS if require_prompt else PREFERENCE_FIELDS[1:]
     for name in required:
@@ -195,8 +181,7 @@ def load_preference_dataset(
 def check_preference_dataset(dataset: Any, skip_invalid: bool = False, name: str = "train") -> Any:
     """Validate the rows of an untokenized preference dataset before a trainer tokenizes it.
 
-    Applied by ``trl_ext.RewardTrainer`` and ``trl_ext.DPOTrainer`` to every map-style dataset that has ``chosen``
-    and ``rejected`` columns; tokenized datasets (``chosen_ids``) and streaming datasets pass through unchanged.
+    ``trl_ext.RewardTrainer`` and ``trl_ext.DPOTrainer`` apply it; tokenized and streaming datasets pass unchanged.
 
     Args:
         dataset: a ``datasets.Dataset`` (anything else is returned as is).

@@ -1,16 +1,8 @@
 """Prompt templates for math questions, in TRL's two prompt shapes.
 
-TRL datasets carry a ``prompt`` column that is either a plain string (the model continues the text as is) or a
-conversation ``[{"role": "user", "content": ...}]`` (TRL applies the tokenizer's chat template itself and adds
-the generation prompt). :func:`format_prompt` produces either, by template name:
-
-* ``"r1_zero"``: the R1-Zero prompt of the DeepSeek-R1 paper (Table 1, word for word), laid out as CS336 assignment
-  5 lays it out: the question on a ``User:`` line and the reply opened with ``"Assistant: <think>"``, so the
-  completion starts inside the reasoning and ends with ``</answer>`` (the task stops generation there). The
-  course's own file (``cs336_alignment/prompts/r1_zero.prompt``) words the same instructions slightly differently;
-  pass its path as the template to train on it exactly. Grade with ``trl_ext.rewards.r1_zero_reward``.
-* ``"question_only"``: the question text itself, plus an optional instruction on a new line.
-* ``"chat"``: a conversation with an optional system message and the question (plus instruction) as the user turn.
+:func:`format_prompt` gives a plain string (``"r1_zero"``, ``"question_only"``, a template text of your own) or a
+conversation (``"chat"``, which TRL renders with the chat template); :func:`prompt_token_ids` is the one tokenization
+of a prompt (exactly one BOS) that training, generation and evaluation share.
 """
 
 from __future__ import annotations
@@ -28,14 +20,12 @@ R1_ZERO_TEMPLATE = (
     "User: {question}\n"
     "Assistant: <think>"
 )
-"""Plain-text R1-Zero template; ``{question}`` is replaced by the question (and instruction, if any). Its
-instructions are Table 1 of DeepSeek-AI, "DeepSeek-R1: Incentivizing Reasoning Capability in LLMs via Reinforcement
-Learning" (2025) verbatim; the paper ends the template with ``User: prompt. Assistant:``, CS336 with the question on
-its own line and ``Assistant: <think>``, which is the layout kept here."""
+"""Plain-text R1-Zero template: DeepSeek-R1 (2025) Table 1's instructions verbatim, in CS336's layout (question on
+its own line, ``Assistant: <think>``); the course's ``r1_zero.prompt`` words them slightly differently (pass its path
+as the template to train on it exactly). Grade with ``trl_ext.rewards.r1_zero_reward``."""
 
 R1_ZERO_STOP = ("</answer>",)
-"""Where an R1-Zero completion ends: the course's rollouts and evaluation stop at the closing answer tag and keep it
-(vLLM ``stop=["</answer>"], include_stop_str_in_output=True``)."""
+"""Where an R1-Zero completion ends (kept in the text, as the course's vLLM ``stop``)."""
 
 
 def template_stop_strings(template: str) -> tuple[str, ...]:
@@ -77,15 +67,8 @@ def render_chat_prompt(
 ) -> str:
     """Render a question with the tokenizer's chat template, ending with the assistant generation prompt.
 
-    Equivalent to ``tokenizer.apply_chat_template(chat_messages(...), add_generation_prompt=True,
-    tokenize=False)``. Use it where a plain string is needed (vLLM, ``model.generate``); for TRL trainers prefer
-    the conversation itself (``format_prompt(..., template="chat")``), which TRL renders the same way.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer with a chat template.
-        question: the question text.
-        system_prompt: optional system message.
-        instruction: optional text appended to the question on a new line.
+    ``tokenizer.apply_chat_template(chat_messages(...), add_generation_prompt=True, tokenize=False)``, for where a
+    plain string is needed; TRL trainers render the conversation itself the same way.
 
     Raises:
         ValueError: the tokenizer has no chat template, or ``question`` is empty.
@@ -115,9 +98,7 @@ def format_prompt(
             question, then the instruction on a new line if given), ``"chat"`` (a conversation), or the text of a
             template of your own holding ``{question}`` (e.g. the course's ``r1_zero.prompt``; the question, plus the
             instruction, replaces that placeholder and nothing else, so other braces are kept as written).
-        tokenizer: only used by ``"chat"``: when given, the conversation is rendered to a string with
-            :func:`render_chat_prompt`; when ``None`` (default), the message list is returned for TRL to render.
-            Ignored by the other templates, which are already plain text.
+        tokenizer: ``"chat"`` only: render to a string (:func:`render_chat_prompt`); None (default): the messages.
         system_prompt: optional system message; only ``"chat"`` has a system turn.
         instruction: optional text appended to the question on a new line (e.g. :data:`ANSWER_WITH_NUMBER`).
 
@@ -159,15 +140,9 @@ def adds_bos_token(tokenizer: Any) -> bool:
 def strip_leading_bos(text: str, tokenizer: Any, *, adds_bos: bool | None = None) -> str:
     """Drop the BOS token text that ``text`` starts with when the tokenizer adds BOS itself, so it gets exactly one.
 
-    A prompt already rendered with a chat template that writes ``{{ bos_token }}`` (for example by
-    :func:`render_chat_prompt` or ``format_prompt(..., template="chat", tokenizer=...)``) starts with the BOS text;
-    tokenizing it with special tokens, as TRL does for plain-text prompts, would give two BOS tokens. When the
-    tokenizer adds none, a repeated leading BOS text is collapsed to one. Any other text is returned unchanged.
-
-    Args:
-        text: a plain-text prompt (or document).
-        tokenizer: the tokenizer (or multimodal processor) that will tokenize it.
-        adds_bos: :func:`adds_bos_token` of ``tokenizer`` when already known (saves a tokenizer call).
+    (A prompt rendered by a chat template that writes ``{{ bos_token }}`` would otherwise get two.) When the tokenizer
+    adds none, a repeated leading BOS text is collapsed to one; other text is unchanged. ``adds_bos``:
+    :func:`adds_bos_token` when already known.
     """
     bos = getattr(getattr(tokenizer, "tokenizer", tokenizer), "bos_token", None)
     if not bos or not isinstance(text, str) or not text.startswith(bos):
@@ -185,11 +160,9 @@ def _strip_bos_text(text: str, bos: str, adds_bos: bool) -> str:
 def prompt_token_ids(tokenizer: Any, prompt: str | list[dict[str, str]], **chat_template_kwargs: Any) -> list[int]:
     """The token ids trl_ext trains on for one prompt: the input of generation in GRPO and in :mod:`trl_ext.eval`.
 
-    * a string: ``tokenizer(strip_leading_bos(prompt))["input_ids"]`` -- special tokens added as TRL adds them to
-      plain-text prompts, so exactly one BOS when the tokenizer uses one (none when it does not), also for strings
-      already rendered with a chat template that writes BOS;
-    * a conversation: ``tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)`` as in
-      ``trl.GRPOTrainer._tokenize_prompts``; the template alone decides the special tokens (no second BOS is added).
+    A string: ``tokenizer(strip_leading_bos(prompt))["input_ids"]`` (special tokens as TRL adds them: exactly one BOS
+    where the tokenizer uses one); a conversation: ``apply_chat_template(prompt, add_generation_prompt=True,
+    tokenize=True)``, as ``trl.GRPOTrainer._tokenize_prompts``.
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
@@ -213,8 +186,8 @@ def prompt_token_ids(tokenizer: Any, prompt: str | list[dict[str, str]], **chat_
 def strip_leading_bos_columns(dataset: Any, tokenizer: Any, columns: tuple[str, ...]) -> Any:
     """Apply :func:`strip_leading_bos` to the string values of ``columns`` of a ``datasets`` dataset (others kept).
 
-    Used by the trl_ext trainers before TRL tokenizes a plain-text dataset, so that rendered prompts get exactly one
-    BOS. A dataset without those columns, or whose tokenizer has no BOS token, is returned as is.
+    The trl_ext trainers call it before TRL tokenizes a plain-text dataset; without those columns or a BOS token the
+    dataset is returned as is.
     """
     bos = getattr(getattr(tokenizer, "tokenizer", tokenizer), "bos_token", None)
     present = [c for c in columns if c in (dataset.column_names or [])]

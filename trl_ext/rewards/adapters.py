@@ -1,15 +1,9 @@
-"""Adapters between the two reward-function shapes used in this project.
+"""Adapters between the course's reward shape, ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
+"answer_reward"}`` (CS336 assignment 5), and TRL 1.16's, ``reward_func(prompts, completions, **columns) ->
+list[float | None]`` (every other dataset column as a keyword, one entry per completion, plus TRL's own keywords).
 
-* Course style (CS336 assignment 5): ``reward_fn(response: str, ground_truth: str) -> dict`` with the keys
-  ``"reward"``, ``"format_reward"`` and ``"answer_reward"`` (floats), one response at a time.
-* TRL style (``trl.GRPOTrainer``): ``reward_func(prompts, completions, **columns) -> list[float | None]``, one
-  batch at a time. TRL 1.16 calls it as ``reward_func(prompts=..., completions=..., completion_ids=...,
-  **reward_kwargs)`` where ``reward_kwargs`` holds every other dataset column (one list entry per completion)
-  plus ``trainer_state``, ``log_extra`` and ``log_metric``. Completions are strings for plain-text prompts and
-  lists of messages (``[{"role": "assistant", "content": ...}]``) for conversational prompts.
-
-Every reward in :mod:`trl_ext.rewards` is written once, course style, and turned into a TRL reward function with
-:func:`as_trl_reward`; :func:`as_course_reward_fn` goes the other way for TRL rewards.
+Rewards are written once, course style, and turned into TRL's shape by :func:`as_trl_reward` (or, scoring the whole
+row, :func:`as_trl_row_reward`); :func:`as_course_reward_fn` goes the other way.
 """
 
 from __future__ import annotations
@@ -17,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from trl_ext.logs import say_once
 
 REWARD_KEYS = ("reward", "format_reward", "answer_reward")
 
@@ -28,10 +24,8 @@ def completion_text(completion: str | Sequence[dict[str, Any]], row: int | None 
     """Return the text of one TRL completion.
 
     Args:
-        completion: a string (plain-text prompts) or a list of chat messages (conversational prompts), e.g.
-            ``[{"role": "assistant", "content": "..."}]``. For a list, the content of the LAST message is used
-            (the final assistant turn after any tool calls); a content given as a list of parts
-            (``[{"type": "text", "text": ...}, ...]``) has its text parts joined.
+        completion: a string or a list of chat messages, whose LAST message's content is used (a content of
+            ``[{"type": "text", "text": ...}, ...]`` parts has its text parts joined).
         row: the row index, only used in error messages.
 
     Returns:
@@ -64,19 +58,14 @@ def as_trl_reward(
 ) -> TrlRewardFunc:
     """Turn a course-style ``reward_fn(response, ground_truth) -> dict`` into a TRL reward function.
 
-    The returned function has the signature ``(prompts, completions, **columns) -> list[float]`` and reads the
-    ground truth of row ``i`` from ``columns[answer_column][i]``. It returns ``reward_fn(...)[key]`` per
-    completion (never ``None``). When TRL passes ``log_metric`` (TRL >= 1.x), the batch means of
-    ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
-    ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean``.
+    The result returns ``reward_fn(completion, columns[answer_column][i])[key]`` per completion (never ``None``) and
+    logs as :func:`as_trl_row_reward` does.
 
     Args:
         reward_fn: course-style reward function.
-        key: which entry of the dict to return: ``"reward"`` (default), ``"format_reward"`` or ``"answer_reward"``.
-            A format-only TRL reward is ``as_trl_reward(fn, key="format_reward", name="...")``; give it a reward
-            weight of 0 in ``GRPOConfig.reward_weights`` to log it without changing the training signal.
-        answer_column: dataset column holding the ground-truth string (default ``"answer"``, the column written
-            by every loader in :mod:`trl_ext.data`).
+        key: which entry of the dict to return: ``"reward"`` (default), ``"format_reward"`` or ``"answer_reward"``
+            (a format-only reward with weight 0 in ``GRPOConfig.reward_weights`` logs without training on it).
+        answer_column: dataset column holding the ground-truth string (default ``"answer"``).
         name: ``__name__`` of the returned function (TRL logs ``rewards/<__name__>/mean``); defaults to
             ``reward_fn.__name__`` with a trailing ``"_fn"`` removed.
 
@@ -113,19 +102,13 @@ TRL_REWARD_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric
 columns (``environments`` only with an ``environment_factory``)."""
 
 TRUNCATION_KEYWORD = "completion_truncated"
-"""The keyword ``trl_ext.GRPOTrainer`` adds to every reward function call: per completion, whether the length limit
-cut it (it ended neither with EOS nor at a stop string). TRL's convention of ``**kwargs`` in reward functions lets
-any reward ignore it; :func:`as_trl_row_reward` reads it."""
+"""The keyword ``trl_ext.GRPOTrainer`` adds to every reward call: per completion, whether the length limit cut it."""
 
 
 def without_credit(scores: Mapping[str, float]) -> dict[str, float]:
-    """The scores of a response the length limit cut, for a task that gives such a response no credit: ``reward`` and
-    ``answer_reward`` at most 0 (a wrong reading keeps a negative score; a right one earns nothing), ``format_reward``
-    as scored.
-
-    A task that reads its answer from the end of the response (the last number, the last line) would otherwise
-    credit the last number of a cut-off sentence, usually one of the question's own numbers: a run learns to echo.
-    """
+    """The scores of a response the length limit cut, for a task that gives it no credit: ``reward`` and
+    ``answer_reward`` at most 0, ``format_reward`` as scored (else the last number of a cut-off sentence, often the
+    question's own, would be credited and a run would learn to echo)."""
     out = {k: float(v) for k, v in scores.items()}
     for key in ("reward", "answer_reward"):
         if key in out:
@@ -143,13 +126,9 @@ TRL_RESERVED_COLUMNS = (
     "log_metric",
     "environments",
 )
-"""Dataset column names that cannot reach a reward function of TRL 1.16's ``GRPOTrainer`` as they are
-(``GRPOTrainer._calculate_rewards``): ``completion`` and ``completion_ids`` are removed from the columns it passes
-(``prompt`` too, which comes back as ``prompts``); ``prompts``, ``completions`` and ``completion_ids`` are keywords it
-passes itself (a column of that name makes the call fail: "got multiple values for keyword argument"); and
-``trainer_state``, ``log_extra``, ``log_metric`` and ``environments`` are overwritten by its own values. A task's
-training rows carry such a column under :data:`CARRIED_PREFIX` + its name (:func:`carry_reserved_columns`), and the
-task's scorer gets it back under its own name (:func:`restore_carried_columns`)."""
+"""Dataset column names that cannot reach a reward function of TRL 1.16's ``GRPOTrainer`` as they are (removed,
+clashing with its own keywords, or overwritten in ``_calculate_rewards``); carried under :data:`CARRIED_PREFIX`
+(:func:`carry_reserved_columns`, :func:`restore_carried_columns`)."""
 
 CARRIED_PREFIX = "trl_ext."
 """Prefix of the name under which a :data:`TRL_RESERVED_COLUMNS` column travels through TRL (``trl_ext.completion``)."""
@@ -210,15 +189,10 @@ def as_trl_row_reward(
     """Turn a row scorer ``score(response, row) -> {"reward", "format_reward", "answer_reward"}`` into a TRL reward
     function that scores each completion against its whole dataset row (``trl_ext.tasks.Task.reward_funcs``).
 
-    TRL hands every dataset column but ``prompt`` to a reward function as a keyword argument, one list entry per
-    completion; the row of completion ``i`` is rebuilt as ``{"prompt": prompts[i], column: columns[column][i],
-    ...}`` (TRL's own keywords -- :data:`TRL_REWARD_EXTRAS` -- left out). When TRL passes ``log_metric``, the batch
-    means of ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and
-    ``rewards/<name>/answer_reward``, next to TRL's own ``rewards/<name>/mean`` (a NaN format reward, not measured,
-    is not logged). With ``log_scores`` and TRL's ``log_extra``, each completion's ``reward``, ``format_reward`` and
-    ``answer_reward`` (NaN: None) and, with ``answer``, its row's answer are added to TRL's completions table (the
-    table ``log_completions`` prints and sends to wandb/trackio, and trl_ext's ``rollouts.jsonl`` reads); give it to
-    one function of a trainer only, as every function's columns go to the same table.
+    The row of completion ``i`` is rebuilt as ``{"prompt": prompts[i], column: columns[column][i], ...}`` (TRL's own
+    keywords, :data:`TRL_REWARD_EXTRAS`, left out). When TRL passes ``log_metric``, the batch means of
+    ``format_reward`` and ``answer_reward`` are logged as ``rewards/<name>/format_reward`` and ``.../answer_reward``
+    (a NaN format reward, not measured, is not).
 
     Args:
         score: the row scorer.
@@ -226,19 +200,16 @@ def as_trl_row_reward(
         name: ``__name__`` of the returned function (TRL logs ``rewards/<name>/mean``).
         required_column: a column that must be among the dataset's (checked once per call, named when absent).
         hint: what the missing-column message suggests.
-        expected_columns: the columns of the rows (a task's training columns): when TRL passes none of them, the
-            call fails naming them and the likely cause, ``remove_unused_columns=True``, under which TRL drops every
-            column but ``prompt``, ``image`` and ``images`` (one absent among others is the scorer's to notice).
-        log_scores: add the three scores of every completion to TRL's completions table (``log_extra``).
-        answer: ``answer(row)``, the row's reference answer, added to that table with ``log_scores``.
-        credit_truncated: False: a completion the length limit cut earns no credit (:func:`without_credit`). Which
-            completions were cut: the :data:`TRUNCATION_KEYWORD` list ``trl_ext.GRPOTrainer`` passes (exact: it
-            knows EOS, stop strings and the limit); from upstream ``trl.GRPOTrainer``, which passes none, TRL's own
-            rule of ``completions/clipped_ratio`` -- the last token is neither an EOS token nor the pad token -- read
-            from the trainer whose ``log_metric`` TRL passes; from any other caller, none is known (one warning,
-            every completion credited). Default True (every completion scored as it is).
-        stop_strings: the stop strings generation should end the task's completions with (``trl_ext.GRPOTrainer``
-            uses them when its ``stop_strings`` is unset). Default none.
+        expected_columns: the rows' columns: when TRL passes none of them the call fails naming the likely cause,
+            ``remove_unused_columns=True``.
+        log_scores: when TRL passes ``log_extra``, add each completion's scores (NaN: None) and, with ``answer``,
+            its row's answer to TRL's completions table; give it to one function of a trainer only.
+        answer: ``answer(row)``, the row's reference answer, for that table.
+        credit_truncated: False: a completion the length limit cut earns no credit (:func:`without_credit`); which
+            were cut comes from :data:`TRUNCATION_KEYWORD` (``trl_ext.GRPOTrainer``), else from upstream TRL's
+            ``clipped_ratio`` rule (last token neither EOS nor pad), else none is known (one warning). Default True.
+        stop_strings: the stop strings the task's completions should end with (``trl_ext.GRPOTrainer`` uses them
+            when its ``stop_strings`` is unset). Default none.
 
     Returns:
         The TRL reward function ``(prompts, completions, **columns) -> list[float]``, with the attributes
@@ -247,8 +218,7 @@ def as_trl_row_reward(
     Raises:
         ValueError: at construction, ``key`` is not one of ``REWARD_KEYS``. At call time, ``required_column`` is
             absent, or every one of ``expected_columns``, a column's length differs from ``completions``, or
-            ``score`` raises (any exception: the message names the row index in the batch, the error and the row's
-            prompt; the original exception is its ``__cause__``).
+            ``score`` raises (the row index and prompt named, the original as ``__cause__``).
     """
     if key not in REWARD_KEYS:
         raise ValueError(f"key must be one of {REWARD_KEYS}, got {key!r}")
@@ -256,65 +226,84 @@ def as_trl_row_reward(
     def trl_reward(prompts: list | None = None, completions: list | None = None, **columns: Any) -> list[float]:
         if completions is None:
             raise ValueError(f"{name}: missing argument 'completions'")
-        data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
-        if required_column is not None and required_column not in data:
-            raise ValueError(
-                f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
-            )
-        if expected_columns and not any(c in data for c in expected_columns):
-            raise ValueError(
-                f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
-                "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
-                "false, GRPO's default)"
-            )
-        for column, values in data.items():
-            if len(values) != len(completions):
-                raise ValueError(
-                    f"{name}: column {column!r} has {len(values)} entries but there are {len(completions)} completions"
-                )
+        data = _row_columns(name, columns, len(completions), required_column, hint, expected_columns)
         cut = None if credit_truncated else _truncated(name, columns, len(completions))
         results, rows = [], []
         for i, completion in enumerate(completions):
             row = {"prompt": prompts[i] if prompts is not None else None, **{k: v[i] for k, v in data.items()}}
             rows.append(row)
-            try:
-                scores = score(completion_text(completion, row=i), row)
-            except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
-                prompt = _short(row["prompt"])
-                detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
-                raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+            scores = _scored(name, score, completion_text(completion, row=i), row, i)
             results.append(without_credit(scores) if cut is not None and cut[i] else scores)
-        log_extra = columns.get("log_extra")
-        if log_scores and log_extra is not None and results:  # TRL's completions table: each completion's scores
-            for k in REWARD_KEYS:
-                log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
-            if answer is not None:
-                log_extra("answer", [answer(row) for row in rows])
-            flags = columns.get(TRUNCATION_KEYWORD)
-            if flags is not None and len(flags) == len(results):  # which were cut, so a reader sees why 0 was given
-                log_extra("truncated", [bool(flag) for flag in flags])
-        log_metric = columns.get("log_metric")
-        if log_metric is not None and results:
-            for k in ("format_reward", "answer_reward"):
-                mean = sum(float(r[k]) for r in results) / len(results)
-                if not math.isnan(mean):
-                    log_metric(f"rewards/{name}/{k}", mean)
+        _log_scores(name, columns, results, rows if log_scores else None, answer)
         return [float(r[key]) for r in results]
 
-    trl_reward.__name__ = name
-    trl_reward.__qualname__ = name
+    trl_reward.__name__ = trl_reward.__qualname__ = name
+    cut_note = "" if credit_truncated else " (0 at most for a completion the length limit cut)"
     trl_reward.__doc__ = (
         f"TRL reward function: ``{name}(prompts, completions, **columns) -> list[float]``; returns the {key!r} "
-        f"score of each completion against its row"
-        + ("" if credit_truncated else " (0 at most for a completion the length limit cut)")
-        + "."
+        f"score of each completion against its row{cut_note}."
     )
     trl_reward.credit_truncated = credit_truncated
     trl_reward.stop_strings = tuple(stop_strings)
     return trl_reward
 
 
-_warned_unknown_truncation: set[str] = set()
+def _row_columns(
+    name: str,
+    columns: Mapping[str, Any],
+    n: int,
+    required_column: str | None,
+    hint: str,
+    expected_columns: Sequence[str],
+) -> dict[str, Any]:
+    """The dataset columns among TRL's keywords (its own and :data:`TRUNCATION_KEYWORD` left out), checked as
+    :func:`as_trl_row_reward` says (``required_column``, ``expected_columns``, one entry per completion)."""
+    data = {k: v for k, v in columns.items() if k not in TRL_REWARD_EXTRAS and k != TRUNCATION_KEYWORD}
+    if required_column is not None and required_column not in data:
+        raise ValueError(
+            f"{name}: no ground-truth column {required_column!r} among the dataset columns {sorted(data)}; {hint}"
+        )
+    if expected_columns and not any(c in data for c in expected_columns):
+        raise ValueError(
+            f"{name}: TRL passed none of the rows' columns {list(expected_columns)}: a trainer with "
+            "remove_unused_columns=True drops every column but prompt/image/images (pass --remove_unused_columns "
+            "false, GRPO's default)"
+        )
+    for column, values in data.items():
+        if len(values) != n:
+            raise ValueError(f"{name}: column {column!r} has {len(values)} entries but there are {n} completions")
+    return data
+
+
+def _scored(name: str, score: Callable, text: str, row: Mapping[str, Any], i: int) -> Mapping[str, float]:
+    """``score(text, row)``; whatever it raises becomes a ValueError naming batch row ``i`` and its prompt."""
+    try:
+        return score(text, row)
+    except Exception as err:  # noqa: BLE001 -- whatever a scorer raises is named with its row
+        prompt = _short(row["prompt"])
+        detail = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{name}: row {i} (0-based): {detail} (the batch's row with prompt {prompt})") from err
+
+
+def _log_scores(
+    name: str, columns: Mapping[str, Any], results: list, rows: list | None, answer: Callable | None
+) -> None:
+    """Log to TRL's ``log_extra`` (with ``rows``) and ``log_metric``, as :func:`as_trl_row_reward` says."""
+    log_extra = columns.get("log_extra")
+    if rows is not None and log_extra is not None and results:  # TRL's completions table: each completion's scores
+        for k in REWARD_KEYS:
+            log_extra(k, [None if math.isnan(float(r[k])) else float(r[k]) for r in results])
+        if answer is not None:
+            log_extra("answer", [answer(row) for row in rows])
+        flags = columns.get(TRUNCATION_KEYWORD)
+        if flags is not None and len(flags) == len(results):  # which were cut, so a reader sees why 0 was given
+            log_extra("truncated", [bool(flag) for flag in flags])
+    log_metric = columns.get("log_metric")
+    if log_metric is not None and results:
+        for k in ("format_reward", "answer_reward"):
+            mean = sum(float(r[k]) for r in results) / len(results)
+            if not math.isnan(mean):
+                log_metric(f"rewards/{name}/{k}", mean)
 
 
 def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | None:
@@ -332,15 +321,12 @@ def _truncated(name: str, columns: Mapping[str, Any], n: int) -> list[bool] | No
     if eos is not None and tokenizer is not None and ids is not None and len(ids) == n:
         ends = {*eos, tokenizer.pad_token_id}
         return [not c or c[-1] not in ends for c in ids]  # trl.GRPOTrainer._generate's is_truncated
-    if name not in _warned_unknown_truncation:
-        _warned_unknown_truncation.add(name)
-        import logging
-
-        logging.getLogger("trl_ext").warning(
-            f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
-            f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
-            "completion is credited"
-        )
+    say_once(
+        f"{name}: this task gives no credit to a completion the length limit cut, but its caller did not say "
+        f"which were cut ({TRUNCATION_KEYWORD}=...; trl_ext.GRPOTrainer and trl.GRPOTrainer do): every "
+        "completion is credited",
+        key=("unknown truncation", name),
+    )
     return None
 
 
@@ -362,13 +348,10 @@ def as_course_reward_fn(
 ) -> CourseRewardFn:
     """Turn a TRL reward function into a course-style ``reward_fn(response, ground_truth) -> dict``.
 
-    The TRL function is called on a batch of one: ``reward_func(prompts=[""], completions=[response],
-    completion_ids=None, **{answer_column: [ground_truth]})`` (with ``prompts=[[]]`` and the response wrapped as
-    ``[{"role": "assistant", "content": response}]`` when ``conversational``).
-
-    A TRL reward returns a single number, so the dict holds it as both ``"reward"`` and ``"answer_reward"``;
-    ``"format_reward"`` comes from ``format_reward_func`` (same call) when given and is ``nan`` otherwise, so a
-    format rate that was never measured cannot be mistaken for one.
+    The TRL function is called on a batch of one, ``reward_func(prompts=[""], completions=[response],
+    completion_ids=None, **{answer_column: [ground_truth]})`` (a one-message conversation when ``conversational``);
+    its number is both ``"reward"`` and ``"answer_reward"``; ``"format_reward"`` comes from ``format_reward_func``,
+    else ``nan`` (never measured).
 
     Args:
         reward_func: TRL-style reward function.

@@ -1,14 +1,10 @@
 """A response that copies its prompt's example of the answer format has not used the format.
 
-The R1-Zero prompt shows the format it asks for: trl_ext's ``r1_zero`` template (the DeepSeek-R1 paper's, Table 1)
-and the course's ``r1_zero.prompt`` end their instruction with
-``<think> reasoning process here </think> <answer> answer here </answer>``. A small model often repeats that line,
-which the course's ``r1_zero_reward_fn`` scores as well formed (``format_reward`` 1, the answer wrong): measured on
-GSM8K with the course's prompt, such copies made up much of the 135M model's format rate. :func:`without_copied_format`
-wraps a grader so that a response whose last ``<answer>`` tag holds the template's own example text (``answer
-here``, or nothing, as in the template's "enclosed within <answer> </answer> tags") gets
-``format_reward`` 0; its ``reward`` and ``answer_reward`` are the grader's, unchanged (the
-example is never a right answer, and training keeps the grader's reward as it is).
+The R1-Zero prompt (DeepSeek-R1, Table 1; the course's ``r1_zero.prompt``) ends with ``<think> reasoning process here
+</think> <answer> answer here </answer>``; a small model often repeats it, which ``r1_zero_reward_fn`` scores as well
+formed (much of the 135M model's format rate on GSM8K). :func:`without_copied_format` wraps a grader so that a
+response whose last ``<answer>`` tag holds the example's text (``answer here``, or nothing) gets ``format_reward`` 0;
+``reward`` and ``answer_reward`` stay the grader's.
 """
 
 from __future__ import annotations

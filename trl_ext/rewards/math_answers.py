@@ -1,16 +1,10 @@
 """Verifiable rewards for math answers: R1-Zero format + answer, GSM8K / arithmetic last number, MATH boxed answers.
 
 Each reward is written once in the course shape ``reward_fn(response, ground_truth) -> {"reward", "format_reward",
-"answer_reward"}`` (CS336 assignment 5) and exported in the TRL shape ``reward_func(prompts, completions,
-**columns) -> list[float]`` through :func:`trl_ext.rewards.adapters.as_trl_reward`, reading the ground truth from
-the ``answer`` column written by the loaders in :mod:`trl_ext.data`.
-
-Symbolic equivalence is decided by the ``math-verify`` library (``math_verify.parse`` / ``math_verify.verify``), run
-in a worker process with a wall-clock limit (:mod:`trl_ext.rewards.verify_worker`): math-verify's own timeout uses
-``signal.alarm``, which works only in the main thread and cannot interrupt a huge integer power, so a degenerate
-answer such as ``\\boxed{9^{9^{9^{9}}}}`` would otherwise hang the whole process. Grading is therefore bounded by
-:data:`MATH_VERIFY_TIMEOUT_S` in every thread, and answers that plain string or number comparison settles never
-reach math-verify.
+"answer_reward"}`` (CS336 assignment 5) and exported in TRL's shape by :func:`trl_ext.rewards.adapters.as_trl_reward`
+(ground truth from the ``answer`` column). Symbolic equivalence is math-verify's, run in a worker process bounded by
+:data:`MATH_VERIFY_TIMEOUT_S` (:mod:`trl_ext.rewards.verify_worker`), only where string or number comparison cannot
+settle it.
 """
 
 from __future__ import annotations
@@ -22,21 +16,12 @@ from trl_ext.rewards.adapters import as_trl_reward
 from trl_ext.rewards.verify_worker import verify_in_worker
 
 MATH_VERIFY_TIMEOUT_S = 1.0
-"""Time limit (seconds) for grading one answer with math-verify (parse + verify), in any thread: CPU seconds of the
-grading worker (Linux), and at most twice that in wall time (see :mod:`trl_ext.rewards.verify_worker`). Read at each
-call, so it can be changed at run time (``trl_ext.rewards.math_answers.MATH_VERIFY_TIMEOUT_S = 3.0``)."""
+"""Time limit (seconds) for grading one answer with math-verify, in any thread: CPU seconds of the worker (Linux), at
+most twice that in wall time. Read at each call, so it can be changed at run time."""
 
-# A number: optional minus sign (only when it does not follow a word character or a closing bracket, so the "-" of
-# "5-3" is an operator, not a sign), digits with optional thousands commas ("1,234"), optional decimal part; or a
-# decimal written without its leading zero (".25", not after a word character or a dot). A trailing "." ("42.")
-# is not part of the number.
+# The number rules are those of extract_last_number's docstring; a mantissa: "1,234", "3.50", ".25".
 _MANTISSA = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)"
-# Scientific notation, tried before the plain number at each place:
-#   * E notation "1.5e3", "1.5E-3", "2e+6": the mantissa does not follow a word character or a dot and the exponent
-#     is followed by neither a word character nor ".digit", so "the3e5", "3e5a" (hex), "3eggs" and "3e" stay plain;
-#   * a power of ten "1.5 \times 10^{3}", "2.5 × 10^3", "2.5x10^3", "1.5\cdot 10^{-3}", "3*10**4", "6.02·10²³"
-#     (LaTeX spaces allowed around the sign), and "10^3" alone (1000; other powers such as "2^10" are not evaluated).
-# Exponents have at most 6 digits.
+# Scientific notation (E notation, a power of ten, "10^3" alone; exponents of at most 6 digits) before plain numbers.
 _SPACE = r"(?:[^\S\n]|\\[,;:! ]|~)*"  # spaces within a line, LaTeX spaces
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁺⁻", "0123456789+-")
 _NUMBER_BODY = (
@@ -49,10 +34,7 @@ _NUMBER_BODY = (
 _NUMBER_RE = re.compile(rf"(?P<sign>(?<![\w)\]])-)?(?:{_NUMBER_BODY})")
 _WHOLE_NUMBER_RE = re.compile(rf"(?P<sign>-)?(?:{_NUMBER_BODY})")
 
-# LaTeX thousands separators between a digit and a group of exactly three digits: a comma, braced or not, followed
-# by LaTeX spaces ("12{,}345", "12,\!345", "12,\,345"), or LaTeX spaces alone ("12\,345" thin space, "12\!345",
-# "12\:345", "12\;345", "12\ 345", "12~345", "12\thinspace 345"); and the braced decimal point "0{.}25". They are
-# rewritten to a plain "," (".") before numbers are read.
+# LaTeX thousands separators before a group of exactly three digits; the braced decimal point (normalize_number_text)
 _LATEX_SPACE = r"(?:\\[,!:; ]|\\thinspace\s*|~)"
 _LATEX_THOUSANDS_RE = re.compile(rf"(?<=\d)(?:(?:\{{,\}}|,){_LATEX_SPACE}*|{_LATEX_SPACE}+)(?=\d{{3}}(?!\d))")
 _LATEX_DECIMAL_RE = re.compile(r"(?<=\d)\{\.\}(?=\d)")
@@ -82,9 +64,8 @@ def _plain_number(match: str) -> str:
 def _number_value(match: re.Match) -> tuple[str, Decimal]:
     """A match of ``_NUMBER_RE``/``_WHOLE_NUMBER_RE`` as (normalized text, value).
 
-    Plain numbers keep their digits (:func:`_plain_number`); scientific ones are written out ("2.5 × 10^3" ->
-    "2500", "1.5e-3" -> "0.0015"), or in E notation when the value has more than 100 digits before or after the
-    point ("1e500" -> "1e+500"), so no huge string is ever built.
+    Scientific numbers are written out ("1.5e-3" -> "0.0015"), or in E notation beyond 100 digits ("1e500" ->
+    "1e+500"), so no huge string is ever built.
     """
     exponent = match["e"] or match["braced"] or match["bare"] or (match["sup"] or "").translate(_SUPERSCRIPTS)
     if not exponent:
@@ -124,10 +105,8 @@ def extract_last_number(text: str) -> str | None:
 def to_decimal(text: str) -> Decimal | None:
     """Parse a whole string as a decimal number ("72", "-3.50", "1,234", "42.", ".25"); ``None`` if it is not one.
 
-    LaTeX thousands separators and decimal points are read as plain ones (``"3{,}000"``, ``"3,\\!000"``,
-    ``"3\\,000"`` -> 3000; see :func:`normalize_number_text`), and scientific notation as its value (``"1.5e3"``,
-    ``"1.5 \\times 10^{3}"``, ``"2.5 × 10^3"``, ``"10^{-2}"``; see :func:`extract_last_number`). Surrounding
-    whitespace and a trailing dot are ignored; nothing else is (``"$5"`` and ``"5 apples"`` give None).
+    Numbers are read as in :func:`extract_last_number` (LaTeX separators, scientific notation: ``"3{,}000"``,
+    ``"1.5e3"``). Surrounding whitespace and a trailing dot are ignored; nothing else is (``"$5"`` gives None).
     """
     match = _WHOLE_NUMBER_RE.fullmatch(normalize_number_text(text.strip()).removesuffix("."))
     return None if match is None else _number_value(match)[1]
@@ -179,9 +158,6 @@ def gsm8k_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
         response: the model's completion text.
         ground_truth: the final answer as a number string (``"72"``, the ``answer`` column of the loaders); a raw
             GSM8K answer field ending in ``"#### 72"`` is accepted too.
-
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
 
     Raises:
         ValueError: the ground truth is not a number.
@@ -259,13 +235,11 @@ def _box_spans(text: str) -> list[tuple[int, int, str | None]]:
 def extract_boxed_parts(text: str) -> tuple[list[str], int]:
     """Return the final group of ``\\boxed{}`` contents of ``text`` and the number of other boxes before it.
 
-    A group is a run of boxes separated only by math delimiters, LaTeX spaces and a list connector (``","``,
-    ``";"``, ``"and"``, ``"or"``, ``"&"``), possibly followed by the unknown's name (``"x = \\boxed{2}`` or
-    ``x = \\boxed{4}"``): ``"... are $\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``,
-    the parts of a multi-part answer. Boxes separated from the group by other text (a retracted guess, a boxed
-    intermediate result) are not part of the answer; they are counted in the second value, so a caller can tell
-    that the answer was chosen among several: ``"First $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$"`` ->
-    ``(["4"], 1)``. A box inside a box counts as its inner content.
+    A group is a run of boxes separated only by math delimiters, LaTeX spaces, a list connector (``","``, ``";"``,
+    ``"and"``, ``"or"``, ``"&"``) and the unknown's name (``"x = \\boxed{2} or x = \\boxed{4}"``):
+    ``"$\\boxed{2}$ and $\\boxed{4}$."`` -> ``(["2", "4"], 0)``. Earlier boxes separated by other text are counted:
+    ``"First $\\boxed{3}$ is wrong; the answer is $\\boxed{4}$"`` -> ``(["4"], 1)``. A box in a box counts as its
+    inner content.
 
     Returns:
         ``([], 0)`` when there is no box, or the last box is never closed (a truncated generation).
@@ -276,9 +250,7 @@ def extract_boxed_parts(text: str) -> tuple[list[str], int]:
     first = len(spans) - 1
     while first > 0 and spans[first - 1][2] is not None:
         gap = _GAP_MARKUP_RE.sub(lambda m: m.group(1) or "", text[spans[first - 1][1] : spans[first][0]])
-        gap = _GAP_ASSIGNMENT_RE.sub(
-            "", "".join(gap.split()).lower()
-        )  # "x=\boxed{2} and x=\boxed{4}": the name of the unknown
+        gap = _GAP_ASSIGNMENT_RE.sub("", "".join(gap.split()).lower())  # "x=": the name of the unknown
         if gap not in _GAP_CONNECTORS:
             break
         first -= 1
@@ -311,8 +283,7 @@ def extract_math_answer(text: str) -> str | None:
     """Return the final answer of a MATH-style response, or ``None`` when none is marked.
 
     Order: the last ``<answer>...</answer>`` block (and the boxed answer inside it, if any); otherwise the boxed
-    answer of the whole text. A boxed answer is the final group of boxes (:func:`extract_boxed_answer`): one box,
-    or several joined by a list connector (``"$\\boxed{2}$ and $\\boxed{4}$"`` -> ``"2, 4"``).
+    answer of the whole text (:func:`extract_boxed_answer`).
     """
     tagged = extract_answer_tag(text)
     if tagged is not None:
@@ -323,12 +294,10 @@ def extract_math_answer(text: str) -> str | None:
 def grade_math_answer(answer: str, ground_truth: str) -> bool:
     """True when ``answer`` is mathematically equivalent to ``ground_truth``.
 
-    Checks in order: equal strings after stripping; equal values when both are numbers (``"3.50"`` vs ``"3.5"``,
-    ``"1.5e3"`` vs ``"1500"``, see :func:`to_decimal`); otherwise ``math_verify.verify(parse(ground_truth),
-    parse(answer))`` (symbolic / numeric
-    equivalence: ``"\\frac{1}{2}"`` vs ``"0.5"``, ``"\\sqrt{4}"`` vs ``"2"``), in a worker process bounded by
-    :data:`MATH_VERIFY_TIMEOUT_S` seconds. Parse or comparison failures, expressions too large to evaluate (e.g.
-    ``9^{9^{9^{9}}}``, ``(10^{10^{10}})!``) and timeouts count as not equivalent. Safe to call from any thread.
+    Checks in order: equal strings after stripping; equal values when both are numbers (:func:`to_decimal`);
+    otherwise ``math_verify.verify(parse(ground_truth), parse(answer))`` (``"\\frac{1}{2}"`` vs ``"0.5"``) in a
+    worker bounded by :data:`MATH_VERIFY_TIMEOUT_S`. Failures, expressions too large to evaluate (``9^{9^{9^{9}}}``)
+    and timeouts count as not equivalent. Safe from any thread.
 
     Args:
         answer: the extracted model answer (no surrounding prose), LaTeX or plain text.
@@ -368,9 +337,6 @@ def math_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     Args:
         response: the model's completion text.
         ground_truth: the reference answer (e.g. ``"\\frac{1}{2}"``; the ``answer`` column of the loaders).
-
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
     """
     predicted = extract_math_answer(response)
     if predicted is None:
@@ -397,17 +363,12 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
         ``reward`` = ``answer_reward``: 1.0 only when the format AND the answer are right (no partial credit for
         format, as in the course, so that format alone cannot be reward-hacked).
 
-    One deliberate difference from the course code: text after ``"</answer>"`` is ignored, whereas the course
-    grades everything after the last ``"<answer>"`` with ``"</answer>"`` deleted. The course stops generation at
-    ``"</answer>"``, and so do trl_ext's rollouts and evaluation on R1-Zero tasks (``trl_ext.stop_strings``), so both
-    graders see the same text there; this one also grades a response generated without the stop.
+    One deliberate difference from the course code: text after ``"</answer>"`` is ignored (the course deletes
+    ``"</answer>"`` and grades the rest); with generation stopped at ``"</answer>"``, as both do, they agree.
 
     Args:
         response: the model's completion (text after the prompt's ``"<think>"``).
         ground_truth: the reference answer (the ``answer`` column of the loaders).
-
-    Returns:
-        ``{"reward": float, "format_reward": float, "answer_reward": float}``.
     """
     if "</think> <answer>" not in response:
         return dict(_ZERO)

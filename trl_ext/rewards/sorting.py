@@ -8,17 +8,11 @@ The prompt lists N distinct non-negative integers; the response should list them
   ``[7, 2, 2, 5]`` -> 1 + 2 = 3, ``[0, 3, 1, 2]`` -> 4 + 2 = 6.
 * all-or-nothing (``sort_exact_match``): 1.0 when the response lists exactly ``sorted(prompt)``, else 0.0.
 
-The lecture's model emits exactly N tokens; a language model writes free text. The response's numbers are therefore
-all non-negative integers written in it (:func:`parse_number_list`), in order, and a response must list exactly N of
-them to earn any shaped reward (the lecture's reward assumes ``len(response) == len(prompt)``). Without that gate the
-reward is easy to game: scoring only the first N numbers let a trial run learn to append extra numbers (free
-points, never an exact answer), and scoring them all pays for any long ascending list. The exact reward needs the
-whole list to equal ``sorted(prompt)``.
-
-Both are written course-style (``reward_fn(response, ground_truth) -> {"reward", "format_reward", "answer_reward"}``)
-and exported TRL-style through :func:`trl_ext.rewards.adapters.as_trl_reward`; the ground truth is the ``answer``
-column of :func:`trl_ext.data.sorting.make_sorting_dataset` (the sorted numbers, space separated), which holds the
-same numbers as the prompt, so the shaped reward needs no other column.
+A response's numbers are all non-negative integers written in it (:func:`parse_number_list`), and it must list
+exactly N of them to earn any shaped reward (the lecture's model emits exactly N tokens; without the gate a run learned
+to append extra numbers for free points). Both rewards are course-style and exported TRL-style
+(:func:`trl_ext.rewards.adapters.as_trl_reward`); the ground truth is the ``answer`` column of
+:func:`trl_ext.data.sorting.make_sorting_dataset` (the sorted numbers, space separated).
 """
 
 from __future__ import annotations

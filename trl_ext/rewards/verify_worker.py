@@ -1,31 +1,15 @@
 """Time-bounded math-verify grading in a child process, safe from any thread.
 
-Why a process: math-verify bounds its work with ``signal.alarm``, which only works in the main thread, and a
-degenerate answer such as ``9^{9^{9^{9}}}`` or ``(10^{10^{10}})!`` makes sympy compute a huge integer in one C call
-that holds the interpreter lock: no signal and no other thread can interrupt it, and the whole process hangs. A
-child process can always be killed. So every math-verify ``parse`` + ``verify`` runs in a small worker process
-(this file run as a script: it imports only the standard library and ``math_verify``, never ``trl_ext``, torch or
-transformers), and the caller waits until the worker has spent ``timeout`` seconds of CPU time on the answer
-(Linux; wall time elsewhere), at most ``WALL_FACTOR * timeout`` of wall time; past that the worker is killed and
-the answer counts as not equivalent. On an idle machine that is about ``timeout`` seconds; counting CPU time keeps
-a loaded machine from turning slow ordinary answers into wrong ones. Workers are forks of a "zygote" process that
-imported math-verify once and warmed its lazy parts up, so a replacement costs milliseconds.
+Why a process: math-verify's timeout is ``signal.alarm`` (main thread only), and ``9^{9^{9^{9}}}`` makes sympy
+compute a huge integer in one C call holding the interpreter lock, so the whole process hangs; a child process can
+always be killed. Each ``parse`` + ``verify`` runs in a worker (this file as a script: standard library and
+``math_verify`` only) forked from a warmed-up "zygote"; the caller waits for ``timeout`` CPU seconds of the worker
+(Linux; wall time elsewhere), at most ``WALL_FACTOR * timeout`` wall seconds, then kills it: not equivalent.
 
-Two guards run inside the worker before ``verify``:
-
-* a size bound on the parsed expressions (:func:`_too_large`): an integer power, factorial, binomial or gamma whose
-  value would have more than :data:`MAX_DIGITS` decimal digits (or a power of a symbolic base with an exponent over
-  :data:`MAX_SYMBOLIC_EXPONENT`, whose expansion would not end) is rejected at once, so the common degenerate
-  outputs cost milliseconds, not a killed worker;
-* a memory limit (``RLIMIT_AS``, :data:`WORKER_MEMORY_BYTES`) and, on Linux, death with the parent process.
-
-Workers are pooled (one per thread grading at the same time) and reused, and cache their parses; ``math_verify``'s
-own signal timeouts are off inside them (the caller's limit replaces them) and its "Timeout is disabled" warning is
-silenced there, so nothing is printed per call. The pool belongs to one process: a process forked from it (a
-``multiprocessing`` pool, dataloader workers, a user's reward code) drops the inherited sockets without touching
-them (``os.register_at_fork``, and a pid check for forks that bypass it) and starts its own zygote, so two processes
-never read each other's verdicts. A worker found dead (killed, crashed) is replaced. POSIX only (``fork``, Unix
-sockets passed with ``socket.send_fds``).
+Inside the worker a size bound (:func:`_too_large`: results over :data:`MAX_DIGITS` digits, symbolic exponents over
+:data:`MAX_SYMBOLIC_EXPONENT`) rejects degenerate answers at once, under a memory limit (:data:`WORKER_MEMORY_BYTES`).
+Workers are pooled per grading thread, reused and replaced when dead; a forked child process drops the inherited pool
+and starts its own. POSIX only.
 """
 
 from __future__ import annotations
@@ -392,20 +376,15 @@ def _idle_worker() -> _Worker | None:
 def verify_in_worker(gold: str, pred: str, timeout: float) -> bool:
     """True when math-verify shows ``pred`` equivalent to ``gold`` within ``timeout`` seconds (see ``_Worker.request``).
 
-    Runs ``math_verify.parse`` on both (LaTeX first, then plain expression) and ``math_verify.verify(gold, pred)`` in
-    a pooled worker process (see the module docstring). Thread-safe: each concurrent caller uses its own worker.
-    Fork-safe: a process forked from this one (a ``multiprocessing`` pool, dataloader workers) never uses the
-    parent's workers; its first call starts its own zygote. A worker that died (killed from outside, crashed) is
-    replaced, and a request it was answering is sent once more to a fresh worker within the same time limit.
-    The first call in a process starts the zygote process (imports math-verify: a few seconds, not counted in the
-    limit); later workers are forks of it (milliseconds).
+    ``math_verify.parse`` on both (LaTeX first, then plain) and ``math_verify.verify(gold, pred)`` in a pooled worker
+    (module docstring); thread- and fork-safe. A request whose worker died is sent once more to a fresh one. The first
+    call starts the zygote (a few seconds, not counted in the limit).
 
     Args:
         gold: reference answer text (LaTeX or plain).
         pred: predicted answer text.
-        timeout: limit in seconds (> 0): CPU time of the worker on Linux, wall time elsewhere, and never more than
-            ``WALL_FACTOR * timeout`` of wall time in all; on expiry the worker is killed (a fresh fork replaces
-            it) and the result is False.
+        timeout: limit in seconds (> 0): the worker's CPU time on Linux, wall time elsewhere, at most
+            ``WALL_FACTOR * timeout`` of wall time; on expiry the worker is killed and the result is False.
 
     Returns:
         The verdict; False on a parse failure, an expression over the size bound, a timeout, or a worker that died

@@ -1,9 +1,9 @@
 """TRL trainers with the course's math swapped in; each overrides only the hook that computes it."""
 
-from .dpo import DPOConfig, DPOTrainer
-from .grpo import GRPOConfig, GRPOTrainer
-from .reward import RewardConfig, RewardTrainer
-from .sft import SFTConfig, SFTTrainer
+from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
+from trl_ext.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from trl_ext.trainers.reward import RewardConfig, RewardTrainer
+from trl_ext.trainers.sft import SFTConfig, SFTTrainer
 
 __all__ = [
     "DPOConfig",

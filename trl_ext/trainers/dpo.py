@@ -31,8 +31,8 @@ import trl
 from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
 from trl_ext.data.prompts import strip_leading_bos_columns
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.opening import DATA_PARAMS, LOOP_PARAMS, opening_args
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +43,7 @@ _SMOOTHED_LOSS_TYPES = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")
 
 # Upstream methods trl_ext.DPOTrainer overrides or calls: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
-    "__init__": (
-        "model",
-        "ref_model",
-        "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
-        "quantization_config",
-        "peft_config",
-    ),
+    "__init__": ("model", "ref_model", "args", *DATA_PARAMS, *LOOP_PARAMS, "quantization_config", "peft_config"),
     "_prepare_dataset": ("dataset", "processing_class", "args", "dataset_name"),
     "_compute_loss": ("model", "inputs", "return_outputs"),
     "compute_ref_log_probs": ("model", "inputs"),
@@ -146,25 +133,15 @@ def _frozen_reference(model: Any, args: DPOConfig, peft_config: Any) -> Any:
 class DPOTrainer(TrainerMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` computing the sigmoid loss with `trl_ext.functional.dpo_loss` (cDPO when label_smoothing > 0).
 
-    Takes everything `trl.DPOTrainer` takes (`model`, `ref_model`, `args`, ...); `args` may also be a
-    `trl.DPOConfig` or a plain `transformers.TrainingArguments` (fields copied by value, the others keep their
-    defaults, then checked as a `trl_ext.DPOConfig`; upstream's DPOTrainer fails on TrainingArguments). Each
-    checkpoint also holds the
-    running token count behind `num_tokens`.
-
-    The reference model, when `ref_model` is not given: a model passed as an object (not PEFT, no `peft_config`)
-    gets a frozen deep copy of itself as it is passed -- the DPO reference is the policy before training -- where
-    upstream reloads the weights from `model.config._name_or_path` (which fails for a model built in memory, and
-    silently differs from the policy for one whose weights were changed after loading). A PEFT model (or
-    `peft_config`) keeps upstream's reference, the base model with the adapters disabled; a model given by name,
-    `precompute_ref_log_probs` (outside FSDP), DeepSpeed ZeRO-3 and a quantized model keep upstream's behaviour too.
+    Takes `trl.DPOTrainer`'s arguments; `args` may be a `trl.DPOConfig` or `TrainingArguments` (copied into a
+    `trl_ext.DPOConfig`). Checkpoints also hold the `num_tokens` count. Without `ref_model`, a non-PEFT model object
+    gets a frozen deep copy of itself as reference (upstream reloads `config._name_or_path`); PEFT, a model by name,
+    `precompute_ref_log_probs`, ZeRO-3 and quantized models keep upstream's reference.
 
     Raises:
-        ValueError: `label_smoothing` > 0 with "sigmoid" combined with other loss types or upstream extensions
-        (cDPO is defined for the sigmoid loss alone), or with loss types that all ignore it; an invalid preference
-        row (see `DPOConfig.skip_invalid_pairs`); and whatever `trl.DPOTrainer` raises. RuntimeError: the installed
-        TRL is untested or lacks a seam this trainer overrides (`trl_ext.trainers.upstream`).
-    """
+        ValueError: `label_smoothing` > 0 except with "sigmoid" alone; an invalid preference row (see
+            `DPOConfig.skip_invalid_pairs`); whatever `trl.DPOTrainer` raises.
+        RuntimeError: an untested TRL or a missing seam (`trl_ext.trainers.upstream`)."""
 
     _tag_names = ["trl", "dpo", "trl_ext"]
 
@@ -172,11 +149,7 @@ class DPOTrainer(TrainerMixin, trl.DPOTrainer):
         self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos_args: Any, **kwargs: Any
     ):
         check_upstream(trl.DPOTrainer, _SEAMS)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = DPOConfig(f"{name.split('/')[-1]}-DPO")
-        elif not isinstance(args, DPOConfig):
-            args = config_from_upstream(DPOConfig, args)
+        args = opening_args(DPOConfig, model, args, "DPO")
         if ref_model is None:
             peft_config = (
                 inspect.signature(trl.DPOTrainer.__init__)

@@ -1,29 +1,19 @@
 """What a resume may change: every config field of each trl_ext trainer, classified once, as data.
 
-A run resumed from a checkpoint is the uninterrupted run only when the steps after the checkpoint read the same rows
-and compute the same things. Each field of ``trl_ext.SFTConfig``, ``DPOConfig``, ``RewardConfig`` and ``GRPOConfig``
-(TRL's fields, transformers' ``TrainingArguments`` fields and trl_ext's own) is in exactly one class
-(``tests/test_resume_classes.py`` fails when a TRL or transformers upgrade adds a field nobody classified):
+Each field of ``trl_ext.SFTConfig``, ``DPOConfig``, ``RewardConfig`` and ``GRPOConfig`` is in exactly one class
+(``tests/test_resume_classes.py`` fails on an unclassified field after an upgrade):
 
-- **refused** (:data:`REFUSE`): it changes which rows or batches a step reads (batch size, accumulation, seeds, the
-  sampler, packing, shuffling, GRPO's rollout shape). Its value is saved with each checkpoint (``resume_options``)
-  and a resume with another value raises :class:`ResumeMismatchError` naming the option and both values -- in a
-  recipe before the model loads (``trl_ext.run.check_resume``), in the library at ``train()`` before any step.
-- **warned** (:data:`WARN`): it changes what the steps after the checkpoint compute (the learning rate and
-  schedule, the loss and its coefficients, truncation, sampling, precision). Saved too (``changeable_options``); a
-  resume with another value logs one warning naming the option, both values and what the resumed run does.
-- **free** (:data:`FREE`): logging, saving, output, evaluation, the length of training (``max_steps``) and how the
-  same math runs (workers, kernels, memory savers: float rounding at most). Not compared.
+- **refused** (:data:`REFUSE`): changes which rows or batches a step reads (batch size, seeds, sampler, packing, GRPO's
+  rollout shape); saved with each checkpoint (:func:`resume_options`), a change raises :class:`ResumeMismatchError`
+  (recipes: before the model loads; library: at ``train()``).
+- **warned** (:data:`WARN`): changes what later steps compute (learning rate, loss, sampling, precision); saved
+  (:func:`changeable_options`), a change logs one warning.
+- **free** (:data:`FREE`): logging, saving, evaluation, ``max_steps``, how the same math runs. Not compared.
 
-Some options change which rows exist only for some data (SFT's ``max_length`` leaves a row with no completion
-token, which TRL drops; ``skip_invalid_pairs``): they are classified by what they do to every row and marked
-``drops_rows``; the number of rows of the prepared training set is saved too and a resume that changes it is
-refused at ``train()`` (:func:`check_training_rows`), whatever changed it (such an option, or the data).
-
-The tables: :data:`COMMON` (``transformers.TrainingArguments``, every trainer) and :data:`SFT`, :data:`DPO`,
-:data:`REWARD`, :data:`GRPO` (the trainer's own fields: the same name means another thing in another trainer, e.g.
-``max_length`` truncates in SFT and DPO but drops pairs in the reward trainer); :func:`resume_rules` picks them for a
-config.
+Options marked ``drops_rows`` may change which rows exist for some data; the prepared training set's row count is saved
+and checked too (:func:`check_training_rows`). Tables: :data:`COMMON` (``TrainingArguments``) and :data:`SFT`,
+:data:`DPO`, :data:`REWARD`, :data:`GRPO` (the same name may mean another thing per trainer); :func:`resume_rules` picks
+them for a config.
 """
 
 from __future__ import annotations
@@ -37,6 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trl
+
+from trl_ext.logs import say_once
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +73,12 @@ class ResumeRule:
 
     Attributes:
         kind: :data:`REFUSE`, :data:`WARN` or :data:`FREE`.
-        note: refused: what the option changes; warned: the effect the warning states (a template of ``old`` and
-            ``new``, or a function ``(old, new, saved, args) -> str``); free: why it may change.
-        only_if: compared only while this is true of the config (``max_sampling_rounds`` while ``dynamic_sampling``).
-        refuse_if: for a warned option, ``(old, new, args) -> bool``: refused instead of warned (GRPO's ``beta`` from
-            or to 0, SFT's ``max_length`` while packing).
-        drops_rows: it may also change which rows the prepared training set holds, for some data (see
-            :func:`check_training_rows`).
-        value: the value saved and compared, from the config (default: the field itself, as JSON reads it back).
-    """
+        note: refused: what the option changes; warned: the effect stated (a template of ``old`` and ``new``, or ``(old,
+            new, saved, args) -> str``); free: why it may change.
+        only_if: compared only while this is true of the config.
+        refuse_if: for a warned option, ``(old, new, args) -> bool``: refused instead of warned.
+        drops_rows: it may change which rows the prepared training set holds (:func:`check_training_rows`).
+        value: the value saved and compared (default: the field, as JSON reads it back)."""
 
     kind: str
     note: str | Callable[..., str]
@@ -387,7 +376,8 @@ GRPO: dict[str, ResumeRule] = {
     "vllm_importance_sampling_cap": warned(),
     "vllm_importance_sampling_clip_min": warned(),
     "vllm_importance_sampling_clip_max": warned(),
-    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo_terms, trl_ext.losses)
+    # TRL's objective options (each implemented as upstream means it: trl_ext.trainers.grpo.terms,
+    # trl_ext.objective.losses)
     "importance_sampling_level": warned(),
     "top_entropy_quantile": warned(),
     "entropy_coef": warned(_entropy_coef_effect),
@@ -546,21 +536,15 @@ def read_state(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_over: str = LIBRARY_START_OVER) -> None:
-    """Refuse to resume ``checkpoint`` with options that would not continue it exactly; warn once for each option
-    that changes what the steps after it compute.
+    """Refuse to resume ``checkpoint`` with options that would not continue it exactly; warn once per option that
+    changes what later steps compute.
 
-    Compares the refused options of ``args`` (:func:`resume_options`) with those saved in the checkpoint's
-    ``trl_ext_state.json``, then the warned ones (:func:`changeable_options`, :func:`warn_changed_options`); a
-    warned option whose rule refuses this change (``refuse_if``) is refused with the others. Free options are not
-    compared. A checkpoint of an older trl_ext, which did not save them, is checked for what its files still tell
-    (the number of processes and the per-device batch size; for round 3's GRPO checkpoints whether dynamic sampling
-    was on), and one warning names the options left unchecked. Needs no model: the recipes call it before loading
-    one (``trl_ext.run.check_resume``), ``TrainerMixin.train`` again before any step.
+    Compares :func:`resume_options` of ``args`` with the checkpoint's ``trl_ext_state.json``, then the warned ones
+    (:func:`warn_changed_options`; a ``refuse_if`` hit is refused). An older checkpoint that did not save them is
+    checked for what its files tell, with one warning naming the options left unchecked. Needs no model.
 
     Raises:
-        ResumeMismatchError: naming each option that differs with its value in the checkpoint and now, and how to
-            start over (``how_to_start_over``; the recipes say a new ``--output_dir`` or ``--overwrite_output_dir``).
-    """
+        ResumeMismatchError: naming each differing option with both values, and ``how_to_start_over``."""
     checkpoint = os.fspath(checkpoint)
     state = read_state(checkpoint)
     if state is None:  # no such folder, or not a trl_ext checkpoint: resuming says so
@@ -601,18 +585,12 @@ def check_resume_options(checkpoint: str | os.PathLike, args: Any, how_to_start_
     warn_changed_options(checkpoint, args, saved_changeable)
 
 
-_warned: set[str] = set()
-
-
 def warn_changed_options(checkpoint: str, args: Any, saved: dict[str, Any]) -> list[str]:
-    """Log one warning per warned option (:func:`changeable_options`) whose value differs from the checkpoint's,
-    naming both values and what the resumed run does (each line once per process: the recipes check before the
-    model loads, the trainer again in ``train()``).
+    """Log one warning per warned option (:func:`changeable_options`) that differs from the checkpoint's.
 
     Returns:
         The lines, e.g. ``"resuming checkpoint-9: temperature was 1.0, now 0.7; the steps after the checkpoint use
-        0.7"``.
-    """
+        0.7"``."""
     lines = []
     rules = resume_rules(args)
     for name, value in changeable_options(args).items():
@@ -621,24 +599,19 @@ def warn_changed_options(checkpoint: str, args: Any, saved: dict[str, Any]) -> l
             effect = note(old, value, saved, args) if callable(note) else note.format(old=old, new=value)
             lines.append(f"resuming {checkpoint}: {name} was {old!r}, now {value!r}; {effect}")
     for line in lines:
-        if line not in _warned:
-            _warned.add(line)
-            logger.warning(line)
+        say_once(line, log=logger)
     return lines
 
 
 def check_training_rows(
     checkpoint: str | os.PathLike, args: Any, rows: int | None, how_to_start_over: str = LIBRARY_START_OVER
 ) -> None:
-    """Refuse to resume when the prepared training set has another number of rows than the checkpoint's run had:
-    the steps after the checkpoint would read other rows (every row after a dropped one moves). Options that drop
-    rows for some data only (:func:`row_dropping_options`: SFT's ``max_length`` and ``completion_only_loss`` leave a
-    row with no trained token, which TRL drops; ``skip_invalid_pairs``), or other data, change it. Not checked for
-    a stream (``rows`` None) or a checkpoint that did not save it.
+    """Refuse to resume when the prepared training set has another row count than the checkpoint's run (every row after
+    a dropped one moves). Not checked for a stream (``rows`` None) or a checkpoint that did not save it.
 
     Raises:
-        ResumeMismatchError: ``training rows was 8, now 7``, with the options that may have changed it.
-    """
+        ResumeMismatchError: ``training rows was 8, now 7``, with the options that may have changed it
+            (:func:`row_dropping_options`)."""
     saved = (read_state(checkpoint) or {}).get("training_rows")
     if saved is None or rows is None or saved == rows:
         return

@@ -19,21 +19,16 @@ import trl
 
 from trl_ext import functional
 from trl_ext.data.preferences import check_preference_dataset
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.opening import DATA_PARAMS, LOOP_PARAMS, opening_args
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 # Upstream methods trl_ext.RewardTrainer overrides: name -> parameters after self (TRL 1.16.0).
 _SEAMS = {
     "__init__": (
         "model",
         "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
+        *DATA_PARAMS,
+        *LOOP_PARAMS,
         "optimizer_cls_and_kwargs",
         "preprocess_logits_for_metrics",
         "quantization_config",
@@ -82,11 +77,7 @@ class RewardTrainer(TrainerMixin, trl.RewardTrainer):
 
     def __init__(self, model: Any, args: trl.RewardConfig | None = None, *pos_args: Any, **kwargs: Any):
         check_upstream(trl.RewardTrainer, _SEAMS)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = RewardConfig(f"{name.split('/')[-1]}-Reward")
-        elif not isinstance(args, RewardConfig):
-            args = config_from_upstream(RewardConfig, args)
+        args = opening_args(RewardConfig, model, args, "Reward")
         super().__init__(model, args, *pos_args, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

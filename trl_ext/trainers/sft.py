@@ -1,27 +1,16 @@
-"""Instruction tuning with a safety penalty: `trl.SFTTrainer` plus an unlikelihood term on unsafe responses.
+"""Instruction tuning with a safety penalty: ``trl.SFTTrainer`` plus an unlikelihood term on unsafe responses.
 
     loss = CE + safety_penalty_weight * penalty
 
-* CE is upstream TRL's completion-only cross-entropy, unchanged: the mean of -log p over the completion tokens of
-  the batch (the EOS that closes each completion included, prompt tokens never), normalized by TRL's token count
-  (across gradient-accumulation micro-batches, like `transformers.Trainer`).
-* penalty = unlikelihood + banned_tokens, each averaged over the rows of the batch:
-  - unlikelihood (Welleck et al. 2019): for a row whose `unsafe_completion` column holds a response the model must not
-    give, the mean over that response's tokens (tokenized after the row's prompt) of -log(1 - p(token | prefix)),
-    computed by `trl_ext.functional.unlikelihood_loss`; rows without one contribute 0.
-  - banned_tokens (only with `banned_strings`): per row, the mean over the completion positions of
-    -log(1 - sum of p(first token of each banned string)), by `trl_ext.functional.banned_token_unlikelihood_loss`.
+* CE: upstream TRL's completion-only cross-entropy, unchanged (EOS included, TRL's token count normalization).
+* penalty = unlikelihood + banned_tokens, each a mean over the batch's rows: Welleck et al. 2019's -log(1 - p) over the
+  row's ``unsafe_completion`` tokens (``functional.unlikelihood_loss``; 0 without one), and with ``banned_strings``
+  -log(1 - sum p(first token of each banned string)) per completion position
+  (``functional.banned_token_unlikelihood_loss``).
 
-Logged beside TRL's `loss` (the total), `entropy`, `mean_token_accuracy` and `num_tokens`: `ce_loss`,
-`safety_penalty`, and with banned strings `safety_penalty/unlikelihood` and `safety_penalty/banned_tokens` (all in
-the units of `loss`, means over the processes as `loss` is, so loss = ce_loss + safety_penalty_weight *
-safety_penalty; eval metrics get TRL's `eval_` prefix). The penalty is computed in training only when its weight is
-positive, and always in evaluation.
-
-Several processes: every rank runs the same forwards in the same order each step, whatever its data. When the
-dataset has an `unsafe_completion` column, each batch carries an unsafe sub-batch; a batch with no unsafe row gets one
-placeholder row with no penalized token, so its unlikelihood forward runs too and adds exactly 0 (under DDP,
-FSDP2 or ZeRO-3 a forward that only some ranks run leaves the collectives unmatched and the run hangs).
+Logs ``ce_loss``, ``safety_penalty`` (and ``safety_penalty/unlikelihood``, ``/banned_tokens``) beside TRL's metrics, in
+``loss``'s units. Every rank runs the same forwards each step: a batch without an unsafe row gets a placeholder row that
+adds exactly 0 (a forward only some ranks run hangs DDP, FSDP2 or ZeRO-3).
 """
 
 from __future__ import annotations
@@ -37,8 +26,8 @@ from trl.data_utils import is_conversational
 
 from trl_ext import functional
 from trl_ext.data.prompts import strip_leading_bos_columns
-
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream, config_from_upstream
+from trl_ext.trainers.opening import DATA_PARAMS, LOOP_PARAMS, opening_args
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 UNSAFE_COMPLETION_COLUMN = "unsafe_completion"
 """Dataset column with a response the model must not give (plain text, or None/"" for none)."""
@@ -51,14 +40,9 @@ _SEAMS = {
     "__init__": (
         "model",
         "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
+        *DATA_PARAMS,
         "compute_loss_func",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
+        *LOOP_PARAMS,
         "optimizer_cls_and_kwargs",
         "preprocess_logits_for_metrics",
         "quantization_config",
@@ -206,11 +190,7 @@ class SFTTrainer(TrainerMixin, trl.SFTTrainer):
 
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, *pos_args: Any, **kwargs: Any):
         check_upstream(trl.SFTTrainer, _SEAMS)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = SFTConfig(f"{name.split('/')[-1]}-SFT")
-        elif not isinstance(args, SFTConfig):
-            args = config_from_upstream(SFTConfig, args)
+        args = opening_args(SFTConfig, model, args, "SFT")
         super().__init__(model, args, *pos_args, **kwargs)
         self.data_collator = DataCollatorWithUnsafeCompletions(self.data_collator, self._tokenizer.pad_token_id)
         self._banned_token_ids = (

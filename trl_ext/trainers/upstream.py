@@ -28,9 +28,9 @@ import trl
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ..models import base_model_id, name_base_model
-from ..quantized import keep_trainable
-from .resume import (  # which options a resume refuses, warns about or lets change
+from trl_ext.models import base_model_id, name_base_model
+from trl_ext.quantized import keep_trainable
+from trl_ext.trainers.resume import (  # which options a resume refuses, warns about or lets change
     RANK_STATE_FILE,
     STATE_FILE,
     changeable_options,
@@ -135,27 +135,15 @@ TRAINER_MIXIN_SEAMS = {
 class TrainerMixin:
     """What every trl_ext trainer adds around its TRL trainer (mix in before the TRL class).
 
-    Checkpoints: saves ``_checkpoint_state()`` with each checkpoint and gives it back to
-    ``_restore_checkpoint_state`` on resume. The refused and warned options (``trl_ext.trainers.resume``:
-    ``resume_options``, ``changeable_options``) and the number of rows of the prepared training set are saved beside
-    it, and ``train(resume_from_checkpoint=...)`` raises ``ResumeMismatchError`` before any step when a refused one
-    or the row count differs now, and warns once per changed warned one (``check_resume_options``,
-    ``check_training_rows``).
+    Checkpoints: ``_checkpoint_state()`` is saved to ``trl_ext_state.json`` (main process) and
+    ``_checkpoint_rank_state()`` to ``trl_ext_rank_state_{process_index}.pt``, both given back to
+    ``_restore_checkpoint_state`` on resume (as ``trl.GRPOTrainer._save_checkpoint`` does for its entropy controller,
+    TRL 1.16). The resume options and training row count are saved too; ``train(resume_from_checkpoint=...)`` refuses or
+    warns before any step (``check_resume_options``, ``check_training_rows``).
 
-    The state shared by all processes goes to ``trl_ext_state.json`` (written by the main process); a trainer whose
-    processes hold different state (GRPO's buffered rollout) returns it from ``_checkpoint_rank_state()``, saved by
-    each process as ``trl_ext_rank_state_{process_index}.pt`` (like transformers' per-process ``rng_state_{i}.pth``).
-    Mirrors ``trl.GRPOTrainer._save_checkpoint`` / ``_load_optimizer_and_scheduler`` (TRL 1.16), which do this for
-    the adaptive entropy controller.
-
-    Several processes: ``train()`` after ``evaluate()`` (a recipe's before-training evaluation) wraps the model in
-    DDP; see ``train``.
-
-    Portable outputs: what a save writes (the final model and every checkpoint: adapter_config.json, the adapter's
-    README, TRL's model card) names the real base model, ``trl_ext.models.base_model_id`` -- the Hub id
-    ``HuggingFaceTB/SmolLM2-135M-Instruct`` for the embedded model instead of its local cache folder, so a LoRA
-    adapter loads on any machine that has that model. See ``save_model`` and ``create_model_card``.
-    """
+    Saved outputs name the real base model (``trl_ext.models.base_model_id``, a Hub id instead of a cache folder):
+    see ``save_model`` and ``create_model_card``. ``train()`` after ``evaluate()`` under several processes: see
+    ``train``."""
 
     STATE_FILE = STATE_FILE
     RANK_STATE_FILE = RANK_STATE_FILE

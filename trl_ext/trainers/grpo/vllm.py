@@ -1,25 +1,12 @@
-"""vLLM generation in ``trl_ext.GRPOTrainer``: the engine TRL 1.16 builds in colocate mode, made to sample from the
-policy being trained, on a GPU and on vLLM's CPU build.
+"""vLLM generation in ``trl_ext.GRPOTrainer``: TRL 1.16's colocate engine made to sample from the policy being trained.
 
-TRL 1.16's colocate mode (``trl.generation.vllm_generation.VLLMGeneration``) builds one ``vllm.LLM`` per process from
-the policy's checkpoint folder and, before each generation after an optimizer step, loads the policy's current weights
-into it (``sync_weights``). Three things keep that engine from being the policy, each fixed here with one hook
-(``GRPOTrainer.__init__`` applies them; docs/scaling.md, "vLLM on CPU", has the reproductions):
+Three fixes, applied by ``GRPOTrainer.__init__`` (reproductions: docs/scaling.md, "vLLM on CPU"):
 
-1. **dtype.** TRL passes no ``dtype``, and vLLM's ``"auto"`` runs a float32 checkpoint in bfloat16 on every platform
-   (``vllm.config.model._resolve_auto_dtype`` downcasts float32), so a float32 policy sampled from a bf16 copy of
-   itself. :func:`engine_options` passes the policy's dtype (``GRPOConfig.vllm_dtype``; ``"auto"`` is TRL's
-   behaviour).
-2. **seed.** TRL passes ``seed = process index // tensor_parallel_size``, the same for every ``--seed``, and vLLM seeds
-   the process's global RNGs with it when the engine is built (``vllm.utils.torch_utils.set_random_seed``), which in
-   colocate mode is the process that trains: every run drew the same random numbers whatever its seed.
-   :func:`engine_options` adds ``args.seed``.
-3. **weights on vLLM's CPU build.** There, after loading, vLLM packs each linear layer's weight for its CPU GEMM
-   kernels and deletes the parameter (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``), so TRL's
-   ``model.load_weights([(name, param)])`` fails (``AttributeError: 'Parameter' object has no attribute
-   'weight_loader'``), and a tied LM head keeps its own packed copy, which even vLLM's ``reload_weights`` leaves
-   stale. :func:`sync_weights_in_place` reloads through vLLM's layerwise reload (which repacks every reloaded layer)
-   and repacks the embedding-backed layers after it.
+1. **dtype**: vLLM's ``"auto"`` runs a float32 checkpoint in bf16; :func:`engine_options` passes the policy's dtype
+(``GRPOConfig.vllm_dtype``). 2. **seed**: TRL seeds the engine (and so the training process's RNGs) with the process
+index only; :func:`engine_options` adds ``args.seed``. 3. **weights on vLLM's CPU build**: vLLM repacks linear weights
+and deletes the parameters, so TRL's ``load_weights`` fails; :func:`sync_weights_in_place` reloads layerwise and repacks
+the tied layers.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Advantage estimators, one registry entry each: the choices of ``GRPOConfig.advantage_estimator``.
 
-An estimator turns the rewards of a generation batch (every process's, gathered) into one advantage per rollout,
-independently of the loss that will weigh the log-probs by it (verl's ``register_adv_est``)::
+An estimator turns a generation batch's rewards (all processes) into one advantage per rollout, independently of the
+loss (verl's ``register_adv_est``): ``fn(rewards_per_func (N, K), reward_weights (K,), group_size, config) -> (N,)``
+(:class:`AdvantageEstimator`, :func:`register_advantage_estimator`); ``package.module:fn`` names a user's. Advantages
+exactly 0 are what ``skip_zero_advantage_rows`` skips and ``dynamic_sampling`` drops.
 
-    @register_advantage_estimator("group_normalized", options=("advantage_eps", "normalize_by_std"), formula="...")
-    def group_normalized(rewards_per_func, reward_weights, group_size, config): ...   # -> (N,) advantages
-
-``rewards_per_func`` is (N, K): the reward of each of the N rollouts under each of the K reward functions (NaN where
-a function returned None), rows of a prompt's group consecutive; ``reward_weights`` (K,) weigh them. The trainer
-logs, skips and filters by the advantages these return: a row of advantage exactly 0 trains nothing under a loss
-that declares ``zero_advantage_zero_gradient`` (``skip_zero_advantage_rows``), and a group whose advantages are all
-0 is what ``dynamic_sampling`` drops. ``--advantage_estimator package.module:fn`` names a user's function of that
-signature or an :class:`AdvantageEstimator`.
-
-Shapes: ``N`` = rollouts of the batch (all processes), ``K`` = reward functions, ``G`` = group size.
+Shapes: ``N`` = rollouts (all processes), ``K`` = reward functions, ``G`` = group size.
 """
 
 from __future__ import annotations
@@ -24,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .functional import compute_group_advantages
-from .registry import Registry
+from trl_ext.functional import compute_group_advantages
+from trl_ext.registry import Registry
 
 __all__ = [
     "AdvantageEstimator",
@@ -48,17 +40,13 @@ class AdvantageEstimator:
 
     Attributes:
         name: the ``advantage_estimator`` value.
-        fn: ``fn(rewards_per_func, reward_weights, group_size, config) -> advantages``: ``rewards_per_func`` (N, K)
-            float, NaN where a reward function gave no reward; ``reward_weights`` (K,); ``group_size`` G (N a
-            multiple of it; the trainer passes ``num_generations``, or ``num_generations_eval`` in evaluation);
-            ``config`` the trainer's ``GRPOConfig``. Returns (N,) float32 advantages, on any device (the trainer
-            moves them).
+        fn: ``fn(rewards_per_func, reward_weights, group_size, config) -> advantages``: rewards (N, K) float, NaN where
+            a function gave none; weights (K,); G divides N; ``config`` the ``GRPOConfig``. Returns (N,) float32 on any
+            device.
         options: the config attributes it reads.
-        spans_groups: a rollout's advantage depends on other groups' rewards (a statistic of the whole batch):
-            ``dynamic_sampling``, which assembles a batch from the groups of several generation rounds, refuses it.
+        spans_groups: an advantage depends on other groups' rewards (``dynamic_sampling`` refuses it).
         formula: the advantage in one line, for help texts.
-        source: where it comes from.
-    """
+        source: where it comes from."""
 
     name: str
     fn: EstimatorFn
@@ -68,76 +56,41 @@ class AdvantageEstimator:
     source: str = ""
 
 
-def _check_entry(name: str, entry: AdvantageEstimator) -> None:
-    if not isinstance(entry, AdvantageEstimator):
-        raise ValueError(
-            f"advantage estimator {name!r}: expected a trl_ext.advantages.AdvantageEstimator, got "
-            f"{type(entry).__name__}"
-        )
-
-
-def _load(obj: Any, path: str) -> AdvantageEstimator:
-    """What ``--advantage_estimator package.module:attr`` names: an :class:`AdvantageEstimator` as it is, or a
-    function of the estimator signature."""
-    if isinstance(obj, AdvantageEstimator):
-        return obj
-    # a function registered with its declarations when its module was imported: that entry
-    registered = [entry for _, entry in ADVANTAGE_ESTIMATORS.items() if entry.fn is obj]
-    if registered:
-        return registered[0]
-    if callable(obj):
-        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        return AdvantageEstimator(path, obj, formula=doc[0] if doc else "", source=path)
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}; expected a function (rewards_per_func, reward_weights, group_size, "
-        "config) -> advantages or a trl_ext.advantages.AdvantageEstimator"
-    )
-
-
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "advantage estimator", "advantage_estimator", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+    "advantage estimator",
+    "advantage_estimator",
+    AdvantageEstimator,
+    expects="a function (rewards_per_func, reward_weights, group_size, config) -> advantages or a "
+    "trl_ext.objective.advantages.AdvantageEstimator",
 )
 """``advantage_estimator`` -> its :class:`AdvantageEstimator`, in registration order."""
 
 
-def register_advantage_estimator(
-    name: str, *, options: tuple[str, ...] = (), spans_groups: bool = False, formula: str = "", source: str = ""
-) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator: register the decorated estimator function under ``name`` and return it unchanged.
+def register_advantage_estimator(name: str, **declarations: Any) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator: register the decorated estimator function under ``name`` with ``declarations`` (the fields of
+    :class:`AdvantageEstimator`: ``options``, ``spans_groups``, ``formula``, ``source``) and return it unchanged:
+    ``ADVANTAGE_ESTIMATORS.register(name, **declarations)``.
 
     Raises:
-        ValueError: the name is taken.
+        ValueError: the name is taken or a declaration is not a field.
     """
-
-    def decorate(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS.register(
-            name,
-            AdvantageEstimator(
-                name, fn, options=tuple(options), spans_groups=spans_groups, formula=formula, source=source
-            ),
-        )
-        return fn
-
-    return decorate
+    return ADVANTAGE_ESTIMATORS.register(name, **declarations)
 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each rollout's reward, the weighted sum of its reward functions' rewards, and the weighted terms.
+    """Each rollout's weighted sum of its reward functions' rewards, and the weighted terms.
 
-    A function that gave no reward (NaN) is left out of its rollout's sum; a rollout no function scored gets NaN
-    (unscorable), as TRL 1.16 sums them (``nansum``, then NaN where every function gave None).
+    A missing reward (NaN) is left out of its sum; a rollout no function scored gets NaN (TRL 1.16's rule).
 
     Args:
         rewards_per_func: (N, K).
         reward_weights: (K,).
 
     Returns:
-        ``(rewards (N,), terms (N, K))``, terms = weight x reward (NaN where missing): the rounding scale of "all
-        rewards equal" (``trl_ext.functional.equal_reward_groups``).
+        ``(rewards (N,), terms (N, K))``, terms = weight x reward (NaN where missing).
 
     Raises:
-        ValueError: ``reward_weights`` not one weight per column.
-    """
+        ValueError: ``reward_weights`` not one weight per column."""
     if rewards_per_func.dim() != 2 or reward_weights.shape != (rewards_per_func.size(1),):
         raise ValueError(
             f"rewards_per_func has shape {tuple(rewards_per_func.shape)} and reward_weights "

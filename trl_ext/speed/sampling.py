@@ -1,24 +1,11 @@
 """``torch.multinomial`` of one sample per row, drawn with the same random numbers three times faster on the CPU.
 
-Why. transformers' sampling loop draws each token with ``torch.multinomial(probs, num_samples=1)``. On the CPU, for
-one sample, PyTorch draws an exponential variate per entry, ``q ~ Exp(1)`` of the shape of ``probs``, and returns
-``argmax(probs / q)`` per row (the Gumbel-max trick in exponential form; ``aten/src/ATen/native/Distributions.cpp``,
-the ``n_sample == 1`` fast path). Its float32 ``exponential_`` is a serial loop, one generator call and one ``log``
-per entry: 16 rows of a 49,152-token vocabulary take 16-19 ms, a seventh of a decode step of the main job.
-
-What. :func:`multinomial` draws the same variates vectorised: ``q = float32(-log1p(-u))`` with ``u`` from float64
-``uniform_`` on the same generator, which is, bit for bit, what float32 ``exponential_`` returns, and leaves the
-generator in the same state. ``u`` is allocated as PyTorch allocates its ``q`` (``at::empty_like(probs)``: the same
-strides), so for a transposed, sliced or expanded ``probs`` the generator fills the same elements in the same order.
-Then ``argmax(probs / q)`` as PyTorch does it: the same tokens, and every later random number the same. 5-6 ms for
-the same 16 x 49,152 draws. :func:`probe` checks all of it on this PyTorch before first use, on private generators
-(the default generator's state is put back exactly; no seeding function is called, no device generator touched); a
-mismatch turns the replacement off in one log line.
-
-Scope. :func:`same_draws_multinomial` replaces ``torch.multinomial`` for the duration of a block (a ``generate``
-call); a call it cannot serve identically -- not one sample, with replacement over several samples, another generator,
-not 2-D, not float32, not on the CPU, or probabilities that are not finite, non-negative and of positive sum (PyTorch's
-errors) -- goes to PyTorch's own ``torch.multinomial``.
+PyTorch's CPU one-sample path returns ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn by a serial float32
+``exponential_`` (16 x 49,152 draws: 16-19 ms). :func:`multinomial` draws the same ``q = float32(-log1p(-u))`` from
+float64 ``uniform_`` with ``probs``' strides: bit-equal variates, the same tokens, the generator left in the same state
+(5-6 ms). :func:`probe` checks this on private generators before first use (a mismatch turns it off in one log line).
+:func:`same_draws_multinomial` replaces ``torch.multinomial`` for a block; any call it cannot serve identically goes to
+PyTorch's.
 """
 
 from __future__ import annotations
@@ -28,6 +15,8 @@ import logging
 from collections.abc import Iterator
 
 import torch
+
+from trl_ext.logs import say_once
 
 logger = logging.getLogger("trl_ext")
 
@@ -148,9 +137,7 @@ def same_draws_multinomial() -> Iterator[None]:
     block runs, and answers identically for every caller."""
     reason = probe()
     if reason is not None:
-        if not getattr(same_draws_multinomial, "_announced", False):
-            same_draws_multinomial._announced = True
-            logger.warning("trl_ext vectorised sampling off: %s (torch.multinomial used)", reason)
+        say_once("trl_ext vectorised sampling off: %s (torch.multinomial used)", reason, key="sampling off", log=logger)
         yield
         return
     original = torch.multinomial

@@ -1,15 +1,9 @@
 """The random-number generators a user owns stay as the user left them (issue 37; pytorch/pytorch#96309).
 
-A library call that reseeds or advances a global generator changes the user's run: ``torch.manual_seed`` also seeds
-every CUDA, MPS and XPU generator, so a probe that seeds and then restores only the CPU state leaves every GPU
-sampling from the probe's seed, whatever ``--seed`` and per-process seeds said, and resumes are no longer exact.
-
-The rule for trl_ext: library code draws its own random numbers from private ``torch.Generator``\\ s (or
-``random.Random`` instances) and never calls a seeding function. Where a check must run a computation that draws
-from the global generators by itself -- a model's training forward run twice to see whether dropout is active, a
-model built from a config (its weight initialisation) -- it runs inside :func:`preserved_rng`, which saves and
-restores, exactly, every generator that computation can reach. Recipes that seed the run with the user's own
-``--seed`` (``transformers.set_seed``) do so by design.
+Library code draws from private ``torch.Generator``\\ s (or ``random.Random``) and never seeds (``torch.manual_seed``
+also seeds every GPU generator, so restoring only the CPU state would not undo it). A computation that draws from the
+global generators by itself (a dropout check, a model built from a config) runs inside :func:`preserved_rng`, which
+restores exactly every generator it can reach. Recipes seed with the user's own ``--seed`` by design.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Padding-free forwards: the real tokens of a batch's rows in one sequence, a 4D attention mask letting each token see
 exactly what it sees in the padded forward, at the positions generation gave it.
 
-GRPO's log-prob forward scores ``B`` rows of a left-padded prompt (``P`` columns) and a right-padded completion
-(``C`` columns), and each prompt repeats in the ``G`` rows of its group. Two ways to run that once per distinct prompt
-and without the padding, both exact up to float rounding (each real token is the same function of the same inputs as
-in the padded forward; autograd sums a shared prompt token's gradient over its rows):
-
-- :func:`packed_forward`: the distinct prompts' key/value cache (``trl_ext.shared_prompts.prefill_distinct``, a
-  separate forward) and one sequence of the completions' real tokens that attends to it;
-- :func:`forward_in_one_sequence`: the distinct prompts' real tokens and every completion's real tokens in ONE
-  sequence, one forward, no cache -- for activation (gradient) checkpointing, under which transformers keeps no cache
-  in a training forward (and a cache written inside a checkpointed layer would be written again when the backward
-  recomputes the layer), while one plain forward is what checkpointing recomputes exactly, reentrant or not.
-
-Both need attention that reads a custom boolean 4D mask as is (sdpa) and applies no mask of its own kind (sliding
-windows, chunked attention), and layers that see only the keys and values of attention (no recurrent state that
-would run across the rows): ``trl_ext.shared_prompts.static_packing_blocker`` and the probe in
-``savings_decision`` decide per model.
+GRPO's log-prob forward runs each distinct prompt once and no padding, exact up to float rounding, in one of two ways:
+:func:`packed_forward` (the distinct prompts' cache from ``trl_ext.speed.shared_prompts.prefill_distinct``, then the
+completions' real tokens in one sequence) or :func:`forward_in_one_sequence` (prompts and completions in ONE cache-free
+forward, which activation checkpointing recomputes exactly). Both need attention that reads a boolean 4D mask as is
+(sdpa) and no recurrent state across rows; ``trl_ext.speed.shared_prompts.savings_decision`` decides per model.
 """
 
 from __future__ import annotations
@@ -58,10 +47,8 @@ def canonical_order(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> to
     """(B,) the permutation that sorts the rows of ``input_ids`` and ``attention_mask`` (B, T) lexicographically
     (ids, then mask): rows that are equal stay in their order, and any order of the same rows sorts the same.
 
-    A packed forward runs its rows in this order, so that it is one computation, bit for bit, for the same rows in
-    whatever order they come -- TRL shuffles a generation batch before training on it, after the old and reference
-    log-probs were computed on it in generation order; a packed token's attention sums over the whole sequence,
-    whose layout (and so float rounding) would otherwise follow the row order.
+    A packed forward runs its rows in this order, so TRL's shuffled training batch computes bit for bit what the
+    generation-order batch did (a packed token's attention sums over the whole sequence's layout).
     """
     key = torch.cat([input_ids.long(), attention_mask.long()], dim=1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
@@ -71,12 +58,9 @@ def canonical_order(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> to
 def _unpack(outputs: Any, real: torch.Tensor, offset: int = 0, order: torch.Tensor | None = None):
     """The packed forward's output with every per-token tensor back in the rows' shape.
 
-    ``real`` (B, C) marks the rows' packed tokens, which sit, in row-major order, at positions ``offset ..`` of the
-    packed sequence (after ``offset`` tokens that are no row's, e.g. the distinct prompts); ``order`` (B,), when
-    given, is where each of those rows came from (``canonical_order``). Unshifted fields (length ``offset + Q``:
-    ``logits``) come back as (B, C, ...); the fused LM head's shifted ones (length ``offset + Q - 1``: position j
-    scores token j + 1; ``log_probs``, ``entropy``, ...) as (B, C - 1, ...), kept where token j + 1 is of the same
-    row; zeros on padding. Other values pass through.
+    ``real`` (B, C) marks the rows' tokens, row-major after ``offset`` tokens that are no row's; ``order`` (B,) where
+    each row came from. Unshifted fields (``logits``) come back (B, C, ...), the fused head's shifted ones (B, C - 1,
+    ...); zeros on padding; other values pass through.
     """
     rows_count, width = real.shape
     device = real.device
@@ -114,13 +98,9 @@ def packed_forward(
 ):
     """The completion forward without its padding: every row's real tokens in one sequence (padding-free).
 
-    Completions are right-padded to the longest of the batch (11-20 tokens in the main job's), and every padded
-    position otherwise runs through every layer and the LM head, forward and backward. Here the real tokens of all
-    rows are packed into one row of Q tokens; the distinct prompts' cache (U rows of S positions, from
-    ``trl_ext.shared_prompts.prefill_distinct``) becomes one row of U x S positions; and a 4D attention mask lets each
-    packed token see exactly what it sees in the padded forward -- the real positions of its own prompt and the tokens
-    of its own row up to itself -- at the positions generation gave it. Each real token is therefore the same function
-    of the same inputs as in the padded forward (float rounding aside: other matrix shapes), and padding costs nothing.
+    The rows' real tokens form one row of Q tokens; the U distinct prompts' cache (S positions each) becomes one row
+    of U x S; a 4D mask lets each token see exactly the real positions of its own prompt and its own row up to itself,
+    at generation's positions, so each is the same function of the same inputs as in the padded forward.
 
     Args:
         model: the causal LM (sdpa attention, key/value cache layers: ``savings_decision(model).pack`` is None).
@@ -147,13 +127,10 @@ def packed_forward(
     first = torch.full((distinct,), rows_count, dtype=torch.long, device=device).scatter_reduce(
         0, inverse, torch.arange(rows_count, device=device), reduce="amin"
     )
-    sees_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2) & prompt_mask[
-        first
-    ].bool()
+    own_prompt = (inverse[rows].unsqueeze(1) == torch.arange(distinct, device=device)).unsqueeze(2)
+    sees_prompt = own_prompt & prompt_mask[first].bool()
     sees_row = (rows.unsqueeze(1) == rows.unsqueeze(0)) & (cols.unsqueeze(0) <= cols.unsqueeze(1))
-    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[
-        None, None
-    ]  # (1, 1, Q, U*S + Q), True: attend
+    mask = torch.cat([sees_prompt.reshape(rows.numel(), -1), sees_row], dim=1)[None, None]  # (1, 1, Q, U*S + Q)
     for layer in cache.layers:  # (U, H, S, d) -> (1, H, U*S, d): prompt u's positions at u*S .. u*S + S - 1
         layer.keys = layer.keys.transpose(0, 1).reshape(1, layer.keys.size(1), -1, layer.keys.size(-1))
         layer.values = layer.values.transpose(0, 1).reshape(1, layer.values.size(1), -1, layer.values.size(-1))
@@ -174,13 +151,9 @@ def one_sequence_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The inputs of :func:`forward_in_one_sequence`: ``(ids (L,), positions (L,), mask (L, L) bool, N)``.
 
-    The sequence holds the real tokens of the first ``prompt_length - 1`` columns of each distinct prompt (N tokens,
-    prompt after prompt, in order of first appearance), then every row's real tokens from column ``prompt_length - 1``
-    on (the last prompt token and the completion; Q tokens, row after row): L = N + Q. ``mask[i, j]`` is True where
-    token i attends to token j: a prompt token to the earlier-or-same tokens of its own prompt, a row's token to every
-    token of its row's prompt and to the earlier-or-same tokens of its own row -- exactly the real keys it attends to
-    in the padded forward (causal attention, padding masked). Positions are the given ``position_ids`` of each token
-    (generation's: a completion continues from its prompt's length).
+    The sequence holds each distinct prompt's real tokens of the first ``prompt_length - 1`` columns (N tokens), then
+    every row's real tokens from there on (Q tokens): L = N + Q. ``mask[i, j]``: token i attends to token j, exactly
+    the real keys it attends to in the padded causal forward. Positions are the given ``position_ids``.
     """
     split = prompt_length - 1
     first, inverse = group_rows(input_ids[:, :split], attention_mask[:, :split])
@@ -210,14 +183,8 @@ def forward_in_one_sequence(
     **kwargs: Any,
 ):
     """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to the last ``T - prompt_length + 1``
-    columns, as ``trl_ext.shared_prompts.forward_with_shared_prompts`` returns it, computed in ONE padding-free
-    forward without a cache: each distinct prompt's first ``prompt_length - 1`` tokens once, then every row's last
-    prompt token and completion, in one sequence under a 4D mask (:func:`one_sequence_inputs`).
-
-    The rows are packed in ``canonical_order``: the same rows in any order give the same computation, bit for bit.
-    No cache is made or read, so activation checkpointing -- which turns the cache off in a training forward and
-    recomputes each layer in the backward -- recomputes exactly this forward, reentrant or not; the gradient of a
-    shared prompt token is the sum over its rows (autograd, through the attention).
+    columns (as ``forward_with_shared_prompts`` returns it), in ONE padding-free, cache-free forward under a 4D mask
+    (:func:`one_sequence_inputs`), rows in ``canonical_order``; activation checkpointing recomputes it exactly.
 
     Args:
         model: the causal LM (possibly DDP-wrapped: one call) whose attention reads a boolean 4D mask (sdpa) and has

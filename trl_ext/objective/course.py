@@ -1,16 +1,9 @@
-"""The course-only helpers of CS336 assignment 5: what the handout asks students to write that no trainer runs.
+"""The course-only helpers of CS336 assignment 5 (spring 2025 handout and supplement): what the handout asks students
+to write that no trainer runs.
 
-``trl_ext.functional`` holds the math the trainers execute; the functions here serve the course's own API
-(``trl_ext.cs336`` re-exports them under these names and wraps them as the ``run_*`` adapters) and the tests. They
-take models and tokenizers or call ``backward`` themselves, which the trainers leave to TRL: tokenizing a prompt and
-its output with a response mask, per-token log-probs of a model (and the mean entropy of sampled responses that
-expert iteration tracks), the handout's reward-normalization function with its metadata, one GRPO or SFT microbatch
-step with ``backward``, the per-instance DPO loss of two models, and GAE (the PPO baseline the handout contrasts GRPO
-with). Each is written from the same formulas in ``trl_ext.functional``, so the course's numbers and the trainers'
-are computed once.
-
-Sources: CS336 spring 2025, assignment 5 handout ("Alignment and Reasoning RL") and its supplement ("Safety
-Alignment, Instruction Tuning and RLHF"); section names in the docstrings refer to them.
+They take models or tokenizers or call ``backward`` themselves (tokenization with a response mask, response
+log-probs, the microbatch train steps, per-instance DPO, GAE), built on the formulas of ``trl_ext.functional``;
+``trl_ext.cs336`` re-exports them and wraps them as the ``run_*`` adapters.
 """
 
 from __future__ import annotations
@@ -22,15 +15,15 @@ from typing import Any
 
 import torch
 
-from trl_ext.aggregations import compute_grpo_loss
 from trl_ext.functional import (
-    _check_same_shape,
+    check_same_shape,
     compute_entropy,
     compute_group_advantages,
     dpo_loss,
     masked_normalize,
 )
-from trl_ext.losses import compute_policy_gradient_loss
+from trl_ext.objective.aggregations import compute_grpo_loss
+from trl_ext.objective.losses import compute_policy_gradient_loss
 
 __all__ = [
     "tokenize_prompt_and_output",
@@ -49,9 +42,8 @@ def tokenize_prompt_and_output(
 ) -> dict[str, torch.Tensor]:
     """Tokenize prompts and outputs separately, concatenate, pad, and build the response mask.
 
-    Each prompt and output is tokenized on its own (``add_special_tokens=False``: render any BOS or chat markup
-    into the prompt string yourself), so a token never straddles the prompt/output boundary. The concatenations
-    are right-padded with ``tokenizer.pad_token_id`` to the longest length ``L``.
+    Tokenized with ``add_special_tokens=False`` (render BOS or chat markup into the prompt yourself), so no token
+    straddles the boundary; right-padded with ``tokenizer.pad_token_id`` to the longest length ``L``.
 
     Args:
         prompt_strs: B prompt strings.
@@ -116,7 +108,7 @@ def get_response_log_probs(
 
     Source: CS336 A5 handout, section 4.2 (``get_response_log_probs``).
     """
-    _check_same_shape("input_ids", input_ids, "labels", labels)
+    check_same_shape("input_ids", input_ids, "labels", labels)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     logits = model(input_ids=input_ids, **kwargs).logits.float()
     log_probs = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -134,15 +126,8 @@ def mean_response_entropy(
     pad_token_id: int,
     batch_size: int = 32,
 ) -> float:
-    """Mean next-token entropy (nats) of ``model`` over every response token of sampled sequences, from their exact
-    token ids.
-
-    Sequence i is ``prompt_ids[i] + completion_ids[i]`` as the sampler produced them (decoded text, re-tokenized,
-    could give other tokens); the entropy of the next-token distribution is taken at each position whose label is a
-    completion token -- the distribution (at temperature 1) each response token was drawn from -- and averaged over
-    all those tokens of all sequences (a token-weighted mean, not a mean of per-sequence means). Sequences run in
-    batches of ``batch_size``, right-padded with ``pad_token_id`` under a zero attention mask, through
-    :func:`get_response_log_probs` in eval mode (no dropout); the model's mode is restored and no gradient is kept.
+    """Mean next-token entropy (nats, temperature 1) of ``model`` over every completion token of sampled sequences,
+    from their exact token ids; a token-weighted mean over all sequences. Runs in eval mode (restored after), no grad.
 
     Args:
         model: a causal LM whose forward takes ``attention_mask`` and returns ``.logits`` (B, T, V).
@@ -157,8 +142,7 @@ def mean_response_entropy(
     Raises:
         ValueError: when ``prompt_ids`` and ``completion_ids`` differ in length.
 
-    Source: CS336 A5 handout, expert iteration (Algorithm 2): the experiment tracks the entropy of the model's
-    responses over the EI steps (computed with ``get_response_log_probs(..., return_token_entropy=True)``).
+    Source: CS336 A5 handout, expert iteration (Algorithm 2), which tracks the responses' entropy.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(
@@ -261,12 +245,7 @@ def compute_group_normalized_rewards(
         "reward_std": valid.std().item() if valid.numel() > 1 else nan,
         "reward_max": valid.max().item() if valid.numel() else nan,
         "reward_min": valid.min().item() if valid.numel() else nan,
-        "format_reward_mean": sum(parts["format_reward"]) / len(parts["format_reward"])
-        if parts["format_reward"]
-        else nan,
-        "answer_reward_mean": sum(parts["answer_reward"]) / len(parts["answer_reward"])
-        if parts["answer_reward"]
-        else nan,
+        **{f"{key}_mean": sum(values) / len(values) if values else nan for key, values in parts.items()},
         "num_excluded": num_excluded,
     }
     return advantages, raw_rewards, metadata
@@ -286,18 +265,18 @@ def grpo_microbatch_train_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward-and-backward of one GRPO microbatch.
 
-    per-token loss (``compute_policy_gradient_loss``) -> per-example length normalization and batch mean
-    (``compute_grpo_loss``) -> divided by ``gradient_accumulation_steps`` -> ``backward()``. Calling it repeatedly
-    without zeroing gradients accumulates them as PyTorch does.
+    per-token loss (``compute_policy_gradient_loss``) -> length normalization and batch mean (``compute_grpo_loss``)
+    -> divided by ``gradient_accumulation_steps`` -> ``backward()`` (gradients accumulate across calls).
 
     Args:
         policy_log_probs: (B, T), requires grad.
         response_mask: (B, T).
         gradient_accumulation_steps: microbatches per optimizer step (>= 1).
         loss_type, raw_rewards, advantages, old_log_probs, cliprange: see
-            ``trl_ext.losses.compute_policy_gradient_loss`` (any name of ``trl_ext.losses.POLICY_LOSSES``).
-        length_normalization, normalize_constant: see ``trl_ext.aggregations.compute_grpo_loss`` (any name of
-            ``trl_ext.aggregations.AGGREGATIONS``; ``"token_mean"`` with no constant is the token mean of this
+            ``trl_ext.objective.losses.compute_policy_gradient_loss`` (any name of
+            ``trl_ext.objective.losses.POLICY_LOSSES``).
+        length_normalization, normalize_constant: see ``trl_ext.objective.aggregations.compute_grpo_loss`` (any name of
+            ``trl_ext.objective.aggregations.AGGREGATIONS``; ``"token_mean"`` with no constant is the token mean of this
             microbatch).
 
     Returns:
@@ -312,7 +291,7 @@ def grpo_microbatch_train_step(
     """
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps}; expected an integer >= 1")
-    _check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
+    check_same_shape("policy_log_probs", policy_log_probs, "response_mask", response_mask)
     per_token_loss, metadata = compute_policy_gradient_loss(
         policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
     )
@@ -330,9 +309,8 @@ def sft_microbatch_train_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward-and-backward of one SFT microbatch: negative log-likelihood of the response tokens.
 
-    Per example, the sum of -log p over response tokens divided by ``normalize_constant``
-    (``masked_normalize``); then the mean over the batch; divided by ``gradient_accumulation_steps``;
-    ``backward()``.
+    Per example, sum of -log p over response tokens / ``normalize_constant``; mean over the batch; divided by
+    ``gradient_accumulation_steps``; ``backward()``.
 
     Args:
         policy_log_probs: (B, T), requires grad.
@@ -368,11 +346,9 @@ def per_instance_dpo_loss(
 ) -> torch.Tensor:
     """DPO loss of one preference pair, straight from two causal LMs (the course supplement's helper).
 
-    Both responses are rendered after the same ``prompt`` string (apply any template or chat markup to it first),
-    with the tokenizer's EOS appended (unless the response already ends with it); prompt and response are tokenized
-    separately (``tokenize_prompt_and_output``), so the prompt tokens are identical in both sequences. The summed
-    log-probs over the response tokens only (EOS included) under ``lm`` and ``lm_ref`` go into ``dpo_loss``. The
-    reference runs under ``torch.no_grad``; gradients flow into ``lm``.
+    Each response, with EOS appended unless present, follows the same rendered ``prompt`` (tokenized separately,
+    ``tokenize_prompt_and_output``); the summed response log-probs (EOS included) under ``lm`` and ``lm_ref`` (no
+    grad) go into ``dpo_loss``.
 
     Args:
         lm: the policy, a causal LM whose forward returns ``.logits``.

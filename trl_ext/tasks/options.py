@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import trl
 
 from trl_ext.options import RecipeArguments
-from trl_ext.registry import Registry
+from trl_ext.registry import LiveText, Registry
 
 LOADER_PARAMETERS = ("options", "max_new_tokens", "train", "template")
 """Parameters of a task factory that the loader fills, when the factory has them (every other keyword parameter is a
@@ -46,11 +46,19 @@ class TaskFactory:
     those named in :data:`LOADER_PARAMETERS` are filled by the loader instead. ``kind`` (:data:`TASK_KINDS`) decides
     which recipe options the task uses (:data:`TASK_OPTIONS`); ``"factory"`` (default): none but those every task
     has, the loader cutting the held-out rows to ``--num_eval`` and setting the evaluation batch and budget.
+
+    The first task of a new kind declares, where it is registered, the options its kind uses (``options``: names of
+    :data:`TASK_OPTION_NAMES`) and why it uses no others (``rows``, for the messages); :data:`TASK_OPTIONS` is filled
+    from these declarations. ``family`` (e.g. ``"DATASET"``) makes the entry a family of tasks named
+    ``--task NAME:DATASET``: ``make(member)`` checks the member and returns the member's factory function.
     """
 
     make: Callable[..., Any]
     kind: str = "factory"
     description: str = ""
+    options: tuple[str, ...] | None = None
+    rows: str = ""
+    family: str = ""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.make(*args, **kwargs)
@@ -103,46 +111,78 @@ class TaskFactory:
 
 
 def as_task_factory(obj: Any, path: str = "") -> TaskFactory:
-    """A registry entry or a user's function (by decorator or ``package.module:factory``) as a :class:`TaskFactory`.
+    """A registry entry or a user's function (by decorator or ``package.module:factory``) as a :class:`TaskFactory`
+    (the registry's one loader, :meth:`~trl_ext.registry.Registry.load`).
 
     Raises:
         TypeError: ``obj`` is not callable.
     """
-    if isinstance(obj, TaskFactory):
-        return obj
-    if not callable(obj):
-        said = path or repr(obj)
-        raise TypeError(f"{said} is a {type(obj).__name__}; expected a function that returns a trl_ext.tasks.Task")
-    return TaskFactory(obj)
+    return TASKS.load(obj, path)
 
 
-def _describe_task(entry: Any) -> str:
-    text = getattr(entry, "description", "") or (getattr(entry, "__doc__", None) or "").strip()
-    return text.splitlines()[0] if text else ""
+def _declare_kind(name: str, entry: TaskFactory) -> None:
+    """Record the options a new kind of task uses, as declared where its first task is registered."""
+    if entry.options is None:
+        if entry.kind not in TASK_OPTIONS:
+            raise ValueError(
+                f"task {name!r}: kind {entry.kind!r} is new; declare the options it uses (options=...), or use one of "
+                f"{list(TASK_OPTIONS)}"
+            )
+        return
+    unknown = [o for o in entry.options if o not in TASK_OPTION_NAMES]
+    if unknown:
+        raise ValueError(f"task {name!r}: options {unknown} are not task options (expected some of TASK_OPTION_NAMES)")
+    if TASK_OPTIONS.get(entry.kind, entry.options) != tuple(entry.options):
+        raise ValueError(f"task {name!r}: kind {entry.kind!r} already uses {TASK_OPTIONS[entry.kind]}")
+    TASK_OPTIONS[entry.kind] = tuple(entry.options)
+    KIND_ROWS[entry.kind] = entry.rows or KIND_ROWS.get(entry.kind, "")
 
 
-TASKS: Registry[Any] = Registry("task", "task", describe=_describe_task, load=as_task_factory)
-"""The tasks by ``--task`` name (the built-ins are registered by ``trl_ext.tasks``; ``package.module:factory`` is
-imported by the registry). Register your own: ``@register_task("mine")`` (or ``@TASKS.register("mine")``) above a
+TASKS: Registry[TaskFactory] = Registry(
+    "task",
+    "task",
+    TaskFactory,
+    wraps="make",
+    expects="a function that returns a trl_ext.tasks.Task",
+    check=_declare_kind,
+)
+"""The tasks by ``--task`` name (the built-ins are registered by the modules of ``trl_ext.tasks``;
+``package.module:factory`` is imported by the registry). Register your own: ``@register_task("mine")`` above a
 function returning a ``trl_ext.tasks.Task``."""
 
+FAMILIES: Registry[TaskFactory] = Registry(
+    "task", "task", TaskFactory, wraps="make", expects="a function of the member's name", check=_declare_kind
+)
+"""The families of tasks, ``--task NAME:MEMBER`` (``reasoning_gym:DATASET``): name -> the entry whose ``make(member)``
+returns the member's factory function; registered with :func:`register_task` (``family=...``)."""
 
-def register_task(name: str, kind: str = "factory", description: str = "") -> Callable[[Callable], Callable]:
+
+def families_said(described: bool = False) -> str:
+    """The families as the user writes them, for messages and help: ``"'reasoning_gym:DATASET'"`` (with each
+    one's description in parentheses when ``described``)."""
+    return ", ".join(
+        f"'{name}:{e.family}'" + (f" ({e.description})" if described else "") for name, e in FAMILIES.items()
+    )
+
+
+def register_task(
+    name: str, kind: str = "factory", description: str = "", **declarations: Any
+) -> Callable[[Callable], Callable]:
     """Decorator: register the decorated task factory under ``name`` (``--task name``) as a :class:`TaskFactory` of
-    ``kind``, with ``description`` (default: its docstring's first line) listed by ``--help``; returns the function
-    unchanged.
+    ``kind``, with ``description`` (default: its docstring's first line) listed by ``--help``, and ``declarations``
+    (``options``, ``rows``, ``family``: the first task of a new kind declares the options its kind uses); returns
+    the function unchanged: ``TASKS.register(name, kind=kind, description=description, **declarations)``.
 
     Raises:
-        ValueError: ``name`` is taken, empty, or contains ``:``; ``kind`` is not one of :data:`TASK_KINDS`.
+        ValueError: ``name`` is taken, empty, or contains ``:``; ``kind`` is new and declares no options, or its
+            options differ from the kind's.
     """
-    if kind not in TASK_KINDS:
-        raise ValueError(f"register_task kind={kind!r}; expected one of {list(TASK_KINDS)}")
-
-    def decorate(fn: Callable) -> Callable:
-        TASKS.register(name, TaskFactory(fn, kind, description or _describe_task(fn)))
-        return fn
-
-    return decorate
+    registry, other = (FAMILIES, TASKS) if declarations.get("family") else (TASKS, FAMILIES)
+    if name in other:
+        raise ValueError(
+            f"a task named {name!r} is already registered (as a {'family' if other is FAMILIES else 'task'})"
+        )
+    return registry.register(name, kind=kind, description=description, **declarations)
 
 
 @dataclass
@@ -152,12 +192,15 @@ class TaskArguments(trl.ScriptArguments, RecipeArguments):
     task: str | None = field(
         default=None,
         metadata={
-            "help": TASKS.live_help(
-                "The task: one of ",
-                ", 'reasoning_gym:DATASET' (any reasoning-gym generator; `uv sync --extra tasks`) or "
-                "'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task). Without it: "
-                "generated arithmetic, or with --dataset_name the kind its columns or --dataset_kind say. Options a "
-                "task does not use are refused (trl_ext.task_options.TASK_OPTIONS).",
+            "help": LiveText(
+                lambda: (
+                    "The task: one of "
+                    + TASKS.help().replace("%", "%%")
+                    + f", {families_said(described=True)}"
+                    + " or 'package.module:factory' (your own: factory(**task_config) returns a trl_ext.tasks.Task). "
+                    "Without it: generated arithmetic, or with --dataset_name the kind its columns or --dataset_kind "
+                    "say. Options a task does not use are refused (trl_ext.tasks.options.TASK_OPTIONS)."
+                )
             )
         },
     )
@@ -260,14 +303,13 @@ OPTION_ALIASES = {"dataset_split": "dataset_test_split"}
 
 
 # ------------------------------------------------------------------------------------------------------ the table
-TASK_KINDS = ("arithmetic", "gsm8k", "math", "sort", "reasoning_gym", "factory")
-"""The kinds of task (:func:`task_kind`): the built-ins by name, any ``reasoning_gym:NAME``, any
-``package.module:factory``."""
-
-_NO_CONFIG = ("num_eval", "eval_batch_size", "stop", "credit_truncated")
-_EVERY_TASK = ("task_config", *_NO_CONFIG)
-_PROMPT = ("template", "instruction", "system_prompt")
-_DATASET = (
+NO_CONFIG = ("num_eval", "eval_batch_size", "stop", "credit_truncated")
+"""Options every task uses, but the ``--task_config`` a task without settings takes."""
+EVERY_TASK = ("task_config", *NO_CONFIG)
+"""Options every task uses (a ``package.module:factory`` task uses these only)."""
+PROMPT = ("template", "instruction", "system_prompt")
+"""The prompt's options."""
+DATASET = (
     "dataset_name",
     "dataset_config",
     "dataset_kind",
@@ -276,28 +318,23 @@ _DATASET = (
     "test_file",
     "skip_bad_rows",
 )
+"""A dataset's options."""
 
-TASK_OPTIONS: dict[str, tuple[str, ...]] = {
-    "arithmetic": (*_EVERY_TASK, *_PROMPT, "reward", "num_train_problems", "arithmetic_digits"),
-    "gsm8k": (*_NO_CONFIG, *_PROMPT, "reward", *_DATASET),
-    "math": (*_NO_CONFIG, *_PROMPT, "reward", *_DATASET),
-    "sort": (*_EVERY_TASK, "instruction", "system_prompt", "num_train_problems"),
-    "reasoning_gym": (*_EVERY_TASK, *_PROMPT, "num_train_problems"),
-    "factory": _EVERY_TASK,
-}
-"""Task kind -> the options of :data:`TASK_OPTION_NAMES` it uses; any other one set is refused. ``dataset_streaming``
-and ``ignore_bias_buffers`` (inherited from ``trl.ScriptArguments``) are used by no task. A factory's held-out rows
-are its own: ``--num_eval`` keeps their first N and ``--eval_batch_size`` sets its evaluation batch, when set."""
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {"factory": EVERY_TASK}
+"""Task kind (:func:`trl_ext.tasks.loader.task_kind`) -> the options of :data:`TASK_OPTION_NAMES` it uses; any other
+one set is refused. Filled where each kind's first task is registered (its ``options`` declaration).
+``dataset_streaming`` and ``ignore_bias_buffers`` (inherited from ``trl.ScriptArguments``) are used by no task. A
+factory's held-out rows are its own: ``--num_eval`` keeps their first N and ``--eval_batch_size`` sets its
+evaluation batch, when set."""
 
-KIND_ROWS = {
-    "arithmetic": "it generates its problems",
-    "gsm8k": "its rows are a dataset's",
-    "math": "its rows are a dataset's",
-    "sort": "it generates its problems and scores them with the sorting reward",
-    "reasoning_gym": "the generator makes its rows and its own score_answer scores them",
-    "factory": "the factory makes its rows and its scorer; pass its settings in --task_config",
-}
-"""Why a kind does not use other options, for the messages."""
+KIND_ROWS = {"factory": "the factory makes its rows and its scorer; pass its settings in --task_config"}
+"""Why a kind does not use other options, for the messages (each kind's ``rows`` declaration)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TASK_KINDS":  # the kinds registered so far (built-ins: arithmetic, gsm8k, math, sort, reasoning_gym)
+        return tuple(TASK_OPTIONS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _local_file(values: Mapping[str, Any]) -> bool:
@@ -317,26 +354,6 @@ UNUSED_WHEN: tuple[tuple[str, Callable[[Mapping[str, Any]], bool], str], ...] = 
 """(option, when, why): the option is not used when ``when(values)`` holds, whatever the task."""
 
 
-# ------------------------------------------------------------------------------------------------------ the check
-def task_kind(values: Mapping[str, Any]) -> str | None:
-    """The kind of task (:data:`TASK_KINDS`) that ``values`` (``--task``, ``--dataset_name``, ``--dataset_kind``)
-    name, or None for a name that is none of them. Without ``--task``: generated arithmetic, or with
-    ``--dataset_name`` a math dataset (``math`` when ``--dataset_kind math``, else ``gsm8k``; both use the same
-    options)."""
-    name = values.get("task")
-    if name is None:
-        if not values.get("dataset_name"):
-            return "arithmetic"
-        return "math" if values.get("dataset_kind") == "math" else "gsm8k"
-    if not isinstance(name, str):
-        return None
-    if name.startswith("reasoning_gym:"):
-        return "reasoning_gym"
-    if name in TASKS:
-        return getattr(TASKS.get(name), "kind", "factory")
-    return "factory" if ":" in name else None
-
-
 def task_label(values: Mapping[str, Any]) -> str:
     """The task ``values`` name, for messages (``"--task sort"``, ``"generated arithmetic (no --task)"``)."""
     if values.get("task") is not None:
@@ -353,58 +370,3 @@ def option_defaults(cls: type = TaskArguments) -> dict[str, Any]:
         elif f.default_factory is not MISSING:
             out[f.name] = f.default_factory()
     return out
-
-
-def option_problems(
-    values: Mapping[str, Any] | Any,
-    given: Mapping[str, str] | None = None,
-    *,
-    defaults: Mapping[str, Any] | None = None,
-    held_out_only: bool = False,
-) -> list[str]:
-    """Every task option that is set but that the task does not use (:data:`TASK_OPTIONS`, :data:`UNUSED_WHEN`), one
-    line each, naming the flag, its value, the task and what the task takes. (The ``--task_config`` keys are checked
-    against the task factory's signature by ``trl_ext.tasks.task_problem``.)
-
-    Args:
-        values: the parsed options (``{name: value}``, or a :class:`TaskArguments`).
-        given: option name -> where the user set it (``""`` for the command line, else the ``--config`` file); None
-            (callers from Python): every option counts as given.
-        defaults: each option's default (default: ``values``' own dataclass defaults, else :class:`TaskArguments`');
-            an option at its default is not set.
-        held_out_only: only held-out rows will be loaded (``recipes/eval_math.py``).
-
-    Returns:
-        The problems (empty when every option set is used, or when ``--task`` names no known kind: that is
-        ``trl_ext.tasks.task_problem``'s to report).
-    """
-    if not isinstance(values, Mapping):
-        defaults = defaults if defaults is not None else option_defaults(type(values))
-        values = vars(values) if is_dataclass(values) else dict(values)
-    defaults = defaults if defaults is not None else option_defaults()
-    kind = task_kind(values)
-    if kind is None:
-        return []
-    used, problems = TASK_OPTIONS[kind], []
-    context = {**values, "_held_out_only": held_out_only}
-
-    def is_set(name: str) -> bool:
-        return name in values and (given is None or name in given) and values[name] != defaults.get(name, MISSING)
-
-    def where(name: str) -> str:
-        return f" (set in {given[name]})" if given and given.get(name) else ""
-
-    for name in [n for n in values if n in TASK_OPTION_NAMES or n in OPTION_ALIASES]:
-        option = OPTION_ALIASES.get(name, name)
-        if not is_set(name):
-            continue
-        shown = f"--{name} {values[name]!r}{where(name)}"
-        if option not in used:
-            takes = ", ".join(f"--{o}" for o in used)
-            label = task_label(values)
-            problems.append(f"{shown}: not used by {label} ({KIND_ROWS[kind]}; it takes {takes}); remove it")
-            continue
-        why = next((why for o, when, why in UNUSED_WHEN if o == option and when(context)), None)
-        if why:
-            problems.append(f"{shown}: not used ({why}); remove it")
-    return problems

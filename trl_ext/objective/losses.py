@@ -1,27 +1,13 @@
 """Policy-gradient losses in verl's shape, one registry entry each: the choices of ``GRPOConfig.pg_loss_type``.
 
-A loss is a function of the per-token log-probs, the log-probs of the policy that sampled, the advantages, the
-response mask and its config, returning the per-token loss and its metrics (verl's ``PolicyLossFn``,
-verl/trainer/ppo/core_algos.py, without its ``loss_agg_mode``: length normalization is a separate choice,
-:mod:`trl_ext.aggregations`, and so is the advantage, :mod:`trl_ext.advantages`)::
+A loss is ``fn(log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics)`` (verl's
+``PolicyLossFn`` without ``loss_agg_mode``: length normalization is :mod:`trl_ext.objective.aggregations`), registered
+with :func:`register_policy_loss`; its declarations (:class:`PolicyLoss`) are all the trainer, config and speed paths
+may assume. ``--pg_loss_type package.module:fn`` names a user's function or a :class:`PolicyLoss`.
 
-    @register_policy_loss("grpo_clip", uses_old_log_probs=True, zero_advantage_zero_gradient=True,
-                          options=("epsilon",), formula="-min(ratio*A, clip(ratio, 1-eps, 1+eps)*A)", source="...")
-    def grpo_clip(log_probs, old_log_probs, advantages, response_mask, config):
-        return functional.compute_grpo_clip_loss(advantages, log_probs, old_log_probs, config.epsilon)
-
-The entry's declarations are what the trainer, the config and the speed paths may assume of the loss
-(:class:`PolicyLoss`); everything else follows from them: ``GRPOConfig``'s choices, help and refusals,
-``skip_zero_advantage_rows`` and ``dynamic_sampling``. ``--pg_loss_type package.module:fn`` names a user's function of
-this signature (wrapped with conservative declarations) or a :class:`PolicyLoss` itself.
-
-The course's four losses are registered here as thin calls of ``trl_ext.functional``'s pure functions (the numbers
-are computed there, once; ``grpo_clip`` also reads TRL's ``epsilon_high``, ``delta`` and
-``importance_sampling_level``), followed by TRL 1.16's other per-token objectives (``cispo``, ``sapo``, ``vespo``:
-``loss_type`` names them, :mod:`trl_ext.trainers.grpo_options`); the course's own dispatch
-``compute_policy_gradient_loss`` (its handout signature, re-exported by ``trl_ext.cs336``) goes through this registry.
-
-Shapes: ``B`` = batch (rollouts), ``T`` = completion length.
+Registered: the course's four losses, thin calls of ``trl_ext.functional``, then TRL 1.16's ``cispo``, ``sapo``,
+``vespo``; :func:`compute_policy_gradient_loss` is the course's dispatch. Shapes: ``B`` = batch, ``T`` = completion
+length.
 """
 
 from __future__ import annotations
@@ -32,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import functional
-from .functional import _check_same_shape
-from .registry import Registry
+from trl_ext import functional
+from trl_ext.functional import check_same_shape
+from trl_ext.registry import Registry
 
 __all__ = [
     "LossConfig",
@@ -51,9 +37,8 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The options a policy loss may read from its ``config``, with TRL 1.16's ``trl.GRPOConfig`` defaults (the
-    trainer passes its ``GRPOConfig``, which has them all; the course functions, which take only a ``cliprange``,
-    pass this). ``tests/test_losses.py`` checks that every field exists in ``trl.GRPOConfig`` with this default.
+    """The options a policy loss may read from its ``config``, with TRL 1.16's ``trl.GRPOConfig`` defaults (the course
+    functions pass this; ``tests/test_losses.py`` checks the defaults match).
 
     Attributes:
         epsilon: the clip half-width (``cliprange`` in the course), default 0.2.
@@ -61,8 +46,7 @@ class LossConfig:
         delta: upper bound of the unclipped ratio (two-sided clipping), None for none.
         importance_sampling_level: ``"token"`` (a ratio per token) or ``"sequence"`` (GSPO: one per sequence).
         sapo_temperature_neg, sapo_temperature_pos: SAPO's gate temperatures for A < 0 and A > 0.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight shapes.
-    """
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight shapes."""
 
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -85,43 +69,23 @@ class PolicyLoss:
     """A per-token policy-gradient loss and what a trainer may assume of it: one entry of :data:`POLICY_LOSSES`.
 
     Attributes:
-        name: the ``pg_loss_type`` value (or the ``package.module:attr`` path it was loaded from).
+        name: the ``pg_loss_type`` value (or the ``package.module:attr`` path).
         fn: ``fn(log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics)``:
-            ``log_probs`` (B, T) with gradient; ``old_log_probs`` (B, T), detached (the trainer passes
-            ``log_probs.detach()`` on-policy); ``advantages`` (B, 1), detached; ``response_mask`` (B, T), 1 on the
-            tokens that count; ``config`` an object with the attributes of :class:`LossConfig` (the trainer's
-            ``GRPOConfig``). Returns the per-token loss, (B, T), or (B, 1) for a sequence-level loss (broadcast over
-            T by :func:`policy_loss`), and a dict of detached metric tensors, (B, T) or (B, 1): ``"clipped"`` (bool,
-            True where the clip bound took the gradient; the trainer logs TRL's ``clip_ratio/low_mean``,
-            ``high_mean``, ``region_mean``, ``low_min``, ``high_max`` by the advantage's sign), ``"ratio"`` (pi /
-            pi_old; ``ratio/mean``, ``min``, ``max``), and any other name (logged under that name as its mean over
-            the response tokens of every process, one value per sequence for (B, 1); e.g. TRL's
-            ``cispo_clip_ratio``).
-        uses_old_log_probs: the loss reads ``old_log_probs`` (an importance ratio pi / pi_old), so it stays correct
-            on samples drawn by an older policy (``num_iterations > 1``, ``steps_per_generation >
-            gradient_accumulation_steps``). False: an on-policy loss; the config refuses stale samples for it.
-        zero_advantage_zero_gradient: a rollout whose advantage is exactly 0 adds exactly 0 to the loss and to every
-            gradient, at every token, whatever its log-probs (``tests/test_losses.py`` checks each entry that
-            declares it). ``skip_zero_advantage_rows`` and ``dynamic_sampling`` need it: without it the trainer
-            runs every row's backward and refuses ``dynamic_sampling``.
-        advantage_estimator: the advantage estimator (:data:`trl_ext.advantages.ADVANTAGE_ESTIMATORS`) this loss is
-            defined with, or None (any; the config's default ``group_normalized``). ``no_baseline`` is REINFORCE
-            weighted by the raw rewards: ``"raw_rewards"``; the config uses it when ``advantage_estimator`` is
-            unset and refuses another one given with this loss.
-        upstream_loss_type: TRL's ``loss_type`` whose per-token objective this is (``"cispo"``, ...), or None: the
-            loss has no TRL name of its own; TRL's loss types that differ only in their length normalization
-            (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: :mod:`trl_ext.aggregations`) then combine with it
-            (with ``grpo_clip``, the default, they are TRL's loss).
-        length_normalization: the length normalization the loss is defined with (TRL pairs its ``loss_type`` with
-            it: ``cispo`` and ``vespo`` with ``"token_mean"``), or None (any); the config uses it when neither
-            ``length_normalization`` nor ``loss_type`` is given.
-        takes_sampling_ratio: the loss takes vLLM's per-token importance-sampling correction itself (keyword
-            ``importance_sampling_ratio``, (B, T), or None without vLLM; VESPO folds it into its sequence weight);
-            otherwise :func:`policy_loss` multiplies the per-token loss by it, as TRL 1.16 does for its other losses.
-        options: the attributes of ``config`` the loss reads (names of :class:`LossConfig` fields).
+            ``log_probs`` (B, T) with gradient; ``old_log_probs`` (B, T) and ``advantages`` (B, 1) detached;
+            ``response_mask`` (B, T); ``config`` has :class:`LossConfig`'s attributes. Returns the loss (B, T) or (B, 1)
+            (sequence-level, broadcast by :func:`policy_loss`) and detached metrics, (B, T) or (B, 1): ``"clipped"``
+            (bool; logged as TRL's ``clip_ratio/*``), ``"ratio"`` (``ratio/mean|min|max``), others under their own name.
+        uses_old_log_probs: reads ``old_log_probs``, so it stays correct on stale samples; False: on-policy only.
+        zero_advantage_zero_gradient: a rollout with advantage exactly 0 adds exactly 0 to loss and gradients (checked
+            in ``tests/test_losses.py``); ``skip_zero_advantage_rows`` and ``dynamic_sampling`` need it.
+        advantage_estimator: the estimator the loss is defined with (``"raw_rewards"`` for ``no_baseline``), or None.
+        upstream_loss_type: TRL's ``loss_type`` with this per-token objective (``"cispo"``, ...), or None.
+        length_normalization: the normalization the loss is defined with (``"token_mean"`` for cispo, vespo), or None.
+        takes_sampling_ratio: takes vLLM's ``importance_sampling_ratio`` (B, T) itself; else :func:`policy_loss`
+            multiplies the loss by it, as TRL 1.16 does.
+        options: the :class:`LossConfig` fields the loss reads.
         formula: the per-token loss in one line, for help texts.
-        source: where the formula comes from.
-    """
+        source: where the formula comes from."""
 
     name: str
     fn: LossFn
@@ -137,86 +101,35 @@ class PolicyLoss:
 
 
 def _check_entry(name: str, entry: PolicyLoss) -> None:
-    if not isinstance(entry, PolicyLoss):
-        raise ValueError(f"policy loss {name!r}: expected a trl_ext.losses.PolicyLoss, got {type(entry).__name__}")
     unknown = [option for option in entry.options if option not in LOSS_OPTIONS]
     if unknown:
         raise ValueError(
-            f"policy loss {name!r} reads options {unknown}, which trl_ext.losses.LossConfig does not have (add them "
-            "there with TRL's defaults)"
+            f"policy loss {name!r} reads options {unknown}, which trl_ext.objective.losses.LossConfig does not have "
+            "(add them there with TRL's defaults)"
         )
-    claims = {e.upstream_loss_type: n for n, e in POLICY_LOSSES.items() if e.upstream_loss_type}
-    if entry.upstream_loss_type in claims:
-        raise ValueError(
-            f"TRL's loss_type {entry.upstream_loss_type!r} already means {claims[entry.upstream_loss_type]!r}"
-        )
-
-
-def _load(obj: Any, path: str) -> PolicyLoss:
-    """What ``--pg_loss_type package.module:attr`` names: a :class:`PolicyLoss` as it is, or a function of the
-    loss signature as an entry that declares nothing (on-policy only, every row's backward runs)."""
-    if isinstance(obj, PolicyLoss):
-        return obj
-    # a function registered with its declarations when its module was imported: that entry
-    registered = [entry for _, entry in POLICY_LOSSES.items() if entry.fn is obj]
-    if registered:
-        return registered[0]
-    if callable(obj):
-        doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-        return PolicyLoss(path, obj, formula=doc[0] if doc else "", source=path)
-    raise TypeError(
-        f"{path} is a {type(obj).__name__}; expected a function (log_probs, old_log_probs, advantages, "
-        "response_mask, config) -> (per_token_loss, metrics) or a trl_ext.losses.PolicyLoss"
-    )
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
-    "policy loss", "pg_loss_type", describe=lambda entry: entry.formula, load=_load, check=_check_entry
+    "policy loss",
+    "pg_loss_type",
+    PolicyLoss,
+    expects="a function (log_probs, old_log_probs, advantages, response_mask, config) -> (per_token_loss, metrics) "
+    "or a trl_ext.objective.losses.PolicyLoss",
+    check=_check_entry,
+    unique={"upstream_loss_type": "TRL's loss_type"},
 )
-"""``pg_loss_type`` -> its :class:`PolicyLoss`, in registration order."""
+"""``pg_loss_type`` -> its :class:`PolicyLoss`, in registration order. A ``package.module:attr`` names a
+:class:`PolicyLoss`, a function registered with its declarations, or a plain function of the loss signature (an
+entry that declares nothing: on-policy only, every row's backward runs)."""
 
 
-def register_policy_loss(
-    name: str,
-    *,
-    uses_old_log_probs: bool = False,
-    zero_advantage_zero_gradient: bool = False,
-    advantage_estimator: str | None = None,
-    upstream_loss_type: str | None = None,
-    length_normalization: str | None = None,
-    takes_sampling_ratio: bool = False,
-    options: tuple[str, ...] = (),
-    formula: str = "",
-    source: str = "",
-) -> Callable[[LossFn], LossFn]:
-    """Decorator: register the decorated loss function under ``name`` with these declarations (:class:`PolicyLoss`)
-    and return the function unchanged. Register before building a config that names it.
+def register_policy_loss(name: str, **declarations: Any) -> Callable[[LossFn], LossFn]:
+    """Decorator: ``POLICY_LOSSES.register(name, **declarations)`` (fields of :class:`PolicyLoss`); returns the function
+    unchanged.
 
     Raises:
-        ValueError: the name is taken, an option is not a :class:`LossConfig` field, or the TRL ``loss_type`` is
-            claimed by another loss.
-    """
-
-    def decorate(fn: LossFn) -> LossFn:
-        POLICY_LOSSES.register(
-            name,
-            PolicyLoss(
-                name,
-                fn,
-                uses_old_log_probs=uses_old_log_probs,
-                zero_advantage_zero_gradient=zero_advantage_zero_gradient,
-                advantage_estimator=advantage_estimator,
-                upstream_loss_type=upstream_loss_type,
-                length_normalization=length_normalization,
-                takes_sampling_ratio=takes_sampling_ratio,
-                options=tuple(options),
-                formula=formula,
-                source=source,
-            ),
-        )
-        return fn
-
-    return decorate
+        ValueError: the name is taken, a declaration or option is unknown, or the TRL ``loss_type`` is claimed."""
+    return POLICY_LOSSES.register(name, **declarations)
 
 
 def policy_loss(
@@ -249,9 +162,9 @@ def policy_loss(
             advantages not one per row; a loss returning another shape than (B, T) or (B, 1) (naming the loss).
     """
     entry = loss if isinstance(loss, PolicyLoss) else POLICY_LOSSES.get(loss)
-    _check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
-    _check_same_shape("log_probs", log_probs, "response_mask", response_mask)
-    advantages = functional._per_example("advantages", advantages, log_probs).detach()
+    check_same_shape("log_probs", log_probs, "old_log_probs", old_log_probs)
+    check_same_shape("log_probs", log_probs, "response_mask", response_mask)
+    advantages = functional.per_example("advantages", advantages, log_probs).detach()
     arguments = (log_probs, old_log_probs.detach(), advantages, response_mask, config)
     if entry.takes_sampling_ratio:
         per_token_loss, metrics = entry.fn(*arguments, importance_sampling_ratio=importance_sampling_ratio)
@@ -320,7 +233,7 @@ def compute_policy_gradient_loss(
     missing = [name for name in required if given[name] is None]
     if missing:
         raise ValueError(f"loss_type={loss_type!r} needs {', '.join(missing)}; got None")
-    values = functional._per_example(weights, given[weights], policy_log_probs)
+    values = functional.per_example(weights, given[weights], policy_log_probs)
     config = LossConfig() if cliprange is None else LossConfig(epsilon=cliprange)
     old = policy_log_probs.detach() if old_log_probs is None else old_log_probs
     return policy_loss(entry, policy_log_probs, old, values, torch.ones_like(policy_log_probs), config)

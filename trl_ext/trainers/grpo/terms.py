@@ -1,35 +1,18 @@
-"""The terms and masks ``trl.GRPOTrainer`` (TRL 1.16) applies around the policy loss, for ``trl_ext.GRPOTrainer``.
+"""The terms and masks ``trl.GRPOTrainer._compute_loss`` (TRL 1.16) applies around the policy loss, in its order.
 
-``GRPOLossTermsMixin`` gives ``GRPOTrainer._compute_loss`` (trl_ext/trainers/grpo.py) upstream's three options that
-are not a per-token loss, an aggregation or an advantage, in upstream's order of operations
-(``trl.GRPOTrainer._compute_loss``):
+``GRPOLossTermsMixin`` gives ``trl_ext.GRPOTrainer._compute_loss``:
 
-- ``top_entropy_quantile`` < 1 (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv:2506.01939): the policy loss is kept
-  only on the tokens whose entropy is in the top quantile of the batch's response tokens, every process's
-  (upstream's ``get_high_entropy_mask``, which gathers the entropies across processes);
-- ``off_policy_mask_threshold`` (DeepSeek-V3.2, arXiv:2512.02556, eq. 9): a sequence with a negative advantage whose
-  mean per-token KL(sampler || policy) exceeds the threshold is dropped (upstream's static ``get_off_policy_mask``;
-  with vLLM the sampler's log-probs are ``sampling_per_token_logps``, else the old log-probs);
+- ``top_entropy_quantile`` < 1 (Wang et al. 2025, arXiv:2506.01939): the policy loss only on tokens whose entropy is in
+  the top quantile of every process's response tokens (upstream's ``get_high_entropy_mask``);
+- ``off_policy_mask_threshold`` (DeepSeek-V3.2, arXiv:2512.02556, eq. 9): a negative-advantage sequence whose mean
+  KL(sampler || policy) exceeds the threshold is dropped (upstream's ``get_off_policy_mask``); both multiply the
+  per-token policy loss before the vLLM correction and the KL (``_policy_loss_masks``);
+- ``entropy_coef`` / ``use_adaptive_entropy`` (Skywork-OR1, arXiv:2505.22312): the aggregated loss minus ``coef x`` the
+  mean entropy (``_entropy_bonus``); its adaptive state is upstream's and also saved in trl_ext's checkpoint state, so a
+  resume is exact.
 
-  both multiply the per-token policy loss before TRL's vLLM importance-sampling correction and the KL term
-  (``_policy_loss_masks``); the aggregation still divides by the response tokens, as upstream's;
-- ``entropy_coef`` / ``use_adaptive_entropy`` (Skywork-OR1, arXiv:2505.22312): after the aggregation, the loss minus
-  ``coef x`` the mean entropy over the tokens the policy loss acts on, divided by the accumulation steps
-  (``_entropy_bonus``); adaptive: ``coef`` is applied only while the entropy of the last optimizer step (all
-  processes, all its micro-batches) is at most ``entropy_target``, and moves by ``entropy_coef_delta`` within
-  [``entropy_coef_min``, ``entropy_coef_max``] after every optimizer step. Its state (``entropy_coef``,
-  ``_last_world_entropy``) is upstream's: ``trl.GRPOTrainer._save_checkpoint`` writes it to
-  ``entropy_ctrl_state.json`` and ``_load_optimizer_and_scheduler`` reads it back; it is also saved in trl_ext's own
-  checkpoint state, written before ``trainer_state.json`` marks the checkpoint complete (upstream's file comes after
-  it), so a resumed run continues the interrupted one exactly.
-
-The bonus is upstream's ``L = L_policy - coef x H``: a rollout whose advantage is 0 still has its entropy's gradient,
-so ``skip_zero_advantage_rows`` turns itself off with one log line while a bonus is on
-(``trl_ext.grpo_speed.GRPOSpeedMixin._savings_now``); the two masks only zero policy-loss tokens, so a zero advantage
-still gives a zero gradient under them. ``dynamic_sampling`` only chooses which groups a batch trains on and stays
-valid with a bonus (the groups it fills in then train their entropy term).
-
-All off by default (the course's math), as upstream.
+A bonus gives zero-advantage rows a gradient, so ``skip_zero_advantage_rows`` turns itself off under it (one log line);
+``dynamic_sampling`` stays valid. All off by default, as upstream.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..aggregations import AGGREGATIONS
+from trl_ext.objective.aggregations import AGGREGATIONS
 
 
 class GRPOLossTermsMixin:
@@ -56,23 +39,16 @@ class GRPOLossTermsMixin:
         mask: torch.Tensor,
         advantages: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The masks upstream multiplies the per-token policy loss by, as trl.GRPOTrainer._compute_loss (TRL 1.16)
-        computes them.
+        """The masks upstream multiplies the per-token policy loss by (trl.GRPOTrainer._compute_loss, TRL 1.16).
 
         Args:
             inputs: the batch (``sampling_per_token_logps`` with vLLM).
-            per_token_logps: (B, T) log-probs of the policy being trained.
-            old_log_probs: (B, T) log-probs of the policy that sampled (``per_token_logps.detach()`` on-policy).
-            entropies: (B, T) per-token entropies (nats).
-            mask: (B, T) response mask (1 on the tokens that count).
+            per_token_logps, old_log_probs, entropies, mask: (B, T).
             advantages: (B, 1).
 
         Returns:
-            ``(loss_mask, entropy_mask)``: the product of the off-policy sequence mask ((B, 1), 1 = keep) and the
-            entropy mask ((B, T) bool, the top ``top_entropy_quantile`` of all processes' response tokens by
-            entropy), each included where its option is on, None where both are off; and the entropy mask alone (or
-            None), which the entropy bonus also acts on.
-        """
+            ``(loss_mask, entropy_mask)``: the product of the off-policy mask (B, 1) and the top-entropy mask (B, T),
+            each where its option is on (None when both are off), and the entropy mask alone (or None)."""
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:  # a collective (every process's entropies): every rank calls it
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
@@ -99,28 +75,22 @@ class GRPOLossTermsMixin:
         accumulation: float,
         mode: str,
     ) -> torch.Tensor | float:
-        """The entropy term to subtract from this micro-batch's loss (``coef x H / accumulation``), logging
-        ``policy_loss`` and, at each optimizer step, ``entropy_coef``; in training with ``use_adaptive_entropy``,
-        adds the micro-batch to the step's entropy window and updates the coefficient at the step's end. As
-        trl.GRPOTrainer._compute_loss (TRL 1.16).
+        """The entropy term to subtract from this micro-batch's loss, as trl.GRPOTrainer._compute_loss (TRL 1.16): logs
+        ``policy_loss`` and ``entropy_coef``; with ``use_adaptive_entropy`` in training, adds to the step's entropy
+        window and updates the coefficient at the step's end.
 
         Args:
             entropies: (B, T) per-token entropies, with gradient.
             mask: (B, T) response mask.
-            entropy_mask: (B, T) bool from ``_policy_loss_masks`` or None: the bonus acts on the same tokens as the
-                policy loss.
-            policy_loss: 0-d, the micro-batch's aggregated loss (policy loss and KL), before the division by the
-                accumulation steps. Logged as ``policy_loss`` (mean over processes) as TRL 1.16 logs it: the token
-                means over the generation batch (TRL's ``dapo``, ``cispo``, ``vespo``: the aggregations whose divisor
-                is ``batch_tokens``) after that division, the others before it.
+            entropy_mask: (B, T) bool from ``_policy_loss_masks`` or None.
+            policy_loss: 0-d aggregated loss before the division by ``accumulation`` (logged as TRL 1.16 does: after the
+                division for the ``batch_tokens`` aggregations, before it for the others).
             accumulation: the gradient accumulation steps (1 in evaluation).
             mode: ``"train"`` or ``"eval"``.
 
         Returns:
-            0-d tensor: ``coef x (sum of entropies x effective mask) / (effective tokens, at least 1) / accumulation``
-            with the coefficient in force since the last optimizer step (adaptive: 0 while the last step's entropy
-            was above ``entropy_target``, and at the first step).
-        """
+            0-d: ``coef x (masked sum of entropies) / (tokens, at least 1) / accumulation`` (adaptive: 0 while the last
+            step's entropy was above ``entropy_target``, and at the first step)."""
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
         entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
         if self.use_adaptive_entropy:

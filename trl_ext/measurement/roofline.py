@@ -1,43 +1,22 @@
 """How close each phase of a run comes to what the machine allows: a roofline report.
 
-For each phase of a run (held-out evaluation, generation prefill and decode, the log-prob forward, other training
-forwards, backward, optimizer) the report puts the seconds measured beside the floor this machine allows for that
-phase's work: ``max(FLOPs / matmul peak, bytes / memory bandwidth)``, with the peak and the bandwidth **measured in
-the run** (:func:`measure_peaks`, about a second), never taken from a data sheet. The matmul peak is measured in each
-dtype a phase computed in: the weights' dtype, and autocast's (bf16) for the phases that ran under it -- against the
-fp32 peak a bf16 phase's floor would be too high (on a CPU with AMX the bf16 peak is about 30 x the fp32 one).
-``ratio = seconds / floor`` says how many times slower than the floor the phase ran (1 = at the roofline); on CUDA the
-same numbers read as MFU (``flops_utilization``: achieved FLOP/s over the measured matmul peak) and bandwidth use.
+Each phase's measured seconds stand beside its floor, ``max(FLOPs / matmul peak, bytes / memory bandwidth)``, with
+peak and bandwidth measured in the run (:func:`measure_peaks`), the peak in each dtype a phase computed in (bf16
+autocast's differs from fp32's by up to 30 x on AMX). ``ratio = seconds / floor`` (1 = at the roofline); on CUDA the
+same numbers read as MFU. A phase not timed, or under its floor, is listed under ``omitted`` (:func:`roofline_report`).
 
-The work is counted, not estimated from wall time: :class:`WorkCounter` hooks the model's forward and, for every
-call, counts from its inputs (Williams, Waterman & Patterson 2009, "Roofline"; Kaplan et al. 2020 for 2 x parameters
-FLOPs per token):
+The work is counted from every forward's inputs by :class:`WorkCounter` (Williams et al. 2009, "Roofline"; Kaplan et
+al. 2020, 2 FLOPs per parameter and token):
 
-* matmul FLOPs ``2 x P_body x T + 2 x P_head x T_head``: ``P_body`` the weights of every ``nn.Linear`` (and GPT-2's
-  ``Conv1D``) but the output head, LoRA's adapters included, ``T`` the tokens the call processes (rows x new tokens),
-  ``P_head``/``T_head`` the output head and the tokens whose logits are computed (``logits_to_keep``);
-* attention FLOPs ``4 x layers x heads x head_dim`` per (query, key) pair the mask allows (exact for a 4D mask,
-  causal ``new x (past + (new + 1) / 2)`` per row otherwise, padding included), ``layers`` the model's attention
-  modules (a hybrid model's convolution or state-space layers have none);
-* bytes: every weight read once per call, plus the keys and values of every attention layer read once per row;
-* a backward is counted as it runs, matmul by matmul (hooks on every ``nn.Linear`` / GPT-2 ``Conv1D`` and tensor
-  hooks on their outputs while gradients may flow): ``2 x in x out`` FLOPs a row for the gradient of the input when
-  that input requires grad, as many again for the gradient of the weight when the weight requires grad. So a frozen
-  base under LoRA costs about 1 x its forward (input gradients only), full fine-tuning 2 x, and layers before the
-  first trainable parameter nothing; attention's two matmuls cost 2 x their forward in each layer whose attention
-  output gets a gradient. Bytes: the weights whose input gradient is computed read once more, every gradient that is
-  accumulated read and written. With gradient checkpointing the forward that the backward re-runs (as far as it
-  re-runs: non-reentrant checkpointing stops at the last tensor it needs) is counted into the backward too;
-* an optimizer step (AdamW with gradient clipping): 9 x the trainable weights' bytes (read weight, gradient and two
-  moments, write weight and moments; read the gradients for the norm and again to scale them) and 14 FLOPs a weight,
-  the trainable weights read when the report is made (under LoRA, the adapters only).
+* matmul FLOPs ``2 x P_body x T + 2 x P_head x T_head`` (every ``nn.Linear``/GPT-2 ``Conv1D`` but the head, LoRA
+  included; ``T_head`` the tokens whose logits are computed);
+* attention FLOPs ``4 x layers x heads x head_dim`` per (query, key) pair the mask allows (causal with padding
+  without a 4D mask); bytes: every weight once per call plus each layer's keys and values once per row;
+* a backward, matmul by matmul as it runs (:func:`matmul_backward_work`): LoRA over a frozen base ~1 x the forward,
+  full fine-tuning 2 x; gradient checkpointing's re-run forward counts into the backward;
+* an optimizer step (AdamW with clipping): 9 x the trainable weights' bytes and 14 FLOPs a weight.
 
-Every reported ratio is at least 1: measured time cannot beat the floor. A phase with counted work but no measured
-seconds (nothing timed it) or a ratio below 1 (the floor or the timing is wrong) is left out of ``phases`` and listed
-under ``omitted`` with the reason, and logged (:func:`roofline_report`).
-
-These are floors, not predictions: activations, softmax, norms and the sampling loop are not counted, so a ratio
-above 1 is time spent on them, on kernel and Python overhead, or on matmuls below peak.
+Floors, not predictions: activations, softmax, norms and the sampling loop are not counted.
 """
 
 from __future__ import annotations
@@ -60,8 +39,7 @@ PHASES = (
     "backward",
     "optimizer",
 )
-"""The report's rows, in order: where a forward is counted depends on the timer's phase when it runs
-(:meth:`WorkCounter.bucket`)."""
+"""The report's rows, in order (:meth:`WorkCounter.bucket`)."""
 
 logger = logging.getLogger("trl_ext")
 
@@ -111,7 +89,7 @@ def _best_rate(work: float, run: Callable[[], Any], device: torch.device, budget
 
 
 def _matmul_rate(n: int, device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
-    # operands from a private generator on the device: the run's own random numbers stay untouched (trl_ext.rng)
+    # operands from a private generator on the device: the run's own random numbers stay untouched (trl_ext.speed.rng)
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=generator).to(dtype)
     b = torch.randn(n, n, device=device, generator=generator).to(dtype)
@@ -141,18 +119,9 @@ def measure_peaks(
     matmul_size: int | None = None,
     copy_bytes: int | None = None,
 ) -> MachinePeaks:
-    """Measure the matmul peak and the memory bandwidth of ``device``, now, in about ``budget_s`` seconds.
-
-    Args:
-        device: where to measure (the model's device).
-        dtype: the matmul dtype (the model's compute dtype: fp32, bf16...).
-        budget_s: seconds for each of the two measurements (best of the repetitions is kept).
-        matmul_size: n of the n x n matmul (default 1024 on CPU, 8192 on CUDA: large enough to reach the peak).
-        copy_bytes: size of the copied tensor (default 256 MiB on CPU, 1 GiB on CUDA: beyond every cache).
-
-    Returns:
-        a :class:`MachinePeaks`.
-    """
+    """Measure the matmul peak (:func:`measure_matmul_peak`) and the copy bandwidth of ``device`` now, as
+    :class:`MachinePeaks`: ``budget_s`` seconds each, best repetition kept; ``copy_bytes`` default 256 MiB on CPU,
+    1 GiB on CUDA (beyond every cache)."""
     device = torch.device(device)
     start = time.perf_counter()
     flops = measure_matmul_peak(device, dtype, budget_s, matmul_size)
@@ -188,9 +157,8 @@ class Work:
 
 
 def matmul_size(module: torch.nn.Module) -> tuple[int, int] | None:
-    """``(in_features, out_features)`` of a module that is one matmul -- ``nn.Linear`` (and its subclasses:
-    bitsandbytes' 4/8-bit layers, LoRA's ``lora_A``/``lora_B``) or transformers' ``Conv1D`` (GPT-2; weight
-    ``(in, out)``) --, else None. Read from the module's attributes, not its weight (a sharded weight may be empty)."""
+    """``(in_features, out_features)`` of an ``nn.Linear`` (bitsandbytes' and LoRA's included) or GPT-2's ``Conv1D``,
+    else None; read from attributes, not the weight (a sharded weight may be empty)."""
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and hasattr(module, "nx") and hasattr(module, "nf"):
@@ -205,8 +173,7 @@ def _unwrap(model: Any) -> Any:
 
 
 def _saved_copies(model: torch.nn.Module) -> set[int]:
-    """Modules inside PEFT's ``modules_to_save`` copies: the copy or the original runs, never both, so only the
-    original's weights count (same shapes)."""
+    """Modules inside PEFT's ``modules_to_save`` copies (only the original's weights count)."""
     return {
         id(inner)
         for module in model.modules()
@@ -223,9 +190,8 @@ def matmul_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The attention modules of ``model``, one per attention layer: the outermost modules whose class name ends in
-    ``Attention`` (``LlamaAttention``, ``GPT2Attention``, ...; a hybrid model's convolution, state-space or
-    linear-attention mixers are not among them), PEFT's ``modules_to_save`` copies left out."""
+    """One module per attention layer: the outermost whose class name ends in ``Attention`` (a hybrid model's other
+    mixers are not), PEFT's ``modules_to_save`` copies left out."""
     copies, found, inside = _saved_copies(model), [], set()
     for module in model.modules():
         if id(module) in inside or id(module) in copies or not type(module).__name__.endswith("Attention"):
@@ -302,20 +268,9 @@ def attention_flops(shape: ModelShape, pairs: float) -> float:
 def forward_work(
     shape: ModelShape, rows: int, new: int, past: int, head_tokens: int, attention_pairs: int | None = None
 ) -> Work:
-    """The work of one forward (see the module docstring for the counts).
-
-    Args:
-        shape: the model's :class:`ModelShape`.
-        rows: batch rows.
-        new: new tokens per row (the input's length).
-        past: tokens already in the key/value cache per row.
-        head_tokens: tokens whose logits the head computes (all rows).
-        attention_pairs: (query, key) pairs the mask allows, all rows; None = causal, ``rows x new x (past +
-            (new + 1) / 2)``.
-
-    Returns:
-        a :class:`Work` with ``flops``, ``bytes``, ``calls`` 1 and ``tokens`` ``rows x new``.
-    """
+    """The :class:`Work` of one forward (counts in the module docstring) of ``rows`` x ``new`` tokens over ``past``
+    cached ones, ``head_tokens`` projected by the head; ``attention_pairs`` None = causal, ``rows x new x (past +
+    (new + 1) / 2)``."""
     tokens = rows * new
     pairs = rows * new * (past + (new + 1) / 2) if attention_pairs is None else attention_pairs
     flops = 2.0 * shape.body_weights * tokens + 2.0 * shape.head_weights * head_tokens
@@ -328,9 +283,8 @@ def forward_work(
 def matmul_backward_work(
     flops: float, weight_bytes: float, input_requires_grad: bool, weight_requires_grad: bool
 ) -> Work:
-    """The backward of one matmul whose forward did ``flops`` over a weight of ``weight_bytes``: the gradient of its
-    input (as many FLOPs as the forward, the weight read again) when the input requires grad, the gradient of its
-    weight (as many FLOPs again, the gradient read and written to accumulate) when the weight requires grad."""
+    """The backward of one matmul of ``flops`` over ``weight_bytes``: the input's gradient (``flops``, the weight read
+    again) when it requires grad, the weight's (``flops``, the gradient read and written) when it does."""
     return Work(
         flops=flops * (int(input_requires_grad) + int(weight_requires_grad)),
         bytes=weight_bytes * (int(input_requires_grad) + 2 * int(weight_requires_grad)),
@@ -365,8 +319,7 @@ def _attention_pairs(mask: Any) -> int | None:
 
 
 def _anchor(output: Any) -> torch.Tensor | None:
-    """The output tensor every backward through a forward passes: the logits, TRL's fused head's log-probs, or the
-    model's first tensor output."""
+    """The output every backward through a forward passes: logits, TRL's fused log-probs, or the first tensor."""
     for name in ("logits", "log_probs"):
         tensor = getattr(output, name, None)
         if isinstance(tensor, torch.Tensor):
@@ -380,9 +333,8 @@ def _anchor(output: Any) -> torch.Tensor | None:
 
 
 def fused_head_positions(kwargs: Mapping[str, Any], rows: int, new: int, device: torch.device) -> int | None:
-    """Positions the output head projects in a forward with TRL's fused LM head (``fused_lm_head=True``, TRL 1.16's
-    ``add_fused_lm_head``: GRPO's log-probs, SFT, DPO), None for any other forward. TRL scores only the labelled
-    positions (``labels != -100``) where its Triton kernel runs (CUDA, XPU), every position elsewhere."""
+    """Positions TRL 1.16's fused LM head (``fused_lm_head=True``) projects, None for any other forward: the labelled
+    ones where its Triton kernel runs (CUDA, XPU), every position elsewhere."""
     if not kwargs.get("fused_lm_head"):
         return None
     shifted = kwargs.get("shift_labels")
@@ -400,24 +352,18 @@ def fused_head_positions(kwargs: Mapping[str, Any], rows: int, new: int, device:
 
 
 TIMED_BY_HOOK = ("generation_prefill", "forward")
-"""Buckets whose seconds come from timing the forward itself (the rest come from the run's phase timer): on CUDA only
-these forwards synchronize the device, so decoding and training keep their asynchrony."""
+"""Buckets timed by the forward's own hook (the rest by the run's timer); on CUDA only these synchronize."""
 
 
 class WorkCounter:
     """Counts the work of every forward of ``model`` into the bucket of the phase it runs in, and the work of every
     backward through it as it runs.
 
-    Forwards are counted by a hook on ``model`` (:func:`forward_work`). While gradients may flow -- from a forward
-    with gradients enabled until a forward without them when no backward is pending -- each matmul
-    (:func:`matmul_modules`) and attention module (:func:`attention_modules`) is hooked too, and a gradient hook on
-    its output counts its backward when the backward reaches it (:func:`matmul_backward_work`: what requires grad
-    decides), so frozen weights, LoRA, frozen layers and forwards never backpropagated are counted as they run. A
-    matmul or attention module that runs while the model's own forward is not running is the forward that gradient
-    checkpointing re-runs inside the backward: it is counted into the backward. TRL's fused LM head (no module call:
-    :func:`fused_head_positions`) is counted at the model's output: its forward, and in its backward the logits
-    recomputed plus the gradients of the hidden states and of the head's weight, as far as they require grad.
-    Inference forwards run without the per-module hooks.
+    Forwards are counted by a hook on ``model`` (:func:`forward_work`). While gradients may flow, each matmul and
+    attention module is hooked too, and a gradient hook on its output counts its backward when reached, so frozen
+    weights, LoRA and forwards never backpropagated count as they run; a module running outside the model's forward
+    is gradient checkpointing's re-run, counted into the backward. TRL's fused LM head is counted at the model's
+    output (:func:`fused_head_positions`).
 
     Args:
         model: the causal LM (hooks go on this module; pass the trainer's model or the one evaluated).
@@ -467,9 +413,8 @@ class WorkCounter:
         return other is mine or any(m is mine for m in other.modules()) or any(m is other for m in mine.modules())
 
     def bucket(self, new_tokens: int) -> str:
-        """Where a forward of ``new_tokens`` tokens per row counts: by the running phase (``evaluation``,
-        ``generation`` -- ``generation_prefill`` for a forward of more than one token per row, ``generation_decode``
-        for one --, ``logprob_forward``), ``forward`` otherwise (e.g. SFT's training forward)."""
+        """The bucket of a forward of ``new_tokens`` per row: the running phase (``generation`` split into prefill, > 1
+        token, and decode), ``forward`` outside the timed phases (e.g. SFT's training forward)."""
         phase = self.current_phase()
         if phase == "generation":
             return "generation_prefill" if new_tokens > 1 else "generation_decode"
@@ -646,14 +591,8 @@ class PhaseRoofline:
 
 
 def phase_roofline(seconds: float, work: Work, peaks: MachinePeaks) -> PhaseRoofline:
-    """``floor = max(flops / peak, bytes / bandwidth)``, ``ratio = seconds / floor``, and what was achieved as a
-    fraction of each peak (MFU on a GPU).
-
-    Args:
-        seconds: the phase's measured seconds.
-        work: its counted work.
-        peaks: the machine's measured peaks.
-    """
+    """``floor = max(flops / peak, bytes / bandwidth)``, ``ratio = seconds / floor``, and the fraction of each peak
+    achieved (MFU on a GPU), for a phase's measured ``seconds`` and counted ``work``."""
     compute = work.flops / peaks.matmul_flops_per_s
     memory = work.bytes / peaks.bandwidth_bytes_per_s
     floor = max(compute, memory)
@@ -688,10 +627,8 @@ def roofline_report(
     ``generation_decode`` the rest of ``generation`` (the decode forwards and the sampling loop around them);
     ``forward`` the hook-timed forwards outside those phases (SFT, DPO and reward models' training forwards).
 
-    The rule: measured time never beats the floor. A phase with counted work and no measured seconds (nothing timed
-    it), or with ``ratio < 1`` (its floor counts work that did not run, or its timer missed time), is not reported as
-    a ratio: it goes under ``omitted`` with the reason and its numbers, and the reason is logged (warning, logger
-    ``trl_ext``).
+    A phase with counted work but no seconds, or with ``ratio < 1``, goes under ``omitted`` with the reason (logged
+    as a warning): measured time never beats the floor.
 
     Args:
         phase_seconds: ``PhaseTimer.seconds``.
@@ -787,10 +724,8 @@ class RooflineRecorder:
     counters: list[WorkCounter] = field(default_factory=list)
 
     def watch(self, model: Any) -> None:
-        """Count the forwards of ``model``: once per model -- a model that holds a watched one or is held by it (a
-        PEFT or DDP wrapper around it, given later by a trainer) is not hooked again, the watched one's shape is read
-        again instead (PEFT injected adapters and froze the base). Anything but a ``torch.nn.Module`` (a model name
-        a recipe hands its trainer to load) is left alone."""
+        """Count the forwards of ``model``, once per model: a wrapper of a watched one (PEFT, DDP) only re-reads its
+        shape; anything but a ``torch.nn.Module`` is left alone."""
         if not isinstance(model, torch.nn.Module):
             return
         for counter in self.counters:

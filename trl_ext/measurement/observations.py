@@ -34,6 +34,49 @@ def entropy_collapsed(first: float, last: float) -> bool:
     return last < 0.1 or last < first / 5
 
 
+def _reward_note(reward: list[tuple[int, float]]) -> str:
+    """First vs last reward, and where its running mean rose fastest (windows of about a fifth of the run)."""
+    values = [v for _, v in reward]
+    first, last = _head_tail_means(values, 3)
+    window = max(1, len(values) // 5)
+    best_gain, best_at = -math.inf, 0
+    for i in range(len(values) - window):
+        gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(
+            values[max(0, i + 1 - window) : i + 1]
+        )
+        if gain > best_gain:
+            best_gain, best_at = gain, i
+    trend = "rose" if last > first else "fell" if last < first else "stayed flat"
+    note = f"Train reward {trend} from {first:.3f} (first logged steps) to {last:.3f} (last)"
+    if best_gain > 0:
+        note += (
+            "; it rose fastest around steps "
+            f"{reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
+            f" (+{best_gain:.3f} between consecutive {window}-point means)"
+        )
+    return note + "."
+
+
+def _length_note(log_history: Sequence[Mapping[str, Any]], max_completion_length: int | None) -> str | None:
+    """Completions at the length limit (clipped share above 0.5, or mean length within 10% of it), else the last
+    mean length and clipped share; None when neither is logged."""
+    clipped = metric_curve(log_history, "completions/clipped_ratio")
+    mean_length = metric_curve(log_history, "completions/mean_length")
+    if clipped and clipped[-1][1] > 0.5:
+        return (
+            f"{clipped[-1][1]:.0%} of the last step's completions hit the length limit"
+            + (f" ({max_completion_length} tokens)" if max_completion_length else "")
+            + ": answers are being cut off; raise max_completion_length or reward brevity."
+        )
+    if mean_length and max_completion_length and mean_length[-1][1] >= 0.9 * max_completion_length:
+        return f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}."
+    if clipped or mean_length:
+        tail = f"mean completion length {mean_length[-1][1]:.1f} tokens" if mean_length else ""
+        share = f"{clipped[-1][1]:.0%} hit the length limit" if clipped else ""
+        return "At the end: " + ", ".join(x for x in (tail, share) if x) + "."
+    return None
+
+
 def observe_training(
     log_history: Sequence[Mapping[str, Any]],
     max_completion_length: int | None = None,
@@ -57,25 +100,7 @@ def observe_training(
     notes: list[str] = []
     reward = metric_curve(log_history, reward_key)
     if len(reward) >= 2:
-        values = [v for _, v in reward]
-        first, last = _head_tail_means(values, 3)
-        window = max(1, len(values) // 5)
-        best_gain, best_at = -math.inf, 0
-        for i in range(len(values) - window):
-            gain = statistics.fmean(values[i + 1 : i + 1 + window]) - statistics.fmean(
-                values[max(0, i + 1 - window) : i + 1]
-            )
-            if gain > best_gain:
-                best_gain, best_at = gain, i
-        trend = "rose" if last > first else "fell" if last < first else "stayed flat"
-        note = f"Train reward {trend} from {first:.3f} (first logged steps) to {last:.3f} (last)"
-        if best_gain > 0:
-            note += (
-                "; it rose fastest around steps "
-                f"{reward[best_at][0]}-{reward[min(best_at + window, len(reward) - 1)][0]}"
-                f" (+{best_gain:.3f} between consecutive {window}-point means)"
-            )
-        notes.append(note + ".")
+        notes.append(_reward_note(reward))
     elif not reward:
         loss = metric_curve(log_history, "loss")
         if len(loss) >= 2:
@@ -93,22 +118,9 @@ def observe_training(
                 else "; no collapse."
             )
         )
-    clipped = metric_curve(log_history, "completions/clipped_ratio")
-    mean_length = metric_curve(log_history, "completions/mean_length")
-    if clipped and clipped[-1][1] > 0.5:
-        notes.append(
-            f"{clipped[-1][1]:.0%} of the last step's completions hit the length limit"
-            + (f" ({max_completion_length} tokens)" if max_completion_length else "")
-            + ": answers are being cut off; raise max_completion_length or reward brevity."
-        )
-    elif mean_length and max_completion_length and mean_length[-1][1] >= 0.9 * max_completion_length:
-        notes.append(
-            f"Mean completion length {mean_length[-1][1]:.1f} is within 10% of the limit {max_completion_length}."
-        )
-    elif clipped or mean_length:
-        tail = f"mean completion length {mean_length[-1][1]:.1f} tokens" if mean_length else ""
-        share = f"{clipped[-1][1]:.0%} hit the length limit" if clipped else ""
-        notes.append("At the end: " + ", ".join(x for x in (tail, share) if x) + ".")
+    length = _length_note(log_history, max_completion_length)
+    if length:
+        notes.append(length)
     grad = metric_curve(log_history, "grad_norm")
     if len(grad) >= 3:
         values = [v for _, v in grad]

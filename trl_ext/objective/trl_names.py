@@ -1,32 +1,23 @@
 """TRL's names of ``trl_ext.GRPOConfig``'s course settings, resolved both ways.
 
-TRL 1.16 names GRPO's objective with three options, trl_ext with four registered choices:
+- ``loss_type`` -> ``length_normalization`` (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: claimed by the
+  aggregations) or ``pg_loss_type`` plus its normalization (``cispo``, ``sapo``, ``vespo``: claimed by the losses);
+- ``scale_rewards`` -> ``normalize_by_std`` (``group``/True, ``none``/False), ``batch`` ->
+  ``advantage_estimator="batch_std"``;
+- ``multi_objective_aggregation="normalize_then_sum"`` -> ``advantage_estimator="normalize_then_sum"``.
 
-- ``loss_type`` -> ``pg_loss_type`` (:mod:`trl_ext.losses`) and ``length_normalization`` (:mod:`trl_ext.aggregations`):
-  ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` differ only in their length normalization (the aggregations
-  claim them; the per-token objective is GRPO-Clip's, or any loss without a TRL name of its own);
-  ``cispo``, ``sapo``, ``vespo`` name a per-token objective too (the losses claim them, each with the length
-  normalization TRL pairs it with);
-- ``scale_rewards`` -> ``normalize_by_std`` (``group``/True, ``none``/False) and, for ``batch``,
-  ``advantage_estimator="batch_std"`` (:mod:`trl_ext.advantages`);
-- ``multi_objective_aggregation`` -> ``advantage_estimator="normalize_then_sum"`` for ``normalize_then_sum``
-  (``sum_then_normalize``, TRL's default, is what every other estimator does: it decides nothing).
-
-The rule (``GRPOConfig.__post_init__`` calls :func:`resolve_objective` and :func:`resolve_advantages`): either name of
-a setting decides it, with TRL's meaning; neither gives the course default (``grpo_clip``, ``masked_mean``,
-``group_normalized`` with ``normalize_by_std=True``, or what the loss is defined with); both given must agree, else
-one ValueError names both. The names not given are then derived -- TRL's names of the course values in use (None
-where TRL has no name for them) -- and marked :class:`_Derived`, so that ``dataclasses.replace`` re-derives them.
-:func:`upstream_meaning` says what one TRL value decides, for the command line's layering (``trl_ext.cli.parse``).
+Either name decides, with TRL's meaning; neither gives the course default; both must agree, else one ValueError
+(:func:`resolve_objective`, :func:`resolve_advantages`). The other names are derived and marked :class:`Derived`
+(re-derived by ``dataclasses.replace``). :func:`upstream_meaning` serves ``trl_ext.cli.parse``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR
-from ..aggregations import AGGREGATIONS, upstream_loss_types
-from ..losses import POLICY_LOSSES, PolicyLoss
+from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, DEFAULT_ADVANTAGE_ESTIMATOR
+from trl_ext.objective.aggregations import AGGREGATIONS, upstream_loss_types
+from trl_ext.objective.losses import POLICY_LOSSES, PolicyLoss
 
 __all__ = ["UPSTREAM_OPTIONS", "upstream_objectives", "loss_type_of", "upstream_meaning"]
 
@@ -53,7 +44,7 @@ ALWAYS_SCALED = ("batch_std", "normalize_then_sum")
 """Estimators that always divide by a std: ``normalize_by_std=False`` conflicts with them."""
 
 
-class _Derived(str):
+class Derived(str):
     """An option value that ``GRPOConfig.__post_init__`` filled in (from the other name of the same setting, or the
     course default), as opposed to one the user gave. Equal to, hashed and JSON-encoded as the plain string.
     ``dataclasses.replace`` passes every field back to ``__init__``; this type is how the new config knows that the
@@ -62,8 +53,11 @@ class _Derived(str):
     __slots__ = ()
 
 
+_Derived = Derived  # the name configs pickled before issue 46 refer to (training_args.bin of older checkpoints)
+
+
 def _given(value: Any) -> Any:
-    return None if isinstance(value, _Derived) else value
+    return None if isinstance(value, Derived) else value
 
 
 def upstream_objectives() -> dict[str, dict[str, str]]:
@@ -133,7 +127,7 @@ def _conflict(upstream: str, value: Any, field: str, given: Any, meant: Any, rep
 
 def _replayed(config: Any) -> bool:
     names = {*UPSTREAM_OPTIONS, *(field for fields in UPSTREAM_OPTIONS.values() for field in fields)}
-    return any(isinstance(getattr(config, name), _Derived) for name in names)
+    return any(isinstance(getattr(config, name), Derived) for name in names)
 
 
 def resolve_objective(config: Any) -> PolicyLoss:
@@ -180,9 +174,9 @@ def resolve_objective(config: Any) -> PolicyLoss:
             + (f"TRL's loss_type={named!r}" if named else "none of TRL's loss types")
             + f"; give one of the two{hint}"
         )
-    config.pg_loss_type = given["pg_loss_type"] or _Derived(pg_loss_type)
-    config.length_normalization = given["length_normalization"] or _Derived(length_normalization)
-    config.loss_type = loss_type if loss_type is not None else (_Derived(named) if named else None)
+    config.pg_loss_type = given["pg_loss_type"] or Derived(pg_loss_type)
+    config.length_normalization = given["length_normalization"] or Derived(length_normalization)
+    config.loss_type = loss_type if loss_type is not None else (Derived(named) if named else None)
     return loss
 
 
@@ -269,9 +263,60 @@ def resolve_advantages(config: Any, loss: PolicyLoss) -> None:
             "(TRL ignores scale_rewards under multi_objective_aggregation='normalize_then_sum'; trl_ext refuses a "
             f"setting it would ignore); leave {upstream} unset"
         )
-    config.advantage_estimator = _given(config.advantage_estimator) or _Derived(in_use)
+    config.advantage_estimator = _given(config.advantage_estimator) or Derived(in_use)
     config.normalize_by_std = True if values["normalize_by_std"] is None else values["normalize_by_std"]
     derived_scale = "batch" if in_use == "batch_std" else "group" if config.normalize_by_std else "none"
-    config.scale_rewards = scale if scale is not None else _Derived(derived_scale)
+    config.scale_rewards = scale if scale is not None else Derived(derived_scale)
     derived_aggregation = "normalize_then_sum" if in_use == "normalize_then_sum" else "sum_then_normalize"
-    config.multi_objective_aggregation = aggregation if aggregation is not None else _Derived(derived_aggregation)
+    config.multi_objective_aggregation = aggregation if aggregation is not None else Derived(derived_aggregation)
+
+
+class OptionLayers:
+    """A recipe's option layers merged under TRL's naming rule: recipe defaults < ``--config`` files < flags
+    (``trl_ext.cli.parse``), for configs with TRL's names of course settings (:data:`UPSTREAM_OPTIONS`).
+
+    A layer's TRL name stands for the course fields its value decides (:func:`upstream_meaning`: ``loss_type
+    cispo`` decides both ``pg_loss_type`` and ``length_normalization``, ``dapo`` the latter alone), so it replaces
+    what lower layers set of those fields under either name; a lower layer's TRL name overridden in part keeps
+    deciding the rest, as course fields.
+
+    Args:
+        trl_names: whether TRL's names apply (a recipe whose config has them); False: a plain merge.
+
+    Attributes:
+        merged: option -> value, the layers so far.
+        source: option -> where its value came from (the layer's ``where``).
+    """
+
+    def __init__(self, trl_names: bool = True):
+        self.names = UPSTREAM_OPTIONS if trl_names else {}
+        self.merged: dict[str, Any] = {}
+        self.source: dict[str, str] = {}
+
+    def _decided(self, key: str, value: Any) -> dict[str, Any]:
+        """The course fields ``key=value`` decides: itself for a course field; for a TRL name what its value means
+        (every field it may decide, for a value it does not have: the config then names it)."""
+        if key not in self.names:
+            return {key: value}
+        meaning = upstream_meaning(key, value)
+        return dict.fromkeys(self.names[key]) if meaning is None else meaning
+
+    def overridden_by(self, layer: dict[str, Any]) -> None:
+        """Drop what ``layer`` (a higher one: a file, or the flags) decides under the other name."""
+        fields = {field for key, value in layer.items() for field in self._decided(key, value)}
+        for key in [k for k in self.merged if k not in layer]:
+            if key in fields:  # a course field the layer decides
+                self.merged.pop(key)
+            elif key in self.names:
+                below = self._decided(key, self.merged[key])
+                if below.keys() & fields:  # a TRL name the layer overrides, in part: the rest as course fields
+                    self.merged.pop(key)
+                    for field, value in below.items():
+                        if field not in fields and value is not None:
+                            self.merged.setdefault(field, value)
+
+    def add(self, layer: dict[str, Any], where: str) -> None:
+        """Merge ``layer`` (from ``where``) above the layers so far."""
+        self.overridden_by(layer)
+        self.merged.update(layer)
+        self.source.update(dict.fromkeys(layer, where))

@@ -2,52 +2,24 @@
 
 ``GRPOTrainer`` overrides these upstream methods (TRL 1.16), and no others:
 
-- ``__init__``: converts a ``trl.GRPOConfig``/``TrainingArguments`` (``GRPOConfig.from_upstream``), checks the seams
-  below still exist upstream (``check_upstream``), reports a missing vLLM/liger after upstream's own checks;
-- ``_calculate_rewards``: tells every reward function which completions were cut by the length limit
-  (``completion_truncated``), and keeps the rewards of every process's completions (gathered) for the advantages;
-- ``_generate_and_score_completions`` (through ``DynamicSamplingMixin``, trl_ext/trainers/dynamic_sampling.py): one
-  round, ``_generate_and_score_round``, lets upstream generate and score, then replaces its ``advantages`` with those
-  of the config's ``advantage_estimator`` (``trl_ext.advantages``: the course's group-normalized advantages, or the
-  raw rewards ``pg_loss_type="no_baseline"`` is defined with), sliced for this process; with ``dynamic_sampling``,
-  several rounds until the batch holds groups with a gradient;
-- ``_tokenize_prompts``: drops the BOS text of a plain-text prompt already rendered with a BOS-writing template
-  (one BOS, as ``trl_ext.eval`` sees it);
-- ``_compute_loss``: the per-token loss of the ``pg_loss_type`` entry (``trl_ext.losses.policy_loss``, which also
-  applies vLLM's importance-sampling correction unless the loss takes it itself), plus ``functional.compute_kl``,
-  reduced by the ``length_normalization`` entry (``trl_ext.aggregations``; a row with no trained token leaves the
-  batch mean; upstream's ``grpo`` counts it as 0); the entry's metrics logged under TRL's names; TRL's entropy
-  mask, off-policy sequence mask and entropy bonus (static or adaptive) around it, in upstream's order
-  (``GRPOLossTermsMixin``, trl_ext/trainers/grpo_terms.py);
-- ``_generate_single_turn`` and ``_generate``: stop strings (``stop_strings``, else the reward functions' task's:
-  ``</answer>`` for the R1-Zero format) -- transformers' ``generate`` gets a ``StoppingCriteria``, vLLM's
-  ``SamplingParams`` ``stop``/``include_stop_str_in_output``/``min_tokens`` -- and each completion is cut after the
-  token that completes its first stop string, its decoded text at the stop string's end
-  (``trl_ext.stop_strings``); a completion that ended neither with EOS nor at a stop string is "cut by the length
-  limit" for ``completions/clipped_ratio``, ``mask_truncated_completions`` and the reward functions (upstream's rule
-  would count every stopped completion as cut);
-- ``log``: one console warning when most completions of a logging window were cut by the length limit;
-- ``training_step``: updates the adaptive KL coefficient (``kl_target``) after each optimizer step;
-- the checkpoint-state hooks of ``TrainerMixin`` (trl_ext/trainers/upstream.py): beta, the KL window, the
-  micro-batch counter, the buffered rollout and the dynamic-sampling position (and, through ``GRPOLossTermsMixin``,
-  the adaptive entropy controller, which upstream's own ``_save_checkpoint`` also saves), so a resumed run is
-  bit-exact.
+- ``__init__``: converts the config (``GRPOConfig.from_upstream``), checks the seams (``check_upstream``);
+- ``_calculate_rewards``: passes ``completion_truncated`` to the reward functions, keeps every process's rewards;
+- ``_generate_and_score_completions`` (``DynamicSamplingMixin``, dynamic_sampling.py): upstream's advantages replaced by
+  the ``advantage_estimator``'s (``trl_ext.objective.advantages``); with ``dynamic_sampling``, several rounds until the
+  batch holds groups with a gradient;
+- ``_tokenize_prompts``: drops a doubled BOS of a prompt rendered with a BOS-writing template;
+- ``_compute_loss``: the ``pg_loss_type`` entry's per-token loss (``trl_ext.objective.losses.policy_loss``) plus
+  ``functional.compute_kl``, reduced by the ``length_normalization`` entry (``trl_ext.objective.aggregations``), with
+  TRL's entropy mask, off-policy mask and entropy bonus around it (``GRPOLossTermsMixin``, terms.py);
+- ``_generate_single_turn`` and ``_generate``: stop strings (``trl_ext.stop_strings``); a completion that ended neither
+  at EOS nor at a stop string counts as cut by the length limit;
+- ``log``: one warning when most completions of a logging window were cut;
+- ``training_step``: updates the adaptive KL coefficient (``kl_target``);
+- ``TrainerMixin``'s checkpoint-state hooks (upstream.py), so a resumed run is bit-exact.
 
-It adds one public method, ``sample(prompts)``, which only calls ``_generate`` (upstream's, with the stop-string cut
-above): rollouts from GRPO's own generation path (transformers or vLLM) for loops outside ``train()``, such as expert
-iteration.
-
-The speed paths live in ``trl_ext.grpo_speed.GRPOSpeedMixin``, which overrides ``_generate_single_turn`` and
-``_get_per_token_logps_and_entropies`` (prompt-cache sharing, packed linear weights in generation,
-generation's position ids) and supplies the zero-advantage row skipping ``_compute_loss`` calls; each is on only where
-it is exact for the model. ``_generate_and_score_completions`` (above) also keeps generation's packed weights for
-every round of the batch and drops them once the batch is drawn.
-
-``GRPOConfig`` (the course's fields beside TRL's) and the grouping rule the recipes check live in
-trl_ext/trainers/grpo_config.py; both stay importable from here.
-
-Generation (transformers or vLLM), reward calling, reference model / PEFT adapter handling, old log-probs for
-``num_iterations > 1``, the vLLM importance-sampling correction, logging and checkpointing are TRL's.
+It adds ``sample(prompts)`` (rollouts through upstream's ``_generate``, e.g. for expert iteration). The speed paths are
+``trl_ext.trainers.grpo.speed.GRPOSpeedMixin`` (``_get_per_token_logps_and_entropies``, the generation block,
+zero-advantage row skipping). ``GRPOConfig`` lives in config.py and stays importable from here.
 """
 
 from __future__ import annotations
@@ -56,6 +28,7 @@ import contextlib
 import functools
 import logging
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -63,27 +36,29 @@ import trl
 from transformers import StoppingCriteriaList
 from trl.trainer.utils import nanmax, nanmin
 
-from .. import functional, machine, vllm_engine
-from ..advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
-from ..aggregations import AGGREGATIONS, compute_grpo_loss
-from ..data.prompts import strip_leading_bos
-from ..grpo_speed import FORWARD_KEYS, GRPOSpeedMixin
-from ..losses import policy_loss
-from ..rewards.adapters import TRUNCATION_KEYWORD
-from ..stop_strings import (
+from trl_ext import functional, machine
+from trl_ext.data.prompts import strip_leading_bos
+from trl_ext.logs import say_once
+from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS, weighted_rewards
+from trl_ext.objective.aggregations import AGGREGATIONS, compute_grpo_loss
+from trl_ext.objective.losses import policy_loss
+from trl_ext.objective.trl_names import Derived  # noqa: F401
+from trl_ext.rewards.adapters import TRUNCATION_KEYWORD
+from trl_ext.stop_strings import (
     DEFAULT_MIN_TOKENS_WITH_STOP,
     StopAtStrings,
     check_stop_strings,
     cut_at_stop,
     ends_truncated,
 )
-from .dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from trl_ext.trainers.grpo import vllm as vllm_engine
 
 # importable here too: configs pickled in checkpoints (training_args.bin) while they lived in this module
-from .grpo_config import GRPOConfig, generation_grouping_problem  # noqa: F401
-from .grpo_options import _Derived  # noqa: F401
-from .grpo_terms import GRPOLossTermsMixin
-from .upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
+from trl_ext.trainers.grpo.config import GRPOConfig, generation_grouping_problem  # noqa: F401
+from trl_ext.trainers.grpo.dynamic_sampling import DynamicSamplingMixin, DynamicSamplingState
+from trl_ext.trainers.grpo.speed import FORWARD_KEYS, GRPOSpeedMixin, shadowing_generate
+from trl_ext.trainers.grpo.terms import GRPOLossTermsMixin
+from trl_ext.trainers.upstream import TRAINER_MIXIN_SEAMS, TrainerMixin, check_upstream
 
 logger = logging.getLogger("trl_ext")
 
@@ -108,7 +83,7 @@ _SEAMS = {
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
-    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo_terms.py)
+    # upstream's masks around the loss, called by GRPOLossTermsMixin (trl_ext/trainers/grpo/terms.py)
     "get_high_entropy_mask": ("entropies", "mask", "threshold"),
     "get_off_policy_mask": (
         "advantages",
@@ -140,23 +115,16 @@ _SEAMS = {
 class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, TrainerMixin, trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose advantages, policy loss and KL are the course's (``trl_ext.functional``).
 
-    Takes the same arguments as ``trl.GRPOTrainer``; ``args`` is a ``trl_ext.GRPOConfig``, or a ``trl.GRPOConfig``
-    (or plain ``transformers.TrainingArguments``) converted by ``GRPOConfig.from_upstream``. As upstream,
-    ``reward_funcs`` may be left out when an ``environment_factory``'s environments score the completions
-    (``get_reward``); with no reward source at all upstream raises its own error. Rewards from any source (reward
-    functions, reward models, environments; a ``rollout_func``'s extra fields reach the reward functions as
-    keyword arguments) become the course's advantages. Metrics keep TRL's names (``reward``, ``entropy``, ``kl``,
-    ``clip_ratio/*``, ``completions/*``) and add ``beta`` when it adapts. Each checkpoint holds, besides TRL's
-    files, ``beta``, the adaptive controller's KL window, the micro-batch counter and this process's buffered
-    rollout, so that a resumed run continues the interrupted one exactly.
+    Takes ``trl.GRPOTrainer``'s arguments; ``args`` is a ``trl_ext.GRPOConfig`` or a ``trl.GRPOConfig`` /
+    ``TrainingArguments`` (converted by ``GRPOConfig.from_upstream``). Rewards from any source (functions, reward
+    models, environments) become the course's advantages. Metrics keep TRL's names and add ``beta`` when it adapts.
+    Checkpoints also hold beta, the KL window, the micro-batch counter and the buffered rollout.
 
     Raises:
-        TypeError: ``args`` is not a ``TrainingArguments``. ValueError: see ``GRPOConfig.from_upstream``, and
-        whatever ``trl.GRPOTrainer`` raises (no reward source, ...). ImportError / RuntimeError: ``use_vllm`` or
-        ``use_liger_kernel`` without the package or a CUDA GPU (``trl_ext.machine``; after upstream's own option
-        checks). RuntimeError: the installed TRL is untested or lacks a seam this trainer overrides
-        (``trl_ext.trainers.upstream``).
-    """
+        TypeError: ``args`` is not a ``TrainingArguments``.
+        ValueError: see ``GRPOConfig.from_upstream``, and whatever ``trl.GRPOTrainer`` raises.
+        ImportError, RuntimeError: ``use_vllm`` or ``use_liger_kernel`` without the package or a CUDA GPU; an
+            untested TRL or a missing seam (``trl_ext.trainers.upstream``)."""
 
     has_rank_state = True
 
@@ -172,9 +140,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         vllm_need = "vllm_server" if args.vllm_mode == "server" else "vllm"
         if args.use_vllm and machine.package_available("vllm"):  # installed, but can it run here? (before any load)
             machine.require(vllm_need, f"use_vllm=True, vllm_mode={args.vllm_mode!r}", "pass `use_vllm=False`")
-        # Upstream checks its options first (PEFT on lm_head, data, loss settings, ...) and imports vLLM last; a
-        # missing engine is reported after those checks, with how to install it here. The colocated engine gets the
-        # policy's dtype and the run's seed (trl_ext.vllm_engine.engine_options).
+        # Upstream checks its options first and imports vLLM last; a missing engine is reported after those checks.
         engine = (
             vllm_engine.engine_options(lambda: vllm_engine.engine_dtype(args.vllm_dtype, self.model), args.seed)
             if args.use_vllm and args.vllm_mode == "colocate"
@@ -188,7 +154,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
                 machine.require(vllm_need, "use_vllm=True", "pass `use_vllm=False`")
             raise
         if self.use_vllm and vllm_engine.runs_on_cpu(self.vllm_generation):
-            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.vllm_engine)
+            # vLLM's CPU build packs its weights: load the policy's through vLLM's reload (trl_ext.trainers.grpo.vllm)
             generation = self.vllm_generation
             generation.sync_weights = functools.partial(vllm_engine.sync_weights_in_place, generation)
         if args.use_liger_kernel:  # upstream: only at train()
@@ -204,17 +170,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
     # -- where a completion ends: stop strings, and completions the length limit cut -----------------------------
 
     def _set_up_stop_strings(self) -> None:
-        """Resolve ``stop_strings`` (the config's, else the ones the reward functions declare) and
-        ``min_completion_length``, and hand them to the generation backend: vLLM's ``SamplingParams`` (``stop``,
-        ``include_stop_str_in_output=True``, ``min_tokens``) through upstream's ``generation_kwargs``; transformers'
-        ``min_new_tokens`` through them too, the stop strings as a ``StoppingCriteria`` at each ``generate`` call
-        (``_generate_single_turn``). Said in one log line when taken from the reward functions.
+        """Resolve ``stop_strings`` (the config's, else the reward functions') and ``min_completion_length`` and hand
+        them to vLLM's ``SamplingParams`` or transformers' ``generate`` (a ``StoppingCriteria``); one log line when
+        taken from the reward functions.
 
         Raises:
-            ValueError: stop strings with transformers' continuous batching, a ``rollout_func`` or tools (their
-                generation is not cut here), or beside ``generation_kwargs`` that already set stop strings or a
-                minimum length.
-        """
+            ValueError: stop strings with continuous batching, a ``rollout_func`` or tools, or beside
+                ``generation_kwargs`` that already set stop strings or a minimum length."""
         stops = self.args.stop_strings
         declared = [tuple(getattr(f, "stop_strings", ()) or ()) for f in self.reward_funcs]
         if stops is None:
@@ -227,7 +189,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             minimum if minimum is not None else DEFAULT_MIN_TOKENS_WITH_STOP if self._stop_strings else 0
         )
         self._completion_truncated: list[bool] | None = None  # this process's rows of the last _generate
-        self._warned_cut = False
+        self._said: set = set()  # what this trainer said once (trl_ext.logs.say_once)
         if not (self._stop_strings or self._min_completion_length):
             return
         given = set(self.args.generation_kwargs or {}) & {"stop", "stop_strings", "min_tokens", "min_new_tokens"}
@@ -263,19 +225,14 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             self.generation_config.min_new_tokens = self._min_completion_length
 
     def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
-        # Upstream generates (transformers: its `generate` call gets the stop strings as a StoppingCriteria here;
-        # vLLM: SamplingParams got them at construction); each completion is then cut after the token that
-        # completes its first stop string (transformers pads a stopped row to the batch's longest, with the pad
-        # token that TRL takes for EOS when pad = eos; vLLM returns the ids up to that token), with its sampling
-        # log-probs. The cut texts are kept for _generate, which decodes.
+        # Upstream generates inside the speed paths' block (GRPOSpeedMixin); each completion is then cut after the
+        # token completing its first stop string, with its sampling log-probs; _generate decodes the cut texts.
         self._stop_cuts = None
-        if not self._stop_strings:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        if self.use_vllm:
+        stopping = self._generate_stopping_at_strings() if self._stop_strings and not self.use_vllm else nullcontext()
+        with stopping, self._generation_savings(rows=len(prompt_ids)):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        else:
-            with self._generate_stopping_at_strings():
-                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
+        if not self._stop_strings:
+            return completion_ids, logprobs
         cuts = [
             cut_at_stop(ids, self.processing_class, self._stop_strings, self._min_completion_length)
             for ids in completion_ids
@@ -292,7 +249,6 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         from ``min_completion_length`` tokens on): an instance attribute shadows the method for the block, beneath
         the speed paths' own wrapper (prompt sharing sees the call as upstream makes it)."""
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
-        own = unwrapped.__dict__.get("generate")
         plain = unwrapped.generate
         tokenizer, stops, minimum = self.processing_class, self._stop_strings, self._min_completion_length
 
@@ -302,20 +258,12 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
             criteria.append(StopAtStrings(tokenizer, stops, input_ids.size(1), minimum))
             return plain(*args, stopping_criteria=criteria, **kwargs)
 
-        unwrapped.generate = generate
-        try:
+        with shadowing_generate(unwrapped, generate):
             yield
-        finally:
-            if own is None:
-                del unwrapped.generate
-            else:
-                unwrapped.generate = own
 
     def _generate(self, prompts: list):
-        # Upstream decodes the completions and logs completions/clipped_ratio and the terminated lengths by its rule
-        # (the last token is neither EOS nor pad): a completion that ended at a stop string is not cut. Its text ends
-        # exactly at the stop string (the last token may carry more); the metrics are recounted with that rule, and
-        # each completion's "cut by the length limit" is kept for the reward functions (_calculate_rewards).
+        # Upstream's rule (last token neither EOS nor pad) counts no stop-string completion as cut; the text ends at
+        # the stop string, the metrics are recounted, and each row's 'cut by the length limit' kept for the rewards.
         self._stop_cuts = None
         out = list(super()._generate(prompts))
         completion_ids, completions = out[1], out[3]
@@ -349,13 +297,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
                 metrics[key][-1] = value.item()
 
     def log(self, logs, start_time=None):
-        # One console warning per run, at the first log whose window's completions were mostly cut by the length
-        # limit (upstream's metrics are averaged over the window in super().log and then cleared).
-        if not self._warned_cut and self.model.training:
+        # One console warning per run, at the first log whose window's completions were mostly cut.
+        if "cut" not in self._said and self.model.training:
             ratios = [v for v in self._metrics["train"].get("completions/clipped_ratio", []) if not math.isnan(v)]
             if ratios and sum(ratios) / len(ratios) > 0.5:
-                self._warned_cut = True
-                logger.warning(self._cut_warning(sum(ratios) / len(ratios)))
+                say_once(self._cut_warning(sum(ratios) / len(ratios)), key="cut", said=self._said, log=logger)
         super().log(logs, start_time)
 
     def _cut_warning(self, ratio: float) -> str:
@@ -380,28 +326,19 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
     # -- sampling outside train() -------------------------------------------------------------------------------
 
     def sample(self, prompts: list) -> tuple[list[list[int]], list[list[int]], list]:
-        """Sample one completion per entry of ``prompts`` from the current policy, through upstream's own generation
-        path: one call of ``trl.GRPOTrainer._generate`` (TRL 1.16), with nothing scored, no advantages and no
-        training step. For loops that need only rollouts (``recipes/expert_iteration.py``).
+        """Sample one completion per prompt from the current policy through one call of upstream's ``_generate``: no
+        scores, advantages or training step (``recipes/expert_iteration.py``).
 
-        Generation is what ``train()`` would run: the prompts tokenized by ``_tokenize_prompts``, transformers
-        ``generate`` (with this trainer's speed paths where they are exact) or vLLM with ``use_vllm``, under this
-        config's ``temperature``, ``top_p``, ``max_completion_length`` and ``generation_kwargs``, and decoded. As in
-        ``train()``, pass each prompt repeated in consecutive groups of ``num_generations`` (vLLM's server mode
-        generates that many per group) with the model in train mode (``model.train()``; in eval mode upstream groups
-        by ``num_generations_eval``). With vLLM the policy's weights are loaded into the engine first, on every call:
-        outside ``train()`` upstream cannot tell that they changed (it reloads when ``state.global_step`` differs
-        from the step it last loaded).
+        As in ``train()``: pass prompts repeated in consecutive groups of ``num_generations``, model in train mode. With
+        vLLM the policy's weights are loaded into the engine on every call.
 
         Args:
-            prompts: N prompts, plain strings or conversations (lists of ``{"role", "content"}`` messages).
+            prompts: N prompts, strings or conversations.
 
         Returns:
-            ``(prompt_ids, completion_ids, completions)``: N token-id lists of each prompt as generation saw it (no
-            padding), N token-id lists of each completion (no padding; up to and including the first EOS, at most
-            ``max_completion_length`` tokens), and N decoded completions -- strings, or
-            ``[{"role": "assistant", "content": ...}]`` for conversational prompts (upstream's shapes).
-        """
+            ``(prompt_ids, completion_ids, completions)``: N unpadded token-id lists each (completions up to the first
+                EOS,
+            at most ``max_completion_length``) and N decoded completions (strings, or assistant messages)."""
         if self.use_vllm:
             self._last_loaded_step = -1  # upstream's tag of the step whose weights vLLM holds: none, so sync first
         with self._fixed_generation_weights():
@@ -423,9 +360,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         super()._restore_checkpoint_state(state)
         if state.get("dynamic_sampling") is not None and self._dynamic_state is not None:
             self._dynamic_state = DynamicSamplingState.from_dict(state["dynamic_sampling"])
-        # The adaptive beta goes on from the checkpoint when both runs adapt it (a checkpoint that did not save its
-        # kl_target is taken to have had this run's); a fixed beta is the config's, so a changed one takes effect
-        # (trl_ext.trainers.resume.warn_changed_options says so).
+        # An adaptive beta goes on from the checkpoint when both runs adapt it; a fixed beta is the config's.
         if self.args.kl_target is not None and state.get("changeable_options", {}).get("kl_target", 1.0) is not None:
             self.beta = state["beta"]
         self._kl_window = torch.tensor(state["kl_window"], dtype=torch.float64)
@@ -450,8 +385,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
     # -- advantages -------------------------------------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # Every reward function is also told which completions the length limit cut (TRUNCATION_KEYWORD; TRL passes
-        # every column of `inputs` as a keyword), by _generate's rule (no EOS, no stop string).
+        # Each reward function is also told which completions the length limit cut (TRUNCATION_KEYWORD).
         cut = self._completion_truncated
         if cut is None or len(cut) != len(completion_ids_list):
             ends = [*self.eos_token_ids, self._tokenizer.pad_token_id]
@@ -462,18 +396,9 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         self._gathered_rewards = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs):
-        # every round of the generation batch (DynamicSamplingMixin) is drawn with the same weights: generation's
-        # packed linear weights are packed once for all of them and dropped when the batch is complete
-        with self._fixed_generation_weights():
-            return super()._generate_and_score_completions(inputs)
-
     def _generate_and_score_round(self, inputs):
-        # One generation round: upstream generates and scores, then the config's advantage estimator replaces
-        # upstream's advantages.
-        # (DynamicSamplingMixin._generate_and_score_completions calls this once, or several times.)
-        # With stop strings, upstream's mask_truncated_completions would mask every completion that ended at one (its
-        # rule: the last token is neither EOS nor pad); the rows _generate found cut are masked here instead.
+        # One round: upstream generates and scores, the config's advantage estimator replaces its advantages.
+        # With stop strings, the rows _generate found cut are masked here (upstream's would mask every stopped one).
         own_mask = bool(self.mask_truncated_completions and self._stop_strings)
         if own_mask:
             self.mask_truncated_completions = False
@@ -498,8 +423,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         # Weighted sum of the reward functions; NaN where every function returned None (unscorable), as upstream.
         # The weighted terms set the float rounding scale of "all rewards equal" (functional.equal_reward_groups).
         rewards, terms = weighted_rewards(rewards_per_func, self.reward_weights)
-        # Upstream logged frac_reward_zero_std by torch.isclose(std, 0) (atol 1e-8): a group of float-equal rewards
-        # (std ~3e-8) would count as informative there. Log it by the rule the advantages use.
+        # Upstream's frac_reward_zero_std uses isclose(std, 0); log it by the rule the advantages use.
         equal = functional.equal_reward_groups(rewards, group_size, terms)
         self._metrics["train" if train else "eval"]["frac_reward_zero_std"][-1] = equal.float().mean().item()
         local = output["completion_ids"].size(0)
@@ -514,9 +438,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         return output
 
     def _tokenize_prompts(self, prompts: list):
-        # trl 1.16 tokenizes plain-text prompts with special tokens, so a prompt already rendered with a chat template
-        # that writes BOS would start with two; strip its BOS text first (trl_ext.data.prompt_token_ids, which
-        # trl_ext.eval uses, does the same, so evaluation generates from the very ids training does).
+        # trl 1.16 adds special tokens to plain-text prompts: strip a templated prompt's BOS first (as trl_ext.eval).
         if prompts and isinstance(prompts[0], str):
             prompts = [strip_leading_bos(p, self.processing_class) for p in prompts]
         return super()._tokenize_prompts(prompts)
@@ -549,7 +471,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         advantages = inputs["advantages"].unsqueeze(1)
         old_log_probs = inputs.get("old_per_token_logps")
         old_log_probs = per_token_logps.detach() if old_log_probs is None else old_log_probs
-        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo_terms.py), None when both off
+        # upstream's off-policy sequence mask and entropy mask (trl_ext/trainers/grpo/terms.py), None when both off
         loss_mask, entropy_mask = self._policy_loss_masks(
             inputs, per_token_logps, old_log_probs, entropies, mask, advantages
         )
@@ -581,7 +503,7 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         aggregated = loss  # the policy loss (and KL) of this micro-batch, logged as policy_loss with a bonus
         loss = loss / accumulation
-        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo_terms.py)
+        if self._entropy_bonus_enabled:  # upstream's entropy bonus (trl_ext/trainers/grpo/terms.py)
             loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, aggregated, accumulation, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
@@ -593,13 +515,8 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         return loss
 
     def _normalize_constant(self, inputs, mode: str) -> float | torch.Tensor | None:
-        """The divisor ``aggregations.compute_grpo_loss`` needs for this config's length normalization (its registry
-        entry's ``divisor``): ``max_completion_length``; or, for ``batch_tokens`` (DAPO's token mean), the response
-        tokens of the whole batch as the average share of one micro-batch on one process -- ``num_items_in_batch``
-        (the generation batch's tokens, every process) / processes / ``steps_per_generation`` in training, so that
-        after the division by the accumulation steps the summed micro-batch losses, averaged over processes by DDP,
-        are the sum over every token / their count (trl.GRPOTrainer._compute_loss's ``dapo`` normalizer, TRL 1.16,
-        which spreads a generation batch over its optimizer steps by the same average); None otherwise."""
+        """The ``length_normalization`` entry's ``divisor``: ``max_completion_length``; for ``batch_tokens`` (DAPO)
+        the batch's response tokens / processes / ``steps_per_generation`` (TRL 1.16 ``dapo`` normalizer); else None."""
         divisor = AGGREGATIONS.get(self.args.length_normalization).divisor
         if divisor == "max_completion_length":
             return self.max_completion_length
@@ -609,15 +526,11 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
         return None
 
     def _log_loss_metrics(self, mode, mask, entropies, advantages, loss_metrics, per_token_kl):
-        """Log entropy, KL and the loss entry's metrics (``trl_ext.losses.PolicyLoss.fn``), over every process:
-        ``clipped`` as TRL's ``clip_ratio/*``, ``ratio`` as ``ratio/mean|min|max``, any other metric under its own
-        name as its mean over the response tokens ((B, T)) or over the sequences ((B, 1), every row counted, as
-        TRL 1.16 does for a sequence-level ratio)."""
+        """Log entropy, KL and the loss entry's metrics over every process (``clipped`` as ``clip_ratio/*``,
+        ``ratio`` as ``ratio/mean|min|max``, others as their token or sequence mean)."""
 
-        # A mean, min or max over no token (every completion of every process masked, e.g. all truncated with
-        # mask_truncated_completions) is NaN, as upstream's nanmin/nanmax give for clip_ratio/low_min and
-        # high_max; upstream's log() leaves NaN out of the logging window's average and logs None when nothing is
-        # left. (Upstream TRL 1.16 logs 0.0 for its masked means there, which would pull the window's average down.)
+        # A mean/min/max over no token is NaN, which upstream's log() leaves out of the window's average
+        # (upstream logs 0.0 for its masked means there, which pulls the average down).
         def global_masked_sum_count(x):
             if x.shape != mask.shape:  # (B, 1): one value per sequence
                 local = torch.stack([x.float().sum(), torch.tensor(float(x.shape[0]), device=x.device)])
@@ -678,18 +591,13 @@ class GRPOTrainer(DynamicSamplingMixin, GRPOSpeedMixin, GRPOLossTermsMixin, Trai
                 self._metrics[mode][name].append(global_masked_mean(value.detach()))
 
     def _update_adaptive_beta(self, kl_sum_count: torch.Tensor) -> None:
-        """Add this micro-batch's (all processes') KL sum and token count to the rollout's window, the first time
-        its samples are trained on (upstream's ``_prepare_inputs`` generates when ``_step % generate_every == 0``
-        and re-uses the rollout for ``steps_per_generation * num_iterations`` micro-batches); ``training_step``
-        updates beta once the rollout is used up."""
+        """Add this micro-batch's KL sum and token count to the rollout's window (first use of its samples only)."""
         if self._step % (self.args.steps_per_generation * self.num_iterations) < self.args.steps_per_generation:
             self._kl_window += kl_sum_count.double()
 
     def training_step(self, model, inputs, num_items_in_batch):
-        # trl.GRPOTrainer.training_step (TRL 1.16) counts micro-batches in self._step. After the last micro-batch of
-        # a rollout its KL is final; at the next optimizer step (the same one unless steps_per_generation is not a
-        # multiple of gradient_accumulation_steps; beta stays fixed within a step), beta is updated once per
-        # finished rollout, for its generation_batch_size new samples (Ziegler et al. 2019, section 2.2).
+        # Upstream counts micro-batches in self._step; beta is updated once per finished rollout, at the next
+        # optimizer step, for its generation_batch_size new samples (Ziegler et al. 2019, section 2.2).
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.args.kl_target is not None:
             if self._step % (self.args.steps_per_generation * self.num_iterations) == 0:

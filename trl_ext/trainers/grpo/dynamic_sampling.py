@@ -1,27 +1,11 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): train only on prompt groups that carry a gradient.
 
-A group whose completions all get the same reward has advantage 0 in every row under group normalization: it adds
-nothing to the policy gradient. With ``GRPOConfig.dynamic_sampling`` the trainer draws further prompt groups --
-whole extra generation rounds of the same size, so every process runs the same generation and collectives -- until
-each process holds as many informative groups as its generation batch has groups, or ``max_sampling_rounds`` rounds
-were drawn; then it fills what is missing with the earliest uninformative groups (their rows train nothing and
-``skip_zero_advantage_rows`` skips their backward; with TRL's entropy bonus they train their entropy term alone), so
-batch shapes never change. Every round's groups come from
-the trainer's own seeded permutation of the training set (or, for a streaming ``datasets.IterableDataset``, its own
-seeded shuffle of the stream), whose position is saved with each checkpoint, so a resumed run draws the same prompts
-(``DynamicSamplingState``).
-
-Which groups are informative: a group is kept if and only if some row's advantage is nonzero, whatever the config's
-``advantage_estimator`` made of the rewards. For the group-normalized advantages (the default) those are the groups
-whose rewards are not all equal -- DAPO's rule; for the ``raw_rewards`` estimator (``pg_loss_type="no_baseline"``) a
-group of equal *nonzero* rewards still has a gradient, so there only groups whose rewards are all 0 are dropped. The
-loss must declare that a zero advantage gives a zero gradient (``zero_advantage_zero_gradient``, ``trl_ext.losses``;
-``GRPOConfig`` refuses ``dynamic_sampling`` otherwise). TRL's entropy bonus (``entropy_coef``, ``use_adaptive_entropy``)
-gives every row a gradient, but dynamic sampling only chooses which groups a batch trains on: it stays valid there,
-the groups without a policy gradient replaced by groups with one.
-
-The same rule is known as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filtering``; TRL has no equivalent
-(huggingface/trl#3708).
+With ``GRPOConfig.dynamic_sampling`` the trainer draws whole extra generation rounds until each process holds as many
+informative groups (some row's advantage nonzero) as its batch has groups, or ``max_sampling_rounds`` were drawn; the
+rest is filled with the earliest uninformative groups, so shapes never change. Prompts come from the trainer's own
+seeded permutation (or shuffled stream), saved with each checkpoint (``DynamicSamplingState``). The loss must declare
+``zero_advantage_zero_gradient``. Same rule as verl's ``filter_groups`` and OpenRLHF's ``dynamic_filtering``; TRL has
+none (huggingface/trl#3708).
 """
 
 from __future__ import annotations
@@ -36,7 +20,8 @@ import torch
 from datasets import IterableDataset
 from trl.trainer.utils import nanstd
 
-from .. import functional
+from trl_ext import functional
+from trl_ext.logs import say_once
 
 logger = logging.getLogger("trl_ext")
 
@@ -213,7 +198,6 @@ class DynamicSamplingMixin:
     ``_generate_and_score_round`` (the trainer's one-round method) until the batch is informative."""
 
     _dynamic_state: DynamicSamplingState | None = None
-    _said_nothing_to_learn = False
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
@@ -253,6 +237,14 @@ class DynamicSamplingMixin:
         return [row for row in mine for _ in range(self.num_generations)]
 
     def _generate_and_score_completions(self, inputs):
+        # every round of the generation batch is drawn with the same weights: generation's packed linear weights
+        # (GRPOSpeedMixin._fixed_generation_weights) are packed once for all of them and dropped when it is complete
+        with self._fixed_generation_weights():
+            return self._generate_and_score_rounds(inputs)
+
+    def _generate_and_score_rounds(self, inputs):
+        """The generation batch: one round (``_generate_and_score_round``), or with ``dynamic_sampling`` rounds
+        until every process holds enough informative groups (at most ``max_sampling_rounds``), merged."""
         if not (self.args.dynamic_sampling and self.model.training):
             return self._generate_and_score_round(inputs)
         group_size = self.num_generations
@@ -285,14 +277,16 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/groups_drawn"].append(counts[:, 1].sum().item())
         metrics["dynamic_sampling/groups_kept"].append(counts[:, 2].sum().item())
         metrics["dynamic_sampling/groups_wanted"].append(float(wanted * self.accelerator.num_processes))
-        if counts[:, 2].sum().item() == 0 and not self._said_nothing_to_learn:
-            self._said_nothing_to_learn = True  # once per trainer: every step that follows would say the same
-            logger.warning(
+        if counts[:, 2].sum().item() == 0:  # once per trainer: every step that follows would say the same
+            say_once(
                 "dynamic_sampling: %d generation rounds (max_sampling_rounds) drew %d groups and none had rewards that "
                 "differ, so this step trains on nothing and every extra round was spent in vain; the model may never "
                 "score on this task (all rewards 0?): check its prompts and answer format, or lower "
                 "max_sampling_rounds",
                 int(counts[:, 0].max().item()),
                 int(counts[:, 1].sum().item()),
+                key="nothing to learn",
+                said=self._said,
+                log=logger,
             )
         return output

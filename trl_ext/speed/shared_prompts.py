@@ -1,29 +1,12 @@
 """Run each distinct prompt once and let all of its completions reuse its key/value cache.
 
-GRPO samples ``num_generations`` completions of every prompt, and TRL 1.16 repeats the prompt in each of those rows:
-generation prefills the same prompt G times, and the log-prob forward (and backward) runs it G times. Under causal
-attention a prompt's keys and values do not depend on what follows, so computing them once per distinct prompt and
-indexing them into every row gives the same log-probs and the same gradients (the gradient of a shared key/value is
-the sum over its rows, which autograd forms through the index), up to float rounding. On the CPU main job (47 prompt
-+ 20 completion tokens, G = 8) this removes ~60% of the forward/backward tokens and ~85% of the prefill.
-
-Both helpers fall back to the plain call when nothing is shared (every prompt distinct, a one-token prompt) or the
-model returns no cache (activation checkpointing turns ``use_cache`` off in a training forward). Under activation
-checkpointing the log-prob forwards share prompts without a cache instead: the distinct prompts and every completion
-in one padding-free sequence (``trl_ext.packing.forward_in_one_sequence``), decided per model like the rest
-(``SavingsDecision.sequence``).
-
-Exact or off, decided per model (``savings_decision``, once per model object) and per generation call
-(``generation_blocker``): sharing is turned off, with one log line saying why, for a model whose cached forward
-transformers computes differently from the full forward (``CACHED_FORWARD_BUGS``), for length-dependent rotary
-embeddings (``rope_type`` dynamic-NTK or LongRoPE: the prompt alone would pick another frequency table than the full
-sequence), for active dropout (a shared prompt would share one dropout mask across its rows), and for any model on
-which a small probe -- a shared against a plain forward and greedy generation of a few tokens -- raises or
-disagrees (linear-attention, state-space and hybrid caches that cannot be indexed by row, for instance); and for a
-generation call with options sharing cannot honour (beam search, several sequences per prompt, a cache
-implementation, ``use_cache=False``, chunked prefill, assisted generation). ``skip_zero_advantage_rows`` (GRPO),
-which runs the rows without gradient as a separate batch, is off where one row's outputs depend on the others in the
-batch (probed) or dropout is active.
+TRL 1.16 repeats each prompt in its ``num_generations`` rows; under causal attention a prompt's keys and values do not
+depend on what follows, so computing them once per distinct prompt and indexing them into every row gives the same
+log-probs and gradients up to rounding (CPU main job, G = 8: ~60% fewer forward/backward tokens, ~85% less prefill).
+Pieces: :func:`forward_with_shared_prompts` (log-prob forward), :func:`generate_with_shared_prompts`,
+:func:`savings_decision` (exact or off, per model: static checks and a small probe, with one log line saying why) and
+:func:`generation_blocker` (per generate call). Under activation checkpointing (no cache) the log-prob forwards share
+prompts through ``trl_ext.speed.packing.forward_in_one_sequence`` instead (``SavingsDecision.sequence``).
 """
 
 from __future__ import annotations
@@ -36,9 +19,10 @@ from typing import Any
 
 import torch
 
-from .packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
-from .quantized import bitsandbytes_modules
-from .rng import model_devices, preserved_rng, unpreservable
+from trl_ext.logs import say_once
+from trl_ext.quantized import bitsandbytes_modules
+from trl_ext.speed.packing import canonical_order, forward_in_one_sequence, group_rows, packed_forward
+from trl_ext.speed.rng import model_devices, preserved_rng, unpreservable
 
 logger = logging.getLogger("trl_ext")
 
@@ -49,21 +33,16 @@ CACHED_FORWARD_BUGS = {
 """Architectures (``config.model_type``) whose cached forward transformers computes wrongly; sharing is off there."""
 
 ROW_INDEXED_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
-"""transformers cache layers (``DynamicCache(config=...).layers``) that hold per-token keys and values and can be
-indexed by row (``batch_select_indices``), which sharing needs; a model with any other kind of layer -- the recurrent
-state of linear-attention, convolution or state-space layers (``LinearAttentionLayer``,
-``LinearAttentionAndFullAttentionLayer``: LFM2, Mamba2, Qwen3-Next/3.5, Falcon-H1) -- runs the plain computation."""
+"""Cache layers that can be indexed by row (``batch_select_indices``), which sharing needs; recurrent-state layers
+(linear attention, state space: LFM2, Mamba2, Qwen3-Next, Falcon-H1) run the plain computation."""
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope", "su")
 """``rope_type`` values whose frequencies depend on the sequence length: dynamic-NTK (and its variants) and
 LongRoPE (Phi-3 long context; ``su`` is its old name)."""
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
-"""Largest |log-prob difference| the probe accepts between shared and plain. Half-precision weights (bf16, fp16) round
-every matmul, so two exact computations in another order differ by more: there the bound is 5e-2 + 8 x the dtype's
-machine epsilon x the largest |logit| of the probe (e.g. ~0.3 for bf16 logits of magnitude 5), and greedy tokens are
-not compared (near-ties flip); such a bound still catches a crash, a cache that drops rows or a wrong position table
-(several nats), not a bug smaller than rounding."""
+"""Largest |log-prob difference| the probe accepts. Half precision: 5e-2 + 8 x machine epsilon x the largest |logit|
+(``_tolerance``), greedy tokens not compared: it still catches crashes, dropped rows, wrong positions (several nats)."""
 
 
 def _tolerance(dtype: torch.dtype, logits: torch.Tensor) -> float:
@@ -92,11 +71,9 @@ def accepts_position_ids(model: Any) -> bool:
 
 
 def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token among the real tokens of its row, (B, T) -> (B, T); 0 on padding.
+    """Position of each token among its row's real tokens, (B, T) -> (B, T); 0 on padding.
 
-    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1), so a
-    left-padded prompt gets the positions it has alone and in generation.
-    """
+    The rule of transformers' ``GenerationMixin._prepare_position_ids_for_generation`` (cumsum of the mask - 1)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -131,16 +108,12 @@ def prefill_distinct(
 ) -> tuple[Any, torch.Tensor] | None:
     """Key/value cache of each distinct row of ``input_ids`` (B, S), computed once, and which one every row is.
 
-    Two levels: the columns every row shares (``common_prefix_length``, e.g. a system prompt; used when it saves at
-    least ``MIN_SHARED_POSITIONS`` positions) run for one row, then the rest for each distinct row
-    (``group_rows``). Differentiable: called with gradients enabled, each shared key/value receives the sum of its
-    rows' gradients.
+    Columns every row shares (``common_prefix_length``, when at least ``MIN_SHARED_POSITIONS``) run once, then the rest
+    once per distinct row (``group_rows``). Differentiable: a shared key/value gets the sum of its rows' gradients.
 
     Returns:
-        ``(cache, inverse)``: a ``transformers.Cache`` of S positions for the U distinct rows (in order of first
-        appearance) and ``inverse`` (B,), every row's distinct index; or None when no row repeats and no prefix is
-        worth sharing, or the model keeps no cache (then the caller runs the plain forward).
-    """
+        ``(cache, inverse)``: a ``transformers.Cache`` of S positions for the U distinct rows (first-appearance order)
+        and ``inverse`` (B,); or None when nothing is worth sharing or the model keeps no cache."""
     first, inverse = group_rows(input_ids, attention_mask)
     distinct, rows = first.numel(), input_ids.size(0)
     common = min(common_prefix_length(input_ids, attention_mask), input_ids.size(1) - 1)
@@ -175,12 +148,7 @@ def prefill(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
 ):
-    """Key/value cache of ``input_ids`` (B, S) computed once per distinct row (:func:`prefill_distinct`), indexed
-    into every row (differentiable indexing: a shared key/value's gradient is the sum of its rows').
-
-    Returns:
-        A ``transformers.Cache`` holding S positions for all B rows, or None (see :func:`prefill_distinct`).
-    """
+    """:func:`prefill_distinct`'s cache indexed into all B rows (differentiably), or None."""
     found = prefill_distinct(model, cache_name, input_ids, attention_mask, position_ids)
     if found is None:
         return None
@@ -202,32 +170,25 @@ def forward_with_shared_prompts(
     pack: bool = False,
     **kwargs: Any,
 ):
-    """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to what the last ``T - prompt_length
-    + 1`` positions produce, with each distinct prompt's first ``prompt_length - 1`` tokens run once.
+    """``model(input_ids, attention_mask, position_ids, **kwargs)`` restricted to the last ``T - prompt_length + 1``
+    positions, each distinct prompt's first ``prompt_length - 1`` tokens run once.
 
-    Used for TRL's fused LM head call (``labels`` -100 on the prompt, ``fused_lm_head=True``): the second forward
-    gets the last prompt token plus the completion, so its per-token outputs are the log-probs (and entropies) of the
-    completion tokens, shape (B, T - prompt_length), i.e. exactly the ``[:, -logits_to_keep:]`` slice upstream takes.
+    For TRL's fused LM head call (``labels`` -100 on the prompt): per-token outputs (B, T - prompt_length), exactly the
+    ``[:, -logits_to_keep:]`` slice upstream takes.
 
     Args:
-        model: the (possibly DDP-wrapped) causal LM; runs the completion forward, once, as the plain call would.
-        prefill_model: what runs the prompt prefill (default ``model``). Under DDP pass the unwrapped module: DDP's
-            forward broadcasts buffers, a collective, so every rank must make the same number of wrapped calls,
-            whatever its prompts; gradients through the unwrapped prefill still reach DDP's hooks (autograd sums both
-            paths into each parameter before its hook fires). Not for parameter-sharding setups (FSDP, ZeRO-3),
-            whose every forward gathers parameters collectively.
-        prompt_length: P, number of leading columns that are prompt (left-padded); the rest is completion.
+        model: the (possibly DDP-wrapped) causal LM; runs the completion forward once.
+        prefill_model: runs the prompt prefill (default ``model``); under DDP the unwrapped module, so every rank makes
+            the same number of wrapped (collective) calls. Not for FSDP or ZeRO-3.
+        prompt_length: P, the number of leading (left-padded) prompt columns.
         input_ids, attention_mask: (B, T).
-        position_ids: (B, T) or None (the model then numbers positions after the cache).
+        position_ids: (B, T) or None (the model numbers positions after the cache).
         cache_name: the model's cache argument (``cache_argument``).
-        pack: run the completion forward padding-free (:func:`packed_forward`: the rows' real tokens in one sequence,
-            no computation on the padding after a completion's end); needs ``position_ids``. Only where
-            ``savings_decision(model).pack`` is None.
+        pack: run the completion forward padding-free (:func:`packed_forward`); needs ``position_ids``.
         **kwargs: passed to the completion forward; ``labels`` (B, T) is sliced like the inputs.
 
     Returns:
-        The second forward's output, or the plain full forward's when no prompt repeats or no cache comes back.
-    """
+        The second forward's output, or the plain forward's when no prompt repeats or no cache comes back."""
 
     def plain():
         extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -277,16 +238,10 @@ def generate_with_shared_prompts(
 ):
     """Wrap ``model.generate`` so each distinct prompt is prefilled once and its cache indexed into every row.
 
-    Only text prompts are handled (``input_ids``, ``attention_mask``, ``generation_config`` and generation options
-    such as ``max_new_tokens``); other model inputs (tensors such as ``pixel_values``), a cache of the caller's or a
-    static cache go to ``generate`` unchanged. Prefill positions follow generation's
-    rule (cumsum of the mask - 1) when ``use_positions``; generation then continues from the last prompt token, so
-    sampling draws the same random numbers in the same order as without the cache.
-
-    Exact or off: with ``check_model`` (default) a model on which sharing is not exact (``savings_decision``) and a
-    call whose options sharing cannot honour (``generation_blocker``) run the plain ``generate``, each announced in
-    one log line.
-    """
+    Only text prompts; other inputs (``pixel_values``), a caller's cache or a static cache go to ``generate``
+    unchanged. Prefill positions follow generation's rule when ``use_positions``, so sampling draws the same random
+    numbers. With ``check_model``, :func:`savings_decision` and :func:`generation_blocker` can send a call to the
+    plain ``generate`` (one log line)."""
 
     def wrapped(input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         call = dict(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
@@ -323,17 +278,13 @@ def generate_with_shared_prompts(
 
 @dataclass(frozen=True)
 class SavingsDecision:
-    """What the speed savings may do on one model: ``None`` where a saving is exact, else why it is off.
+    """What the speed savings may do on one model: each field is None where that saving is exact, else why it is off.
 
     Attributes:
-        share_prompts: reason ``share_prompt_cache`` (and evaluation's prefix sharing) is off, or None.
-        skip_rows: reason ``skip_zero_advantage_rows`` is off, or None.
-        pack: reason ``pack_completions`` (the padding-free completion forward, which rides on the prompt cache) is
-            off, or None.
-        sequence: reason the one-sequence forward (``trl_ext.packing.forward_in_one_sequence``: the distinct
-            prompts and the completions in one padding-free sequence, no cache) is off, or None; it is how the
-            log-prob forwards share prompts and pack completions under activation checkpointing.
-    """
+        share_prompts: ``share_prompt_cache`` (and evaluation's prefix sharing).
+        skip_rows: ``skip_zero_advantage_rows``.
+        pack: ``pack_completions`` (padding-free completion forward over the prompt cache).
+        sequence: the one-sequence forward (``forward_in_one_sequence``), used under activation checkpointing."""
 
     share_prompts: str | None = None
     skip_rows: str | None = None
@@ -347,10 +298,8 @@ def _base_model(model: Any) -> Any:
 
 
 def activation_checkpointing(model: Any) -> bool:
-    """Whether any module of the underlying model (past DDP and PEFT wrappers) has activation checkpointing on:
-    transformers' ``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (which ``Trainer.train``
-    calls for ``gradient_checkpointing=True``) set ``gradient_checkpointing = True`` on the layers it checkpoints
-    (``PreTrainedModel.is_activation_checkpointing``'s rule)."""
+    """Whether any module of the underlying model (past DDP/PEFT) has ``gradient_checkpointing = True``
+    (transformers' ``PreTrainedModel.is_activation_checkpointing`` rule)."""
     return any(getattr(module, "gradient_checkpointing", False) is True for module in _base_model(model).modules())
 
 
@@ -405,22 +354,12 @@ def _noise_sources(model: Any) -> list[str]:
 def training_noise(model: Any) -> str | None:
     """Why ``model``'s training forward is random (dropout, router jitter, ...), or None.
 
-    Measured, not guessed: the probe batch runs twice in training mode, without gradient, and every generator those
-    forwards can draw from -- the CPU's, that of each device the model is on, Python's, NumPy's -- is put back
-    afterwards (``trl_ext.rng.preserved_rng``: the run's random numbers are untouched); outputs that differ mean
-    noise. Functional
-    dropout from a config field (e.g. OPT's ``config.dropout``) counts too, which TRL's ``disable_dropout`` (it
-    zeroes Dropout modules) does not turn off. Under noise, a shared prompt would share one dropout mask across its
-    rows and a separately run batch would draw other masks than the plain forward: neither saving can give the plain
-    path's numbers.
-
-    The answer is remembered on the model with what it depends on -- every Dropout module's rate and every noise
-    field of the config (``_noise_signature``) -- and measured again only when one of them changed, so the check
-    that runs before each rollout's generation costs a module walk, not two forwards (0.24 s on the embedded model).
+    Measured: the probe batch runs twice in training mode without gradient, every generator put back
+    (``preserved_rng``); differing outputs mean noise (config-field dropout, which TRL's ``disable_dropout`` misses,
+    counts too). Cached on the model with ``_noise_signature`` and measured again only when that changes.
 
     Returns:
-        e.g. ``"the training forward is random (config.dropout=0.1)"``; None when two training forwards agree.
-    """
+        e.g. ``"the training forward is random (config.dropout=0.1)"``; None when two training forwards agree."""
     base = _base_model(model)
     signature = _noise_signature(model)
     remembered = base.__dict__.get("_trl_ext_noise")
@@ -500,11 +439,8 @@ def _cache_layer_kinds(model: Any) -> set[str]:
 
 
 def static_sharing_blocker(model: Any) -> str | None:
-    """Why sharing cannot be exact for ``model`` from its configuration alone (no forward run), or None.
-
-    Checks ``CACHED_FORWARD_BUGS``, the kinds of the model's cache layers (``ROW_INDEXED_CACHE_LAYERS``, from the
-    cache transformers builds for its config) and ``LENGTH_DEPENDENT_ROPE`` on the model's config and its text config.
-    """
+    """Why sharing cannot be exact for ``model`` from its configuration alone, or None (``CACHED_FORWARD_BUGS``,
+    ``ROW_INDEXED_CACHE_LAYERS``, ``LENGTH_DEPENDENT_ROPE``)."""
     layers = _cache_layer_kinds(model)
     other = sorted(layers - set(ROW_INDEXED_CACHE_LAYERS))
     if other:
@@ -526,21 +462,17 @@ def static_sharing_blocker(model: Any) -> str | None:
 
 
 def _quantized_sequence_blocker(model: Any) -> str | None:
-    """Why the one-sequence forward is not exact on a model with bitsandbytes layers, or None: their CPU kernels
-    compute in bf16 inside and round by the matmul's shape, so one packed sequence gives other gradients than the
-    padded rows (measured on a 4-bit tiny Qwen2 with LoRA: up to 4.6e-5 apart, 0.5% of the largest), though the
-    eval-mode probe's outputs agree."""
+    """Why the one-sequence forward is not exact with bitsandbytes layers (their CPU kernels round by the matmul's
+    shape: up to 4.6e-5 apart on a 4-bit tiny Qwen2 with LoRA), or None."""
     if bitsandbytes_modules(model):
         return "bitsandbytes' quantized layers round by the matmul's shape (their CPU kernels compute in bf16)"
     return None
 
 
 def static_packing_blocker(model: Any) -> str | None:
-    """Why the padding-free forwards (``packed_forward``, ``forward_in_one_sequence``) cannot be exact for ``model``
-    from its configuration alone, or None: they pass a custom 4D boolean mask, which transformers hands to the
-    attention as is -- so the attention must be sdpa (which reads a boolean mask) and no layer may apply a mask of its
-    own kind (sliding windows, chunked attention), and every cache layer must be a plain key/value layer (a
-    recurrent state would run across the packed rows)."""
+    """Why the padding-free forwards cannot be exact for ``model`` from its configuration alone, or None: they need
+    sdpa attention (a custom 4D boolean mask), no layer with its own mask kind (sliding window, chunked) and plain
+    key/value cache layers."""
     config = getattr(_base_model(model), "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != "sdpa":
@@ -580,10 +512,8 @@ Reasons = tuple[str | None, str | None, str | None, str | None]
 
 
 def _probe(model: Any, share_probe: bool = True, pack_probe: bool = True) -> Reasons:
-    """Run sharing, row-splitting, packing over the prompt cache and the one-sequence forward on a tiny batch against
-    the plain computation; the reason each is off (share, skip, pack, sequence), None where it matched. Its inputs
-    come from a private generator, and whatever the model's forwards or greedy generation draw from the global
-    generators is put back (``trl_ext.rng.preserved_rng``)."""
+    """Each saving against the plain computation on a tiny batch: the reason each is off (share, skip, pack,
+    sequence)."""
     devices = model_devices(model)
     unsaved = unpreservable(devices)
     if unsaved is not None:
@@ -703,17 +633,13 @@ def _probe_generation(
 def savings_decision(model: Any) -> SavingsDecision:
     """Decide, once per model object, whether prompt sharing, packing and zero-row skipping are exact on ``model``.
 
-    Static checks first (``static_sharing_blocker``, ``static_packing_blocker``), then the probe: on a 3-row batch
-    of random tokens (two rows share a prompt, one is left-padded; eval mode, no gradient, ~8 positions, so well
-    under a second on a 135M model) the shared-prompt forward and a 3-token greedy generation are compared with the
-    plain ones, the two padding-free forwards (over the prompt cache, and in one sequence) with the padded one, and
-    one row's forward alone with the same row inside the batch; an exception or a difference above
-    ``PROBE_TOLERANCE`` turns the saving off. The decision is cached on the underlying model. Training noise
-    (``training_noise``) is checked separately, at use, since it changes with ``train()``/``eval()`` and dropout.
+    Static checks, then a probe on a 3-row batch (two rows share a prompt, one left-padded; eval mode, ~8 positions):
+    shared vs plain forward and 3-token greedy generation, the padding-free forwards vs the padded one, one row alone vs
+    in the batch. An exception or a difference above ``PROBE_TOLERANCE`` turns a saving off. Training noise is checked
+    at use (:func:`training_noise`).
 
     Returns:
-        ``SavingsDecision`` with the reason each saving is off (None where it is exact).
-    """
+        ``SavingsDecision`` with the reason each saving is off (None where exact)."""
     base = _base_model(model)
     cached = base.__dict__.get("_trl_ext_savings")
     if cached is not None:
@@ -735,21 +661,15 @@ def savings_decision(model: Any) -> SavingsDecision:
     return decision
 
 
-_announced: set[tuple[int, str]] = set()
-
-
 def announce(
     model: Any,
     decision: SavingsDecision,
     names: tuple[str, ...] = ("share_prompt_cache", "skip_zero_advantage_rows", "pack_completions"),
 ) -> str | None:
-    """Log, once per model and message, one line naming the savings that are off for ``model`` and why (a saving
-    whose name is empty is not named; packing, which runs over the shared prompts' cache, is named only while
-    sharing is on -- with sharing off, sharing's reason is the one that counts).
+    """Log once per model and message the savings that are off for ``model`` and why (packing only while sharing is on).
 
     Returns:
-        The line (None when every saving is on).
-    """
+        The line (None when every saving is on)."""
     reasons = (decision.share_prompts, decision.skip_rows, None if decision.share_prompts else decision.pack)
     parts = [f"{name} off: {reason}" for name, reason in zip(names, reasons) if name and reason]
     if not parts:
@@ -760,20 +680,13 @@ def announce(
         + "; ".join(parts)
         + " (plain computation used, same numbers as upstream)"
     )
-    key = (id(_base_model(model)), line)
-    if key not in _announced:
-        _announced.add(key)
-        logger.warning(line)
+    say_once(line, key=(id(_base_model(model)), line), log=logger)
     return line
 
 
 def generation_blocker(generation_config: Any, kwargs: dict[str, Any]) -> str | None:
-    """Why one ``generate`` call cannot prefill shared prompts, from its options, or None.
-
-    Beam search and several sequences per prompt reorder or expand the cache rows; a ``cache_implementation`` (static,
-    offloaded, even ``"dynamic"``) cannot be combined with a cache passed in; ``use_cache=False`` keeps none; chunked
-    prefill and assisted generation (``assistant_model``, ``prompt_lookup_num_tokens``) prefill their own way.
-    """
+    """Why one ``generate`` call cannot prefill shared prompts, from its options, or None (beam search, several
+    sequences per prompt, a ``cache_implementation``, ``use_cache=False``, chunked prefill, assisted generation)."""
 
     def option(name, default=None):
         if name in kwargs:

@@ -1,10 +1,8 @@
 """Where the wall time of a training run goes: per-phase timers around the trainer's seams.
 
-:class:`PhaseTimer` accumulates wall seconds per named phase with *exclusive* accounting (a phase that runs inside
-another is charged to itself only), so the phases never double count and their sum is at most the wall time.
-:class:`StepProfiler` is a ``transformers.TrainerCallback`` that attaches such a timer to any ``transformers.Trainer``
--- TRL's and trl_ext's GRPO, SFT, DPO and Reward trainers alike -- by wrapping, on the instance only, the methods each
-phase runs in (TRL 1.16 / transformers 5.x); a trainer without a method (SFT has no ``_generate``) has no such phase:
+:class:`PhaseTimer` accumulates wall seconds per phase, exclusive of nested phases (they never double count).
+:class:`StepProfiler` attaches one to any ``transformers.Trainer`` by wrapping, on the instance, the methods each
+phase runs in (TRL 1.16 / transformers 5.x; a trainer without the method has no such phase):
 
 ==============  ==========================================================================================
 phase           what is timed
@@ -44,21 +42,8 @@ def _sync() -> None:
 
 
 class PhaseTimer:
-    """Accumulated wall seconds per phase, exclusive of nested phases; and per stage, inclusive.
-
-    A run has two views of its time: the stages a reader follows (``load_model``, ``eval_before``, ``train``; each
-    counts everything inside it: :meth:`stage`, ``stage_seconds``) and the exclusive breakdown that says where the
-    time went (``model_load``, ``evaluation``, ``generation``, ``backward``...; never double counted: :meth:`phase`,
-    ``seconds``). One timer holds both, so ``trl_ext.run.RecipeRun`` and :class:`StepProfiler` write to the same one.
-
-    Example::
-
-        timer = PhaseTimer()
-        with timer.stage("eval_before"), timer.phase("evaluation"):
-            ...
-        timer.seconds        # {"evaluation": 12.3}
-        timer.stage_seconds  # {"eval_before": 12.3}
-    """
+    """Wall seconds per phase, exclusive of nested phases (:meth:`phase`, ``seconds``: where the time went), and per
+    stage, inclusive (:meth:`stage`, ``stage_seconds``: ``load_model``, ``eval_before``, ``train``...)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -93,7 +78,7 @@ class PhaseTimer:
 
     @property
     def current(self) -> str | None:
-        """The innermost phase running now, or None (read by ``trl_ext.roofline.WorkCounter``)."""
+        """The innermost phase running now, or None (read by ``trl_ext.measurement.roofline.WorkCounter``)."""
         return self._stack[-1][0] if self._stack else None
 
     def add(self, name: str, seconds: float) -> None:
@@ -117,18 +102,8 @@ class PhaseTimer:
 
 
 class StepProfiler(TrainerCallback):
-    """Per-phase wall time of ``trainer.train()`` (see the module docstring for the phases).
-
-    Use::
-
-        profiler = StepProfiler(timer).attach(trainer)   # before trainer.train()
-        trainer.train()
-        profiler.timer.seconds                           # {"generation": ..., "train_other": ..., ...}
-
-    Args:
-        timer: where the seconds go (a fresh :class:`PhaseTimer` when None); pass the recipe's timer to collect
-            evaluation and model loading in the same place.
-    """
+    """Per-phase wall time of ``trainer.train()`` (phases in the module docstring): ``StepProfiler(timer).attach(
+    trainer)`` before training; ``timer`` None starts a fresh :class:`PhaseTimer`."""
 
     def __init__(self, timer: PhaseTimer | None = None):
         self.timer = timer if timer is not None else PhaseTimer()
@@ -211,8 +186,7 @@ class StepProfiler(TrainerCallback):
 def time_breakdown(timer: PhaseTimer, total_seconds: float | None = None) -> dict[str, float]:
     """Seconds per phase in a fixed order (phases that never ran are left out), rounded to 1 ms.
 
-    With ``total_seconds`` (the run's wall time), ``other`` is what no phase covered (start-up, saving the model,
-    writing reports) and ``total`` is ``total_seconds``, so the phases plus ``other`` sum to ``total``.
+    With ``total_seconds`` (wall time), ``other`` is what no phase covered and ``total`` the phases plus ``other``.
     """
     order = ("model_load", "evaluation", *TRAIN_PHASES, "train_other")
     out = {name: timer.seconds[name] for name in order if name in timer.seconds}
@@ -231,11 +205,8 @@ def format_breakdown(breakdown: Mapping[str, float]) -> str:
 
 
 def cpu_seconds() -> float:
-    """User plus system CPU seconds this process has used so far, all its threads together (``getrusage``; Unix).
-
-    A measure of work that a machine busy with other jobs does not inflate, unlike wall time: the difference of two
-    calls is the CPU time of what ran between them (more than its wall time when several threads compute).
-    """
+    """User plus system CPU seconds of this process so far, all threads (``getrusage``; Unix): work that a busy
+    machine does not inflate, unlike wall time."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -1,40 +1,34 @@
 """The speed paths of ``trl_ext.GRPOTrainer``, apart from its course seams: same numbers, less compute.
 
-``GRPOSpeedMixin`` is a base of ``trl_ext.GRPOTrainer`` (before ``trl.GRPOTrainer`` in the MRO) and overrides:
+``GRPOSpeedMixin`` opens, for the trainer's ``_generate_single_turn``, the block ``_generation_savings``: shared prompt
+prefill (``share_prompt_cache``), packed linear weights (``prepack_linear_weights``, once per generation batch) and the
+vectorised sampler (``trl_ext.speed.sampling``). It overrides one upstream method:
 
-- ``_generate_single_turn``: with ``share_prompt_cache``, transformers generation prefills each distinct prompt once
-  (``trl_ext.shared_prompts.generate_with_shared_prompts`` shadows the model's ``generate`` for the call); with
-  ``prepack_linear_weights`` its ``nn.Linear`` forwards run on packed weights (MKL or oneDNN; ``trl_ext.packed_linear``,
-  packed once per generation batch, ``_fixed_generation_weights``); its ``torch.multinomial`` draws the same tokens
-  vectorised
-  (``trl_ext.sampling``);
-- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (left padding with
-  absolute positions gives the log-probs generation sampled from; issue 10) and, with ``share_prompt_cache``, runs
-  each distinct prompt once in the log-prob forward and backward (``forward_with_shared_prompts``), the completions
-  padding-free with ``pack_completions`` (``packed_forward``); under activation (gradient) checkpointing, which
-  keeps no cache in a training forward, both in one cache-free forward instead (``forward_in_one_sequence``);
+- ``_get_per_token_logps_and_entropies``: passes generation's position ids to every forward (issue 10) and, with
+  ``share_prompt_cache``, runs each distinct prompt once (``forward_with_shared_prompts``; ``pack_completions``:
+  ``packed_forward``; under activation checkpointing ``forward_in_one_sequence``);
 
-and adds, for ``GRPOTrainer._compute_loss``, ``_rows_without_gradient`` / ``_logps_without_zero_rows``
-(``skip_zero_advantage_rows``: with beta 0 and no entropy bonus, rows whose advantage is exactly 0 run without
-gradient), ``_padded_forward_reason`` (the options that need upstream's padded log-prob forwards: TRL's MoE
-load-balancing loss and entropy mask, over every token of the batch) and
-``_savings_now``, which turns each saving on only where it is exact for the model as it is at that use (one log
-line otherwise; ``trl_ext.shared_prompts.savings_decision``, cached per model, and ``training_noise``, asked each
-time). Measured effect on the main job: docs/performance.md.
+and adds ``_rows_without_gradient`` / ``_logps_without_zero_rows`` (``skip_zero_advantage_rows``),
+``_padded_forward_reason`` (options that need upstream's padded log-prob forwards: TRL's MoE load-balancing loss and
+its entropy mask) and ``_savings_now`` (each saving only where exact: ``savings_decision``, ``training_noise``).
+Effect: docs/performance.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
-from .losses import POLICY_LOSSES
-from .packed_linear import PackedLinearWeights
-from .packing import forward_in_one_sequence
-from .sampling import same_draws_multinomial
-from .shared_prompts import (
+from trl_ext.objective.losses import POLICY_LOSSES
+from trl_ext.speed.packed_linear import PackedLinearWeights
+from trl_ext.speed.packing import forward_in_one_sequence
+from trl_ext.speed.sampling import same_draws_multinomial
+from trl_ext.speed.shared_prompts import (
     SavingsDecision,
     accepts_position_ids,
     activation_checkpointing,
@@ -74,6 +68,21 @@ def _entropy_bonus_option(args) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def shadowing_generate(model: Any, generate: Callable):
+    """A block in which ``model.generate`` is ``generate`` (an instance attribute shadowing the method, or the
+    instance attribute already there), restored at its end."""
+    own = model.__dict__.get("generate")
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
+
+
 class GRPOSpeedMixin:
     """Prompt-cache sharing and zero-advantage row skipping for ``trl_ext.GRPOTrainer`` (see the module docstring)."""
 
@@ -94,7 +103,7 @@ class GRPOSpeedMixin:
         self._checkpointing_seen = bool(self.args.gradient_checkpointing) or activation_checkpointing(self.model)
         self._savings_now(training=True)  # announce now what the training forward rules out
         # packed linear weights for transformers generation on the CPU, packed once per generation batch for the rows
-        # each generate call decodes (trl_ext.packed_linear)
+        # each generate call decodes (trl_ext.speed.packed_linear)
         self._packed_linear = (
             PackedLinearWeights()
             if getattr(self.args, "prepack_linear_weights", False) and not sharded and not self.use_vllm
@@ -121,24 +130,15 @@ class GRPOSpeedMixin:
     def _savings_now(self, training: bool | None = None) -> tuple[bool, bool, bool]:
         """``(share prompts, skip zero-advantage rows, pack completions)`` for the model as it is now.
 
-        Exact or off (``trl_ext.shared_prompts.savings_decision``): the per-architecture part (static checks and the
-        probe) is decided once per model and cached on it; whether the forward is random -- dropout rates set or
-        changed after the trainer was built, a config change, ``train()``/``eval()`` -- is asked at each use
-        (``training_noise``, which re-measures only when a rate changed, and only in train mode: an evaluation
-        forward is deterministic). So generation, the log-prob and gradient forwards, packing and row skipping all
-        see one decision, the current one. A saving that is off is named in one log line per model and reason.
-
-        Under activation checkpointing (``_checkpointing``) the training forward keeps no cache, so the log-prob
-        forwards share prompts only in the one-sequence forward (``SavingsDecision.sequence``), which also packs the
-        completions: "pack completions" then means that forward runs, in the old, reference and training forwards
-        alike; generation shares its prompt cache as without checkpointing. With an option whose result depends on
-        every token of the batch (``_padded_forward_reason``: TRL's MoE load-balancing loss, its entropy mask), the
-        log-prob forwards run every row in full and no row is skipped; generation still shares.
+        The per-architecture part (``savings_decision``) is cached per model; training noise is asked at each use
+        (``training_noise``, train mode only), so every path sees the current decision; a saving that is off is logged
+        once per model and reason. Under activation checkpointing "pack completions" means the one-sequence forward
+        (``SavingsDecision.sequence``). With an option whose result depends on every token of the batch
+        (``_padded_forward_reason``: TRL's MoE load-balancing loss, its entropy mask) the log-prob forwards run every
+        row in full and no row is skipped; generation still shares.
 
         Args:
-            training: judge the forward as in train mode (True) or eval mode (False); None (default): the model's
-                mode now.
-        """
+            training: judge the forward in train (True) or eval (False) mode; None (default): the model's mode now."""
         share, skip, pack = getattr(self, "_speed_requested", (False, False, False))
         if not (share or skip):
             return False, False, False
@@ -243,7 +243,7 @@ class GRPOSpeedMixin:
         # (transformers GenerationMixin._prepare_position_ids_for_generation); vLLM sees unpadded prompts from 0.
         # With learned absolute positions (GPT-2) the log-probs then differ. Give each chunk's forward the
         # generation positions; multimodal models compute their own (e.g. M-RoPE) and are left alone.
-        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.shared_prompts).
+        # With share_prompt_cache, each chunk's distinct prompts run once (trl_ext.speed.shared_prompts).
         unwrapped = self.accelerator.unwrap_model(model)
         if any(kwargs.get(key) is not None for key in FORWARD_KEYS) or not accepts_position_ids(unwrapped):
             return super()._get_per_token_logps_and_entropies(
@@ -277,45 +277,44 @@ class GRPOSpeedMixin:
             forward_with_positions, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
 
-    def _generate_single_turn(self, prompt_ids, images, *args, **kwargs):
+    @contextlib.contextmanager
+    def _generation_savings(self, rows: int):
+        """A block in which transformers generation (``trl.GRPOTrainer._generate_single_turn``, which the trainer
+        calls inside it) samples the same tokens and random numbers as ``torch.multinomial``, 3x faster
+        (``trl_ext.speed.sampling``), with linear weights packed once per generation batch
+        (``trl_ext.speed.packed_linear``, ``prepack_linear_weights``; ``rows``: prompts decoded a step, upstream's
+        one generate call -- per_device_train_batch_size x steps_per_generation in training -- the row count packed
+        for) and each distinct prompt prefilled once (``share_prompt_cache``). Nothing with vLLM."""
         if self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        # transformers generation: the same sampled tokens and random numbers as torch.multinomial, 3x faster
-        # (trl_ext.sampling); linear weights packed once per generation batch (trl_ext.packed_linear,
-        # prepack_linear_weights); each distinct prompt prefilled once (share_prompt_cache)
-        # Upstream decodes every prompt it is given in one generate call: len(prompt_ids) rows a decode step
-        # (per_device_train_batch_size x steps_per_generation in training), the row count packed for.
+            yield
+            return
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         packed = getattr(self, "_packed_linear", None)
-        packing = packed.applied(unwrapped, rows=len(prompt_ids)) if packed is not None else nullcontext()
-        with same_draws_multinomial(), packing:
-            return self._generate_sharing_prompts(unwrapped, prompt_ids, images, *args, **kwargs)
+        packing = packed.applied(unwrapped, rows=rows) if packed is not None else nullcontext()
+        with same_draws_multinomial(), packing, self._sharing_prompts(unwrapped):
+            yield
 
     def _fixed_generation_weights(self):
         """A block in which the policy's weights do not change (one generation batch: all its rounds drawn and
         scored, no optimizer step), so the linear weights generation packs (``prepack_linear_weights``) are packed
         once for all its generate calls and dropped at its end, before the loss's forward and backward: the next
-        batch packs the weights as they are then (``trl_ext.packed_linear``)."""
+        batch packs the weights as they are then (``trl_ext.speed.packed_linear``)."""
         packed = getattr(self, "_packed_linear", None)
         return packed.fixed_weights() if packed is not None else nullcontext()
 
-    def _generate_sharing_prompts(self, unwrapped, prompt_ids, images, *args, **kwargs):
+    @contextlib.contextmanager
+    def _sharing_prompts(self, unwrapped):
         # Upstream calls `unwrapped_model.generate(input_ids=..., attention_mask=..., generation_config=...)` on
-        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this call only.
+        # accelerator.unwrap_model(model_wrapped); an instance attribute shadows the method for this block only.
         # Multimodal inputs reach generate as tensors, which generate_with_shared_prompts passes through unshared.
         if not self._share_prompts or not hasattr(unwrapped, "generate"):
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        own = unwrapped.__dict__.get("generate")
-        unwrapped.generate = generate_with_shared_prompts(
+            yield
+            return
+        shared = generate_with_shared_prompts(
             unwrapped.generate, unwrapped, cache_argument(unwrapped), accepts_position_ids(unwrapped)
         )
-        try:
-            return super()._generate_single_turn(prompt_ids, images, *args, **kwargs)
-        finally:
-            if own is None:
-                del unwrapped.generate
-            else:
-                unwrapped.generate = own
+        with shadowing_generate(unwrapped, shared):
+            yield
 
     def _rows_without_gradient(self, inputs, extra_inputs) -> torch.Tensor | None:
         """(B,) bool: rows whose loss and gradient are exactly 0 -- advantage 0 (for ``no_baseline``, whose estimator

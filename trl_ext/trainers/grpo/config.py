@@ -1,10 +1,7 @@
 """``trl_ext.GRPOConfig``: ``trl.GRPOConfig`` plus the course's choices, and the GRPO grouping rule the recipes check.
 
-Its own module so that the trainer (trl_ext/trainers/grpo.py) stays readable; ``trl_ext.trainers.grpo`` re-exports
-``GRPOConfig`` and ``generation_grouping_problem``, so every import path keeps working and a config pickled in a
-checkpoint while the class lived there (``training_args.bin``: ``trl_ext.trainers.grpo.GRPOConfig``) still loads.
-TRL's names for the course fields (``loss_type``, ``scale_rewards``, ...) are resolved in
-trl_ext/trainers/grpo_options.py.
+Re-exported by ``trl_ext.trainers.grpo.trainer`` (old pickled ``training_args.bin`` still load). TRL's names for the
+course fields are resolved in trl_ext/objective/trl_names.py.
 """
 
 from __future__ import annotations
@@ -16,30 +13,28 @@ from typing import Any, ClassVar
 import trl
 from transformers import TrainingArguments
 
-from .. import functional, vllm_engine
-from ..advantages import ADVANTAGE_ESTIMATORS
-from ..aggregations import AGGREGATIONS
-from ..losses import POLICY_LOSSES
-from ..registry import LiveText
-from ..stop_strings import check_stop_strings
-from . import grpo_options
-from .grpo_options import _Derived
-from .upstream import config_from_upstream
+from trl_ext import functional
+from trl_ext.objective import trl_names
+from trl_ext.objective.advantages import ADVANTAGE_ESTIMATORS
+from trl_ext.objective.aggregations import AGGREGATIONS
+from trl_ext.objective.losses import POLICY_LOSSES
+from trl_ext.objective.trl_names import Derived
+from trl_ext.registry import LiveText
+from trl_ext.stop_strings import check_stop_strings
+from trl_ext.trainers.grpo import vllm as vllm_engine
+from trl_ext.trainers.upstream import config_from_upstream
 
 
 def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -> str | None:
     """Why ``num_generations`` does not divide the completions generated per step, in the flags that set them; or None.
 
-    The rule of ``trl.GRPOConfig.__post_init__`` (TRL 1.16; ``tests/test_upstream_seams.py`` checks that upstream
-    raises exactly where this returns a message): ``generation_batch_size`` -- given, or ``per_device_train_batch_size``
-    x processes x ``steps_per_generation`` (default ``gradient_accumulation_steps``) -- must be a multiple of
-    ``num_generations``. Upstream names the derived ``generation_batch_size``; this names the flags a user typed.
+    ``trl.GRPOConfig.__post_init__``'s rule (TRL 1.16; checked in ``tests/test_upstream_seams.py``):
+    ``generation_batch_size`` (given, or ``per_device_train_batch_size`` x processes x ``steps_per_generation``) must be
+    a multiple of ``num_generations``.
 
     Args:
-        values: option name -> value (parsed flags, or a config's fields); needs ``num_generations`` and
-            ``per_device_train_batch_size``.
-        processes: the number of training processes (``WORLD_SIZE``).
-    """
+        values: option name -> value; needs ``num_generations`` and ``per_device_train_batch_size``.
+        processes: the number of training processes (``WORLD_SIZE``)."""
     per_step = values["per_device_train_batch_size"] * processes
     steps = values.get("steps_per_generation") or values.get("gradient_accumulation_steps") or 1
     if values.get("generation_batch_size"):
@@ -60,7 +55,7 @@ def generation_grouping_problem(values: Mapping[str, Any], processes: int = 1) -
 def _upstream_loss_types_help() -> str:
     return ", ".join(
         f"{name!r} -> {' with '.join(repr(value) for value in meaning.values())}"
-        for name, meaning in grpo_options.upstream_objectives().items()
+        for name, meaning in trl_names.upstream_objectives().items()
     )
 
 
@@ -68,25 +63,22 @@ def _upstream_loss_types_help() -> str:
 class GRPOConfig(trl.GRPOConfig):
     """``trl.GRPOConfig`` plus the course's choices (CS336 A5, sections 7.2-7.3).
 
-    GRPO's objective is four registered choices: ``pg_loss_type`` (the per-token loss, ``trl_ext.losses``),
-    ``length_normalization`` (``trl_ext.aggregations``), ``advantage_estimator`` (``trl_ext.advantages``) and
-    ``normalize_by_std``. TRL's ``loss_type``, ``scale_rewards`` and ``multi_objective_aggregation`` are other names
-    for them and keep TRL's meaning (``grpo_options``: ``loss_type="cispo"`` is ``pg_loss_type="cispo"`` with
-    ``length_normalization="token_mean"``, ``loss_type="dapo"`` is ``length_normalization="token_mean"`` alone): give
-    either name of a setting; the other is derived in ``__post_init__`` (neither: the course default, GRPO-Clip,
-    masked_mean and the group std), and both given must agree. ``epsilon`` is the GRPO-Clip ``cliprange``,
-    ``epsilon_high``, ``delta`` and ``importance_sampling_level`` its TRL variants (off by default: the course's
-    symmetric, token-level clip); ``beta`` the KL weight.
-    """
+    The objective is four registered choices: ``pg_loss_type`` (``trl_ext.objective.losses``),
+    ``length_normalization`` (``trl_ext.objective.aggregations``), ``advantage_estimator``
+    (``trl_ext.objective.advantages``) and ``normalize_by_std``. TRL's ``loss_type``, ``scale_rewards`` and
+    ``multi_objective_aggregation`` are other names for them (``trl_names``); give either, the other is derived in
+    ``__post_init__``, both given must agree. ``epsilon`` is the GRPO-Clip ``cliprange`` (``epsilon_high``,
+    ``delta``, ``importance_sampling_level``: TRL's variants, off by default); ``beta`` the KL weight."""
 
     pg_loss_type: str | None = field(
         default=None,
         metadata={
             "help": POLICY_LOSSES.live_help(
-                "Per-token policy-gradient loss (trl_ext.losses.POLICY_LOSSES): ",
+                "Per-token policy-gradient loss (trl_ext.objective.losses.POLICY_LOSSES): ",
                 ", or package.module:fn, your own function (log_probs, old_log_probs, advantages, response_mask, "
                 "config) -> (per_token_loss, metrics) (on-policy only, every row's backward run) or a "
-                "trl_ext.losses.PolicyLoss. Unset (None, the default): what TRL's loss_type says when it names a "
+                "trl_ext.objective.losses.PolicyLoss. Unset (None, the default): what TRL's loss_type says when it "
+                "names a "
                 "per-token objective (cispo, sapo, vespo), else 'grpo_clip'; after construction it holds the value "
                 "in use. A loss that ignores the old log-probs is on-policy only: with it "
                 "num_iterations must be 1 and steps_per_generation must not exceed gradient_accumulation_steps.",
@@ -97,7 +89,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=None,
         metadata={
             "help": ADVANTAGE_ESTIMATORS.live_help(
-                "How the rewards of a batch become each rollout's advantage (trl_ext.advantages."
+                "How the rewards of a batch become each rollout's advantage (trl_ext.objective.advantages."
                 "ADVANTAGE_ESTIMATORS): ",
                 ", or package.module:fn, your own function (rewards_per_func (N, K), reward_weights (K,), "
                 "group_size, config) -> (N,) advantages. Unset (None, the default): what TRL's scale_rewards='batch' "
@@ -130,7 +122,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": LiveText(
                 lambda: (
-                    "How the per-token losses of a batch become one loss (trl_ext.aggregations.AGGREGATIONS): "
+                    "How the per-token losses of a batch become one loss "
+                    "(trl_ext.objective.aggregations.AGGREGATIONS): "
                     + AGGREGATIONS.help().replace("%", "%%")
                     + ", or package.module:fn, your own function (per_token_loss, response_mask, normalize_constant, "
                     "empty_rows) -> loss. Unset (None, the default): what TRL's loss_type says when it is given, else "
@@ -186,7 +179,7 @@ class GRPOConfig(trl.GRPOConfig):
             "checkpointing (TRL's default gradient_checkpointing=True, or the model's gradient_checkpointing_enable), "
             "which keeps no cache in a training forward, the log-prob forwards share each prompt without a cache "
             "instead: the distinct prompts and every completion in one padding-free sequence "
-            "(trl_ext.packing.forward_in_one_sequence; needs pack_completions and what packing needs), which "
+            "(trl_ext.speed.packing.forward_in_one_sequence; needs pack_completions and what packing needs), which "
             "checkpointing recomputes exactly, reentrant or not. Old, reference and training forwards always take "
             "the same path, so equal weights give bit-equal log-probs. Default True; off for vLLM generation (its own "
             "prefix caching), multimodal inputs, FSDP and DeepSpeed (every forward gathers parameters collectively, "
@@ -194,7 +187,7 @@ class GRPOConfig(trl.GRPOConfig):
             "loss (it counts every row's tokens) and with top_entropy_quantile < 1 (a quantile of every token's "
             "entropy, where a last-bit rounding difference moves a token across the threshold); and wherever it "
             "cannot be exact for the model, said in one log "
-            "line: decided once per model for the architecture (trl_ext.shared_prompts.savings_decision: "
+            "line: decided once per model for the architecture (trl_ext.speed.shared_prompts.savings_decision: "
             "length-dependent RoPE, caches that cannot be indexed by row such as linear-attention/SSM layers, ...), "
             "at every use for dropout (also set after the trainer was built) and train/eval mode, or for a "
             "generation call (beams, cache_implementation, ...). Set False to run TRL's unshared forwards."
@@ -222,9 +215,9 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "With share_prompt_cache, run the completion forward and backward padding-free: the real tokens of "
             "every row packed into one sequence, a 4D attention mask letting each token see exactly its own prompt "
-            "and its own row (trl_ext.packing.packed_forward, over the prompts' cache), so the padding after a "
+            "and its own row (trl_ext.speed.packing.packed_forward, over the prompts' cache), so the padding after a "
             "completion's end costs nothing. With gradient checkpointing the distinct prompts go into that sequence "
-            "too, one forward without a cache (trl_ext.packing.forward_in_one_sequence): packing is then how the "
+            "too, one forward without a cache (trl_ext.speed.packing.forward_in_one_sequence): packing is then how the "
             "log-prob forwards share prompts, and pack_completions=False runs them unshared. Rows are packed in one "
             "canonical order, so the same rows in any order give bit-equal log-probs. Same log-probs and gradients "
             "up to float rounding. Default True; on only where it is exact for the model (sdpa attention over "
@@ -237,7 +230,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "In transformers generation on the CPU in fp32, run every nn.Linear on its weight packed once per "
             "generation batch, for the rows each generate call decodes, and dropped at the batch's end "
-            "(trl_ext.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
+            "(trl_ext.speed.packed_linear; MKL's packed sgemm on Intel CPUs, oneDNN otherwise): decoding "
             "multiplies a few rows by every weight, a small GEMM that MKL runs far below the CPU's peak on a plain "
             "weight (a decode step's matmuls take 0.5-0.6x the time on the CPUs measured). Same math, outputs may "
             "differ at float rounding. Default True; off for vLLM, GPUs, FSDP and DeepSpeed, for modules that are "
@@ -335,24 +328,24 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
-    # TRL's name -> the course fields its values may decide (trl_ext.trainers.grpo_options). A recipe's command line
+    # TRL's name -> the course fields its values may decide (trl_ext.objective.trl_names). A recipe's command line
     # that sets one of them overrides what its config files say of those fields (trl_ext.cli.parse).
-    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, ...]]] = grpo_options.UPSTREAM_OPTIONS
+    UPSTREAM_OPTIONS: ClassVar[dict[str, tuple[str, ...]]] = trl_names.UPSTREAM_OPTIONS
 
     @staticmethod
     def upstream_meaning(name: str, value: Any) -> dict[str, Any] | None:
-        """The course fields TRL's option ``name`` set to ``value`` decides (``grpo_options.upstream_meaning``)."""
-        return grpo_options.upstream_meaning(name, value)
+        """The course fields TRL's option ``name`` set to ``value`` decides (``trl_names.upstream_meaning``)."""
+        return trl_names.upstream_meaning(name, value)
 
     def __post_init__(self):
-        loss = grpo_options.resolve_objective(self)
-        grpo_options.resolve_advantages(self, loss)
-        functional._check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
-        functional._check_choice(
+        loss = trl_names.resolve_objective(self)
+        trl_names.resolve_advantages(self, loss)
+        functional.check_choice("kl_estimator", self.kl_estimator, functional.KL_ESTIMATORS)
+        functional.check_choice(
             "importance_sampling_level", self.importance_sampling_level, functional.IMPORTANCE_SAMPLING_LEVELS
         )
         if self.vllm_dtype is not None:  # None: the policy's dtype
-            functional._check_choice("vllm_dtype", self.vllm_dtype, vllm_engine.VLLM_DTYPES)
+            functional.check_choice("vllm_dtype", self.vllm_dtype, vllm_engine.VLLM_DTYPES)
         if self.advantage_eps < 0:
             raise ValueError(f"advantage_eps={self.advantage_eps}; expected a float >= 0")
         if self.epsilon_high is not None and self.epsilon_high < 0:
@@ -389,7 +382,7 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(
                 f"dynamic_sampling=True needs a loss whose rollouts of weight 0 have no gradient, and "
                 f"pg_loss_type={self.pg_loss_type!r} does not declare it (zero_advantage_zero_gradient of its "
-                "trl_ext.losses.PolicyLoss): every group may carry a gradient, so none can be dropped"
+                "trl_ext.objective.losses.PolicyLoss): every group may carry a gradient, so none can be dropped"
             )
         if self.dynamic_sampling and ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).spans_groups:
             raise ValueError(
@@ -401,24 +394,17 @@ class GRPOConfig(trl.GRPOConfig):
 
     def to_dict(self) -> dict[str, Any]:
         # derived option values as plain strings, for serializers that check exact types (yaml.safe_dump)
-        return {k: str(v) if isinstance(v, _Derived) else v for k, v in super().to_dict().items()}
+        return {k: str(v) if isinstance(v, Derived) else v for k, v in super().to_dict().items()}
 
     @classmethod
     def from_upstream(cls, args: trl.GRPOConfig | TrainingArguments) -> GRPOConfig:
-        """The ``trl_ext.GRPOConfig`` equivalent to an upstream ``trl.GRPOConfig`` (or a plain
-        ``transformers.TrainingArguments``): every field copied by value. TRL's ``loss_type``, ``scale_rewards`` and
-        ``multi_objective_aggregation`` keep their meaning: they decide ``pg_loss_type``, ``length_normalization``,
-        ``advantage_estimator`` and ``normalize_by_std`` (``grpo_options``); ``beta``, ``epsilon``,
-        ``epsilon_high``, ``delta``, ``importance_sampling_level``, the SAPO/VESPO options and
-        ``use_bias_correction_kl`` are shared fields and keep upstream's values. ``advantage_eps`` is TRL's
-        hard-coded 1e-4 for a ``trl.GRPOConfig`` (upstream's advantages), the course's 1e-6 for plain
-        ``TrainingArguments``.
+        """The ``trl_ext.GRPOConfig`` equivalent to a ``trl.GRPOConfig`` or ``TrainingArguments``, every field copied.
+
+        TRL's ``loss_type``, ``scale_rewards`` and ``multi_objective_aggregation`` keep their meaning (``trl_names``).
+        ``advantage_eps`` is TRL's 1e-4 for a ``trl.GRPOConfig``, the course's 1e-6 for plain ``TrainingArguments``.
 
         Raises:
-            ValueError: for values out of range or names that contradict each other (``scale_rewards='none'`` with
-                ``multi_objective_aggregation='normalize_then_sum'``, which upstream ignores), and whatever else
-                ``__post_init__`` rejects.
-        """
+            ValueError: values out of range or contradicting names, and whatever ``__post_init__`` rejects."""
         # generation_batch_size: derived from steps_per_generation by upstream's __post_init__, derived again here
         upstream_eps = {"advantage_eps": 1e-4} if isinstance(args, trl.GRPOConfig) else {}
         return config_from_upstream(cls, args, generation_batch_size=None, **upstream_eps)

@@ -1,53 +1,21 @@
 """Packed ``nn.Linear`` weights for the CPU inference forwards of generation and evaluation (issues 31, 37).
 
-Why. On a CPU, ``torch.nn.functional.linear`` in fp32 goes to MKL's sgemm. A decode step multiplies only a few rows
-(one per sequence) by every weight of the model, and MKL runs that small GEMM far below the machine's peak when the
-weight is in its plain layout. On an AMD EPYC (AVX-512) the 211 projections of SmolLM2-135M plus its head take
-78-100 ms for 16 rows, where oneDNN's inner-product with the weights reordered once into its blocked layout takes
-44-47 ms (285 -> 165 ms for 100 rows); on an Intel Xeon (Sapphire Rapids) 83 ms plain, 66 ms oneDNN packed and 50 ms
-with MKL's own packed sgemm (237 -> 181 ms for 100 rows; docs/performance.md). Packing costs about one weight copy
-(0.15-0.3 s for the whole model), so it pays when the same weights serve many forwards: the decode steps of a
-``generate`` call, the rounds of one training step, an evaluation.
+A decode step multiplies a few rows by every weight, and MKL's fp32 sgemm runs that far below peak on the plain
+layout; a weight packed once serves every step faster (SmolLM2-135M, 16 rows: 78-100 -> 44-47 ms on an AMD EPYC with
+oneDNN, 83 -> 50 ms on a Xeon with MKL's packed sgemm; docs/performance.md), for about one weight copy (0.15-0.3 s).
 
-What. :class:`PackedLinearWeights`, inside :meth:`PackedLinearWeights.applied`, makes each packable module's
-forward run on a packed copy of its weight, with one of two backends (:func:`choose_backend`), both PyTorch's own
-ops (the ones inductor uses for CPU linears):
+:class:`PackedLinearWeights` runs each :func:`packable` module on a packed copy inside its ``applied`` blocks, with
+PyTorch's own ops (:func:`choose_backend`): ``"mkl"`` (Intel; packs for one row count, other counts run plain;
+bit-equal logits on the embedded model, not guaranteed for 1-7 rows) or ``"onednn"`` (any row count; differs at float
+rounding, ~1e-7 relative). A weight is packed lazily, at the first forward of the row count ``applied``
+names, or else at the second forward of one row count (a decode step's; a prefill's is seen once).
 
-- ``"mkl"`` (Intel CPUs): ``torch.ops.mkl._mkl_reorder_linear_weight`` (``cblas_sgemm_pack`` for one row count) and
-  ``torch.ops.mkl._mkl_linear`` (``cblas_sgemm_compute``); a forward of another row count runs the module's own
-  forward. MKL's kernel stays MKL's: on the embedded model a rollout's logits were bit-equal to the plain forward's
-  (not guaranteed for every shape: for 1-7 rows MKL's plain path is a different kernel, and there outputs differ at
-  float rounding).
-- ``"onednn"`` (otherwise): ``torch.ops.mkldnn._reorder_linear_weight`` and ``torch.ops.mkldnn._linear_pointwise``,
-  any row count. The sums run in oneDNN's order instead of MKL's, so outputs differ at float rounding (~1e-7
-  relative), as any change of GEMM kernel does.
-
-When a weight is packed, and for which rows. Lazily, at the module's forward, for the row count generation decodes
-with: the first forward of the row count the caller names (``applied(model, rows=...)``: a ``generate`` call's
-batch), or else the second forward of one same row count (a decode step's; a prefill's count is seen once). A
-``generate`` whose forwards never repeat a row count (one new token, a prefill only) packs nothing. In a block where
-the weights stay fixed (:meth:`PackedLinearWeights.fixed_weights`) each module keeps its first packing: the rounds
-of one generation batch, the batches of one evaluation.
-
-Never stale. A packed copy lives only as long as the :meth:`~PackedLinearWeights.applied` block that made it, or the
-:meth:`~PackedLinearWeights.fixed_weights` block around it; the next block packs the weights as they are then. So no
-write between uses -- an optimizer step, ``load_state_dict``, ``w.data.add_``, ``w.data.copy_``, ``w.data = ...``,
-peft's ``merge_adapter()`` (writes through ``.data`` change no tensor version and could not be seen) -- can make a
-packed forward use old weights. Inside a block the weights must not change; a write that bumps the weight's version
-(an in-place op under ``no_grad``) or replaces its storage is still seen there: that module runs its plain forward
-until it is packed again.
-
-Exact or off, per call: a packed forward runs only for an fp32 CPU input without autograd (no grad mode, or
-neither weight nor input requiring grad), outside CPU autocast, on the very weight tensor that was packed at the same
-version; anything else runs the module's own forward. Modules are packed only when their class is exactly
-``nn.Linear`` (quantized, LoRA and other subclasses keep their own forward; a LoRA layer's ``base_layer`` is packed),
-with a plain 2-D fp32 CPU weight of the declared shape and no forward already replaced on the instance (accelerate's
-offloading hooks). Per process and backend, before the backend's first packing, :func:`probe_backend` compares its
-ops with ``torch.nn.functional.linear`` on small inputs from a private generator; an exception or a difference beyond
-float rounding turns that backend off in one log line (the other backend is used if its probe passes, else no
-packing). The whole saving is off, in one log line per model and reason (:func:`packing_blocker`), where PyTorch has
-no oneDNN prepacking ops (both backends hold the packed buffer in a oneDNN tensor), where no such module exists, or
-where the packed copies would take more than a quarter of the memory available now.
+Never stale: a copy lives only as long as its ``applied`` block, or the :meth:`~PackedLinearWeights.fixed_weights`
+block around it, so no write between blocks (an optimizer step, ``load_state_dict``, a write through ``.data``) can
+make a packed forward use old weights; inside a block a version bump or new storage sends the module to its plain
+forward. Exact or off: a packed forward runs only for an fp32 CPU input without autograd or autocast; each backend
+is checked once per process against ``F.linear`` (:func:`probe_backend`); the whole saving is off, in one log line,
+where :func:`packing_blocker` says so.
 """
 
 from __future__ import annotations
@@ -61,12 +29,12 @@ from typing import Any
 
 import torch
 
+from trl_ext.logs import say_once
+
 logger = logging.getLogger("trl_ext")
 
 MEMORY_FRACTION = 0.25
 """Packed copies of the weights may take at most this fraction of the memory available when packing starts."""
-
-_announced: set[tuple[int, str]] = set()
 
 
 def _ops_available() -> bool:
@@ -109,15 +77,8 @@ def cpu_vendor(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
 
 
 def choose_backend() -> str:
-    """``"mkl"`` or ``"onednn"``: which packed GEMM :class:`PackedLinearWeights` uses.
-
-    MKL's own packed sgemm (``cblas_sgemm_pack``/``cblas_sgemm_compute`` through ``torch.ops.mkl``) on an Intel CPU
-    (it packs for one row count, the one generation decodes with: forwards of other row counts run the plain
-    forward); oneDNN's blocked layout otherwise. Measured on the embedded model's 211 projections
-    (docs/performance.md): on an Intel Xeon (Sapphire Rapids) 16 rows 83 ms plain, 66 ms oneDNN packed, 50 ms MKL
-    packed; on an AMD EPYC 78-100 ms plain, 44-47 ms oneDNN packed (MKL's packed path not measured there, so not
-    chosen there).
-    """
+    """``"mkl"`` (MKL's packed sgemm through ``torch.ops.mkl``) on an Intel CPU, where it measured fastest (Sapphire
+    Rapids, 16 rows: 83 ms plain, 66 oneDNN, 50 MKL); ``"onednn"`` otherwise (MKL's path not measured elsewhere)."""
     if _mkl_ops_available() and cpu_vendor() == "GenuineIntel":
         return "mkl"
     return "onednn"
@@ -152,10 +113,8 @@ def _available_bytes() -> int | None:
 def packing_blocker(model: torch.nn.Module) -> str | None:
     """Why :class:`PackedLinearWeights` cannot run any forward of ``model`` packed, or None.
 
-    Reasons: this PyTorch has no oneDNN prepacking ops (``torch.ops.mkldnn._reorder_linear_weight`` and
-    ``_linear_pointwise``); no module is :func:`packable` (weights not fp32, not on the CPU, empty, quantized,
-    offloaded, sharded, ...); the packed copies (one per weight, fp32) would exceed :data:`MEMORY_FRACTION` of the
-    memory available now (``psutil``).
+    Reasons: no oneDNN prepacking ops (both backends hold the copy in a oneDNN tensor); no :func:`packable` module;
+    the copies would exceed :data:`MEMORY_FRACTION` of the memory available now.
     """
     if not _ops_available():
         return "this PyTorch has no oneDNN prepacking ops (torch.ops.mkldnn._reorder_linear_weight)"
@@ -174,8 +133,7 @@ def packing_blocker(model: torch.nn.Module) -> str | None:
 
 @dataclass
 class _Entry:
-    """One module's packing state within a block: the weight it is for (identity, data pointer and version), the row
-    count seen once and not yet packed for, and the packed copy with its row count and backend."""
+    """One module's packing state within a block (the weight's identity, pointer and version; the copy)."""
 
     weight: torch.Tensor
     data_ptr: int
@@ -200,9 +158,8 @@ class PackedLinearWeights:
     Raises:
         ValueError: an unknown ``backend``, or ``"mkl"`` on a PyTorch without its ops.
 
-    Use ``with packed.applied(model, rows=batch): model.generate(...)``; wrap several such blocks in
-    ``with packed.fixed_weights():`` where the weights do not change between them, to pack once for all of them.
-    See the module docstring for when a weight is packed and when a forward runs packed.
+    Use ``with packed.applied(model, rows=batch): model.generate(...)``, inside ``with packed.fixed_weights():`` to
+    pack once for several blocks.
     """
 
     def __init__(self, backend: str | None = None):
@@ -225,12 +182,8 @@ class PackedLinearWeights:
 
     @contextlib.contextmanager
     def fixed_weights(self) -> Iterator[None]:
-        """Keep the copies packed by the :meth:`applied` blocks inside this block until it ends, so each weight is
-        packed once for all of them (GRPO: every generation round of a generation batch; evaluation: its batches).
-
-        The caller promises that no weight changes inside the block: a write through ``.data`` (``merge_adapter``)
-        here would not be seen. Writes that bump a weight's version or replace its storage still are (that module
-        runs its plain forward until packed again). Every copy is dropped when the outermost such block ends."""
+        """Keep the copies of the :meth:`applied` blocks inside until the outermost such block ends (each weight
+        packed once). The caller promises no weight changes inside: a write through ``.data`` would not be seen."""
         self._fixed += 1
         try:
             yield
@@ -241,19 +194,10 @@ class PackedLinearWeights:
 
     @contextlib.contextmanager
     def applied(self, model: torch.nn.Module, rows: int | None = None) -> Iterator[None]:
-        """Run ``model``'s packable ``nn.Linear`` forwards packed for the duration of the block (see the module
-        docstring for when a weight is packed and when a call still runs the plain forward). The copies are dropped
-        when the block ends, unless a :meth:`fixed_weights` block is open around it.
-
-        Args:
-            model: the model whose ``nn.Linear`` modules to patch.
-            rows: the rows most forwards of the block multiply (a ``generate`` call's batch: one per sequence of a
-                decode step); a module is packed at its first forward of that row count. None: at the second forward
-                of one row count.
-
-        Off, with one log line per model and reason, where :func:`packing_blocker` says so; silently for a model
-        whose parameters are not on the CPU. The modules' forwards are restored on exit, also on error.
-        """
+        """Run ``model``'s packable ``nn.Linear`` forwards packed in the block; copies dropped at its end unless a
+        :meth:`fixed_weights` block is open. ``rows``: the row count to pack for (a ``generate`` call's batch); None:
+        the second forward of one row count. Off where :func:`packing_blocker` says so (one log line), silently off
+        the CPU; forwards restored on exit, also on error."""
         first = next(model.parameters(), None)
         if first is None or first.device.type != "cpu" or self.backend is None:
             yield  # a CPU saving: nothing to say for a model on a GPU; a backend turned off has said so
@@ -319,9 +263,7 @@ class PackedLinearWeights:
         message = f"trl_ext prepack_linear_weights: the {backend} backend is off ({reason}); " + (
             f"the {other} backend is used" if not other_reason else f"{other}: {other_reason}; plain forward used"
         )
-        if message not in _announced_backends:
-            _announced_backends.add(message)
-            logger.warning(message)
+        say_once(message, log=logger)
         return self.backend
 
 
@@ -373,73 +315,70 @@ def _mkl_linear(
 
 
 PROBE_SHAPES = ((5, 7, True), (3, 16, False), (17, 33, True))
-"""(out_features, in_features, bias) of the weights :func:`probe_backend` packs: odd and even widths, with and without
-bias."""
+"""(out_features, in_features, bias) of the weights :func:`probe_backend` packs."""
 
 _probe_results: dict[str, str | None] = {}  # backend -> None (its ops compute F.linear) or why not
-_announced_backends: set[str] = set()
 
 
 def probe_backend(backend: str, rows: int) -> str | None:
     """None when ``backend``'s packing and packed-GEMM ops compute ``torch.nn.functional.linear`` on this PyTorch,
     else why not (the op's exception, or the largest difference). Decided once per process and backend.
 
-    For each of :data:`PROBE_SHAPES` a weight (and bias) from a private generator is packed through the same ops as
-    the forwards use and applied to inputs of 1, 3 and ``rows`` rows (as (m, in) and as a decode step's (m, 1, in));
-    each output must equal ``F.linear``'s within the worst-case rounding of a float32 dot product in any summation
-    order: ``|packed - plain| <= gamma(in + 2) * (|x| @ |W|^T + |b|)``, ``gamma(n) = n u / (1 - n u)``, u = 2^-24
-    (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1). No global generator is used.
+    Weights of :data:`PROBE_SHAPES` from a private generator, inputs of 1, 3 and ``rows`` rows as (m, in) and
+    (m, 1, in); each output within the worst-case float32 dot-product rounding of ``F.linear``'s:
+    ``|packed - plain| <= gamma(in + 2) * (|x| @ |W|^T + |b|)``, ``gamma(n) = n u / (1 - n u)``, u = 2^-24 (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1).
     """
-    if backend in _probe_results:
-        return _probe_results[backend]
+    if backend not in _probe_results:
+        try:
+            _probe_results[backend] = _probe(backend, rows)
+        except Exception as err:  # noqa: BLE001 -- any failure of a private op means: not this backend
+            _probe_results[backend] = f"probe: {type(err).__name__}: {str(err)[:120]}"
+    return _probe_results[backend]
+
+
+def _probe(backend: str, rows: int) -> str | None:
+    """The checks of :func:`probe_backend`: the first failure, or None."""
     generator = torch.Generator().manual_seed(0)
-    reason = None
-    try:
-        for out_features, in_features, with_bias in PROBE_SHAPES:
-            weight = torch.randn(out_features, in_features, generator=generator)
-            bias = torch.randn(out_features, generator=generator) if with_bias else None
-            unit = 2.0**-24
-            gamma = (in_features + 2) * unit / (1 - (in_features + 2) * unit)
-            packed_for = {}
-            for m in sorted({1, 3, rows}):
-                x = torch.randn(m, in_features, generator=generator)
+    for out_features, in_features, with_bias in PROBE_SHAPES:
+        weight = torch.randn(out_features, in_features, generator=generator)
+        bias = torch.randn(out_features, generator=generator) if with_bias else None
+        unit = 2.0**-24
+        gamma = (in_features + 2) * unit / (1 - (in_features + 2) * unit)
+        onednn_packed = None
+        for m in sorted({1, 3, rows}):
+            x = torch.randn(m, in_features, generator=generator)
+            if backend == "mkl":
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+            else:
+                if onednn_packed is None:
+                    onednn_packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                packed = onednn_packed
+            bound = gamma * (x.abs() @ weight.abs().t() + (0 if bias is None else bias.abs()))
+            expected = torch.nn.functional.linear(x, weight, bias)
+            for shaped in (x, x.unsqueeze(1)):
                 if backend == "mkl":
-                    packed = packed_for[m] = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+                    got = torch.ops.mkl._mkl_linear(shaped, packed, weight, bias, m)
                 else:
-                    packed = packed_for.setdefault(0, torch.ops.mkldnn._reorder_linear_weight(weight, rows))
-                bound = gamma * (x.abs() @ weight.abs().t() + (0 if bias is None else bias.abs()))
-                expected = torch.nn.functional.linear(x, weight, bias)
-                for shaped in (x, x.unsqueeze(1)):
-                    if backend == "mkl":
-                        got = torch.ops.mkl._mkl_linear(shaped, packed, weight, bias, m)
-                    else:
-                        got = torch.ops.mkldnn._linear_pointwise(shaped, packed, bias, "none", [], "")
-                    got = got.reshape(expected.shape) if got.numel() == expected.numel() else got
-                    if got.shape != expected.shape or got.dtype != expected.dtype:
-                        reason = f"probe: output {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)}"
-                    elif not bool(((got - expected).abs() <= bound).all()):
-                        gap = (got - expected).abs().max().item()
-                        reason = (
-                            f"probe: {gap:.3g} away from F.linear for a {out_features}x{in_features} weight and "
-                            f"{m} rows, beyond float rounding"
-                        )
-                    if reason:
-                        break
-                if reason:
-                    break
-            if reason:
-                break
-    except Exception as err:  # noqa: BLE001 -- any failure of a private op means: not this backend
-        reason = f"probe: {type(err).__name__}: {str(err)[:120]}"
-    _probe_results[backend] = reason
-    return reason
+                    got = torch.ops.mkldnn._linear_pointwise(shaped, packed, bias, "none", [], "")
+                got = got.reshape(expected.shape) if got.numel() == expected.numel() else got
+                if got.shape != expected.shape or got.dtype != expected.dtype:
+                    return f"probe: output {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)}"
+                if not bool(((got - expected).abs() <= bound).all()):
+                    gap = (got - expected).abs().max().item()
+                    return (
+                        f"probe: {gap:.3g} away from F.linear for a {out_features}x{in_features} weight and {m} rows, "
+                        "beyond float rounding"
+                    )
+    return None
 
 
 def announce(model: Any, reason: str) -> None:
     """Log once per model and reason that ``prepack_linear_weights`` is off and why."""
-    key = (id(model), reason)
-    if key not in _announced:
-        _announced.add(key)
-        logger.warning(
-            "trl_ext prepack_linear_weights off for %s: %s (MKL's plain linear used)", type(model).__name__, reason
-        )
+    say_once(
+        "trl_ext prepack_linear_weights off for %s: %s (MKL's plain linear used)",
+        type(model).__name__,
+        reason,
+        key=(id(model), reason),
+        log=logger,
+    )

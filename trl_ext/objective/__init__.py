@@ -1,0 +1,4 @@
+"""GRPO's objective as registered choices, each entry a thin call of :mod:`trl_ext.functional`: policy losses
+(``losses``), aggregations or length normalization (``aggregations``), advantage estimators (``advantages``); the
+course's helpers beyond what the trainers run (``course``, re-exported by :mod:`trl_ext.cs336`); and the one module
+that knows TRL's option names and how they map onto the course's (``trl_names``)."""
