@@ -263,9 +263,28 @@ def test_a_module_is_packed_for_a_row_count_that_comes_again_and_never_for_one_s
         layer(step)  # 3 rows again: packed now, and served
         layer(step)
     assert packed_rows == [3] and len(calls) == 2
-    with torch.no_grad(), packed.applied(layer, rows=4):  # a prefill only (one new token): nothing packed
-        layer(prefill)
-    assert packed_rows == [3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_a_generate_block_onednn_packs_at_the_prefill_and_mkl_waits_for_the_named_rows(backend, monkeypatch):
+    # oneDNN's copy serves any row count, so a generate block's prefill (15 rows) packs it, with the named decode row
+    # count as the hint, and runs on it (round 4's speed: the prefill ran packed); MKL's copy serves one row count:
+    # the prefill runs plain, the decode steps (3 rows, named) pack and run packed
+    layer = hand_linear()
+    packed_rows = []
+    reorder = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder", lambda b, w, rows: packed_rows.append(rows) or reorder(b, w, rows))
+    calls = spy(monkeypatch, backend)
+    packed = PackedLinearWeights(backend=backend)
+    prefill, step = torch.ones(3, 5, 2), torch.ones(3, 1, 2)
+    plain = torch.nn.functional.linear(prefill, layer.weight, layer.bias)  # every entry 1 + 2 + bias: [4, 6, -0.5]
+    with torch.no_grad(), packed.applied(layer, rows=3):
+        out = layer(prefill)
+        assert torch.equal(out, plain) and torch.equal(out[0, 0], torch.tensor([4.0, 6.0, -0.5]))
+        assert (packed_rows, len(calls)) == (([3], 1) if backend == "onednn" else ([], 0))
+        layer(step)
+        layer(step)
+    assert packed_rows == [3] and len(calls) == (3 if backend == "onednn" else 2)
 
 
 def test_the_probe_passes_on_this_pytorch_and_touches_no_global_generator():
@@ -457,5 +476,7 @@ def test_grpo_generation_packs_for_the_rows_each_generate_decodes(backend, token
     trainer.train()
     decode_rows = [m for m, n in forwards if n == rows]
     assert len(decode_rows) >= 2 * len(linears)  # at least two decode steps ran through every linear
-    assert len(served) == len(decode_rows)  # every forward of the decoded row count ran packed, no other
+    # oneDNN: every generation forward ran packed (the prefill too: its copy serves any row count); MKL: every forward
+    # of the decoded row count, no other
+    assert len(served) == len(forwards if backend == "onednn" else decode_rows)
     assert packings == [rows] * len({id(m) for m in decode_rows})  # each module packed once, for those rows

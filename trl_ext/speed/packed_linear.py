@@ -195,8 +195,9 @@ class PackedLinearWeights:
     @contextlib.contextmanager
     def applied(self, model: torch.nn.Module, rows: int | None = None) -> Iterator[None]:
         """Run ``model``'s packable ``nn.Linear`` forwards packed in the block; copies dropped at its end unless a
-        :meth:`fixed_weights` block is open. ``rows``: the row count to pack for (a ``generate`` call's batch); None:
-        the second forward of one row count. Off where :func:`packing_blocker` says so (one log line), silently off
+        :meth:`fixed_weights` block is open. ``rows``: the row count to pack for (a ``generate`` call's batch: with
+        oneDNN, whose copy serves any row count, the first forward packs and the prefill runs packed too); None: the
+        second forward of one row count. Off where :func:`packing_blocker` says so (one log line), silently off
         the CPU; forwards restored on exit, also on error."""
         first = next(model.parameters(), None)
         if first is None or first.device.type != "cpu" or self.backend is None:
@@ -233,19 +234,27 @@ class PackedLinearWeights:
             return (entry.packed, entry.backend) if entry.backend == "onednn" or entry.rows == rows else None
         if entry.refused:
             return None
-        if rows != self._rows and rows != entry.seen:
-            entry.seen = rows  # a count seen once (a prefill's): packed only if it comes again
+        # oneDNN's copy serves any row count: inside a generate block (rows named) the prefill packs it for the
+        # decode that follows and runs on it too; MKL's serves one count: a count seen once (a prefill's) is packed
+        # only if it comes again
+        named = rows == self._rows or (self._rows is not None and self.backend == "onednn")
+        if not named and rows != entry.seen:
+            entry.seen = rows
             return None
         backend = self._working_backend(rows)
         if backend is None:
             return None
+        pack_rows = self._rows if backend == "onednn" and self._rows is not None else rows
+        if backend == "mkl" and rows != self._rows and rows != entry.seen:  # fell back to MKL from oneDNN above
+            entry.seen = rows
+            return None
         try:
             with torch.no_grad():
-                entry.packed = _reorder(backend, weight.detach(), rows)
+                entry.packed = _reorder(backend, weight.detach(), pack_rows)
         except RuntimeError:  # the backend refuses this weight: the module keeps its own forward
             entry.refused = True
             return None
-        entry.rows, entry.backend = rows, backend
+        entry.rows, entry.backend = pack_rows, backend
         return entry.packed, backend
 
     def _working_backend(self, rows: int) -> str | None:
