@@ -63,6 +63,15 @@ def test_time_breakdown_order_other_and_total():
     assert "generation" in profiling.format_breakdown(out) and "40.0%" in profiling.format_breakdown(out)
 
 
+def test_a_recipe_breakdown_opens_with_startup_and_closes_with_finish():
+    timer = PhaseTimer()
+    for name, seconds in (("finish", 2.5), ("generation", 10.0), ("startup", 6.0), ("my_phase", 1.5)):
+        timer.add(name, seconds)
+    out = time_breakdown(timer, total_seconds=30.0)
+    assert list(out) == ["startup", "generation", "my_phase", "finish", "other", "total"]
+    assert out["other"] == 10.0 and out["total"] == 30.0  # 30 - (6 + 10 + 1.5 + 2.5)
+
+
 def _toy_trainer(tiny_model, tokenizer, tmp_path, **overrides):
     tok = copy.deepcopy(tokenizer)
     tok.padding_side = "left"

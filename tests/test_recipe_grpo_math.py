@@ -106,9 +106,16 @@ def test_recipe_runs_on_a_local_gsm8k_file(tiny_model, tokenizer, tmp_path):
         *_recipe_flags(model_dir, data, out, "--max_steps", "2", "--report_to", "tensorboard", "--save_steps", "1"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # accelerate then exports its default 1
+    launched = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
+    # the breakdown's wall time starts when the launcher did (not the training process, seconds later) and ends as
+    # metrics.json is written: startup first, writing the outputs (finish) last
+    breakdown = metrics["time_breakdown"]
+    assert (out / "metrics.json").stat().st_mtime - breakdown["total"] == pytest.approx(launched, abs=0.5)
+    assert list(breakdown)[0] == "startup" and list(breakdown)[-3:] == ["finish", "other", "total"]
+    assert breakdown["startup"] > 0 and breakdown["finish"] > 0
     assert metrics["train_steps"] == 2 and metrics["n_eval"] == 2  # 12 rows: the last 12 // 5 = 2 held out
     assert 0.0 <= metrics["accuracy_before"] <= 1.0 and 0.0 <= metrics["accuracy_after"] <= 1.0
     assert metrics["reward"] == "gsm8k"

@@ -20,7 +20,15 @@ from trl_ext.cli import main as recipe_main
 from trl_ext.data import load_math_dataset
 from trl_ext.data.instructions import load_instruction_rows
 from trl_ext.data.preferences import load_preference_rows
-from trl_ext.run import RecipeRun, check_output_dir, command_line, resolve_resume, resume_command, typed_command
+from trl_ext.run import (
+    RecipeRun,
+    check_output_dir,
+    command_line,
+    process_start_time,
+    resolve_resume,
+    resume_command,
+    typed_command,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # compare_upstream imports grpo_math
 grpo_math = load_recipe("grpo_math")
@@ -1339,3 +1347,21 @@ def test_an_option_a_config_file_sets_that_the_task_does_not_use_is_refused_with
         f"--dataset_config 'default' (set in {config}): not used (--dataset_name is a local file, read whole); "
         "remove it"
     )
+
+
+def test_a_process_start_time_is_when_it_was_started_on_the_wall_clock():
+    import subprocess
+    import time
+
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    after = time.time()
+    try:
+        time.sleep(0.5)  # the child is older now; its start time stays where it was
+        started = process_start_time(child.pid)
+        assert started is not None and before - 0.02 <= started <= after + 0.02  # the kernel's 10 ms clock tick
+        assert process_start_time(os.getpid()) < before  # this process is older still
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start_time(child.pid) is None  # gone: /proc cannot tell

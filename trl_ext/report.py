@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -491,8 +492,7 @@ def _add_run_metrics(
             accelerator = trainer.accelerator
             runtime = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
             metrics.setdefault("runtime", {**(speed or {}), **runtime})
-    if run.timer.seconds:  # the profiler or an exclusive phase ran: where the time went
-        metrics.setdefault("time_breakdown", run.time_breakdown())
+    if run.timer.seconds:  # the profiler or an exclusive phase ran: how far each phase ran from the machine's floor
         roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)
@@ -583,6 +583,7 @@ def finish(
     kinds = _by_kind(outputs)
     if not is_main_process():
         return None
+    started = time.time()
     out = Path(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = ["metrics.json", *(name for w in kinds[Written] for name in w.files)]
@@ -607,6 +608,9 @@ def finish(
     for record in kinds[Record]:
         _write_record(out, record, run, metrics, log_history, run.git if git is None else git)
         written.append("experiment.md")
+    if run.timer.seconds and "time_breakdown" not in metrics:  # where the time went, writing the outputs included
+        run.timer.add("finish", time.time() - started)
+        metrics["time_breakdown"] = run.time_breakdown()
     run.write_metrics(metrics)  # last: its presence marks a finished run
     return _print_summary(kinds, run, metrics, written, out)
 

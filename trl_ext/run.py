@@ -213,6 +213,17 @@ def typed_command(
     Walks up the parents while each is a launcher whose command ends with ``argv`` (default ``sys.argv``); the
     topmost wins. ``pid``: the process to start from (default this one); ``read_process``: ``pid -> (ppid, words)``
     (tests)."""
+    return _launch_chain(argv, pid=pid, read_process=read_process)[0]
+
+
+def _launch_chain(
+    argv: Sequence[str] | None = None,
+    *,
+    pid: int | None = None,
+    read_process: Callable[[int], tuple[int, list[str]] | None] | None = None,
+) -> tuple[list[str] | None, int]:
+    """:func:`typed_command` and the pid of the process it was typed to (the topmost launcher; ``pid`` itself when
+    there is none)."""
     script, *flags = list(sys.argv if argv is None else argv)
     read_process = read_process or _read_process
     found, current = None, os.getpid() if pid is None else pid
@@ -228,13 +239,32 @@ def typed_command(
         if not _is_script(words[cut], words[cut - 1], script):
             break
         found, current = words, this[0]
-    return found
+    return found, current
+
+
+def process_start_time(pid: int) -> float | None:
+    """Epoch seconds (``time.time()``'s clock) at which process ``pid`` started, to the kernel's clock tick (10 ms):
+    ``/proc/<pid>/stat``'s start time after boot against ``/proc/uptime``; None where ``/proc`` cannot tell."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, after "(comm)"
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @functools.cache
 def launched_as() -> list[str] | None:
     """:func:`typed_command` of this process, cached: read at start, while the launchers still live."""
     return typed_command()
+
+
+@functools.cache
+def launch_time() -> float | None:
+    """Epoch seconds at which the command that runs this process was started (under ``uv run accelerate launch``,
+    when ``uv`` started; else this process), cached: read at start, while the launchers still live. Where a run's
+    ``startup`` row begins (:meth:`RecipeRun.time_breakdown`); None without ``/proc``."""
+    return process_start_time(_launch_chain()[1])
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
@@ -405,7 +435,9 @@ class RecipeRun:
         overwrite: ``--overwrite_output_dir``.
         resume: ``--resume_from_checkpoint`` as parsed (:func:`resolve_resume`).
         result_file: the file(s) whose presence marks a finished run.
-        handle_signals: install this run's Ctrl-C / SIGTERM handler (:meth:`interrupted`).
+        handle_signals: install this run's Ctrl-C / SIGTERM handler (:meth:`interrupted`); the run of the command
+            line (``trl_ext.cli.main``): its :meth:`time_breakdown` then starts when the command did
+            (:func:`launch_time`), with a ``startup`` row up to the first phase.
 
     Attributes:
         resume_from_checkpoint: the checkpoint folder for ``trainer.train``, or None.
@@ -456,8 +488,11 @@ class RecipeRun:
         self._saving = False
         self._exit_after_save: str | None = None
         self._stop_signal: str | None = None  # the first stop signal received (:meth:`interrupted`)
+        self.launched: float | None = None  # when the command started: the breakdown's startup row begins there
         if handle_signals:
             launched_as()  # the command as typed, read while its launchers live (for the resume line)
+            launched = launch_time()
+            self.launched = launched if launched is not None and launched <= self.started else None
             signal.signal(signal.SIGINT, self._on_signal)
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -483,7 +518,10 @@ class RecipeRun:
         return text + (f" (resumed from step {self.resumed_step}; {global_step} in all)" if self.resuming else "")
 
     def phase(self, name: str, breakdown: str | None = None):
-        """Time phase ``name`` (repeats add up); ``breakdown`` also charges it to that exclusive phase."""
+        """Time phase ``name`` (repeats add up); ``breakdown`` also charges it to that exclusive phase. The first
+        phase ends the breakdown's ``startup`` row (when the run knows :attr:`launched`)."""
+        if self.launched is not None and "startup" not in self.timer.seconds:
+            self.timer.add("startup", time.time() - self.launched)
         stage = self.timer.stage(name)
         if breakdown is None:
             return stage
@@ -508,8 +546,10 @@ class RecipeRun:
         return self.roofline.report(self.timer.seconds, optimizer_steps)
 
     def time_breakdown(self) -> dict[str, float]:
-        """The exclusive seconds per phase plus ``other`` and ``total`` (the run's wall time so far)."""
-        return time_breakdown(self.timer, self.seconds)
+        """The exclusive seconds per phase plus ``other`` and ``total``: the wall time so far, from when the command
+        started where the run knows it (:attr:`launched`; rows ``startup`` and, once ``trl_ext.report.finish`` has
+        written the outputs, ``finish``), else from when the run opened."""
+        return time_breakdown(self.timer, time.time() - self.launched if self.launched is not None else self.seconds)
 
     def reuse_or_compute(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
         """On resume, the result saved under ``name`` with the same ``key``; else ``compute()``, saved to

@@ -187,10 +187,14 @@ def time_breakdown(timer: PhaseTimer, total_seconds: float | None = None) -> dic
     """Seconds per phase in a fixed order (phases that never ran are left out), rounded to 1 ms.
 
     With ``total_seconds`` (wall time), ``other`` is what no phase covered and ``total`` the phases plus ``other``.
+    ``startup`` (a recipe's: from the command's start to its first phase) comes first, ``finish`` (writing its
+    outputs) last.
     """
-    order = ("model_load", "evaluation", *TRAIN_PHASES, "train_other")
+    order = ("startup", "model_load", "evaluation", *TRAIN_PHASES, "train_other")
     out = {name: timer.seconds[name] for name in order if name in timer.seconds}
-    out.update({k: v for k, v in timer.seconds.items() if k not in out})
+    out.update({k: v for k, v in timer.seconds.items() if k not in out and k != "finish"})
+    if "finish" in timer.seconds:
+        out["finish"] = timer.seconds["finish"]
     if total_seconds is not None:
         out["other"] = max(0.0, total_seconds - sum(out.values()))
         out["total"] = total_seconds
