@@ -44,6 +44,14 @@ def spy(monkeypatch, backend: str) -> list[int]:
     return calls
 
 
+def record_reorders(monkeypatch) -> list[int]:
+    """The row count of each weight packing (``_reorder`` calls), in order."""
+    rows: list[int] = []
+    reorder = packed_linear._reorder
+    monkeypatch.setattr(packed_linear, "_reorder", lambda b, w, n: rows.append(n) or reorder(b, w, n))
+    return rows
+
+
 @pytest.fixture(autouse=True)
 def fresh_backend_probes(monkeypatch):
     """Each test probes the backends afresh (their verdicts are cached per process), and sees its own log lines."""
@@ -248,12 +256,8 @@ def test_copies_are_kept_across_blocks_only_inside_fixed_weights(backend, monkey
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_module_is_packed_for_a_row_count_that_comes_again_and_never_for_one_seen_once(backend, monkeypatch):
-    layer = hand_linear()
-    packed_rows = []
-    reorder = packed_linear._reorder
-    monkeypatch.setattr(packed_linear, "_reorder", lambda b, w, rows: packed_rows.append(rows) or reorder(b, w, rows))
-    calls = spy(monkeypatch, backend)
-    packed = PackedLinearWeights(backend=backend)
+    layer, packed = hand_linear(), PackedLinearWeights(backend=backend)
+    packed_rows, calls = record_reorders(monkeypatch), spy(monkeypatch, backend)
     prefill = torch.ones(3, 5, 2)  # 15 rows, once
     step = torch.ones(3, 1, 2)  # 3 rows, a decode step
     with torch.no_grad(), packed.applied(layer):  # no row count named
@@ -270,12 +274,8 @@ def test_in_a_generate_block_onednn_packs_at_the_prefill_and_mkl_waits_for_the_n
     # oneDNN's copy serves any row count, so a generate block's prefill (15 rows) packs it, with the named decode row
     # count as the hint, and runs on it (round 4's speed: the prefill ran packed); MKL's copy serves one row count:
     # the prefill runs plain, the decode steps (3 rows, named) pack and run packed
-    layer = hand_linear()
-    packed_rows = []
-    reorder = packed_linear._reorder
-    monkeypatch.setattr(packed_linear, "_reorder", lambda b, w, rows: packed_rows.append(rows) or reorder(b, w, rows))
-    calls = spy(monkeypatch, backend)
-    packed = PackedLinearWeights(backend=backend)
+    layer, packed = hand_linear(), PackedLinearWeights(backend=backend)
+    packed_rows, calls = record_reorders(monkeypatch), spy(monkeypatch, backend)
     prefill, step = torch.ones(3, 5, 2), torch.ones(3, 1, 2)
     plain = torch.nn.functional.linear(prefill, layer.weight, layer.bias)  # every entry 1 + 2 + bias: [4, 6, -0.5]
     with torch.no_grad(), packed.applied(layer, rows=3):
