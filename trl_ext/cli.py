@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import inspect
 import os
 import sys
@@ -686,14 +685,7 @@ def main(recipe_main: Callable[..., Any], argv: Sequence[str] | None = None) -> 
             )
         if "command" in wants:
             kwargs["command"] = command_line(None if argv is None else [sys.argv[0], *argv])
-        result = recipe_main(*configs, **kwargs)
-        if argv is None:
-            # The process's own command line, written out: the interpreter's exit would garbage-collect the whole
-            # heap of torch, transformers and TRL module by module (1.2-1.6 s on a 2-core machine, after the
-            # recipe's last timer). Objects still die by reference count (files close and flush); only the cyclic
-            # collections at exit skip what exists now.
-            gc.freeze()
-        return result
+        return recipe_main(*configs, **kwargs)
     except (RecipeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
