@@ -6,7 +6,9 @@ the model loader explode)."""
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1350,9 +1352,6 @@ def test_an_option_a_config_file_sets_that_the_task_does_not_use_is_refused_with
 
 
 def test_a_process_start_time_is_when_it_was_started_on_the_wall_clock():
-    import subprocess
-    import time
-
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
     after = time.time()

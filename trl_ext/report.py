@@ -481,7 +481,8 @@ def _add_run_metrics(
     metrics: dict[str, Any], run: Any, trainer: Any, log_history: Any, speed: Mapping[str, Any] | None
 ) -> None:
     """What every run records in ``metrics``, unless given (see :func:`finish`): the training's steps, seconds,
-    log, held-out curve and runtime (with a trainer); where the time went and the roofline (when timed)."""
+    log, held-out curve and runtime (with a trainer); the roofline (when timed). :func:`finish` adds where the time
+    went last, once the outputs are written."""
     if trainer is not None and hasattr(trainer, "state"):
         metrics.setdefault("train_steps", trainer.state.global_step)
         metrics.setdefault("train_seconds", run.phase_seconds.get("train"))
@@ -492,7 +493,7 @@ def _add_run_metrics(
             accelerator = trainer.accelerator
             runtime = {"processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
             metrics.setdefault("runtime", {**(speed or {}), **runtime})
-    if run.timer.seconds:  # the profiler or an exclusive phase ran: how far each phase ran from the machine's floor
+    if run.timer.seconds:  # the profiler or an exclusive phase ran
         roofline = run.roofline_report()  # the optimizer's floor over the steps the profilers timed
         if roofline is not None:  # how far each phase ran from what the machine allows
             metrics.setdefault("roofline", roofline)

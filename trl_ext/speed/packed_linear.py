@@ -234,20 +234,17 @@ class PackedLinearWeights:
             return (entry.packed, entry.backend) if entry.backend == "onednn" or entry.rows == rows else None
         if entry.refused:
             return None
-        # oneDNN's copy serves any row count: inside a generate block (rows named) the prefill packs it for the
-        # decode that follows and runs on it too; MKL's serves one count: a count seen once (a prefill's) is packed
-        # only if it comes again
-        named = rows == self._rows or (self._rows is not None and self.backend == "onednn")
-        if not named and rows != entry.seen:
-            entry.seen = rows
-            return None
         backend = self._working_backend(rows)
         if backend is None:
             return None
-        pack_rows = self._rows if backend == "onednn" and self._rows is not None else rows
-        if backend == "mkl" and rows != self._rows and rows != entry.seen:  # fell back to MKL from oneDNN above
+        # oneDNN's copy serves any row count: inside a generate block (rows named) the prefill packs it for the
+        # decode that follows and runs on it too; MKL's serves one count: a count seen once (a prefill's) is packed
+        # only if it comes again
+        any_rows = backend == "onednn" and self._rows is not None
+        if not any_rows and rows != self._rows and rows != entry.seen:
             entry.seen = rows
             return None
+        pack_rows = self._rows if any_rows else rows
         try:
             with torch.no_grad():
                 entry.packed = _reorder(backend, weight.detach(), pack_rows)
