@@ -284,6 +284,51 @@ def test_accuracy_against_training_seconds_and_the_time_to_a_gain():
     assert seconds_to_gain(summarize_arm(arm, [], [4.0], [{"step": 1, "accuracy": 0.9}]), 0.1) is None  # no step 0
 
 
+def test_time_to_upstream_final_gain_on_the_wall_and_cpu_clocks():
+    """Upstream's final gain is its last evaluation over its step 0 (+0.30 here, reached first at step 4: 12 wall s,
+    22 CPU s); trl_ext reaches +0.30 over its own step 0 at step 2 (3 wall s, 5 CPU s): ratios 3/12 and 5/22; an arm
+    that never gets there has no time and no ratio."""
+    from trl_ext.compare.report import time_to_gain_table, time_to_reference_gain
+
+    upstream_settings = {"loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2}
+
+    def arm(name, trainer, wall, cpu, accuracies):
+        evals = [{"step": step, "accuracy": a} for step, a in zip((0, 2, 4, 6), accuracies)]
+        settings = upstream_settings if trainer == "trl" else {}
+        return summarize_arm(Arm(name, trainer, settings), [], wall, evals, step_cpu_seconds=cpu)
+
+    ours = arm(
+        "trl_ext", "trl_ext", [1.0, 2.0, 2.0, 2.0, 1.0, 1.0], [2.0, 3.0, 4.0, 4.0, 2.0, 2.0], [0.1, 0.4, 0.5, 0.5]
+    )
+    upstream = arm("trl", "trl", [3.0] * 6, [5.0, 6.0, 5.0, 6.0, 5.0, 5.0], [0.1, 0.2, 0.4, 0.4])
+    flat = arm("flat", "trl_ext", [1.0] * 6, [1.0] * 6, [0.1, 0.1, 0.2, 0.1])
+    assert ours["accuracy_by_cpu_seconds"] == [[0, 0.1], [5.0, 0.4], [13.0, 0.5], [17.0, 0.5]]
+    assert ours["median_step_cpu_seconds"] == 2.5
+    out = time_to_reference_gain([ours, upstream, flat])  # the reference is the upstream arm, wherever it is
+    assert out["reference"] == "trl" and out["gain"] == pytest.approx(0.3)
+    rows = {a["name"]: a for a in out["arms"]}
+    assert (rows["trl"]["wall_seconds"], rows["trl"]["cpu_seconds"]) == (12.0, 22.0)
+    assert (rows["trl_ext"]["wall_seconds"], rows["trl_ext"]["cpu_seconds"]) == (3.0, 5.0)
+    assert rows["trl_ext"]["wall_ratio"] == pytest.approx(3 / 12) and rows["trl_ext"]["cpu_ratio"] == pytest.approx(
+        5 / 22
+    )
+    assert rows["trl"]["wall_ratio"] == 1.0 and rows["trl_ext"]["gain"] == pytest.approx(0.4)
+    assert rows["flat"]["wall_seconds"] is None and rows["flat"]["cpu_ratio"] is None
+    table = time_to_gain_table(out)
+    assert "| trl_ext | trl_ext | +40.0 | 3.0 | 0.250 | 5.0 | 0.227 |" in table.splitlines()
+    assert "| flat | trl_ext | +0.0 | n/a | n/a | n/a | n/a |" in table.splitlines()
+    # a reference that did not gain: nothing to reach, said so; no arm evaluated at step 0: None
+    lost = time_to_reference_gain([arm("trl", "trl", [1.0] * 6, [1.0] * 6, [0.3, 0.2, 0.2, 0.2]), ours])
+    assert lost["gain"] == pytest.approx(-0.1) and lost["arms"] == []
+    assert "did not gain (-10.0 points)" in time_to_gain_table(lost)
+    assert (
+        time_to_reference_gain(
+            [summarize_arm(Arm("a", "trl", upstream_settings), [], [1.0], [{"step": 1, "accuracy": 0.5}])]
+        )
+        is None
+    )
+
+
 def test_comparison_table_rows():
     arm = Arm("course", "trl_ext", {"beta": 0.0})
     s = summarize_arm(

@@ -25,7 +25,15 @@ from trl_ext.compare.arms import (
     trl_ext_at_trl_defaults,
 )
 from trl_ext.compare.monitoring import ArmMonitor, PeakMemory, release_memory, summarize_arm
-from trl_ext.compare.report import DEFAULT_PANELS, comparison_table, plot_comparison, setup_summary, write_comparison
+from trl_ext.compare.report import (
+    DEFAULT_PANELS,
+    comparison_table,
+    plot_comparison,
+    setup_summary,
+    time_to_gain_table,
+    time_to_reference_gain,
+    write_comparison,
+)
 from trl_ext.compare.run import eval_steps, run_comparison
 from trl_ext.measurement.observations import metric_curve
 
@@ -51,6 +59,8 @@ __all__ = [
     "run_comparison",
     "setup_summary",
     "summarize_arm",
+    "time_to_gain_table",
+    "time_to_reference_gain",
     "trl_defaults",
     "trl_ext_at_trl_defaults",
     "write_comparison",

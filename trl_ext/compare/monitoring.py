@@ -108,17 +108,19 @@ class ArmMonitor(HeldOutEvaluation):
 
     Attach with :meth:`attach` after building the trainer. Step time runs from ``on_step_begin`` to ``on_step_end``
     (generation, reward, loss, backward and optimizer step; not the held-out evaluation, which runs after it in
-    ``on_step_end``). Generation time and generated tokens come from wrapping the trainer's ``_generate`` (TRL
-    1.16: returns ``(prompt_ids, completion_ids, ...)`` with ``completion_ids`` a list of token-id lists, this
-    process's completions).
+    ``on_step_end``). ``step_cpu_seconds`` are the process's CPU seconds (user + system, every thread:
+    ``time.process_time``) over the same spans: the work a step did, whatever share of the cores it got. Generation
+    time and generated tokens come from wrapping the trainer's ``_generate`` (TRL 1.16: returns ``(prompt_ids,
+    completion_ids, ...)`` with ``completion_ids`` a list of token-id lists, this process's completions).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.step_seconds: list[float] = []
+        self.step_cpu_seconds: list[float] = []
         self.generation_seconds = 0.0
         self.generated_tokens = 0
-        self._step_start: float | None = None
+        self._step_start: tuple[float, float] | None = None
 
     def attach(self, trainer: Any) -> ArmMonitor:
         super().attach(trainer)
@@ -135,11 +137,13 @@ class ArmMonitor(HeldOutEvaluation):
         return self
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._step_start = time.perf_counter()
+        self._step_start = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._step_start is not None:
-            self.step_seconds.append(time.perf_counter() - self._step_start)
+            wall, cpu = self._step_start
+            self.step_seconds.append(time.perf_counter() - wall)
+            self.step_cpu_seconds.append(time.process_time() - cpu)
         return super().on_step_end(args, state, control, **kwargs)
 
 
@@ -166,6 +170,7 @@ def summarize_arm(
     peak_memory_bytes: int | None = None,
     memory_kind: str = "",
     train_seconds: float | None = None,
+    step_cpu_seconds: Sequence[float] | None = None,
     curve_keys: Sequence[str] = ("reward", "entropy", "completions/mean_length"),
     last_k: int = 5,
 ) -> dict[str, Any]:
@@ -175,8 +180,9 @@ def summarize_arm(
         dict with ``name``, ``trainer``, ``settings``; ``final_accuracy`` (held-out accuracy at the last evaluated
         step), ``best_accuracy`` and ``best_step`` (highest over all evaluated steps, step 0 included; the first
         one on ties); ``accuracy_curve`` ``[[step, accuracy], ...]``; ``accuracy_by_seconds`` ``[[seconds,
-        accuracy], ...]`` (the training seconds of the steps before each evaluation); ``median_step_seconds``;
-        ``final_reward``
+        accuracy], ...]`` (the training seconds of the steps before each evaluation) and, given
+        ``step_cpu_seconds`` (one per step, as ``step_seconds``), ``accuracy_by_cpu_seconds`` (their CPU seconds)
+        and ``median_step_cpu_seconds``; ``median_step_seconds``; ``final_reward``
         (mean train ``reward`` over the last ``last_k`` logged steps); ``gen_tokens_per_second``
         (``generated_tokens / generation_seconds``); ``peak_memory_bytes``, ``memory_kind``, ``train_seconds``,
         ``steps``; ``n_eval`` (held-out problems of the last evaluation) and ``final_accuracy_se``
@@ -203,6 +209,10 @@ def summarize_arm(
         "accuracy_by_seconds": [[round(sum(step_seconds[: e["step"]]), 3), e["accuracy"]] for e in evals],
         "evals": [dict(e) for e in evals],
         "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+        "accuracy_by_cpu_seconds": (
+            [[round(sum(step_cpu_seconds[: e["step"]]), 3), e["accuracy"]] for e in evals] if step_cpu_seconds else None
+        ),
+        "median_step_cpu_seconds": statistics.median(step_cpu_seconds) if step_cpu_seconds else None,
         "final_reward": statistics.fmean(rewards[-last_k:]) if rewards else None,
         "gen_tokens_per_second": generated_tokens / generation_seconds if generation_seconds > 0 else None,
         "generated_tokens": generated_tokens,

@@ -153,10 +153,11 @@ def plot_comparison(
     return _saved(fig, path)
 
 
-def seconds_to_gain(result: Mapping[str, Any], gain: float) -> float | None:
+def seconds_to_gain(result: Mapping[str, Any], gain: float, key: str = "accuracy_by_seconds") -> float | None:
     """Training seconds an arm took to first reach ``gain`` (e.g. 0.55 = 55 points) of held-out accuracy over its
-    step-0 evaluation, at one of its evaluated steps; None if it never did (or was not evaluated at step 0)."""
-    curve = result.get("accuracy_by_seconds") or []
+    step-0 evaluation, at one of its evaluated steps; None if it never did (or was not evaluated at step 0).
+    ``key`` picks the clock: ``"accuracy_by_seconds"`` (wall) or ``"accuracy_by_cpu_seconds"`` (CPU)."""
+    curve = result.get(key) or []
     steps = result.get("accuracy_curve") or []
     if not curve or not steps or steps[0][0] != 0:
         return None
@@ -164,36 +165,108 @@ def seconds_to_gain(result: Mapping[str, Any], gain: float) -> float | None:
     return next((seconds for seconds, accuracy in curve if accuracy - start >= gain - 1e-9), None)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def time_to_reference_gain(results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The time each arm took to reach the reference arm's final gain, on the wall and the CPU clock.
+
+    The reference is the first upstream arm (``trainer == "trl"``), else the first arm; its gain is its last
+    evaluation's accuracy minus its step-0 accuracy (issue 47's measure: "trl_ext reaches upstream's final gain in
+    at most 0.4x of upstream's time"). Each arm's times are :func:`seconds_to_gain` at that gain (its first
+    evaluation at least that far over its own step 0; the reference's own is where it first got there, which may be
+    before its last step), and each ratio is the arm's time over the reference's.
+
+    Returns:
+        ``{"reference", "gain", "arms": [{"name", "trainer", "gain", "wall_seconds", "cpu_seconds", "wall_ratio",
+        "cpu_ratio"}, ...]}`` (a time None where the arm never got there or was not timed, a ratio None where
+        either time is), or None when no arm was evaluated at step 0 and after it.
+    """
+    evaluated = [r for r in results if len(r.get("accuracy_curve") or []) > 1 and r["accuracy_curve"][0][0] == 0]
+    if not evaluated:
+        return None
+    ref = next((r for r in evaluated if r["trainer"] == "trl"), evaluated[0])
+    gain = ref["accuracy_curve"][-1][1] - ref["accuracy_curve"][0][1]
+    out: dict[str, Any] = {"reference": ref["name"], "gain": gain, "arms": []}
+    if gain <= 0:
+        return out  # nothing to reach: the reference did not gain
+    ref_wall, ref_cpu = seconds_to_gain(ref, gain), seconds_to_gain(ref, gain, "accuracy_by_cpu_seconds")
+    for r in evaluated:
+        wall, cpu = seconds_to_gain(r, gain), seconds_to_gain(r, gain, "accuracy_by_cpu_seconds")
+        out["arms"].append(
+            {
+                "name": r["name"],
+                "trainer": r["trainer"],
+                "gain": r["accuracy_curve"][-1][1] - r["accuracy_curve"][0][1],
+                "wall_seconds": wall,
+                "cpu_seconds": cpu,
+                "wall_ratio": _ratio(wall, ref_wall),
+                "cpu_ratio": _ratio(cpu, ref_cpu),
+            }
+        )
+    return out
+
+
+def time_to_gain_table(summary: Mapping[str, Any] | None) -> str:
+    """Markdown for :func:`time_to_reference_gain`'s result: one row per arm (its own final gain, the training wall
+    and CPU seconds to the reference's gain and their ratios to the reference's), or one line saying why not."""
+    if summary is None:
+        return "Time to a gain: no arm was evaluated at step 0 and after it."
+    gain, ref = summary["gain"], summary["reference"]
+    if gain <= 0:
+        return f"Time to a gain: the reference arm {ref!r} did not gain ({100 * gain:+.1f} points), nothing to reach."
+    lines = [
+        f"Time to {ref!r}'s final gain ({100 * gain:+.1f} points over step 0; training seconds, evaluations "
+        "excluded; ratio = arm / reference):",
+        "",
+        "| arm | trainer | own final gain | wall s to the gain | ratio | CPU s to the gain | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in summary["arms"]:
+        lines.append(
+            f"| {a['name']} | {a['trainer']} | {100 * a['gain']:+.1f} | {_fmt_num(a['wall_seconds'], '.1f')} | "
+            f"{_fmt_num(a['wall_ratio'], '.3f')} | {_fmt_num(a['cpu_seconds'], '.1f')} | "
+            f"{_fmt_num(a['cpu_ratio'], '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
 def plot_accuracy_against_seconds(
     results: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "", gain: float | None = None
 ) -> Path:
     """Held-out accuracy of each arm against its training wall seconds (``accuracy_by_seconds``; evaluations take
-    none of them); with ``gain``, a dotted line at step 0's accuracy + gain. Saves a PNG and returns its path."""
+    none of them) and, where recorded, against its training CPU seconds (``accuracy_by_cpu_seconds``, a second
+    panel); with ``gain``, a dotted line at the first arm's step-0 accuracy + gain. Saves a PNG and returns its
+    path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    for r in results:
-        curve = r.get("accuracy_by_seconds") or []
-        if curve:
-            ax.plot(
-                [s for s, _ in curve],
-                [a for _, a in curve],
-                "--" if r["trainer"] == "trl" else "-",
-                marker="o",
-                label=f"{r['name']} ({r['trainer']})",
-            )
-    if gain is not None:
-        starts = [r["accuracy_by_seconds"][0][1] for r in results if r.get("accuracy_by_seconds")]
-        if starts:
+    clocks = [("accuracy_by_seconds", "training wall seconds (held-out evaluations excluded)")]
+    if any(r.get("accuracy_by_cpu_seconds") for r in results):
+        clocks.append(("accuracy_by_cpu_seconds", "training CPU seconds (user + system, all threads)"))
+    fig, axes = plt.subplots(1, len(clocks), figsize=(7.0 * len(clocks), 4.2), squeeze=False)
+    starts = [r["accuracy_by_seconds"][0][1] for r in results if r.get("accuracy_by_seconds")]
+    for ax, (key, label) in zip(axes[0], clocks):
+        for r in results:
+            curve = r.get(key) or []
+            if curve:
+                ax.plot(
+                    [s for s, _ in curve],
+                    [a for _, a in curve],
+                    "--" if r["trainer"] == "trl" else "-",
+                    marker="o",
+                    label=f"{r['name']} ({r['trainer']})",
+                )
+        if gain is not None and starts:
             ax.axhline(starts[0] + gain, linestyle=":", color="gray", label=f"step 0 + {gain * 100:.0f} points")
-    ax.set_xlabel("training wall seconds (held-out evaluations excluded)")
-    ax.set_title(title or "held-out accuracy (greedy) against training time")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
+        ax.set_xlabel(label)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False)
+    fig.suptitle(title or "held-out accuracy (greedy) against training time")
     fig.tight_layout()
     return _saved(fig, path)
 
@@ -211,19 +284,24 @@ def write_comparison(
     """Write ``comparison.json`` (setup + every arm's summary + ``provenance``: the command, configs, versions and
     phase times of ``trl_ext.run.RecipeRun.provenance``), ``comparison.md`` (setup, command, table),
     ``comparison.png`` (:func:`plot_comparison`) and, when arms were evaluated during training,
-    ``comparison_seconds.png`` (:func:`plot_accuracy_against_seconds`) into ``output_dir``; return their paths."""
+    ``comparison_seconds.png`` (:func:`plot_accuracy_against_seconds`) into ``output_dir``; return their paths.
+    Both the JSON (``time_to_gain``) and the Markdown hold :func:`time_to_reference_gain`."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "comparison.json", "md": out / "comparison.md", "png": out / "comparison.png"}
-    data = {"setup": dict(setup), "arms": list(results), **(provenance or {})}
+    to_gain = time_to_reference_gain(results)
+    data = {"setup": dict(setup), "arms": list(results), "time_to_gain": to_gain, **(provenance or {})}
     paths["json"].write_text(json.dumps(data, indent=2, default=str))
     md = [f"# {title or 'Comparison'}", ""]
     md += [f"- {k}: {v}" for k, v in setup.items()]
     if command:
         md += ["", "Reproduce with:", "", f"    {command}"]
-    md += ["", comparison_table(results), "", "![comparison](comparison.png)", ""]
+    md += ["", comparison_table(results), "", time_to_gain_table(to_gain), "", "![comparison](comparison.png)", ""]
     if any(len(r.get("accuracy_by_seconds") or []) > 1 for r in results):  # accuracy against training time too
-        paths["seconds_png"] = plot_accuracy_against_seconds(results, out / "comparison_seconds.png", title=title)
+        gain = to_gain["gain"] if to_gain and to_gain["gain"] > 0 else None
+        paths["seconds_png"] = plot_accuracy_against_seconds(
+            results, out / "comparison_seconds.png", title=title, gain=gain
+        )
         md += ["![accuracy against training seconds](comparison_seconds.png)", ""]
     paths["md"].write_text("\n".join(md))
     plot_comparison(results, paths["png"], title=title, panels=panels)

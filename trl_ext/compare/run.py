@@ -193,6 +193,7 @@ def _train_arm(
         peak_memory_bytes=peak,
         memory_kind=meter.kind,
         train_seconds=train_seconds,
+        step_cpu_seconds=monitor.step_cpu_seconds,
         curve_keys=curve_keys,
     )
     summary["time_breakdown"] = time_breakdown(profiler.timer)  # seconds per phase of this arm's train()
