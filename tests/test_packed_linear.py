@@ -287,6 +287,21 @@ def test_in_a_generate_block_onednn_packs_at_the_prefill_and_mkl_waits_for_the_n
     assert packed_rows == [3] and len(calls) == (3 if backend == "onednn" else 2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_probe_checks_a_row_count_the_backend_packs_for(backend, monkeypatch):
+    # MKL's packed kernel depends on the row count: its probe must run on the named decode count (3), not on the
+    # prefill's 15 rows that run plain; oneDNN packs at the prefill, so it probes there
+    probed: list[int] = []
+    probe = packed_linear._probe
+    monkeypatch.setattr(packed_linear, "_probe", lambda b, n: probed.append(n) or probe(b, n))
+    layer, packed = hand_linear(), PackedLinearWeights(backend=backend)
+    with torch.no_grad(), packed.applied(layer, rows=3):
+        layer(torch.ones(3, 5, 2))
+        assert probed == ([15] if backend == "onednn" else [])
+        layer(torch.ones(3, 1, 2))
+    assert probed == [15 if backend == "onednn" else 3]
+
+
 def test_the_probe_passes_on_this_pytorch_and_touches_no_global_generator():
     state = torch.get_rng_state()
     for backend in BACKENDS:

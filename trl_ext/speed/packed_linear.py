@@ -234,17 +234,15 @@ class PackedLinearWeights:
             return (entry.packed, entry.backend) if entry.backend == "onednn" or entry.rows == rows else None
         if entry.refused:
             return None
+        # decided before the probe, so that it runs on a row count that is packed (MKL's kernel depends on the
+        # count), and again where the probe moved the backend
+        planned = self.backend
+        if self._waits(planned, rows, entry):
+            return None
         backend = self._working_backend(rows)
-        if backend is None:
+        if backend is None or (backend != planned and self._waits(backend, rows, entry)):
             return None
-        # oneDNN's copy serves any row count: inside a generate block (rows named) the prefill packs it for the
-        # decode that follows and runs on it too; MKL's serves one count: a count seen once (a prefill's) is packed
-        # only if it comes again
-        any_rows = backend == "onednn" and self._rows is not None
-        if not any_rows and rows != self._rows and rows != entry.seen:
-            entry.seen = rows
-            return None
-        pack_rows = self._rows if any_rows else rows
+        pack_rows = self._rows if self._any_rows(backend) else rows
         try:
             with torch.no_grad():
                 entry.packed = _reorder(backend, weight.detach(), pack_rows)
@@ -253,6 +251,20 @@ class PackedLinearWeights:
             return None
         entry.rows, entry.backend = pack_rows, backend
         return entry.packed, backend
+
+    def _any_rows(self, backend: str | None) -> bool:
+        """oneDNN's copy serves any row count: inside a generate block (rows named) the prefill packs it, with the
+        decode's count as the hint, and runs on it too."""
+        return backend == "onednn" and self._rows is not None
+
+    def _waits(self, backend: str | None, rows: int, entry: _Entry) -> bool:
+        """True where a forward of ``rows`` rows runs plain instead of packing ``backend``'s copy: MKL's serves one
+        count, so a count neither named nor seen before (a prefill's) is remembered and packed only if it comes
+        again."""
+        if self._any_rows(backend) or rows == self._rows or rows == entry.seen:
+            return False
+        entry.seen = rows
+        return True
 
     def _working_backend(self, rows: int) -> str | None:
         """This object's backend once its probe passed (:func:`probe_backend`, once per process and backend); else
