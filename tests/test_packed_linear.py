@@ -288,6 +288,25 @@ def test_in_a_generate_block_onednn_packs_at_the_prefill_and_mkl_waits_for_the_n
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_count_other_than_the_named_one_never_takes_the_copy_the_decode_needs(backend, monkeypatch):
+    # Inside a block that names its decode count (3), forwards of another count that come twice before the decode
+    # (the savings probe's or training_noise's 8-position probe batch, a second prefill) ran plain once and were then
+    # packed for their count: MKL's copy serves one count, so every decode step of the block ran plain (an evaluation
+    # call of 40 rows: 5,065 plain forwards, none packed). Only the named count packs; oneDNN serves any count.
+    layer, packed = hand_linear(), PackedLinearWeights(backend=backend)
+    packed_rows, calls = record_reorders(monkeypatch), spy(monkeypatch, backend)
+    other, step = torch.ones(1, 8, 2), torch.ones(3, 1, 2)
+    expected = torch.nn.functional.linear(step, layer.weight, layer.bias)  # 1 + 2 + bias per row: [4, 6, -0.5]
+    with torch.no_grad(), packed.applied(layer, rows=3):
+        layer(other), layer(other)
+        assert packed_rows == ([3] if backend == "onednn" else [])
+        for _ in range(2):
+            assert torch.equal(layer(step)[:, 0], torch.tensor([[4.0, 6.0, -0.5]] * 3))
+            assert torch.equal(layer(step), expected)
+    assert packed_rows == [3] and len(calls) == (6 if backend == "onednn" else 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_probe_checks_a_row_count_the_backend_packs_for(backend, monkeypatch):
     # MKL's packed kernel depends on the row count: its probe must run on the named decode count (3), not on the
     # prefill's 15 rows that run plain; oneDNN packs at the prefill, so it probes there

@@ -258,10 +258,13 @@ class PackedLinearWeights:
         return backend == "onednn" and self._rows is not None
 
     def _waits(self, backend: str | None, rows: int, entry: _Entry) -> bool:
-        """True where a forward of ``rows`` rows runs plain instead of packing ``backend``'s copy: MKL's serves one
-        count, so a count neither named nor seen before (a prefill's) is remembered and packed only if it comes
-        again."""
-        if self._any_rows(backend) or rows == self._rows or rows == entry.seen:
+        """True where a forward of ``rows`` rows runs plain instead of packing ``backend``'s copy. MKL's serves one
+        count: inside a block that names its count only that count packs (any other -- a prefill's, a probe's --
+        runs plain however often it comes, so it cannot take the copy the decode steps need); without a named
+        count, a count seen before is packed at its second forward."""
+        if self._any_rows(backend) or rows == self._rows:
+            return False
+        if self._rows is None and rows == entry.seen:
             return False
         entry.seen = rows
         return True
