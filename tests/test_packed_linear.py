@@ -321,6 +321,22 @@ def test_the_probe_checks_a_row_count_the_backend_packs_for(backend, monkeypatch
     assert probed == [15 if backend == "onednn" else 3]
 
 
+@pytest.mark.skipif("mkl" not in BACKENDS, reason="this PyTorch has no MKL packing ops")
+def test_a_fallback_to_mkl_probes_the_count_mkl_packs_for(monkeypatch):
+    # oneDNN probes at the prefill (15 rows) and fails there; MKL, used instead, packs only the named decode count (3),
+    # so its probe runs on 3, not on the prefill's 15
+    probed: list[tuple[str, int]] = []
+    probe = packed_linear._probe
+    monkeypatch.setattr(packed_linear, "_probe", lambda b, n: probed.append((b, n)) or probe(b, n))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: torch.zeros(1))
+    layer, packed = hand_linear(), PackedLinearWeights(backend="onednn")
+    calls = spy(monkeypatch, "mkl")
+    with torch.no_grad(), packed.applied(layer, rows=3):
+        assert torch.equal(layer(torch.ones(3, 5, 2))[0, 0], torch.tensor([4.0, 6.0, -0.5]))  # plain: 1 + 2 + bias
+        assert torch.equal(layer(torch.ones(3, 1, 2))[:, 0], torch.tensor([[4.0, 6.0, -0.5]] * 3))
+    assert probed == [("onednn", 15), ("mkl", 3)] and packed.backend == "mkl" and len(calls) == 1
+
+
 def test_the_probe_passes_on_this_pytorch_and_touches_no_global_generator():
     state = torch.get_rng_state()
     for backend in BACKENDS:

@@ -279,7 +279,10 @@ class PackedLinearWeights:
         if reason is None:
             return backend
         other = "onednn" if backend == "mkl" else "mkl"
-        other_reason = probe_backend(other, rows) if other == "onednn" or _mkl_ops_available() else "no MKL ops"
+        # MKL's kernel depends on the row count: probed on the count it will pack for (the named one), not on the
+        # prefill's count at which oneDNN's probe ran
+        other_rows = self._rows if other == "mkl" and self._rows is not None else rows
+        other_reason = probe_backend(other, other_rows) if other == "onednn" or _mkl_ops_available() else "no MKL ops"
         self.backend = None if other_reason else other
         message = f"trl_ext prepack_linear_weights: the {backend} backend is off ({reason}); " + (
             f"the {other} backend is used" if not other_reason else f"{other}: {other_reason}; plain forward used"
