@@ -45,7 +45,7 @@ def test_inside_the_block_every_call_gives_torchs_result_and_errors():
     replica = sampling.multinomial
     with same_draws_multinomial():
         assert torch.multinomial is not original
-        sampling.multinomial = lambda p, g=None: calls.append(1) or replica(p, g)
+        sampling.multinomial = lambda p, g=None, w=None: calls.append(1) or replica(p, g, w)
         try:
             torch.manual_seed(3)
             ours = torch.multinomial(probs, num_samples=1)
@@ -74,7 +74,7 @@ def test_inside_the_block_every_call_gives_torchs_result_and_errors():
 
 def test_a_pytorch_that_draws_otherwise_keeps_its_own_multinomial(monkeypatch, caplog):
     monkeypatch.setattr(sampling, "_probe_result", False)
-    monkeypatch.setattr(sampling, "multinomial", lambda p, g=None: torch.zeros(p.shape[0], 1, dtype=torch.long))
+    monkeypatch.setattr(sampling, "multinomial", lambda p, g=None, w=None: torch.zeros(p.shape[0], 1, dtype=torch.long))
     state = torch.get_rng_state()
     assert "other random numbers" in probe()
     assert torch.equal(torch.get_rng_state(), state)  # the probe leaves the generator as it found it
@@ -130,7 +130,7 @@ def test_inside_the_block_a_non_contiguous_tensor_is_served_by_the_replica():
     calls = []
     replica = sampling.multinomial
     with same_draws_multinomial():
-        sampling.multinomial = lambda p, g=None: calls.append(1) or replica(p, g)
+        sampling.multinomial = lambda p, g=None, w=None: calls.append(1) or replica(p, g, w)
         try:
             torch.manual_seed(4)
             ours = torch.multinomial(probs, 1)
@@ -142,7 +142,7 @@ def test_inside_the_block_a_non_contiguous_tensor_is_served_by_the_replica():
 
 def test_a_replica_that_ignores_the_layout_is_caught_by_the_probe(monkeypatch):
     # the replica as it was before issue 37: variates in row-major order whatever the input's strides
-    def row_major(like, generator=None):
+    def row_major(like, generator=None, workspace=None):
         u = torch.empty(like.shape, dtype=torch.float64).uniform_(generator=generator)
         return torch.log1p(u.neg_()).neg_().to(torch.float32)
 
@@ -151,3 +151,74 @@ def test_a_replica_that_ignores_the_layout_is_caught_by_the_probe(monkeypatch):
     reason = probe()
     assert "other random numbers" in reason and "strides (1, " in reason
     monkeypatch.setattr(sampling, "_probe_result", False)
+
+
+def test_a_block_of_draws_in_one_workspace_is_torchs_sequence_of_draws():
+    # a decode loop: the same (B, V) drawn again and again, then other shapes and layouts in between and back; the
+    # workspace's buffers are reused (the draws of one step must not leak into the next) and every draw, and the
+    # generator's state after the block, are PyTorch's own sequence
+    views = _views()
+    g = torch.Generator().manual_seed(8)
+    steps = [torch.softmax(torch.randn(16, 4099, generator=g) * 3, dim=-1) for _ in range(4)]
+    steps[2][3, :2000] = 0.0  # a row cut by top-k
+    sequence = steps + [views["transposed"], steps[0], views["expanded"], views["expanded"], steps[1]]
+    torch.manual_seed(21)
+    expected = [torch.multinomial(p, 1) for p in sequence]
+    state = torch.get_rng_state()
+    torch.manual_seed(21)
+    with same_draws_multinomial():
+        ours = [torch.multinomial(p, 1) for p in sequence]
+    assert all(torch.equal(a, b) for a, b in zip(ours, expected))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_workspace_keeps_its_buffers_for_one_shape_and_layout():
+    workspace = sampling.Workspace()
+    probs = torch.softmax(torch.randn(3, 50), dim=-1)
+    first = [b.data_ptr() for b in workspace.buffers(probs)]
+    assert [b.data_ptr() for b in workspace.buffers(probs.clone())] == first  # same shape and strides: reused
+    transposed = torch.softmax(torch.randn(50, 3), dim=0).t()
+    u, variates = workspace.buffers(transposed)
+    assert u.dtype == torch.float64 and variates.dtype == torch.float32
+    assert u.stride() == transposed.stride() == torch.empty_like(transposed, dtype=torch.float64).stride()
+    g = torch.Generator().manual_seed(2)
+    # the variates written into the buffer are those of a fresh draw
+    fresh = sampling._exponential_variates(transposed, torch.Generator().manual_seed(2))
+    assert torch.equal(sampling._exponential_variates(transposed, g, workspace), fresh)
+
+
+_INF, _NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "row, valid",
+    [
+        ([0.2, 0.8, 0.0], True),
+        ([0.0, 0.0, 0.0], False),  # sum 0
+        ([0.5, _NAN, 0.5], False),
+        ([0.5, _INF, 0.5], False),
+        ([0.5, -_INF, 0.5], False),
+        ([0.5, -1e-30, 0.5], False),  # negative
+        ([-0.0, 1.0, 0.0], True),  # negative zero is not negative
+        ([3e38, 3e38, 0.0], False),  # finite entries whose float32 sum overflows: refused, PyTorch's path draws
+        ([1e-45, 0.0, 0.0], True),  # a denormal sum is still positive
+    ],
+)
+def test_the_check_sends_exactly_the_rows_the_replica_cannot_serve_to_pytorch(row, valid):
+    probs = torch.tensor([[0.1, 0.2, 0.7], row])
+    assert sampling._valid(probs) is valid
+    # what the old three-pass check said, except for the overflowing sum it now leaves to PyTorch
+    old = bool(torch.isfinite(probs).all() and (probs >= 0).all() and (probs.sum(-1) > 0).all())
+    assert old == (valid or row == [3e38, 3e38, 0.0])
+    torch.manual_seed(5)
+    try:
+        expected = torch.multinomial(probs, 1)
+    except RuntimeError:
+        expected = None
+    torch.manual_seed(5)
+    with same_draws_multinomial():
+        if expected is None:
+            with pytest.raises(RuntimeError):
+                torch.multinomial(probs, 1)
+        else:
+            assert torch.equal(torch.multinomial(probs, 1), expected)
