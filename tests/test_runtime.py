@@ -216,3 +216,81 @@ def test_the_loaded_weights_dtype_replaces_checkpoint_dtype(requested, loaded, b
     model = tiny_model.to(loaded)
     assert runtime.name_loaded_weights(made, args, requested, model) == label
     assert runtime.name_loaded_weights("something else", args, requested, model) == "something else"
+
+
+class _FakeLibc:
+    """A C library's ``mallopt`` that records its calls (glibc's unless ``glibc=False``)."""
+
+    def __init__(self, glibc: bool = True, accepts: bool = True):
+        self.calls: list[tuple[int, int]] = []
+        self._accepts = accepts
+        if glibc:
+            self.gnu_get_libc_version = lambda: b"2.36"
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1 if self._accepts else 0
+
+
+_KEPT = [(-3, 32 * 2**20), (-1, -1)]  # mallopt(M_MMAP_THRESHOLD, 32 MiB), mallopt(M_TRIM_THRESHOLD, -1)
+
+
+@pytest.mark.parametrize(
+    "on_gpu, environ, glibc, accepts, expected, calls",
+    [
+        (False, {}, True, True, "freed memory kept", _KEPT),
+        (True, {}, True, True, "glibc default (GPU run)", []),
+        (False, {"TRL_EXT_KEEP_FREED_MEMORY": "0"}, True, True, "TRL_EXT_KEEP_FREED_MEMORY=0", []),
+        (False, {"TRL_EXT_KEEP_FREED_MEMORY": "off"}, True, True, "TRL_EXT_KEEP_FREED_MEMORY=off", []),
+        (False, {"TRL_EXT_KEEP_FREED_MEMORY": "1"}, True, True, "freed memory kept", _KEPT),
+        (False, {"MALLOC_TRIM_THRESHOLD_": "131072"}, True, True, "as the user set it (MALLOC_TRIM_THRESHOLD_)", []),
+        (False, {"MALLOC_MMAP_MAX_": "0"}, True, True, "as the user set it (MALLOC_MMAP_MAX_)", []),
+        (False, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, True, True, "(GLIBC_TUNABLES)", []),
+        (False, {"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}, True, True, "freed memory kept", _KEPT),
+        (False, {}, False, True, "system default (not glibc)", []),
+        (False, {}, True, False, "glibc default (mallopt refused)", [(-3, 32 * 2**20)]),
+    ],
+)
+def test_keep_freed_memory_decides_from_the_run_and_the_users_settings(
+    on_gpu, environ, glibc, accepts, expected, calls
+):
+    libc = _FakeLibc(glibc, accepts)
+    said = runtime.keep_freed_memory(on_gpu=on_gpu, environ=environ, libc=libc)
+    assert expected in said and libc.calls == calls
+
+
+_FAULTS_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from trl_ext import runtime
+    torch.set_num_threads(2)  # as the main job runs (with one thread this glibc happened to keep the heap's top)
+    if sys.argv[1] == "keep":
+        print(runtime.keep_freed_memory(on_gpu=False, environ={}), file=sys.stderr)
+    def step():  # a step's working set: forty 8 MiB blocks, touched, then all freed
+        blocks = [torch.ones(2 * 2**20) for _ in range(40)]
+        del blocks
+    step()
+    step()  # glibc has raised its mmap threshold by now: these blocks come from the heap
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_kept_step_does_not_fault_its_working_set_in_again():
+    # 40 x 8 MiB = 320 MiB freed at the end of a step: with glibc's defaults the heap's top is handed back and the
+    # next step faults every page in again (81,920 pages of 4 KiB); kept, the next step reuses them
+    def faults(mode):
+        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        run = subprocess.run(
+            [sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True, env=env
+        )
+        return int(run.stdout.split()[-1])
+
+    pages = 40 * 8 * 2**20 // 4096
+    default, kept = faults("default"), faults("keep")
+    assert default > pages // 2, default
+    assert kept < pages // 20, kept

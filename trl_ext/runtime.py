@@ -2,7 +2,8 @@
 
 An explicit choice of the user always wins. ``accelerate launch`` (1.15) and ``torchrun`` export
 ``OMP_NUM_THREADS=1`` on a CPU machine; :func:`thread_setting` tells that default from a user's own by reading the
-launcher's start-up environment and flags in ``/proc``. :func:`apply_speed_defaults` is the recipes' one call.
+launcher's start-up environment and flags in ``/proc``. :func:`keep_freed_memory` keeps a step's freed memory for
+the next (glibc). :func:`apply_speed_defaults` is the recipes' one call.
 """
 
 from __future__ import annotations
@@ -258,13 +259,67 @@ def enable_cpu_bf16(training_args: Any, *, user_set: bool, has_bf16: bool | None
     return f"{precision_label(training_args, dtype)} (default: {why})"
 
 
+KEEP_FREED_MEMORY_VARIABLE = "TRL_EXT_KEEP_FREED_MEMORY"
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
+_HEAP_BLOCKS_UNDER = 32 * 2**20  # glibc's largest M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2)
+_USER_MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_memory(on_gpu: bool | None = None, environ: Any = None, libc: Any = None) -> str:
+    """On a CPU run, let glibc's allocator keep the memory a training step frees for the next step; return what was
+    done, in words (for ``metrics.json``).
+
+    By default glibc hands the top of its heap back to the system once more than twice its mmap threshold (at most
+    64 MiB) is free there, and serves blocks over that threshold (128 KiB, raised up to 32 MiB as large blocks are
+    freed) by ``mmap``: a step's activations, gradients and packed weights, freed at its end, come back as fresh
+    pages the next step faults in and zeroes again (the main job: 2.8-3.3 M page faults in 6 steps, 7 s of system
+    time). Here ``mallopt(M_TRIM_THRESHOLD, -1)`` (never trim) and ``mallopt(M_MMAP_THRESHOLD, 32 MiB)`` (blocks
+    under 32 MiB from the heap): the process keeps its heap's high-water mark, as PyTorch's CUDA caching allocator
+    keeps GPU memory. Values computed are unchanged (only where memory comes from); peak resident memory can rise
+    by the heap's fragmentation (main job: 3.9 -> 4.4-4.9 GiB).
+
+    Unchanged on a GPU run, off glibc (no ``gnu_get_libc_version``), where the user set glibc's malloc variables
+    (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, or ``malloc``
+    tunables in ``GLIBC_TUNABLES``: theirs win) or ``TRL_EXT_KEEP_FREED_MEMORY=0``.
+
+    Args:
+        on_gpu: default ``torch.cuda.is_available()``.
+        environ: default ``os.environ``.
+        libc: default the C library this process runs on (``ctypes.CDLL(None)``).
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    environ = os.environ if environ is None else environ
+    if on_gpu:
+        return "glibc default (GPU run)"
+    if environ.get(KEEP_FREED_MEMORY_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"glibc default ({KEEP_FREED_MEMORY_VARIABLE}={environ[KEEP_FREED_MEMORY_VARIABLE]})"
+    user = [name for name in _USER_MALLOC_VARIABLES if name in environ]
+    if "malloc" in environ.get("GLIBC_TUNABLES", ""):
+        user.append("GLIBC_TUNABLES")
+    if user:
+        return f"as the user set it ({', '.join(user)})"
+    if libc is None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None)
+        except OSError:
+            return "system default (no C library found)"
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return "system default (not glibc)"
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCKS_UNDER) and libc.mallopt(_M_TRIM_THRESHOLD, -1)):
+        return "glibc default (mallopt refused)"
+    return "freed memory kept (glibc: no trim, blocks under 32 MiB from the heap)"
+
+
 def apply_speed_defaults(
     training_args: Any,
     argv: Sequence[str] | None = None,
     default_config: str | os.PathLike | None = None,
     dtype: Any = "float32",
 ) -> dict[str, Any]:
-    """The recipes' one call: :func:`configure_cpu_threads` and :func:`enable_cpu_bf16`; returns what was chosen.
+    """The recipes' one call: :func:`configure_cpu_threads`, :func:`enable_cpu_bf16` and :func:`keep_freed_memory`;
+    returns what was chosen.
 
     Args:
         training_args: the parsed ``TrainingArguments``, changed in place.
@@ -273,7 +328,7 @@ def apply_speed_defaults(
         dtype: the model's weights (``trl.ModelConfig.dtype``), named in ``precision``.
 
     Returns:
-        ``{"threads", "threads_source", "precision", "cores"}``, for ``metrics.json``.
+        ``{"threads", "threads_source", "precision", "cores", "allocator"}``, for ``metrics.json``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     threads = configure_cpu_threads()
@@ -283,4 +338,5 @@ def apply_speed_defaults(
         "threads_source": threads["source"],
         "precision": precision,
         "cores": available_cores(),
+        "allocator": keep_freed_memory(),
     }
