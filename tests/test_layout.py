@@ -14,7 +14,10 @@ or one below, and the import graph has no cycle. A lazy import is there for spee
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -354,3 +357,63 @@ def test_no_private_helper_is_imported_across_modules():
             ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: uses {aliases[node.value.id]}.{node.attr}")
     assert found == []
+
+
+_CHAINS_SCRIPT = """
+import ast, importlib.util, json, os, sys
+import accelerate, datasets, torch, transformers, trl  # loaded once; trl_ext is loaded afresh in each child
+
+def check(path):
+    spec = importlib.util.spec_from_file_location("recipe_under_test", path)
+    module = sys.modules["recipe_under_test"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # the recipe's own imports only: main runs under __name__ == "__main__"
+    broken, checked = [], 0
+    for node in ast.walk(ast.parse(open(path).read())):
+        parts, value = [], node
+        while isinstance(value, ast.Attribute):
+            parts.append(value.attr)
+            value = value.value
+        if parts and isinstance(value, ast.Name) and value.id == "trl_ext":
+            checked += 1
+            obj = module.trl_ext
+            for name in reversed(parts):
+                if not hasattr(obj, name):
+                    broken.append("trl_ext." + ".".join(reversed(parts)))
+                    break
+                obj = getattr(obj, name)
+    return {"broken": sorted(set(broken)), "checked": checked}
+
+results = {}
+assert not any(name == "trl_ext" or name.startswith("trl_ext.") for name in sys.modules)
+for path in sys.argv[1:]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child: a fresh trl_ext, this recipe's imports only
+        os.close(read)
+        try:
+            out = json.dumps(check(path))
+        except BaseException as err:
+            out = json.dumps({"broken": [f"load failed: {err!r}"], "checked": 0})
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        results[os.path.basename(path)] = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="one child process per recipe")
+def test_every_dotted_trl_ext_name_a_recipe_uses_resolves_after_its_own_imports():
+    # `trl_ext.objective.course.mean_response_entropy(...)` in recipes/expert_iteration.py raised AttributeError when
+    # the recipe ran alone: nothing it imported imported the submodule (the whole test suite had, earlier, by luck).
+    # Each recipe, loaded with a fresh trl_ext, must reach every `trl_ext.a.b...` it names through its own imports.
+    recipes = sorted(str(p) for p in (ROOT / "recipes").glob("*.py"))
+    run = subprocess.run(
+        [sys.executable, "-c", _CHAINS_SCRIPT, *recipes], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(Path(p).name for p in recipes)
+    assert all(result["checked"] > 0 for result in results.values()), results
+    assert {name: result["broken"] for name, result in results.items() if result["broken"]} == {}
