@@ -337,4 +337,5 @@ def setup_summary(
         "seed": training_args.seed,
         "device": str(state.device) + (f" x {state.num_processes}" if state.num_processes > 1 else ""),
         **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
+        **({"allocator": speed["allocator"]} if speed and "allocator" in speed else {}),
     }
