@@ -294,3 +294,11 @@ def test_a_kept_step_does_not_fault_its_working_set_in_again():
     default, kept = faults("default"), faults("keep")
     assert default > pages // 2, default
     assert kept < pages // 20, kept
+
+
+def test_keep_freed_memory_says_what_holds_when_only_the_trim_setting_is_refused():
+    libc = _FakeLibc()
+    # accepts M_MMAP_THRESHOLD (-3), refuses M_TRIM_THRESHOLD (-1)
+    libc.mallopt = lambda param, value: libc.calls.append((param, value)) or int(param != -1)
+    said = runtime.keep_freed_memory(on_gpu=False, environ={}, libc=libc)
+    assert libc.calls == _KEPT and said.startswith("blocks under 32 MiB from the heap") and "M_TRIM_THRESHOLD" in said
