@@ -5,7 +5,8 @@
         recipes/compare_upstream.py --config recipes/configs/compare_upstream_gsm8k.yaml      # GPU
     uv run python recipes/compare_upstream.py --arms trl course kl_k3 --max_steps 40 --eval_every 20
 
-Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it. Arms are
+Without --config the CPU config recipes/configs/compare_upstream_cpu.yaml is used; any flag overrides it (on 2 CPU
+cores its 20 steps and 5 evaluations take ~6 minutes for upstream's arm and ~2-3 for each trl_ext arm). Arms are
 preset names (trl_ext.compare.ARM_PRESETS: trl and trl_ext -- upstream and trl_ext at TRL's defaults, the same
 math --, trl_grpo, course, no_std, masked_normalize, dr_grpo, kl_k3) or mappings
 (YAML) / JSON objects (command line) such as '{"name": "lr_high", "preset": "course", "learning_rate": 5e-5}'.

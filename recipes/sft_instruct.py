@@ -7,9 +7,10 @@ Without `--config`, `recipes/configs/sft_instruct.yaml` is used; command-line fl
 `recipes/data/instructions_train.jsonl` (format: trl_ext.data.instructions) and reports, before and after training,
 on the held-out `instructions_test.jsonl`: the completion-only CE loss, the safety penalty (unlikelihood of the
 unsafe responses), and the refusal rate of greedy answers to the safety prompts (and to the ordinary prompts, to
-catch over-refusal). Writes `metrics.json` (results, command, resolved configs, versions, phase times), checkpoints,
-TensorBoard logs and the trained model (with `--use_peft`, its adapter; `--load_in_4bit true` trains QLoRA) into
-`output_dir`.
+catch over-refusal). Writes `metrics.json` (results, command, resolved configs, versions, phase times) and the
+trained model (with `--use_peft`, its adapter; `--load_in_4bit true` trains QLoRA) into `output_dir`; checkpoints
+and TensorBoard logs where `--save_strategy steps` and `--report_to tensorboard` ask for them (the defaults, a run
+of minutes, write neither).
 
 A `--config` file is layered over the recipe's defaults (it replaces only what it sets; flags override both). Data,
 options and `--output_dir` are checked before the model is loaded. `--resume_from_checkpoint true` continues from the

@@ -154,10 +154,48 @@ def test_a_gpu_engine_flag_without_its_package_stops_before_the_model(flag, modu
 def test_unknown_option_in_a_config_file_names_the_file(tmp_path):
     user = tmp_path / "typo.yaml"
     user.write_text("max_step: 3\n")
-    with pytest.raises(RecipeError, match=rf"unknown option\(s\) 'max_step' \(from {user}\)"):
+    with pytest.raises(RecipeError, match=rf"unknown option\(s\) 'max_step' \(from {user}: did you mean max_steps\?\)"):
         grpo_math.main.parse_args(["--config", str(user)])
     with pytest.raises(RecipeError, match="--config .*nope.yaml: no such file"):
         grpo_math.main.parse_args(["--config", str(tmp_path / "nope.yaml")])
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        # a shortened flag is not read as the option it starts (argparse's default would train with it)
+        (
+            ["--learning_rat", "1e-5"],
+            "unrecognized arguments: --learning_rat 1e-5; --learning_rat: did you mean --learning_rate?",
+        ),
+        (["--max_step=3"], "unrecognized arguments: --max_step=3; --max_step: did you mean --max_steps?"),
+        # a misspelling, in the dashed spelling HfArgumentParser also accepts: the underscore name suggested
+        (["--learnig-rate", "1e-5"], "--learnig-rate: did you mean --learning_rate?"),
+        (["--num_generation", "4"], "--num_generation: did you mean --num_generations or --num_generations_eval?"),
+    ],
+)
+def test_an_unknown_flag_is_refused_with_the_options_it_is_close_to(flags, expected, capsys):
+    with pytest.raises(SystemExit) as stop:
+        grpo_math.main.parse_args(flags)
+    assert stop.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_an_unknown_flag_close_to_nothing_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        grpo_math.main.parse_args(["--zzz", "1"])
+    assert capsys.readouterr().err.rstrip().endswith("error: unrecognized arguments: --zzz 1")
+
+
+def test_a_misspelled_config_key_is_named_with_the_option_it_is_close_to(tmp_path):
+    user = tmp_path / "typo.yaml"
+    user.write_text("learnig_rate: 1.0e-5\nzzz: 1\n")
+    with pytest.raises(RecipeError) as err:
+        grpo_math.main.parse_args(["--config", str(user)])
+    assert str(err.value) == (
+        f"unknown option(s) 'learnig_rate' (from {user}: did you mean learning_rate?), 'zzz' (from {user}); "
+        "see --help for the options of this recipe"
+    )
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ Choices (documented in docs/reference.md "Stopping and resuming" and in each rec
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
@@ -356,6 +357,9 @@ def build_parser(
         usage="%(prog)s [--config FILE] [--OPTION VALUE ...]",
         epilog="The first group holds the recipe's own options; the others come from the classes in their titles, "
         "documented in full by TRL (https://huggingface.co/docs/trl) and transformers (TrainingArguments).",
+        # a shortened flag (--learning_rat) is unknown, not read as the option it starts: the config layers read
+        # flags by their full names, and a typo should be named, not guessed
+        allow_abbrev=False,
     )
     if default_config:
         try:
@@ -384,6 +388,18 @@ def build_parser(
             raise ValueError(f"help_overrides names --{name}, which this recipe does not have")
         options[f"--{name}"].help = text
     return parser
+
+
+def _did_you_mean(names: Sequence[str], dashes: str) -> str:
+    return f": did you mean {' or '.join(dashes + n for n in names)}?" if names else ""
+
+
+def close_options(name: str, options: Mapping[str, Any]) -> list[str]:
+    """The (at most two) option names closest to ``name``, an option the parser does not know (without dashes;
+    ``-`` read as ``_``), among the parser's ``--`` options (``options``: its option strings, whose ``--a-b``
+    spellings count as ``a_b``); difflib, cutoff 0.75. Empty when none is close."""
+    known = sorted({option[2:].replace("-", "_") for option in options if option.startswith("--")})
+    return difflib.get_close_matches(name.replace("-", "_"), known, n=2, cutoff=0.75)
 
 
 OVERWRITE_HELP_NO_RESUME = (
@@ -437,7 +453,7 @@ def parse(
         keys = sorted({item[2:] for item in unknown[::2]})
         problems.append(
             "unknown option(s) "
-            + ", ".join(f"{k!r} (from {layers.source[k]})" for k in keys)
+            + ", ".join(f"{k!r} (from {layers.source[k]}{_did_you_mean(close_options(k, options), '')})" for k in keys)
             + "; see --help for the options of this recipe"
         )
     from_defaults = layers.source.get("use_cpu") == str(default_config)
@@ -454,7 +470,12 @@ def parse(
     # mirrors transformers.HfArgumentParser.parse_args_into_dataclasses, with the checks before construction
     namespace, remaining = parser.parse_known_args(args=args)
     if remaining:
-        parser.error(f"unrecognized arguments: {' '.join(remaining)}")
+        hints = "".join(
+            f"; {arg.partition('=')[0]}{_did_you_mean(close, '--')}"
+            for arg in remaining
+            if arg.startswith("--") and (close := close_options(arg[2:].partition("=")[0], options))
+        )
+        parser.error(f"unrecognized arguments: {' '.join(remaining)}{hints}")
     values = vars(namespace)
     values.pop("config", None)
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
