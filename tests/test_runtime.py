@@ -269,8 +269,11 @@ _FAULTS_SCRIPT = textwrap.dedent(
     def step():  # a step's working set: forty 8 MiB blocks, touched, then all freed
         blocks = [torch.ones(2 * 2**20) for _ in range(40)]
         del blocks
+    # by glibc's defaults the first step's blocks are mapped and unmapped one by one (its mmap threshold starts at
+    # 128 KiB and rises with each unmapped block), so the next step takes new heap pages and faults every one in;
+    # whether later steps reuse the heap is the luck of what small allocation lands above it, so the count is taken
+    # on the second step, where it does not depend on that
     step()
-    step()  # glibc has raised its mmap threshold by now: these blocks come from the heap
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -280,8 +283,8 @@ _FAULTS_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_kept_step_does_not_fault_its_working_set_in_again():
-    # 40 x 8 MiB = 320 MiB freed at the end of a step: with glibc's defaults the heap's top is handed back and the
-    # next step faults every page in again (81,920 pages of 4 KiB); kept, the next step reuses them
+    # 40 x 8 MiB = 320 MiB freed at the end of a step: with glibc's defaults the memory goes back to the system and
+    # the next step faults every page in again (81,920 pages of 4 KiB); kept, the next step reuses them
     def faults(mode):
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
         env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
@@ -293,7 +296,9 @@ def test_a_kept_step_does_not_fault_its_working_set_in_again():
     pages = 40 * 8 * 2**20 // 4096
     default, kept = faults("default"), faults("keep")
     assert default > pages // 2, default
-    assert kept < pages // 20, kept
+    # kept: a few blocks may still land on new pages (small allocations between steps move the heap's free space;
+    # 1 to 8,192 faults seen), not the whole working set
+    assert kept < pages // 5, kept
 
 
 def test_keep_freed_memory_says_what_holds_when_only_the_trim_setting_is_refused():
