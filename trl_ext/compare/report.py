@@ -318,7 +318,8 @@ def setup_summary(
     """What every arm of a comparison shares, for the top of ``comparison.md``: ``first`` (the recipe's own
     entries: experiment, data, task), then the model, step budget, evaluation steps, completions per step (per
     device x accumulation x processes), group size, completion budget, learning rate, temperature, seed, device and
-    -- set once for every arm by ``trl_ext.runtime`` -- threads and precision."""
+    -- set once for every arm by ``trl_ext.runtime`` (``speed``: its ``apply_speed_defaults``) -- threads, precision
+    and allocator."""
     from accelerate import PartialState
 
     state, first = PartialState(), dict(first or {})
@@ -336,6 +337,5 @@ def setup_summary(
         "temperature": training_args.temperature,
         "seed": training_args.seed,
         "device": str(state.device) + (f" x {state.num_processes}" if state.num_processes > 1 else ""),
-        **({"threads": speed["threads"], "precision": speed["precision"]} if speed else {}),
-        **({"allocator": speed["allocator"]} if speed and "allocator" in speed else {}),
+        **({key: speed[key] for key in ("threads", "precision", "allocator")} if speed else {}),
     }
